@@ -1,0 +1,32 @@
+"""The `omnibench` command (typer + rich).
+
+Each command group lives in its own module exposing `register(app)`; this file only assembles
+them, so adding a command never touches another command's code.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="omnibench",
+    help="Benchmark harness for training multimodal LLMs (encoders + LLM) under dynamic workloads.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+# Order here is the order in `omnibench --help`.
+_COMMAND_MODULES = [
+    "omnibench.cli.workloads",
+]
+
+for _name in _COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,253 @@
+"""The Plan: what a system decided for one training step, as plain data.
+
+A system is a planner: `(model, cluster, parallel, batch) -> Plan`. The runtime executes a Plan
+with real tensors; the simulator executes the same Plan with costs. Keep it printable, diffable
+and JSON-serialisable; no torch here.
+
+Vocabulary
+- module: "vision", "audio" (encoders) or "llm".
+- layout: the ranks a module runs on and how they form a mesh (dp, tp, pp, cp, ep, sp).
+  Ranks are listed in mesh order, innermost dim last: ("pp", "dp", "cp", "tp") for the LLM,
+  ("dp", "sp", "tp") for encoders, so `ranks[i]` has mesh coordinates `unravel(i, shape)`.
+- microbatch: index into a module's per-rank list of microbatches (`Plan.assignment`).
+- route: which rank produces a sample's encoder output and which LLM rank consumes it,
+  the encoder->LLM *boundary*.
+- actions: per rank, the ordered list it executes. Intra-module collectives (TP all-reduce,
+  FSDP all-gather, CP/SP all-to-all, EP dispatch) happen inside forward/backward and are not
+  separate actions; everything that crosses ranks between compute actions is one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from itertools import product
+
+from workloads.sample import Sample
+
+# Action kinds.
+FORWARD = "forward"  # module stage forward on a microbatch
+BACKWARD = "backward"  # module stage backward on a microbatch
+SEND = "send"  # pipeline p2p inside a module: what="act" (fwd) | "grad" (bwd); peer set
+RECV = "recv"
+BOUNDARY = "boundary"  # encoder->LLM exchange of one encoder microbatch's outputs: what="act" | "grad"
+GRAD_SYNC = "grad_sync"  # data-parallel gradient reduction of a module (FSDP reduce-scatter / all-reduce)
+OPTIMIZER_STEP = "optimizer_step"
+ACTION_KINDS = (FORWARD, BACKWARD, SEND, RECV, BOUNDARY, GRAD_SYNC, OPTIMIZER_STEP)
+
+LLM_MESH_DIMS = ("pp", "dp", "cp", "tp")
+ENCODER_MESH_DIMS = ("dp", "sp", "tp")
+
+
+class PlanError(ValueError):
+    """A planner or a layout request produced something impossible; message names the field."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    module: str
+    ranks: tuple[int, ...]
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1  # experts split over ep ranks drawn from dp*cp (MoE only)
+    sp: int = 1  # Ulysses sequence parallel (encoders)
+    fsdp: bool = True  # dp shards parameters (FSDP2) rather than replicating them
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        return LLM_MESH_DIMS if self.module == "llm" else ENCODER_MESH_DIMS
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in self.mesh_dims)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.mesh_shape:
+            n *= s
+        return n
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank in this layout."""
+        idx = self.ranks.index(rank)
+        out: dict[str, int] = {}
+        for d, s in zip(reversed(self.mesh_dims), reversed(self.mesh_shape)):
+            out[d] = idx % s
+            idx //= s
+        return {d: out[d] for d in self.mesh_dims}
+
+    def rank_at(self, **coords: int) -> int:
+        idx = 0
+        for d, s in zip(self.mesh_dims, self.mesh_shape):
+            idx = idx * s + coords.get(d, 0)
+        return self.ranks[idx]
+
+    def group(self, rank: int, dim: str) -> tuple[int, ...]:
+        """The ranks sharing every coordinate with `rank` except `dim` (its `dim` group)."""
+        c = self.coords(rank)
+        return tuple(self.rank_at(**{**c, dim: i}) for i in range(getattr(self, dim)))
+
+    def groups(self, dim: str) -> list[tuple[int, ...]]:
+        """All `dim` groups of this layout (every rank in exactly one)."""
+        others = [d for d in self.mesh_dims if d != dim]
+        out = []
+        for vals in product(*(range(getattr(self, d)) for d in others)):
+            base = dict(zip(others, vals))
+            out.append(tuple(self.rank_at(**{**base, dim: i}) for i in range(getattr(self, dim))))
+        return out
+
+    def validate(self) -> None:
+        if len(set(self.ranks)) != len(self.ranks):
+            raise PlanError(f"layout.{self.module}.ranks: duplicate ranks {self.ranks}")
+        if self.size != len(self.ranks):
+            shape = " x ".join(f"{d}={getattr(self, d)}" for d in self.mesh_dims)
+            raise PlanError(
+                f"layout.{self.module}: mesh {shape} = {self.size} ranks but {len(self.ranks)} given"
+            )
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    module: str
+    microbatch: int = 0
+    stage: int = 0
+    what: str = ""  # "act" | "grad" for send/recv/boundary
+    peer: int = -1  # send/recv partner rank
+
+    def __str__(self) -> str:
+        s = f"{self.kind}({self.module}"
+        if self.kind not in (GRAD_SYNC, OPTIMIZER_STEP):
+            s += f", mb{self.microbatch}"
+            if self.module == "llm" or self.stage:
+                s += f", stage{self.stage}"
+        if self.what:
+            s += f", {self.what}"
+        if self.peer >= 0:
+            s += f", peer={self.peer}"
+        return s + ")"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One sample's encoder output crossing the boundary for one encoder module."""
+
+    module: str  # encoder: "vision" | "audio"
+    sample_id: int
+    src_rank: int
+    src_microbatch: int  # encoder microbatch on src_rank
+    dst_rank: int
+    dst_microbatch: int  # LLM microbatch on dst_rank
+    tokens: int  # LLM tokens this output occupies (after merge/pool)
+
+
+@dataclass
+class Plan:
+    system: str
+    step: int
+    world_size: int
+    model: str  # model preset/spec name
+    samples: list[Sample]
+    layouts: dict[str, Layout]
+    # assignment[module][rank] = list of microbatches, each a tuple of sample ids.
+    # For the LLM, samples in a microbatch are packed into one row (cu_seqlens keeps them apart).
+    assignment: dict[str, dict[int, list[tuple[int, ...]]]]
+    routes: list[Route]
+    actions: dict[int, list[Action]]
+    options: dict = field(default_factory=dict)  # system knobs that shaped this plan
+    notes: dict = field(default_factory=dict)  # what the system decided, for people (and figures)
+
+    # -- queries -------------------------------------------------------------------------
+    def sample(self, sample_id: int) -> Sample:
+        if not hasattr(self, "_by_id"):
+            self._by_id = {s.sample_id: s for s in self.samples}
+        return self._by_id[sample_id]
+
+    def microbatches(self, module: str, rank: int) -> list[tuple[int, ...]]:
+        return self.assignment.get(module, {}).get(rank, [])
+
+    def routes_from(self, module: str, rank: int, microbatch: int) -> list[Route]:
+        return [r for r in self.routes if r.module == module and r.src_rank == rank and r.src_microbatch == microbatch]
+
+    def routes_to(self, module: str, rank: int, microbatch: int | None = None) -> list[Route]:
+        return [
+            r
+            for r in self.routes
+            if r.module == module and r.dst_rank == rank and (microbatch is None or r.dst_microbatch == microbatch)
+        ]
+
+    # -- checks ----------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Structural checks every planner's output must pass (executors trust a valid plan)."""
+        ranks = set(range(self.world_size))
+        for name, lay in self.layouts.items():
+            lay.validate()
+            if not set(lay.ranks) <= ranks:
+                raise PlanError(f"layout.{name}.ranks: {lay.ranks} outside world size {self.world_size}")
+        ids = [s.sample_id for s in self.samples]
+        for module, per_rank in self.assignment.items():
+            if module != "llm":
+                continue
+            seen = sorted(i for mbs in per_rank.values() for mb in mbs for i in mb)
+            if seen != sorted(ids):
+                raise PlanError(f"assignment.llm: every sample must be assigned to exactly one LLM data rank")
+        for rank, acts in self.actions.items():
+            for a in acts:
+                if a.kind not in ACTION_KINDS:
+                    raise PlanError(f"actions[{rank}]: unknown kind {a.kind!r}; allowed: {', '.join(ACTION_KINDS)}")
+        # Every send has its matching recv, in the same per-pair order.
+        for rank, acts in self.actions.items():
+            for a in acts:
+                if a.kind == SEND:
+                    peer_acts = self.actions.get(a.peer, [])
+                    if not any(
+                        b.kind == RECV and b.peer == rank and b.microbatch == a.microbatch and b.what == a.what
+                        for b in peer_acts
+                    ):
+                        raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "system": self.system,
+            "step": self.step,
+            "world_size": self.world_size,
+            "model": self.model,
+            "samples": [s.to_dict() for s in self.samples],
+            "layouts": {k: asdict(v) for k, v in self.layouts.items()},
+            "assignment": {
+                m: {str(r): [list(mb) for mb in mbs] for r, mbs in per.items()} for m, per in self.assignment.items()
+            },
+            "routes": [asdict(r) for r in self.routes],
+            "actions": {str(r): [asdict(a) for a in acts] for r, acts in self.actions.items()},
+            "options": self.options,
+            "notes": self.notes,
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(d: dict) -> Plan:
+        return Plan(
+            system=d["system"],
+            step=int(d["step"]),
+            world_size=int(d["world_size"]),
+            model=d["model"],
+            samples=[Sample.from_dict(s) for s in d["samples"]],
+            layouts={k: Layout(**{**v, "ranks": tuple(v["ranks"])}) for k, v in d["layouts"].items()},
+            assignment={
+                m: {int(r): [tuple(mb) for mb in mbs] for r, mbs in per.items()} for m, per in d["assignment"].items()
+            },
+            routes=[Route(**r) for r in d["routes"]],
+            actions={int(r): [Action(**a) for a in acts] for r, acts in d["actions"].items()},
+            options=d.get("options", {}),
+            notes=d.get("notes", {}),
+        )
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        return Plan.from_dict(json.loads(text))

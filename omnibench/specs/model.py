@@ -1,0 +1,99 @@
+"""Model specs: the architecture as data. No torch here (the simulator counts FLOPs from these).
+
+Field names follow the papers' and HF configs' words. Presets live in `presets.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SpecError(ValueError):
+    """A spec field holds an impossible value; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    experts: int
+    top_k: int
+    expert_ffn: int
+    shared_expert_ffn: int = 0  # 0: no shared expert
+    aux_loss_coef: float = 0.001
+
+
+@dataclass(frozen=True)
+class LLMSpec:
+    """Qwen2 / Llama-style decoder: RMSNorm, RoPE, GQA, SwiGLU (or MoE) MLP."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    head_dim: int = 0  # 0: hidden // heads
+    qkv_bias: bool = True  # Qwen2 has q/k/v bias; Qwen3 does not
+    qk_norm: bool = False  # Qwen3
+    rope_theta: float = 1_000_000.0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    moe: MoESpec | None = None
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class VisionEncoderSpec:
+    """Qwen2-VL-style ViT: 14 px patches, temporal patch 2, 2D RoPE, 2x2 merger to `out_hidden`."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    patch_size: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    in_channels: int = 3
+    out_hidden: int = 0  # LLM hidden; set when composed into a MultimodalSpec
+    mlp: str = "gelu"  # "gelu" (Qwen2-VL) | "swiglu"
+    norm: str = "layer"  # "layer" | "rms"
+    norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class AudioEncoderSpec:
+    """Whisper-style: mel -> 2 convs (second stride 2) -> transformer -> avg-pool 2 -> projector."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    n_mels: int = 128
+    pool: int = 2
+    out_hidden: int = 0
+    max_positions: int = 1500  # sinusoidal/learned positions per 30 s window
+    norm_eps: float = 1e-5
+
+
+@dataclass(frozen=True)
+class MultimodalSpec:
+    """Encoders feeding an LLM. `vision`/`audio` may be None (text-only or single-encoder)."""
+
+    name: str
+    llm: LLMSpec
+    vision: VisionEncoderSpec | None = None
+    audio: AudioEncoderSpec | None = None
+
+    @property
+    def encoders(self) -> dict[str, VisionEncoderSpec | AudioEncoderSpec]:
+        out: dict[str, VisionEncoderSpec | AudioEncoderSpec] = {}
+        if self.vision is not None:
+            out["vision"] = self.vision
+        if self.audio is not None:
+            out["audio"] = self.audio
+        return out
