@@ -1,0 +1,78 @@
+"""The parallel layout a user asks for; each system turns it into per-module Layouts in its Plan.
+
+Validated once here (`ParallelSpec.validate(model)`), so planners and executors trust it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from omnibench.specs.model import MultimodalSpec, SpecError
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """LLM mesh (dp x cp x tp per pipeline stage, pp stages) and encoder knobs.
+
+    `dp=0` means "whatever is left": world_size // (tp * pp * cp) for systems whose LLM spans
+    every rank. Encoder layout knobs are read by the systems that give encoders their own
+    layout (colocated, noncolocated, omni); 0 means the system's default.
+    """
+
+    world_size: int
+    gpus_per_node: int = 8
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
+    encoder_tp: int = 0
+    encoder_sp: int = 0
+    encoder_ranks: int = 0  # noncolocated: ranks given to the encoders (the rest run the LLM)
+    fsdp: bool = True
+    recompute: str = "none"  # "none" | "full" | "selective"
+    options: dict = field(default_factory=dict)  # system-specific switches (e.g. omni's ablations)
+
+    def llm_ranks_needed(self, dp: int | None = None) -> int:
+        return (dp if dp is not None else self.dp) * self.tp * self.pp * self.cp
+
+    def resolved(self, llm_world: int | None = None) -> ParallelSpec:
+        """Fill dp=0 from the ranks the LLM gets (default: all of them)."""
+        world = self.world_size if llm_world is None else llm_world
+        if self.dp:
+            return self
+        per = self.tp * self.pp * self.cp
+        if per <= 0 or world % per:
+            raise SpecError(
+                f"world size {world} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {per}"
+            )
+        return replace(self, dp=world // per)
+
+    def validate(self, model: MultimodalSpec) -> None:
+        """Refuse impossible layouts before any process starts, naming the field."""
+        for name in ("world_size", "tp", "pp", "cp", "ep", "gpus_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise SpecError(f"{name} must be a positive integer, got {v!r}")
+        if self.dp < 0 or self.microbatches < 0:
+            raise SpecError("dp and microbatches must be >= 0 (0 = system default)")
+        if self.recompute not in ("none", "full", "selective"):
+            raise SpecError(f"recompute must be one of none, full, selective; got {self.recompute!r}")
+        llm = model.llm
+        if llm.heads % self.tp:
+            raise SpecError(f"tp={self.tp} does not divide the LLM's attention heads ({llm.heads})")
+        if llm.kv_heads % self.tp:
+            raise SpecError(f"tp={self.tp} does not divide the LLM's kv heads ({llm.kv_heads})")
+        if self.pp > llm.layers:
+            raise SpecError(f"pp={self.pp} is deeper than the LLM's {llm.layers} layers")
+        if self.ep > 1:
+            if llm.moe is None:
+                raise SpecError(f"ep={self.ep} needs a mixture-of-experts LLM; {llm.name} is dense")
+            if llm.moe.experts % self.ep:
+                raise SpecError(f"ep={self.ep} does not divide the LLM's {llm.moe.experts} experts")
+        for enc_name, enc in model.encoders.items():
+            if self.encoder_tp and enc.heads % self.encoder_tp:
+                raise SpecError(f"encoder_tp={self.encoder_tp} does not divide {enc_name} heads ({enc.heads})")
+            if self.encoder_sp and enc.heads % self.encoder_sp:
+                raise SpecError(f"encoder_sp={self.encoder_sp} does not divide {enc_name} heads ({enc.heads})")

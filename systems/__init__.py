@@ -1,0 +1,38 @@
+"""The five training systems, each a *planner*: (model, parallel, batch) -> Plan. No tensors here.
+
+A planner module defines a class with `name` and `plan(model, parallel, batch) -> Plan` and
+registers it in `_PLANNERS` below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+from omnibench.plan import Plan
+from omnibench.specs.model import MultimodalSpec, SpecError
+from omnibench.specs.parallel import ParallelSpec
+from workloads.sample import Batch
+
+
+class Planner(Protocol):
+    name: str
+
+    def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan: ...
+
+
+# name -> "module:Class"; order is the order systems are listed and plotted.
+_PLANNERS: dict[str, str] = {}
+
+SYSTEMS: tuple[str, ...] = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
+
+
+def available_systems() -> list[str]:
+    return [s for s in SYSTEMS if s in _PLANNERS]
+
+
+def get_planner(name: str) -> Planner:
+    if name not in _PLANNERS:
+        raise SpecError(f"system must be one of {', '.join(available_systems()) or '(none yet)'}; got {name!r}")
+    mod, cls = _PLANNERS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)()
