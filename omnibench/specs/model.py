@@ -19,6 +19,7 @@ class MoESpec:
     expert_ffn: int
     shared_expert_ffn: int = 0  # 0: no shared expert
     aux_loss_coef: float = 0.001
+    norm_topk_prob: bool = True  # Qwen3-MoE renormalises the top-k router probabilities
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class VisionEncoderSpec:
     merge: int = 2
     in_channels: int = 3
     out_hidden: int = 0  # LLM hidden; set when composed into a MultimodalSpec
-    mlp: str = "gelu"  # "gelu" (Qwen2-VL) | "swiglu"
+    mlp: str = "gelu"  # "gelu" | "quick_gelu" (what Qwen2-VL uses) | "swiglu"
     norm: str = "layer"  # "layer" | "rms"
     norm_eps: float = 1e-6
 

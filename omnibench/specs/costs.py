@@ -1,0 +1,495 @@
+"""Exact FLOPs, parameter counts and memory of the models in `omnibench.models`, from specs alone.
+
+No torch: planners, the simulator and the MFU metric all count from here. Conventions:
+
+* FLOPs are matmul FLOPs (2 per multiply-add), the convention of MFU and of torch's
+  FlopCounterMode. Norms, activations, softmax, RoPE and the loss are not counted (they are
+  memory-bound and a few percent of the total at real sizes).
+* Backward = 2x forward for every matmul whose input needs a gradient (input grad + weight grad);
+  1x for the first op on raw data (patch embedding of pixels, first audio conv on mel): those
+  inputs need no gradient, so only the weight gradient is computed.
+* Attention core = QK^T and PV per head: 4 * head_dim * (query, key) pairs; pairs are counted per
+  real packed sequence: s(s+1)/2 for causal (LLM), s^2 for full attention (each ViT frame group,
+  each audio window). `attention="dense"` counts s^2 for causal too: what a dense-mask kernel
+  (and FlopCounterMode) sees.
+* Recompute: "full" re-runs each transformer block's forward in the backward, as torch's
+  non-reentrant checkpoint of a block does: it stops as soon as the last tensor backward needs is
+  rebuilt, so a dense block's final MLP down projection (whose output only feeds the residual add)
+  is not re-run; an MoE block re-runs everything (the expert output is multiplied by the routing
+  weights, so it is needed). "selective" re-runs only the attention core (Megatron's selective
+  recompute).
+* Layer ranges (`layers=range(a, b)`) cost a pipeline stage; `embed`/`head` say whether the stage
+  holds the embedding / final norm + output projection (LLM), patch embedding / merger (vision),
+  convs / projector (audio).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from omnibench.specs.model import AudioEncoderSpec, LLMSpec, MultimodalSpec, VisionEncoderSpec
+
+RECOMPUTE = ("none", "full", "selective")
+ATTENTION_COUNTS = ("causal", "dense")
+
+
+@dataclass
+class Flops:
+    """Forward, backward and recompute matmul FLOPs of one module (or a sum of them).
+
+    `parts` holds the forward FLOPs per part (e.g. "attention_core", "mlp") for inspection.
+    """
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        """Work of one training step: forward + backward + recomputed forward."""
+        return self.forward + self.backward + self.recompute
+
+    def __add__(self, other: Flops) -> Flops:
+        parts = dict(self.parts)
+        for k, v in other.parts.items():
+            parts[k] = parts.get(k, 0.0) + v
+        return Flops(
+            self.forward + other.forward,
+            self.backward + other.backward,
+            self.recompute + other.recompute,
+            parts,
+        )
+
+    def _add(self, part: str, fwd: float, bwd_factor: float = 2.0) -> None:
+        self.forward += fwd
+        self.backward += bwd_factor * fwd
+        self.parts[part] = self.parts.get(part, 0.0) + fwd
+
+
+def _check(recompute: str, attention: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
+    if attention not in ATTENTION_COUNTS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_COUNTS)}; got {attention!r}")
+
+
+def _layer_count(total: int, layers: Iterable[int] | None) -> int:
+    if layers is None:
+        return total
+    idx = list(layers)
+    bad = [i for i in idx if not 0 <= i < total]
+    if bad:
+        raise ValueError(f"layer {bad[0]} is outside the model's {total} layers")
+    return len(idx)
+
+
+def _block_recompute(
+    out: Flops, block_fwd: float, core_fwd: float, recompute: str, tail: float = 0.0
+) -> None:
+    """`tail`: forward FLOPs at the block's end that checkpoint's early stop never re-runs."""
+    if recompute == "full":
+        out.recompute += block_fwd - tail
+    elif recompute == "selective":
+        out.recompute += core_fwd
+
+
+# --- LLM ------------------------------------------------------------------------------------------
+
+
+def causal_pairs(seq_lens: Sequence[int]) -> int:
+    return sum(s * (s + 1) // 2 for s in seq_lens)
+
+
+def llm_flops(
+    llm: LLMSpec,
+    seq_lens: Sequence[int],
+    layers: Iterable[int] | None = None,
+    embed: bool = True,
+    head: bool = True,
+    recompute: str = "none",
+    attention: str = "causal",
+) -> Flops:
+    """FLOPs of the LLM (or of `layers`) over packed sequences of the given lengths.
+
+    `embed` is free (a lookup); it is accepted for symmetry with the stage layout. `head` adds the
+    output projection over every token (logits are computed for all positions).
+    """
+    _check(recompute, attention)
+    n_layers = _layer_count(llm.layers, layers)
+    t = sum(seq_lens)
+    h, d = llm.hidden, llm.dim_head
+    pairs = causal_pairs(seq_lens) if attention == "causal" else sum(s * s for s in seq_lens)
+    out = Flops()
+    proj = 2 * t * h * d * (2 * llm.heads + 2 * llm.kv_heads)
+    core = 4 * d * llm.heads * pairs
+    tail = 0.0
+    if llm.moe is None:
+        mlp = {"mlp": 3 * 2 * t * h * llm.ffn}
+        tail = 2 * t * llm.ffn * h  # w2
+    else:
+        moe = llm.moe
+        mlp = {
+            "router": 2 * t * h * moe.experts,
+            "experts": 3 * 2 * t * moe.top_k * h * moe.expert_ffn,
+        }
+        if moe.shared_expert_ffn:
+            mlp["shared_expert"] = 3 * 2 * t * h * moe.shared_expert_ffn + 2 * t * h
+    if n_layers:  # identical layers: one layer's work times the count (cheap for thousands of stages)
+        out._add("attention_proj", n_layers * proj)
+        out._add("attention_core", n_layers * core)
+        for k, v in mlp.items():
+            out._add(k, n_layers * v)
+        _block_recompute(
+            out, n_layers * (proj + core + sum(mlp.values())), n_layers * core, recompute, n_layers * tail
+        )
+    if head:
+        out._add("head", 2 * t * h * llm.vocab)
+    return out
+
+
+def llm_params(
+    llm: LLMSpec,
+    layers: Iterable[int] | None = None,
+    embed: bool = True,
+    head: bool = True,
+    active: bool = False,
+) -> int:
+    """Parameters of the LLM (or a stage of it). `active`: only the top-k experts count (MoE)."""
+    n_layers = _layer_count(llm.layers, layers)
+    h, d = llm.hidden, llm.dim_head
+    attn = h * d * (2 * llm.heads + 2 * llm.kv_heads)
+    if llm.qkv_bias:
+        attn += d * (llm.heads + 2 * llm.kv_heads)
+    if llm.qk_norm:
+        attn += 2 * d
+    if llm.moe is None:
+        mlp = 3 * h * llm.ffn
+    else:
+        moe = llm.moe
+        mlp = h * moe.experts + (moe.top_k if active else moe.experts) * 3 * h * moe.expert_ffn
+        if moe.shared_expert_ffn:
+            mlp += 3 * h * moe.shared_expert_ffn + h
+    total = n_layers * (attn + mlp + 2 * h)
+    if embed:
+        total += llm.vocab * h
+    if head:
+        total += h + (0 if (llm.tie_embeddings and embed) else llm.vocab * h)
+    return total
+
+
+# --- vision ---------------------------------------------------------------------------------------
+
+
+def vision_groups(grid_thws: Sequence[Sequence[int]]) -> list[int]:
+    """Attention sequence lengths: one per temporal group (h*w patches) of each image/video."""
+    return [h * w for t, h, w in grid_thws for _ in range(t)]
+
+
+def vision_flops(
+    vit: VisionEncoderSpec,
+    grid_thws: Sequence[Sequence[int]],
+    layers: Iterable[int] | None = None,
+    patch_embed: bool = True,
+    merger: bool = True,
+    recompute: str = "none",
+) -> Flops:
+    _check(recompute, "causal")
+    n_layers = _layer_count(vit.layers, layers)
+    groups = vision_groups(grid_thws)
+    n = sum(groups)
+    h = vit.hidden
+    d = h // vit.heads
+    out = Flops()
+    if patch_embed:
+        d_in = vit.in_channels * vit.temporal_patch * vit.patch_size**2
+        out._add("patch_embed", 2 * n * d_in * h, bwd_factor=1.0)
+    proj = 2 * n * h * 4 * h
+    core = 4 * d * vit.heads * sum(s * s for s in groups)
+    mlp = 2 * n * h * vit.ffn * (3 if vit.mlp == "swiglu" else 2)
+    if n_layers:
+        out._add("attention_proj", n_layers * proj)
+        out._add("attention_core", n_layers * core)
+        out._add("mlp", n_layers * mlp)
+        tail = 2 * n * vit.ffn * h
+        _block_recompute(out, n_layers * (proj + core + mlp), n_layers * core, recompute, n_layers * tail)
+    if merger:
+        m = n // vit.merge**2
+        wide = h * vit.merge**2
+        out._add("merger", 2 * m * wide * (wide + (vit.out_hidden or h)))
+    return out
+
+
+def vision_params(
+    vit: VisionEncoderSpec, layers: Iterable[int] | None = None, patch_embed: bool = True, merger: bool = True
+) -> int:
+    h = vit.hidden
+    norm = 2 * h if vit.norm == "layer" else h
+    fc1 = 2 * vit.ffn if vit.mlp == "swiglu" else vit.ffn
+    block = (3 * h * h + 3 * h) + (h * h + h) + (h * fc1 + fc1) + (vit.ffn * h + h) + 2 * norm
+    total = _layer_count(vit.layers, layers) * block
+    if patch_embed:
+        total += vit.in_channels * vit.temporal_patch * vit.patch_size**2 * h
+    if merger:
+        wide = h * vit.merge**2
+        out_h = vit.out_hidden or h
+        total += norm + wide * wide + wide + wide * out_h + out_h
+    return total
+
+
+# --- audio ----------------------------------------------------------------------------------------
+
+
+def audio_windows(mel_lens: Sequence[int], max_positions: int) -> list[int]:
+    """Attention windows of the encoder: each segment's F//2 positions cut into max_positions pieces."""
+    out = []
+    for frames in mel_lens:
+        n = frames // 2
+        while n > 0:
+            out.append(min(n, max_positions))
+            n -= out[-1]
+    return out
+
+
+def audio_llm_tokens(mel_frames: int, pool: int = 2) -> int:
+    return (mel_frames // 2) // pool
+
+
+def audio_flops(
+    enc: AudioEncoderSpec,
+    mel_lens: Sequence[int],
+    layers: Iterable[int] | None = None,
+    convs: bool = True,
+    projector: bool = True,
+    recompute: str = "none",
+) -> Flops:
+    _check(recompute, "causal")
+    n_layers = _layer_count(enc.layers, layers)
+    windows = audio_windows(mel_lens, enc.max_positions)
+    t = sum(windows)
+    h = enc.hidden
+    d = h // enc.heads
+    out = Flops()
+    if convs:
+        frames = [f for f in mel_lens if f >= 2]
+        out._add("conv1", 2 * sum(frames) * enc.n_mels * 3 * h, bwd_factor=1.0)
+        out._add("conv2", 2 * sum((f + 1) // 2 for f in frames) * h * 3 * h)
+    proj = 2 * t * h * 4 * h
+    core = 4 * d * enc.heads * sum(w * w for w in windows)
+    mlp = 2 * 2 * t * h * enc.ffn
+    if n_layers:
+        out._add("attention_proj", n_layers * proj)
+        out._add("attention_core", n_layers * core)
+        out._add("mlp", n_layers * mlp)
+        tail = 2 * t * enc.ffn * h
+        _block_recompute(out, n_layers * (proj + core + mlp), n_layers * core, recompute, n_layers * tail)
+    if projector:
+        pooled = sum(w // enc.pool for w in windows)
+        out._add("projector", 2 * pooled * h * (enc.out_hidden or h))
+    return out
+
+
+def audio_params(
+    enc: AudioEncoderSpec, layers: Iterable[int] | None = None, convs: bool = True, projector: bool = True
+) -> int:
+    h = enc.hidden
+    block = (4 * h * h + 3 * h) + (h * enc.ffn + enc.ffn) + (enc.ffn * h + h) + 4 * h
+    total = _layer_count(enc.layers, layers) * block + 2 * h  # final LayerNorm
+    if convs:
+        total += enc.n_mels * h * 3 + h + h * h * 3 + h
+    if projector:
+        out_h = enc.out_hidden or h
+        total += h * out_h + out_h
+    return total
+
+
+# --- whole model ----------------------------------------------------------------------------------
+
+
+def model_params(spec: MultimodalSpec, active: bool = False) -> dict[str, int]:
+    """Parameters per module and in total (`active`: MoE counts top-k experts only)."""
+    out = {"llm": llm_params(spec.llm, active=active)}
+    if spec.vision is not None:
+        out["vision"] = vision_params(spec.vision)
+    if spec.audio is not None:
+        out["audio"] = audio_params(spec.audio)
+    out["total"] = sum(out.values())
+    return out
+
+
+def sample_lengths(samples) -> dict[str, list]:
+    """Per-module sequence inputs of workload Samples: llm lengths, vision grids, audio mel frames."""
+    out: dict[str, list] = {"llm": [], "vision": [], "audio": []}
+    for s in samples:
+        out["llm"].append(s.llm_tokens)
+        for seg in s.segments:
+            if seg.modality in ("image", "video"):
+                out["vision"].append(tuple(seg.grid_thw))
+            elif seg.modality == "audio":
+                out["audio"].append(seg.mel_frames)
+    return out
+
+
+def batch_flops(spec: MultimodalSpec, samples, recompute: str = "none") -> dict[str, Flops]:
+    """FLOPs per module for training on `samples` packed one sequence per sample (the MFU numerator)."""
+    lens = sample_lengths(samples)
+    out = {"llm": llm_flops(spec.llm, lens["llm"], recompute=recompute)}
+    if spec.vision is not None:
+        out["vision"] = vision_flops(spec.vision, lens["vision"], recompute=recompute)
+    if spec.audio is not None:
+        out["audio"] = audio_flops(spec.audio, lens["audio"], recompute=recompute)
+    return out
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def training_state_bytes(params: int, precision: str = "bf16", shard: int = 1) -> StateBytes:
+    """Weights, gradients and AdamW state per rank for `params` parameters sharded `shard` ways.
+
+    fp32: weights 4 + grads 4 + Adam m, v 8 = 16 bytes/param.
+    bf16 (mixed precision): bf16 working weights 2 + fp32 master 4, fp32 grads 4 (reduced in fp32),
+    Adam 8 = 18 bytes/param. With FSDP (`shard` > 1) all of it is divided by the shard count; the
+    transient unsharded bf16 copy of one layer during its compute is left to activation headroom.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    if shard < 1:
+        raise ValueError(f"shard must be >= 1, got {shard}")
+    p = params / shard
+    weights = 6 * p if precision == "bf16" else 4 * p
+    return StateBytes(params=weights, grads=4 * p, optimizer=8 * p)
+
+
+# Activation bytes per token (or patch / audio position) that a block keeps for its backward, for
+# the modules in omnibench.models with a flash-style attention core (it keeps q, k, v and its
+# output, never an s x s matrix). `b` is the compute dtype's size; RMSNorm works in fp32 and keeps
+# an fp32 copy of its input. Checked against torch's saved-tensor hooks in tests/test_costs_memory.py.
+
+
+def _rmsnorm_bytes(width: int, b: int) -> int:
+    return 4 * width + 2 * b * width + 4  # fp32 input copy, normalised, scaled output; 1/rms
+
+
+def _layernorm_bytes(width: int, b: int) -> int:
+    return 2 * b * width + 8  # input, output; mean and 1/std
+
+
+def llm_layer_bytes(llm: LLMSpec, b: int = 2) -> int:
+    h, d = llm.hidden, llm.dim_head
+    q, kv = llm.heads * d, llm.kv_heads * d
+    out = 2 * _rmsnorm_bytes(h, b) + b * (2 * q + 2 * kv)  # norms; q, k, v, attention output
+    if llm.qk_norm:
+        out += (4 + b) * (q + kv) + 4 * (llm.heads + llm.kv_heads)
+    if llm.moe is None:
+        return out + 4 * b * llm.ffn  # w1 out, w3 out, silu out, w2 input
+    moe = llm.moe
+    k = moe.top_k
+    out += 4 * moe.experts + 24 * k  # router probabilities; top-k weights, expert order (int64)
+    out += 3 * b * k * h + 4 * b * k * moe.expert_ffn  # gathered tokens, expert outputs; SwiGLU per copy
+    if moe.shared_expert_ffn:
+        out += 4 * b * moe.shared_expert_ffn + 2 * b * h
+    return out
+
+
+def vision_layer_bytes(vit: VisionEncoderSpec, b: int = 2) -> int:
+    h = vit.hidden
+    norm = _layernorm_bytes(h, b) if vit.norm == "layer" else _rmsnorm_bytes(h, b)
+    mlp = {"quick_gelu": 3, "gelu": 2, "swiglu": 4}[vit.mlp] * b * vit.ffn
+    return 2 * norm + 6 * b * h + mlp  # fused qkv output, rotated q and k, attention output
+
+
+def audio_layer_bytes(enc: AudioEncoderSpec, b: int = 2) -> int:
+    h = enc.hidden
+    return 2 * _layernorm_bytes(h, b) + 4 * b * h + 2 * b * enc.ffn  # q, k, v, output; GELU in and out
+
+
+def _activations(per_layer: float, n_layers: int, count: int, recompute: str, hidden: int, b: int) -> float:
+    if recompute == "full":
+        # Each block keeps only its input; one block's full set is live again during its backward.
+        return count * (n_layers * b * hidden + (per_layer if n_layers else 0))
+    return count * n_layers * per_layer
+
+
+def llm_activation_bytes(
+    llm: LLMSpec,
+    tokens: int,
+    layers: Iterable[int] | None = None,
+    head: bool = True,
+    recompute: str = "none",
+    dtype_bytes: int = 2,
+) -> float:
+    """Activation memory held for backward by one microbatch of `tokens` tokens.
+
+    With `head`, the final norm and the fp32 log-softmax of the logits (4 bytes x vocab per token,
+    often the largest item) are included. "selective" recompute keeps the same as "none" here
+    (the flash core stores no s x s matrix to drop).
+    """
+    _check(recompute, "causal")
+    n = _layer_count(llm.layers, layers)
+    b = dtype_bytes
+    out = _activations(llm_layer_bytes(llm, b), n, tokens, recompute, llm.hidden, b)
+    if n:
+        out += tokens * 8 * llm.dim_head  # fp32 RoPE cos/sin, shared by all layers
+    if head:
+        out += tokens * (_rmsnorm_bytes(llm.hidden, b) + 4 * llm.vocab)
+    return out
+
+
+def vision_activation_bytes(
+    vit: VisionEncoderSpec,
+    patches: int,
+    layers: Iterable[int] | None = None,
+    patch_embed: bool = True,
+    merger: bool = True,
+    recompute: str = "none",
+    dtype_bytes: int = 2,
+) -> float:
+    _check(recompute, "causal")
+    n = _layer_count(vit.layers, layers)
+    b = dtype_bytes
+    out = _activations(vision_layer_bytes(vit, b), n, patches, recompute, vit.hidden, b)
+    if n:
+        out += patches * 8 * (vit.hidden // vit.heads)  # fp32 2D RoPE cos/sin
+    if patch_embed:
+        out += patches * b * vit.in_channels * vit.temporal_patch * vit.patch_size**2  # pixels (weight grad)
+    if merger:
+        out += patches * (_layernorm_bytes(vit.hidden, b) + 2 * b * vit.hidden)  # ln_q; GELU in and out
+    return out
+
+
+def audio_activation_bytes(
+    enc: AudioEncoderSpec,
+    positions: int,
+    layers: Iterable[int] | None = None,
+    convs: bool = True,
+    projector: bool = True,
+    recompute: str = "none",
+    dtype_bytes: int = 2,
+) -> float:
+    """`positions`: encoder positions (mel frames // 2)."""
+    _check(recompute, "causal")
+    n = _layer_count(enc.layers, layers)
+    b = dtype_bytes
+    out = _activations(audio_layer_bytes(enc, b), n, positions, recompute, enc.hidden, b)
+    if convs:
+        # conv1 runs at the mel rate (2 frames per position): its mel input, GELU input and output;
+        # conv2's GELU input.
+        out += positions * b * (2 * enc.n_mels + 4 * enc.hidden + enc.hidden)
+    if projector:
+        out += positions // enc.pool * _layernorm_bytes(enc.hidden, b)
+    return out

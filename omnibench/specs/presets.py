@@ -1,0 +1,354 @@
+"""Model presets: real configurations (REFERENCE.md, HF configs) and tiny ones for CPU tests.
+
+Components (an LLM, a vision encoder, an audio encoder) are presets of their own; composed models
+pick one of each and set the encoders' `out_hidden` to the LLM width. `get_model` takes a composed
+name, an LLM name (text-only), or a TOML/YAML file with the same fields. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from omnibench.specs.model import (
+    AudioEncoderSpec,
+    LLMSpec,
+    MoESpec,
+    MultimodalSpec,
+    SpecError,
+    VisionEncoderSpec,
+)
+
+# --- LLMs ---------------------------------------------------------------------------------------
+
+LLM_PRESETS: dict[str, LLMSpec] = {
+    # Qwen2-7B (Qwen2.5-7B has the same shape): 7.62B parameters.
+    "qwen2-7b": LLMSpec(
+        name="qwen2-7b",
+        layers=28,
+        hidden=3584,
+        heads=28,
+        kv_heads=4,
+        ffn=18944,
+        vocab=152_064,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+    ),
+    # Qwen2-72B shape (80 x 8192, 64/8 heads, FFN 29568): 72.7B parameters.
+    "dense-72b": LLMSpec(
+        name="dense-72b",
+        layers=80,
+        hidden=8192,
+        heads=64,
+        kv_heads=8,
+        ffn=29568,
+        vocab=152_064,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+    ),
+    # Qwen3-30B-A3B: 30.5B total, 3.3B active; head_dim 128 (not hidden/heads), q/k RMSNorm, no qkv bias.
+    "qwen3-30b-a3b": LLMSpec(
+        name="qwen3-30b-a3b",
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        ffn=6144,
+        vocab=151_936,
+        head_dim=128,
+        qkv_bias=False,
+        qk_norm=True,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        moe=MoESpec(experts=128, top_k=8, expert_ffn=768, aux_loss_coef=0.001, norm_topk_prob=True),
+    ),
+    # Tiny ones: heads/kv_heads divisible by 2 (tp=2), 4 layers (pp=2), experts divisible by 2 (ep=2).
+    "tiny-llm": LLMSpec(
+        name="tiny-llm",
+        layers=4,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn=128,
+        vocab=512,
+        rope_theta=10_000.0,
+    ),
+    "tiny-moe": LLMSpec(
+        name="tiny-moe",
+        layers=4,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn=128,
+        vocab=512,
+        head_dim=16,
+        qkv_bias=False,
+        qk_norm=True,
+        rope_theta=10_000.0,
+        moe=MoESpec(experts=8, top_k=2, expert_ffn=32, aux_loss_coef=0.01),
+    ),
+}
+
+# --- vision encoders ------------------------------------------------------------------------------
+
+VISION_PRESETS: dict[str, VisionEncoderSpec] = {
+    # Qwen2-VL ViT with its own 2x2 merger to 3584 (the Qwen2-VL-7B width): 675.8M parameters.
+    "vit-675m": VisionEncoderSpec(
+        name="vit-675m",
+        layers=32,
+        hidden=1280,
+        heads=16,
+        ffn=5120,
+        out_hidden=3584,
+        mlp="quick_gelu",
+    ),
+    # InternViT-300M's trunk (24 x 1024, 16 heads, FFN 4096) in the Qwen2-VL block form: ~303M without
+    # a projector (InternVL counts its MLP projector separately). Its learned absolute positions, CLS
+    # token and layer scale are not modelled; the compute per patch is the same.
+    "internvit-300m": VisionEncoderSpec(
+        name="internvit-300m",
+        layers=24,
+        hidden=1024,
+        heads=16,
+        ffn=4096,
+        mlp="gelu",
+    ),
+    "tiny-vit": VisionEncoderSpec(name="tiny-vit", layers=2, hidden=64, heads=4, ffn=128, mlp="quick_gelu"),
+}
+
+# --- audio encoders -------------------------------------------------------------------------------
+
+AUDIO_PRESETS: dict[str, AudioEncoderSpec] = {
+    # Whisper-large-v3 encoder: 635M parameters (fixed sinusoidal positions are not parameters).
+    "whisper-large-enc": AudioEncoderSpec(
+        name="whisper-large-enc",
+        layers=32,
+        hidden=1280,
+        heads=20,
+        ffn=5120,
+        n_mels=128,
+    ),
+    "tiny-whisper": AudioEncoderSpec(name="tiny-whisper", layers=2, hidden=64, heads=4, ffn=128, n_mels=32),
+}
+
+
+def compose(
+    name: str, llm: LLMSpec, vision: VisionEncoderSpec | None = None, audio: AudioEncoderSpec | None = None
+) -> MultimodalSpec:
+    """Join encoders to an LLM: each encoder projects to the LLM's width."""
+    return MultimodalSpec(
+        name=name,
+        llm=llm,
+        vision=None if vision is None else dataclasses.replace(vision, out_hidden=llm.hidden),
+        audio=None if audio is None else dataclasses.replace(audio, out_hidden=llm.hidden),
+    )
+
+
+def _composed() -> dict[str, MultimodalSpec]:
+    L, V, A = LLM_PRESETS, VISION_PRESETS, AUDIO_PRESETS
+    return {
+        "qwen2-vl-7b": compose("qwen2-vl-7b", L["qwen2-7b"], V["vit-675m"]),
+        "internvl-8b": compose("internvl-8b", L["qwen2-7b"], V["internvit-300m"]),
+        "omni-7b": compose("omni-7b", L["qwen2-7b"], V["vit-675m"], A["whisper-large-enc"]),
+        "vl-72b": compose("vl-72b", L["dense-72b"], V["vit-675m"]),
+        "omni-72b": compose("omni-72b", L["dense-72b"], V["vit-675m"], A["whisper-large-enc"]),
+        "omni-moe-30b": compose("omni-moe-30b", L["qwen3-30b-a3b"], V["vit-675m"], A["whisper-large-enc"]),
+        "llm-7b": compose("llm-7b", L["qwen2-7b"]),
+        "llm-72b": compose("llm-72b", L["dense-72b"]),
+        "llm-moe-30b": compose("llm-moe-30b", L["qwen3-30b-a3b"]),
+        "tiny-llm": compose("tiny-llm", L["tiny-llm"]),
+        "tiny-vl": compose("tiny-vl", L["tiny-llm"], V["tiny-vit"]),
+        "tiny-audio": compose("tiny-audio", L["tiny-llm"], None, A["tiny-whisper"]),
+        "tiny-omni": compose("tiny-omni", L["tiny-llm"], V["tiny-vit"], A["tiny-whisper"]),
+        "tiny-moe": compose("tiny-moe", L["tiny-moe"]),
+        "tiny-omni-moe": compose("tiny-omni-moe", L["tiny-moe"], V["tiny-vit"], A["tiny-whisper"]),
+    }
+
+
+MODEL_PRESETS: dict[str, MultimodalSpec] = _composed()
+
+
+def list_models() -> list[str]:
+    """Names `get_model` accepts: composed models, then bare LLMs not already listed."""
+    return list(MODEL_PRESETS) + [n for n in LLM_PRESETS if n not in MODEL_PRESETS]
+
+
+def list_components() -> dict[str, list[str]]:
+    return {"llm": list(LLM_PRESETS), "vision": list(VISION_PRESETS), "audio": list(AUDIO_PRESETS)}
+
+
+def get_component(name: str) -> LLMSpec | VisionEncoderSpec | AudioEncoderSpec:
+    for table in (LLM_PRESETS, VISION_PRESETS, AUDIO_PRESETS):
+        if name in table:
+            return table[name]
+    allowed = ", ".join(n for t in (LLM_PRESETS, VISION_PRESETS, AUDIO_PRESETS) for n in t)
+    raise SpecError(f"unknown model component {name!r}; allowed: {allowed}")
+
+
+def get_model(name_or_path: str | Path) -> MultimodalSpec:
+    """A preset name, or a .toml/.yaml/.yml file with MultimodalSpec's fields (validated)."""
+    text = str(name_or_path)
+    if text in MODEL_PRESETS:
+        return MODEL_PRESETS[text]
+    if text in LLM_PRESETS:
+        return compose(text, LLM_PRESETS[text])
+    path = Path(text)
+    if path.suffix.lower() in (".toml", ".yaml", ".yml"):
+        if not path.is_file():
+            raise SpecError(f"model file {text} does not exist")
+        return model_from_dict(_read_file(path), source=path.name)
+    raise SpecError(f"unknown model {text!r}; allowed: {', '.join(list_models())} or a .toml/.yaml file")
+
+
+def _read_file(path: Path) -> dict:
+    try:
+        if path.suffix.lower() == ".toml":
+            import tomllib  # Python >= 3.11
+
+            data = tomllib.loads(path.read_text())
+        else:
+            import yaml
+
+            data = yaml.safe_load(path.read_text())
+    except Exception as exc:  # a parse error is a user error: one line, with the file
+        raise SpecError(f"cannot parse model file {path}: {exc}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise SpecError(f"model file {path} must hold a table/mapping at top level")
+    return data
+
+
+def _build(cls, data: Any, where: str, nested: dict[str, type] | None = None):
+    """A frozen spec from a mapping; unknown or mistyped fields raise SpecError naming `where.field`."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where} must be a table/mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SpecError(f"{where}.{unknown[0]} is not a field; allowed: {', '.join(fields)}")
+    kw = {}
+    for key, value in data.items():
+        if nested and key in nested:
+            kw[key] = None if value is None else _build(nested[key], value, f"{where}.{key}")
+            continue
+        default = fields[key].default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        elif isinstance(default, str):
+            ok = isinstance(value, str)
+        else:  # required fields: name (str) and integer sizes
+            ok = (
+                isinstance(value, str)
+                if key == "name"
+                else isinstance(value, int) and not isinstance(value, bool)
+            )
+        if not ok:
+            raise SpecError(f"{where}.{key} has the wrong type ({type(value).__name__}: {value!r})")
+        kw[key] = value
+    missing = [n for n, f in fields.items() if n not in kw and f.default is dataclasses.MISSING]
+    if missing:
+        raise SpecError(f"{where}.{missing[0]} is required")
+    return cls(**kw)
+
+
+def model_from_dict(data: dict, source: str = "model") -> MultimodalSpec:
+    """A validated MultimodalSpec from plain data; encoders' out_hidden default to the LLM width.
+
+    Component values may be preset names: `llm = "qwen2-7b"`, `vision = "vit-675m"`.
+    """
+    if not isinstance(data, dict):
+        raise SpecError(f"{source} must be a table/mapping")
+    allowed = ("name", "llm", "vision", "audio")
+    for key in data:
+        if key not in allowed:
+            raise SpecError(f"{source}: {key} is not a field; allowed: {', '.join(allowed)}")
+    if "llm" not in data:
+        raise SpecError(f"{source}: llm is required")
+
+    def part(key, cls, table, nested=None):
+        value = data.get(key)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            if value not in table:
+                raise SpecError(f"{key} = {value!r} is not a {key} preset; allowed: {', '.join(table)}")
+            return table[value]
+        return _build(cls, value, key, nested)
+
+    llm = part("llm", LLMSpec, LLM_PRESETS, {"moe": MoESpec})
+    vision = part("vision", VisionEncoderSpec, VISION_PRESETS)
+    audio = part("audio", AudioEncoderSpec, AUDIO_PRESETS)
+    name = data.get("name", llm.name)
+    if not isinstance(name, str):
+        raise SpecError(f"{source}: name must be a string")
+    spec = MultimodalSpec(
+        name=name,
+        llm=llm,
+        vision=None
+        if vision is None
+        else dataclasses.replace(vision, out_hidden=vision.out_hidden or llm.hidden),
+        audio=None
+        if audio is None
+        else dataclasses.replace(audio, out_hidden=audio.out_hidden or llm.hidden),
+    )
+    validate_model(spec)
+    return spec
+
+
+def validate_model(spec: MultimodalSpec) -> None:
+    """Architecture consistency; raises SpecError naming the field."""
+    llm = spec.llm
+    for key in ("layers", "hidden", "heads", "kv_heads", "vocab"):
+        if getattr(llm, key) < 1:
+            raise SpecError(f"llm.{key} must be >= 1, got {getattr(llm, key)}")
+    if llm.ffn < 1 and llm.moe is None:
+        raise SpecError(f"llm.ffn must be >= 1 for a dense LLM, got {llm.ffn}")
+    if llm.heads % llm.kv_heads:
+        raise SpecError(f"llm.kv_heads ({llm.kv_heads}) must divide llm.heads ({llm.heads})")
+    if not llm.head_dim and llm.hidden % llm.heads:
+        raise SpecError(
+            f"llm.heads ({llm.heads}) must divide llm.hidden ({llm.hidden}) unless head_dim is set"
+        )
+    if llm.dim_head % 2:
+        raise SpecError(f"llm head dim ({llm.dim_head}) must be even for RoPE")
+    if llm.vocab < 4:
+        raise SpecError(f"llm.vocab must be >= 4 (three ids are media placeholders), got {llm.vocab}")
+    if llm.moe is not None:
+        moe = llm.moe
+        if not 1 <= moe.top_k <= moe.experts:
+            raise SpecError(f"llm.moe.top_k must be in [1, experts={moe.experts}], got {moe.top_k}")
+        if moe.expert_ffn < 1:
+            raise SpecError(f"llm.moe.expert_ffn must be >= 1, got {moe.expert_ffn}")
+    if spec.vision is not None:
+        v = spec.vision
+        if v.hidden % v.heads or (v.hidden // v.heads) % 4:
+            raise SpecError(
+                f"vision.heads ({v.heads}) must split vision.hidden ({v.hidden}) into head dims divisible by 4"
+            )
+        if v.mlp not in ("gelu", "quick_gelu", "swiglu"):
+            raise SpecError(f"vision.mlp must be one of gelu, quick_gelu, swiglu; got {v.mlp!r}")
+        if v.norm not in ("layer", "rms"):
+            raise SpecError(f"vision.norm must be one of layer, rms; got {v.norm!r}")
+        for key in ("layers", "ffn", "patch_size", "temporal_patch", "merge", "in_channels"):
+            if getattr(v, key) < 1:
+                raise SpecError(f"vision.{key} must be >= 1, got {getattr(v, key)}")
+    if spec.audio is not None:
+        a = spec.audio
+        if a.hidden % a.heads or a.hidden % 2:
+            raise SpecError(f"audio.heads ({a.heads}) must divide audio.hidden ({a.hidden}), hidden even")
+        if a.pool != 2:
+            raise SpecError(f"audio.pool must be 2 (the workloads' 25 tokens/s rule); got {a.pool}")
+        if a.max_positions < 2 or a.max_positions % a.pool:
+            raise SpecError(f"audio.max_positions must be a positive multiple of pool, got {a.max_positions}")
+        for key in ("layers", "ffn", "n_mels"):
+            if getattr(a, key) < 1:
+                raise SpecError(f"audio.{key} must be >= 1, got {getattr(a, key)}")
+
+
+for _spec in MODEL_PRESETS.values():
+    validate_model(_spec)
