@@ -1,0 +1,309 @@
+"""`omnibench simulate | calibrate | validate`: the simulator's commands.
+
+simulate: plan every requested system on the same sample stream at each cluster size, execute the
+plans with costs, print one table row per (cluster size, system), and write a record folder
+(config, per-step metrics, Perfetto trace of the distinct ranks) under results/sims/.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from omnibench.cli.common import console, fail
+
+BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
+SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces and metrics are kept
+TRACE_RANKS = 512  # simulated ranks drawn in a record's timeline (the lowest ones; the rest are noted)
+
+
+def _ints(text: str, field: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
+    if not out or any(v < 1 for v in out):
+        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
+    return out
+
+
+def _fit_text(fit: dict) -> str:
+    parts = [f"{fit['points']} points"] if "points" in fit else []
+    if "r2" in fit:
+        parts.append(f"R2 {fit['r2']:.3f}")
+    if "mape" in fit:
+        parts.append(f"mean |error| {fit['mape']:.1%}")
+    return ", ".join(parts)
+
+
+def _stream(workload: str, seed: int, global_batch_tokens: int):
+    from workloads.stream import WorkloadStream
+
+    return WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens)
+
+
+def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute):
+    from simulator.engine import SimOptions, simulate
+    from systems import get_planner
+
+    planner = get_planner(system)
+    results, plans = [], []
+    for s in range(steps):
+        plan = planner.plan(model, parallel, stream.batch(s))
+        results.append(simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute)))
+        plans.append(plan)
+    return results, plans
+
+
+def _summary(results) -> dict:
+    t = sum(r.step_time for r in results)
+    tokens = sum(r.tokens for r in results)
+    flops = sum(r.model_flops for r in results)
+    n = results[0].world_size
+    first = results[0]
+    return {
+        "fits": all(r.fits for r in results),
+        "fit_message": next((r.fit_message for r in results if not r.fits), ""),
+        "steps": len(results),
+        "step_time_s": t / len(results),
+        "tokens_per_s": tokens / t if t else 0.0,
+        "tokens_per_s_per_gpu": tokens / t / n if t else 0.0,
+        "tflops_per_gpu": flops / t / n / 1e12 if t else 0.0,
+        "mfu": flops / t / n / first.peak_flops if t else 0.0,
+        "flop_formula": first.flop_formula,
+        "bubble": sum(r.bubble * r.step_time for r in results) / t if t else 0.0,
+        "exposed_comm": sum(r.exposed_comm * r.step_time for r in results) / t if t else 0.0,
+        "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
+        "memory_capacity_gib": first.memory_capacity / 2**30,
+        "distinct_ranks": max(r.classes for r in results),
+        "sim_seconds": sum(r.sim_seconds for r in results),
+        "per_step": [r.metrics() for r in results],
+    }
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def simulate(
+        workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
+        system: str = typer.Option("all", "--system", "-s", help="A system name, a comma list, or 'all'."),
+        gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
+        hardware: str = typer.Option("h100", "--hardware", help="Preset (h100, h200, a100-80g, cpu-gloo) or file."),
+        model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
+        steps: int = typer.Option(1, "--steps", help="Steps to simulate (batches 0..N-1 of the stream)."),
+        calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
+        tp: int = typer.Option(1, "--tp"),
+        pp: int = typer.Option(1, "--pp"),
+        cp: int = typer.Option(1, "--cp"),
+        ep: int = typer.Option(1, "--ep"),
+        dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
+        microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
+        global_batch_tokens: int = typer.Option(
+            0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
+        recompute: str = typer.Option("none", "--recompute", help="none | full | selective"),
+        seed: int = typer.Option(0, "--seed"),
+        out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
+        as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    ) -> None:
+        """Simulate systems at cluster sizes nobody here has; one row per (size, system)."""
+        from omnibench.specs.parallel import ParallelSpec
+        from omnibench.specs.presets import get_model
+        from simulator.calibrate import Profile
+        from simulator.hardware import load_cluster
+        from simulator.traces import perfetto_events, write_json_atomic
+        from systems import SYSTEMS, available_systems
+
+        sizes = _ints(gpus, "gpus")
+        if steps < 1:
+            fail(f"steps must be a positive integer, got {steps}")
+        if global_batch_tokens < 0:
+            fail(f"global-batch-tokens must be >= 0 (0 = 8,192 per GPU), got {global_batch_tokens}")
+        if recompute not in ("none", "full", "selective"):
+            fail(f"recompute must be one of none, full, selective; got {recompute!r}")
+        registered = available_systems()
+        if system == "all":
+            systems = registered
+            missing = [s for s in SYSTEMS if s not in registered]
+        else:
+            systems = [s.strip() for s in system.split(",") if s.strip()]
+            missing = []
+            for s in systems:
+                if s not in registered:
+                    fail(f"system must be one of {', '.join(registered) or '(none registered)'} or all; got {s!r}")
+        if not systems:
+            fail("system: no systems are registered yet")
+        try:
+            spec = get_model(model)
+            profile = Profile.load(calibration) if calibration else None
+            clusters = {n: load_cluster(hardware, n) for n in sizes}
+        except ValueError as e:
+            fail(str(e))
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        name = f"{stamp}-{Path(workload).stem}-{spec.name}-{Path(hardware).stem}"
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
+        rows: list[dict] = []
+        try:
+            for n in sizes:
+                gbt = global_batch_tokens or 8192 * n
+                try:
+                    stream = _stream(workload, seed, gbt)
+                    parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp,
+                                            pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute)
+                    parallel.validate(spec)
+                except ValueError as e:
+                    fail(str(e))
+                for s in systems:
+                    row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
+                    try:
+                        results, plans = _simulate_one(s, spec, parallel, stream, steps, clusters[n], profile, recompute)
+                    except ValueError as e:
+                        if len(systems) == 1:
+                            fail(f"{s} at {n} GPUs: {e}")
+                        row["error"] = str(e).splitlines()[0]
+                        rows.append(row)
+                        continue
+                    row.update(_summary(results))
+                    rows.append(row)
+                    write_json_atomic(tmp / f"trace_{s}_{n}.json",
+                                      perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
+                    if n <= SAVE_PLANS_UP_TO:
+                        for p in plans:
+                            (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
+            for n in sizes:
+                group = [r for r in rows if r["gpus"] == n and "error" not in r and r["fits"]]
+                best = max((r["tokens_per_s"] for r in group if r["system"] in BASELINES), default=0.0)
+                for r in group:
+                    r["speedup_over_best_baseline"] = r["tokens_per_s"] / best if best else None
+            config = {
+                "command": "simulate", "workload": workload, "systems": systems, "systems_missing": missing,
+                "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
+                "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
+                "ep": ep, "dp": dp, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
+                "recompute": recompute, "seed": seed, "date": stamp,
+                "calibration_provenance": profile.provenance if profile else None,
+            }
+            write_json_atomic(tmp / "config.json", config)
+            write_json_atomic(tmp / "results.json", rows)
+            final = out / name
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if as_json:
+            print(json.dumps({"record": str(final), "missing_systems": missing,
+                              "results": [{k: v for k, v in r.items() if k != "per_step"} for r in rows]}, indent=1))
+            return
+        table = Table(title=f"{spec.name} on {hardware}, workload {workload}, {steps} step(s)")
+        for col in ("GPUs", "system", "tokens/s", "tok/s/GPU", "TFLOPS/GPU", "MFU", "bubble", "exposed comm",
+                    "peak mem GiB", "speedup"):
+            table.add_column(col, justify="right" if col not in ("system",) else "left")
+        for r in rows:
+            if "error" in r:
+                table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 7)
+            elif not r["fits"]:
+                table.add_row(str(r["gpus"]), r["system"], "[red]does not fit[/]", *[""] * 5,
+                              f"[red]{r['peak_memory_gib']:.1f} > {r['memory_capacity_gib']:.0f}[/]", "")
+            else:
+                sp = r.get("speedup_over_best_baseline")
+                table.add_row(
+                    str(r["gpus"]), r["system"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                    f"{r['tflops_per_gpu']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}", f"{r['exposed_comm']:.1%}",
+                    f"{r['peak_memory_gib']:.1f}", f"{sp:.2f}x" if sp else "-",
+                )
+        console.print(table)
+        for r in rows:
+            if "error" in r:
+                console.print(f"{r['gpus']} GPUs, {r['system']}: cannot plan: {r['error']}", highlight=False)
+            elif not r["fits"]:
+                console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
+        if missing:
+            console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
+        formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
+        if formula:
+            console.print(f"MFU = {formula} / (step time x GPUs x peak)", highlight=False)
+        console.print(f"record: {final}")
+
+    @app.command()
+    def calibrate(
+        run_dirs: list[Path] = typer.Argument(..., help="Run record folders (from `omnibench run`)."),
+        out: Path = typer.Option(None, "--out", help="Profile JSON to write (default: results/sims/calibration-<date>.json)."),
+        hardware: str = typer.Option(None, "--hardware", help="Base preset; default: the runs' own (else cpu-gloo)."),
+    ) -> None:
+        """Fit compute efficiency curves and collective alpha/beta from run traces."""
+        from simulator.calibrate import calibrate as fit
+
+        try:
+            prof = fit([str(d) for d in run_dirs], hardware)
+        except ValueError as e:
+            fail(str(e))
+        if out is None:
+            out = Path("results/sims") / f"calibration-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}.json"
+        prof.save(out)
+        table = Table(title="calibration")
+        table.add_column("model")
+        table.add_column("fit", justify="left")
+        for k, c in prof.compute.items():
+            table.add_row(f"compute.{k}", f"e_max {c.e_max:.3g} of {c.peak_flops / 1e12:.3g} TF, F_half "
+                          f"{c.half_flops / 1e9:.3g} GFLOP, attn x{c.attention_weight:.2f}, overhead "
+                          f"{c.overhead_s * 1e3:.2f} ms/action + {c.per_sequence_s * 1e6:.0f} us/sequence; "
+                          f"{_fit_text(prof.fit.get(f'compute.{k}', {}))}")
+        for k, (a, b) in prof.collectives.items():
+            table.add_row(f"collectives.{k}", f"alpha {a * 1e6:.1f} us/step, beta {b / 1e9:.3g} GB/s; "
+                          f"{_fit_text(prof.fit.get(f'collectives.{k}', {}))}")
+        if prof.optimizer is not None:
+            table.add_row("optimizer", f"{prof.optimizer[0] * 1e3:.2f} ms + {prof.optimizer[1] * 1e9:.3g} ns/param; "
+                          f"{_fit_text(prof.fit.get('optimizer', {}))}")
+        console.print(table)
+        console.print(f"profile: {out}")
+
+    @app.command()
+    def validate(
+        run_dirs: list[Path] = typer.Argument(None, help="Run record folders; default: every folder in results/runs."),
+        calibration: str = typer.Option(None, "--calibration", help="Profile JSON; default: datasheet figures."),
+        hardware: str = typer.Option(None, "--hardware"),
+    ) -> None:
+        """Simulate each run's own Plan and compare with the measured step time."""
+        from simulator.calibrate import Profile
+        from simulator.calibrate import validate as check
+
+        dirs = [str(d) for d in run_dirs] if run_dirs else sorted(
+            str(p) for p in Path("results/runs").glob("*") if p.is_dir())
+        if not dirs:
+            fail("validate: no run folders given and none in results/runs")
+        try:
+            prof = Profile.load(calibration) if calibration else None
+            rows = check(dirs, prof, hardware)
+        except ValueError as e:
+            fail(str(e))
+        table = Table(title="simulated vs measured" + (" (calibrated)" if prof else " (datasheet)"))
+        for col in ("run", "system", "ranks", "measured s", "simulated s", "measured tok/s", "simulated tok/s",
+                    "error"):
+            table.add_column(col, justify="left" if col in ("run", "system") else "right")
+        done = [v for v in rows if v.steps]
+        for v in done:
+            table.add_row(Path(v.run).name, v.system, str(v.world_size), f"{v.measured_s:.4f}",
+                          f"{v.simulated_s:.4f}", f"{v.tokens / v.measured_s:,.0f}", f"{v.tokens / v.simulated_s:,.0f}",
+                          f"{v.error:+.1%}")
+        console.print(table)
+        for v in rows:
+            if not v.steps:
+                console.print(f"{Path(v.run).name}: {v.note}", highlight=False)
+        if not done:
+            fail("validate: no run could be compared (see the reasons above)")
+        mae = sum(abs(v.error) for v in done) / len(done)
+        console.print(f"mean absolute error: {mae:.1%} over {len(done)} run(s); step times are medians over "
+                      "each run's steps after the first (warm-up)")
+        if prof is not None:
+            fitted_on = set(prof.provenance.get("runs", []))
+            inside = [v for v in done if str(Path(v.run).resolve()) in fitted_on]
+            if inside:
+                console.print(f"{len(inside)} of {len(done)} runs were also used to fit the profile (in-sample)")
+            else:
+                console.print("no run here was used to fit the profile (held out)")

@@ -1,0 +1,185 @@
+"""NCCL-like collective costs: latency per algorithm step plus bytes over bus bandwidth.
+
+The shape follows NCCL's own cost model (`src/graph/tuning.cc`): a ring pays one link latency per
+step (2(n-1) steps for an all-reduce, n-1 for all-gather / reduce-scatter); a (double binary) tree
+pays a latency that grows with log2(nodes); both move bytes at a bus bandwidth set by the slowest
+link the algorithm crosses. NCCL picks the algorithm with the lowest predicted time for the size
+and scale, and so does `CollectiveModel`: ring, tree and the hierarchical form (reduce-scatter in
+the node, all-reduce across nodes on 1/local of the data, all-gather in the node) are all costed
+and the minimum wins.
+
+Placement comes from the ranks in the group: all in one node -> NVLink figures; across nodes ->
+NIC figures, with the per-GPU share of the node's NICs. `bytes` is always the full logical buffer
+(the all-reduced tensor, the gathered output, the reduce-scatter input, the all-to-all input).
+
+Calibrated alpha/beta (from `omnibench calibrate`) replace the datasheet latency/bandwidth for a
+placement ("intra"/"inter") when present.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from simulator.hardware import ClusterSpec
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+# Bandwidth a collective reaches grows with message size beyond what latency alone explains
+# (protocol switches, chunk pipelining): eff(S) = S / (S + half) per rank-chunk. 64 KiB puts NCCL's
+# measured knee (a few hundred KB per rank to reach most of the bus bandwidth) in the right place.
+CHUNK_HALF_BYTES = 64 * 1024
+TREE_BANDWIDTH_FACTOR = 0.9  # trees reach a little less bus bandwidth than rings at large sizes
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    latency: float  # seconds per algorithm step
+    bandwidth: float  # bytes/s per rank
+
+
+@dataclass
+class Placement:
+    n: int  # ranks in the group
+    nodes: int  # distinct nodes
+    local: int  # max ranks of the group in one node
+    same_rail: bool  # across nodes, every member uses the same local GPU index (one rail)
+
+
+@dataclass
+class CollectiveModel:
+    cluster: ClusterSpec
+    # placement ("intra"|"inter") -> (alpha seconds/step, beta bytes/s); from calibration
+    fitted: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _placement_cache: dict = field(default_factory=dict, repr=False)
+    _cost_cache: dict = field(default_factory=dict, repr=False)
+
+    def placement(self, ranks: tuple[int, ...]) -> Placement:
+        got = self._placement_cache.get(ranks)
+        if got is not None:
+            return got
+        gpn = self.cluster.gpus_per_node
+        per_node: dict[int, int] = {}
+        rails = set()
+        for r in ranks:
+            per_node[r // gpn] = per_node.get(r // gpn, 0) + 1
+            rails.add(r % gpn)
+        p = Placement(len(ranks), len(per_node), max(per_node.values()), len(rails) == 1)
+        self._placement_cache[ranks] = p
+        return p
+
+    def link(self, where: str, local: int = 1, same_rail: bool = True) -> LinkCost:
+        if where in self.fitted:
+            a, b = self.fitted[where]
+            return LinkCost(a, b)
+        c = self.cluster
+        if where == "intra":
+            return LinkCost(c.intra.latency, c.intra.bandwidth)
+        inter = c.inter
+        # The node's NICs are shared by the group members that sit in it.
+        bw = inter.bandwidth * min(1.0, inter.nics_per_node / max(1, local))
+        lat = inter.latency
+        if inter.topology == "fat-tree":
+            bw /= inter.oversubscription
+        elif not same_rail:
+            # Rail-optimised fabrics join equal local ranks; cross-rail traffic first hops over
+            # NVLink to the right rail (PXN), one more latency.
+            lat += c.intra.latency
+        return LinkCost(lat, bw)
+
+    # -- algorithms -----------------------------------------------------------------------------
+    @staticmethod
+    def _eff(chunk: float) -> float:
+        return chunk / (chunk + CHUNK_HALF_BYTES) if chunk > 0 else 1.0
+
+    def _ring(self, steps: int, moved: float, n: int, link: LinkCost) -> float:
+        chunk = moved / max(1, steps)
+        return steps * link.latency + moved / (link.bandwidth * self._eff(chunk))
+
+    def _bus_link(self, p: Placement) -> LinkCost:
+        """The slowest link a ring over this group crosses (per rank)."""
+        if p.nodes == 1:
+            return self.link("intra")
+        intra, inter = self.link("intra"), self.link("inter", p.local, p.same_rail)
+        return LinkCost(max(intra.latency, inter.latency), min(intra.bandwidth, inter.bandwidth))
+
+    def all_reduce(self, nbytes: float, ranks: tuple[int, ...]) -> tuple[float, str]:
+        p = self.placement(ranks)
+        n = p.n
+        if n <= 1 or nbytes <= 0:
+            return 0.0, "none"
+        link = self._bus_link(p)
+        options = {"ring": self._ring(2 * (n - 1), 2 * (n - 1) / n * nbytes, n, link)}
+        # Double binary tree across nodes, chain inside each node: latency ~ log2(nodes).
+        intra = self.link("intra")
+        if p.nodes > 1:
+            inter = self.link("inter", p.local, p.same_rail)
+            tree_lat = 2 * (math.ceil(math.log2(p.nodes)) * inter.latency + (p.local - 1) * intra.latency)
+            tree_bw = min(intra.bandwidth, inter.bandwidth) * TREE_BANDWIDTH_FACTOR
+        else:
+            tree_lat = 2 * math.ceil(math.log2(n)) * intra.latency
+            tree_bw = intra.bandwidth * TREE_BANDWIDTH_FACTOR
+        options["tree"] = tree_lat + 2 * nbytes / (tree_bw * self._eff(nbytes / 2))
+        if p.nodes > 1 and p.local > 1:
+            # Hierarchical: RS in node, AR across nodes on 1/local of the bytes (local rails in
+            # parallel), AG in node.
+            in_node = tuple(range(p.local))
+            rs, _ = self.reduce_scatter(nbytes, in_node)
+            across = tuple(i * self.cluster.gpus_per_node for i in range(p.nodes))
+            ar, _ = self.all_reduce(nbytes / p.local, across)
+            ag, _ = self.all_gather(nbytes, in_node)
+            options["hierarchical"] = rs + ar + ag
+        algo = min(options, key=options.get)
+        return options[algo], algo
+
+    def all_gather(self, nbytes: float, ranks: tuple[int, ...]) -> tuple[float, str]:
+        p = self.placement(ranks)
+        if p.n <= 1 or nbytes <= 0:
+            return 0.0, "none"
+        return self._ring(p.n - 1, (p.n - 1) / p.n * nbytes, p.n, self._bus_link(p)), "ring"
+
+    def reduce_scatter(self, nbytes: float, ranks: tuple[int, ...]) -> tuple[float, str]:
+        return self.all_gather(nbytes, ranks)
+
+    def all_to_all(self, nbytes: float, ranks: tuple[int, ...]) -> tuple[float, str]:
+        """Each rank sends nbytes/n to every peer; in-node parts over NVLink, the rest over NICs."""
+        p = self.placement(ranks)
+        if p.n <= 1 or nbytes <= 0:
+            return 0.0, "none"
+        intra = self.link("intra")
+        t_intra = (p.local - 1) / p.n * nbytes / (intra.bandwidth * self._eff(nbytes / p.n))
+        t = intra.latency + t_intra
+        if p.nodes > 1:
+            inter = self.link("inter", p.local, p.same_rail)
+            t_inter = (p.n - p.local) / p.n * nbytes / (inter.bandwidth * self._eff(nbytes / p.n))
+            t = max(t, inter.latency + t_inter)
+        return t, "pairwise"
+
+    def send_recv(self, nbytes: float, src: int, dst: int) -> float:
+        if nbytes <= 0 or src == dst:
+            return 0.0
+        gpn = self.cluster.gpus_per_node
+        where = 0 if src // gpn == dst // gpn else (1 if src % gpn == dst % gpn else 2)
+        key = ("p2p", nbytes, where)
+        got = self._cost_cache.get(key)
+        if got is None:
+            link = self.link("intra") if where == 0 else self.link("inter", 1, where == 1)
+            got = self._cost_cache[key] = link.latency + nbytes / (link.bandwidth * self._eff(nbytes))
+        return got
+
+    def cost(self, op: str, nbytes: float, ranks: tuple[int, ...]) -> float:
+        # Groups are long-lived shared tuples: cache by identity (the tuple is kept alive with it).
+        key = (op, nbytes, id(ranks))
+        got = self._cost_cache.get(key)
+        if got is not None and got[1] is ranks:
+            return got[0]
+        t = self._cost(op, nbytes, ranks)
+        self._cost_cache[key] = (t, ranks)
+        return t
+
+    def _cost(self, op: str, nbytes: float, ranks: tuple[int, ...]) -> float:
+        if op == "send_recv":
+            return self.send_recv(nbytes, ranks[0], ranks[-1])
+        if op not in OPS:
+            raise ValueError(f"collective op must be one of {', '.join(OPS)}; got {op!r}")
+        return getattr(self, op)(nbytes, ranks)[0]

@@ -1,0 +1,99 @@
+"""Compute time of a forward/backward action: exact FLOPs over an efficiency curve.
+
+Achieved FLOP/s of one op of F FLOPs is `peak * e_max * F / (F + F_half)` (saturating: small ops
+waste most of the GPU). Over an action of `ops` equal-sized ops with F_total FLOPs this gives
+
+    time = (F_total + ops * F_half) / (peak * e_max)
+
+i.e. a per-op fixed cost plus a rate, which is also what `calibrate` fits (scipy curve_fit) from
+measured action times, with two terms only a slow host needs (zero on the datasheet curve): a
+fixed cost per action and a cost per attention call (packed attention looping over sequences). Attention FLOPs run at their own efficiency (`attention_weight` = how much
+slower an attention FLOP is than a matmul FLOP). Without calibration the curve comes from the
+datasheet (hardware preset) with Calculon-style defaults. A memory-bound floor (bytes over HBM
+bandwidth) applies to optimizer steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from simulator.flops import Work
+from simulator.hardware import ClusterSpec
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    peak_flops: float
+    e_max: float
+    half_flops: float  # F_half, FLOPs of one op at which half of e_max is reached
+    attention_weight: float = 1.0
+    overhead_s: float = 0.0  # fixed cost per action (launch, Python), fitted on slow hosts
+    per_sequence_s: float = 0.0  # cost per attention call (a per-sequence loop, as on CPU), fitted
+
+    def time(self, matmul_flops: float, attention_flops: float, ops: int, sequences: int = 0) -> float:
+        if matmul_flops <= 0 and attention_flops <= 0:
+            return 0.0
+        work = matmul_flops + self.attention_weight * attention_flops + ops * self.half_flops
+        return self.overhead_s + sequences * self.per_sequence_s + work / (self.peak_flops * self.e_max)
+
+    def achieved(self, op_flops: float) -> float:
+        return self.peak_flops * self.e_max * op_flops / (op_flops + self.half_flops)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_curve(cluster: ClusterSpec) -> EfficiencyCurve:
+    g = cluster.gpu
+    return EfficiencyCurve(
+        peak_flops=g.peak_flops,
+        e_max=g.matmul_efficiency,
+        half_flops=g.matmul_half_gflop * 1e9,
+        attention_weight=g.matmul_efficiency / g.attention_efficiency,
+    )
+
+
+@dataclass
+class ComputeModel:
+    cluster: ClusterSpec
+    # "forward.vision" / "forward" / "backward.llm" / ... -> fitted curve; a module's own curve wins,
+    # then the kind's, then the datasheet curve.
+    curves: dict[str, EfficiencyCurve] | None = None
+    optimizer: tuple[float, float] | None = None  # fitted (seconds per step, seconds per parameter)
+    _default: EfficiencyCurve | None = field(default=None, repr=False)
+
+    def curve(self, kind: str, module: str = "") -> EfficiencyCurve:
+        if self.curves:
+            for key in (f"{kind}.{module}", kind):
+                if key in self.curves:
+                    return self.curves[key]
+        if self._default is None:
+            self._default = default_curve(self.cluster)
+        return self._default
+
+    def fitted(self, kind: str, module: str = "") -> bool:
+        return bool(self.curves) and (f"{kind}.{module}" in self.curves or kind in self.curves)
+
+    def action_time(self, work: Work, kind: str, recompute: str = "none", module: str = "") -> float:
+        """Seconds of compute of a forward or backward action (backward includes its recomputation,
+        whose FLOPs `work` already holds for the run's recompute policy)."""
+        fwd = self.curve("forward", module)
+        if kind == "forward":
+            return fwd.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences)
+        rec = 0.0
+        if recompute != "none" and (work.recompute_matmul or work.recompute_attention):
+            ops = work.ops if recompute == "full" else work.layers
+            rec = fwd.time(work.recompute_matmul, work.recompute_attention, ops, work.sequences)
+        if self.fitted("backward", module):
+            # A fitted backward curve is fitted against the forward FLOPs of the same action.
+            c = self.curve("backward", module)
+            return c.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences) + rec
+        c = self.curve("backward")
+        return c.time(work.backward_matmul, work.backward_attention, 2 * work.ops, 2 * work.sequences) + rec
+
+    def optimizer_time(self, params_on_rank: float) -> float:
+        """AdamW: read param, grad, two moments and write param and moments, fp32: 28 bytes/param."""
+        if self.optimizer is not None:
+            return self.optimizer[0] + self.optimizer[1] * params_on_rank
+        g = self.cluster.gpu
+        return 28.0 * params_on_rank / (g.memory_bandwidth * g.memory_efficiency)

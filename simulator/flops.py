@@ -1,0 +1,166 @@
+"""Work of one module stage on one microbatch, per rank of its layout: FLOPs split by kind (matmul /
+attention core) for forward, backward and recomputation, op count, activation and communication
+bytes. No torch.
+
+FLOPs, parameter counts and activation bytes come from the project's one counter,
+`omnibench/specs/costs.py` (exact per-layer formulas over the real packed sequence lengths); this
+module only divides them over the layout (tp, cp, sp, ep) and adds what the simulator needs on top
+(op counts for the efficiency curve, bytes moved by intra-module collectives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from omnibench.specs import costs
+from omnibench.specs.model import AudioEncoderSpec, LLMSpec, MultimodalSpec, VisionEncoderSpec
+
+# Matmul ops per transformer layer (q, k, v, o + attention core) used to turn a stage's FLOPs into
+# "op size" for the efficiency curve; the MLP adds 2 (GELU) or 3 (SwiGLU) per expert group.
+_ATTN_OPS = 4
+
+
+@dataclass(frozen=True)
+class Work:
+    """Work of one module stage on one microbatch, per rank of its layout (after tp/cp/sp)."""
+
+    matmul_flops: float = 0.0  # forward
+    attention_flops: float = 0.0  # forward attention core (QK^T, PV)
+    backward_matmul: float = 0.0
+    backward_attention: float = 0.0
+    recompute_matmul: float = 0.0
+    recompute_attention: float = 0.0
+    ops: int = 0  # matmul ops of one forward (for the efficiency curve's op size)
+    sequences: int = 0  # attention calls of one forward: packed sequences x layers (varlen loops)
+    tokens: int = 0  # tokens this rank processes (after cp/sp split)
+    layers: int = 0
+    act_bytes: float = 0.0  # activation bytes kept for backward (under the run's recompute policy)
+    params: float = 0.0  # parameters of the stage (before any sharding)
+    expert_params: float = 0.0  # of `params`, those split over ep
+    tp_bytes: float = 0.0  # bytes all-reduced over tp (forward), whole stage; 2 calls per layer
+    seq_bytes: float = 0.0  # bytes through the cp/sp exchange (forward), whole stage; 1 call per layer
+    ep_bytes: float = 0.0  # bytes through the expert all-to-all (forward), whole stage; 2 calls per layer
+
+    @property
+    def flops(self) -> float:
+        return self.matmul_flops + self.attention_flops
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> range:
+    """Even split, the first `n_layers % pp` stages one layer longer."""
+    base, extra = divmod(n_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def _split(f: costs.Flops, div: float) -> dict:
+    core = f.parts.get("attention_core", 0.0)
+    # costs.py counts backward = 2x forward per op (1x for ops on raw inputs) and recompute per policy;
+    # the attention core's share is exactly 2x forward in backward and 1x in any recompute.
+    rec_core = min(core, f.recompute)
+    return {
+        "matmul_flops": (f.forward - core) / div,
+        "attention_flops": core / div,
+        "backward_matmul": (f.backward - 2 * core) / div,
+        "backward_attention": 2 * core / div,
+        "recompute_matmul": (f.recompute - rec_core) / div,
+        "recompute_attention": rec_core / div,
+    }
+
+
+def _llm_stage_flops(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
+                     recompute: str) -> costs.Flops:
+    """costs.llm_flops of a stage, counted as one layer times n plus the head: layers are identical,
+    and costs.py walks them one by one (too slow for thousands of stages per simulated step)."""
+    n = len(layers)
+    out = costs.Flops()
+    if n:
+        one = _llm_layer_flops(llm, tuple(seq_lens), recompute)
+        out = costs.Flops(one.forward * n, one.backward * n, one.recompute * n,
+                          {k: v * n for k, v in one.parts.items()})
+    if last or first:
+        out = out + costs.llm_flops(llm, seq_lens, layers=range(0), embed=first, head=last, recompute=recompute)
+    return out
+
+
+@lru_cache(maxsize=65536)
+def _llm_layer_flops(llm: LLMSpec, seq_lens: tuple[int, ...], recompute: str) -> costs.Flops:
+    # Every stage of every data rank with these lengths shares it (the result is read, never changed).
+    return costs.llm_flops(llm, seq_lens, layers=range(1), embed=False, head=False, recompute=recompute)
+
+
+def llm_expert_params(llm: LLMSpec, layers: range) -> float:
+    if llm.moe is None:
+        return 0.0
+    return float(len(layers) * llm.moe.experts * 3 * llm.hidden * llm.moe.expert_ffn)
+
+
+def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
+             tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none") -> Work:
+    h, d = llm.hidden, llm.dim_head
+    t = sum(seq_lens)
+    n = len(layers)
+    f = _llm_stage_flops(llm, seq_lens, layers, first, last, recompute)
+    mlp_ops = 3 if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
+    per_rank_tokens = t // cp
+    act = costs.llm_activation_bytes(llm, per_rank_tokens, layers=layers, head=last, recompute=recompute) / tp
+    return Work(
+        **_split(f, tp * cp),
+        ops=n * (_ATTN_OPS + mlp_ops) + (1 if last else 0),
+        sequences=n * len(seq_lens),
+        tokens=per_rank_tokens,
+        layers=n,
+        act_bytes=act,
+        params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
+        expert_params=llm_expert_params(llm, layers),
+        tp_bytes=n * 2 * (t / cp) * h * 2 if tp > 1 else 0.0,  # two bf16 all-reduces per layer
+        seq_bytes=n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp if cp > 1 else 0.0,  # K/V exchange
+        ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
+    )
+
+
+def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int = 1, sp: int = 1,
+                recompute: str = "none") -> Work:
+    h = v.hidden
+    t = sum(a * b * c for a, b, c in grids)
+    f = costs.vision_flops(v, grids, recompute=recompute)
+    mlp_mats = 3 if v.mlp == "swiglu" else 2
+    per_rank = t // sp
+    return Work(
+        **_split(f, tp * sp),
+        ops=v.layers * (_ATTN_OPS + mlp_mats) + 3,
+        sequences=v.layers * len(costs.vision_groups(grids)),
+        tokens=per_rank,
+        layers=v.layers,
+        act_bytes=costs.vision_activation_bytes(v, per_rank, recompute=recompute) / tp,
+        params=float(costs.vision_params(v)),
+        tp_bytes=v.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,
+        seq_bytes=v.layers * 4 * (t / sp) * h * 2 / tp if sp > 1 else 0.0,  # Ulysses: q, k, v in, out back
+    )
+
+
+def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int = 1,
+               recompute: str = "none") -> Work:
+    h = a.hidden
+    t = sum(m // 2 for m in mel_frames)
+    f = costs.audio_flops(a, mel_frames, recompute=recompute)
+    per_rank = t // sp
+    return Work(
+        **_split(f, tp * sp),
+        ops=a.layers * (_ATTN_OPS + 2) + 3,
+        sequences=a.layers * len(costs.audio_windows(mel_frames, a.max_positions)),
+        tokens=per_rank,
+        layers=a.layers,
+        act_bytes=costs.audio_activation_bytes(a, per_rank, recompute=recompute) / tp,
+        params=float(costs.audio_params(a)),
+        tp_bytes=a.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,
+        seq_bytes=a.layers * 4 * (t / sp) * h * 2 / tp if sp > 1 else 0.0,
+    )
+
+
+def model_train_flops(model: MultimodalSpec, samples) -> float:
+    """Useful FLOPs of one training step over a batch (forward + backward, no recomputation):
+    costs.batch_flops with each sample its own packed sequence (the MFU numerator)."""
+    per = costs.batch_flops(model, samples)
+    return sum(f.forward + f.backward for f in per.values())

@@ -1,0 +1,192 @@
+"""Hardware and network presets as data: a GPU, a node of N GPUs joined by NVLink, nodes joined by a
+rail-optimised or fat-tree network.
+
+Presets live in `simulator/data/hardware/<name>.toml`; a user cluster is a TOML or YAML file with
+the same fields (a new GPU is new data, not new code). Units in files are the datasheet's (TFLOP/s,
+GiB, GB/s, microseconds); inside the simulator everything is SI (FLOP/s, bytes, B/s, seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import tomllib
+import yaml
+
+DATA_DIR = Path(__file__).parent / "data" / "hardware"
+TOPOLOGIES = ("rail-optimised", "fat-tree")
+GiB = 1024**3
+
+
+class HardwareError(ValueError):
+    """A hardware/cluster field holds an impossible value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_tflops: float  # dense bf16
+    memory_gib: float
+    memory_bandwidth_gbs: float
+    # Default compute efficiency curve eff(F) = matmul_efficiency * F / (F + matmul_half_gflop), F the
+    # FLOPs of one op in GFLOP. Defaults: about 800 of 989 TFLOP/s for a large H100 matmul
+    # (REFERENCE.md), and Calculon's fall-off for small ops (0.95/0.9/0.6 of the large-op rate at
+    # 128/16/1 GFLOP, which this curve meets within 3% with a 0.6 GFLOP half point).
+    matmul_efficiency: float = 0.81
+    matmul_half_gflop: float = 0.6
+    attention_efficiency: float = 0.55  # flash attention reaches less of peak than a GEMM
+    memory_efficiency: float = 0.85
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GiB
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.memory_bandwidth_gbs * 1e9
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One class of link: NVLink inside a node (`intra`) or the NIC network between nodes (`inter`)."""
+
+    bandwidth_gbs: float  # per GPU, per direction
+    latency_us: float
+    efficiency: float = 1.0  # fraction of the link rate a large collective reaches
+    nics_per_node: int = 0  # inter only
+    topology: str = "rail-optimised"  # inter only
+    oversubscription: float = 1.0  # fat-tree: core oversubscription (1.0 = full bisection)
+
+    @property
+    def bandwidth(self) -> float:
+        return self.bandwidth_gbs * 1e9 * self.efficiency
+
+    @property
+    def latency(self) -> float:
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    gpu: GPUSpec
+    gpus_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
+    num_gpus: int = 0  # 0: not sized yet (a preset); `with_gpus` sizes it
+    description: str = ""
+
+    def with_gpus(self, num_gpus: int) -> ClusterSpec:
+        if not isinstance(num_gpus, int) or num_gpus < 1:
+            raise HardwareError(f"gpus must be a positive integer, got {num_gpus!r}")
+        return replace(self, num_gpus=num_gpus)
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def validate(self) -> None:
+        def pos(where: str, v, integer: bool = False) -> None:
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ok or v <= 0:
+                kind = "a positive integer" if integer else "a positive number"
+                raise HardwareError(f"{where} must be {kind}, got {v!r}")
+
+        pos("gpus_per_node", self.gpus_per_node, integer=True)
+        for f in ("peak_tflops", "memory_gib", "memory_bandwidth_gbs", "matmul_half_gflop"):
+            pos(f"gpu.{f}", getattr(self.gpu, f))
+        for f in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+            v = getattr(self.gpu, f)
+            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise HardwareError(f"gpu.{f} must be in (0, 1], got {v!r}")
+        for where, link in (("intra", self.intra), ("inter", self.inter)):
+            pos(f"{where}.bandwidth_gbs", link.bandwidth_gbs)
+            if not isinstance(link.latency_us, (int, float)) or link.latency_us < 0:
+                raise HardwareError(f"{where}.latency_us must be >= 0, got {link.latency_us!r}")
+            if not isinstance(link.efficiency, (int, float)) or not 0 < link.efficiency <= 1:
+                raise HardwareError(f"{where}.efficiency must be in (0, 1], got {link.efficiency!r}")
+        pos("inter.nics_per_node", self.inter.nics_per_node, integer=True)
+        if self.inter.topology not in TOPOLOGIES:
+            raise HardwareError(f"inter.topology must be one of {', '.join(TOPOLOGIES)}; got {self.inter.topology!r}")
+        if not isinstance(self.inter.oversubscription, (int, float)) or self.inter.oversubscription < 1:
+            raise HardwareError(f"inter.oversubscription must be >= 1, got {self.inter.oversubscription!r}")
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in DATA_DIR.glob("*.toml"))
+
+
+def _build(data: dict, where: str) -> ClusterSpec:
+    if not isinstance(data, dict):
+        raise HardwareError(f"{where}: expected a table of cluster fields")
+    top = {f.name for f in fields(ClusterSpec)} - {"gpu", "intra", "inter"}
+    sections = {"gpu": GPUSpec, "intra": LinkSpec, "inter": LinkSpec}
+    for key in data:
+        if key not in top and key not in sections:
+            allowed = ", ".join(sorted(top | set(sections)))
+            raise HardwareError(f"{where}: unknown field {key!r}; allowed: {allowed}")
+    parts = {}
+    for sec, cls in sections.items():
+        body = data.get(sec)
+        if not isinstance(body, dict):
+            raise HardwareError(f"{where}: missing section [{sec}]")
+        names = {f.name for f in fields(cls)}
+        for key in body:
+            if key not in names:
+                raise HardwareError(f"{where}: unknown field {sec}.{key}; allowed: {', '.join(sorted(names))}")
+        if sec == "gpu" and "name" not in body:
+            body = {**body, "name": str(data.get("name", "gpu"))}
+        try:
+            parts[sec] = cls(**body)
+        except TypeError as e:  # a required field is missing
+            missing = str(e).split("argument")[-1].strip(": '")
+            raise HardwareError(f"{where}: missing field {sec}.{missing}") from None
+    kwargs = {k: data[k] for k in top if k in data}
+    kwargs.setdefault("name", Path(where).stem)
+    if "gpus_per_node" not in kwargs:
+        raise HardwareError(f"{where}: missing field gpus_per_node")
+    cluster = ClusterSpec(gpu=parts["gpu"], intra=parts["intra"], inter=parts["inter"], **kwargs)
+    try:
+        cluster.validate()
+    except HardwareError as e:
+        raise HardwareError(f"{where}: {e}") from None
+    return cluster
+
+
+def load_cluster(name_or_path: str, num_gpus: int | None = None) -> ClusterSpec:
+    """A preset name (`h100`, `h200`, `a100-80g`, `cpu-gloo`) or a TOML/YAML file of the same fields."""
+    path = Path(name_or_path)
+    if path.suffix in (".toml", ".yaml", ".yml", ".json"):
+        if not path.is_file():
+            raise HardwareError(f"hardware: no such file {name_or_path!r}")
+    else:
+        path = DATA_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise HardwareError(
+                f"hardware must be one of {', '.join(available_presets())} or a .toml/.yaml file; got {name_or_path!r}"
+            )
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise HardwareError(f"{path}: cannot parse: {str(e).splitlines()[0]}") from None
+    cluster = _build(data, str(path))
+    return cluster.with_gpus(num_gpus) if num_gpus is not None else cluster
+
+
+def cluster_to_dict(cluster: ClusterSpec) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cluster)
+
+
+def cluster_from_dict(d: dict) -> ClusterSpec:
+    return _build({k: v for k, v in d.items()}, d.get("name", "cluster"))
