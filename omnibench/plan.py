@@ -70,20 +70,30 @@ class Layout:
             n *= s
         return n
 
+    def _tables(self) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
+        # Planners ask for coordinates of every rank many times: compute them once per layout
+        # (kept off the dataclass fields, so equality, hashing and JSON are unchanged).
+        cached = self.__dict__.get("_cache")
+        if cached is None:
+            dims, shape = self.mesh_dims, self.mesh_shape
+            strides, acc = {}, 1
+            for d, n in zip(reversed(dims), reversed(shape), strict=True):
+                strides[d] = acc
+                acc *= n
+            coords = {}
+            for idx, r in enumerate(self.ranks):
+                coords[r] = {d: (idx // strides[d]) % getattr(self, d) for d in dims}
+            cached = (coords, strides)
+            object.__setattr__(self, "_cache", cached)
+        return cached
+
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank in this layout."""
-        idx = self.ranks.index(rank)
-        out: dict[str, int] = {}
-        for d, s in zip(reversed(self.mesh_dims), reversed(self.mesh_shape)):
-            out[d] = idx % s
-            idx //= s
-        return {d: out[d] for d in self.mesh_dims}
+        return dict(self._tables()[0][rank])
 
     def rank_at(self, **coords: int) -> int:
-        idx = 0
-        for d, s in zip(self.mesh_dims, self.mesh_shape):
-            idx = idx * s + coords.get(d, 0)
-        return self.ranks[idx]
+        strides = self._tables()[1]
+        return self.ranks[sum(strides[d] * v for d, v in coords.items())]
 
     def group(self, rank: int, dim: str) -> tuple[int, ...]:
         """The ranks sharing every coordinate with `rank` except `dim` (its `dim` group)."""
@@ -95,7 +105,7 @@ class Layout:
         others = [d for d in self.mesh_dims if d != dim]
         out = []
         for vals in product(*(range(getattr(self, d)) for d in others)):
-            base = dict(zip(others, vals))
+            base = dict(zip(others, vals, strict=True))
             out.append(tuple(self.rank_at(**{**base, dim: i}) for i in range(getattr(self, dim))))
         return out
 
@@ -117,6 +127,10 @@ class Action:
     stage: int = 0
     what: str = ""  # "act" | "grad" for send/recv/boundary
     peer: int = -1  # send/recv partner rank
+    # Boundary only (added for the runtime): "send" | "recv" on this rank, and the microbatch the
+    # message belongs to on the peer (encoder microbatch on the LLM side and vice versa).
+    direction: str = ""
+    peer_microbatch: int = -1
 
     def __str__(self) -> str:
         s = f"{self.kind}({self.module}"
@@ -126,8 +140,12 @@ class Action:
                 s += f", stage{self.stage}"
         if self.what:
             s += f", {self.what}"
+        if self.direction:
+            s += f", {self.direction}"
         if self.peer >= 0:
             s += f", peer={self.peer}"
+            if self.peer_microbatch >= 0:
+                s += f" mb{self.peer_microbatch}"
         return s + ")"
 
 
@@ -193,21 +211,27 @@ class Plan:
                 continue
             seen = sorted(i for mbs in per_rank.values() for mb in mbs for i in mb)
             if seen != sorted(ids):
-                raise PlanError(f"assignment.llm: every sample must be assigned to exactly one LLM data rank")
+                raise PlanError("assignment.llm: every sample must be assigned to exactly one LLM data rank")
         for rank, acts in self.actions.items():
             for a in acts:
                 if a.kind not in ACTION_KINDS:
                     raise PlanError(f"actions[{rank}]: unknown kind {a.kind!r}; allowed: {', '.join(ACTION_KINDS)}")
-        # Every send has its matching recv, in the same per-pair order.
+        # Every send has its matching recv (boundary sends too); indexed so this stays linear in size.
+        recvs: set[tuple] = set()
+        for rank, acts in self.actions.items():
+            for b in acts:
+                if b.kind == RECV:
+                    recvs.add((RECV, rank, b.peer, b.microbatch, b.what))
+                elif b.kind == BOUNDARY and b.direction == "recv":
+                    recvs.add((BOUNDARY, rank, b.peer, b.module, b.what, b.microbatch, b.peer_microbatch))
         for rank, acts in self.actions.items():
             for a in acts:
-                if a.kind == SEND:
-                    peer_acts = self.actions.get(a.peer, [])
-                    if not any(
-                        b.kind == RECV and b.peer == rank and b.microbatch == a.microbatch and b.what == a.what
-                        for b in peer_acts
-                    ):
-                        raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
+                if a.kind == SEND and (RECV, a.peer, rank, a.microbatch, a.what) not in recvs:
+                    raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
+                if a.kind == BOUNDARY and a.direction == "send":
+                    key = (BOUNDARY, a.peer, rank, a.module, a.what, a.peer_microbatch, a.microbatch)
+                    if key not in recvs:
+                        raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -22,7 +22,13 @@ class Planner(Protocol):
 
 
 # name -> "module:Class"; order is the order systems are listed and plotted.
-_PLANNERS: dict[str, str] = {}
+_PLANNERS: dict[str, str] = {
+    "homogeneous": "systems.homogeneous:HomogeneousPlanner",
+    "temporal": "systems.temporal:TemporalPlanner",
+    "colocated": "systems.colocated:ColocatedPlanner",
+    "noncolocated": "systems.noncolocated:NoncolocatedPlanner",
+    "omni": "systems.omni:OmniPlanner",
+}
 
 SYSTEMS: tuple[str, ...] = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
 

@@ -1,0 +1,246 @@
+"""`omnibench run` (a real training run) and `omnibench plan` (print what a system decides)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import typer
+from rich.table import Table
+
+from omnibench.cli.common import console, err_console, fail
+
+
+def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks) -> dict:
+    return dict(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, microbatches=microbatches, encoder_tp=encoder_tp,
+                encoder_ranks=encoder_ranks)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("run")
+    def run(
+        system: str = typer.Option(..., "--system", help="homogeneous | temporal | colocated | noncolocated"),
+        workload: str = typer.Option("mixed_video", "--workload"),
+        nproc: int = typer.Option(0, "--nproc", help="ranks (0: 2 on CPU, every GPU on CUDA)"),
+        model: str = typer.Option("", "--model", help="model preset (default: tiny-omni on CPU, omni-7b on CUDA)"),
+        steps: int = typer.Option(5, "--steps"),
+        seed: int = typer.Option(0, "--seed"),
+        tp: int = typer.Option(1, "--tp"),
+        pp: int = typer.Option(1, "--pp"),
+        cp: int = typer.Option(1, "--cp"),
+        ep: int = typer.Option(1, "--ep"),
+        dp: int = typer.Option(0, "--dp", help="0: what is left"),
+        microbatches: int = typer.Option(0, "--microbatches"),
+        encoder_tp: int = typer.Option(0, "--encoder-tp"),
+        encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
+        fsdp: bool = typer.Option(True, "--fsdp/--no-fsdp", help="shard data-parallel state (FSDP2) or replicate"),
+        global_batch_tokens: int = typer.Option(0, "--global-batch-tokens"),
+        length_scale: float = typer.Option(0.0, "--length-scale"),
+        device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16"),
+        out: str = typer.Option("", "--out", help="record folder (default results/runs/<time>-<system>-<workload>)"),
+        batches_file: str = typer.Option("", "--batches-file", help="replay batches from a JSON file"),
+        timeout: float = typer.Option(120.0, "--timeout", help="process-group timeout, seconds"),
+        inject_failure: str = typer.Option("", "--inject-failure", hidden=True),
+        dump_params: bool = typer.Option(False, "--dump-params", hidden=True),
+        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work all before/after the LLM pipeline"),
+        no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
+        no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: LLM ranks consume what their loader holds"),
+        no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
+        option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
+        as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    ) -> None:
+        """Train for a few steps with real tensors and collectives; write a record folder."""
+        from omnibench.plan import PlanError
+        from omnibench.runtime.launch import RunFailed, check_layout, launch, resolve, under_torchrun
+        from omnibench.specs.model import SpecError
+        from omnibench.specs.run import RunSpec
+        from systems import SYSTEMS, available_systems
+        from systems.omni.options import options_from_flags
+
+        if system not in available_systems():
+            allowed = available_systems() or list(SYSTEMS)
+            fail(f"system must be one of {', '.join(allowed)}; got {system!r}")
+        spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
+                       global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
+                       out=out,
+                       batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
+                       dump_params=dump_params, fsdp=fsdp,
+                       options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
+                                                                  encoder_ranks))
+        try:
+            spec = resolve(spec)
+            check_layout(spec)
+        except (SpecError, PlanError, ValueError, KeyError) as e:
+            fail(str(e).strip("'\""))
+        start = time.perf_counter()
+        try:
+            if as_json or under_torchrun():
+                folder = launch(spec)
+            else:
+                folder = _launch_with_progress(spec, launch)
+        except RunFailed as e:
+            err_console.print(f"[bold red]error:[/] rank {e.rank} failed", highlight=False)
+            err_console.print(e.text, highlight=False, markup=False)
+            raise typer.Exit(1) from None
+        except FileExistsError as e:
+            fail(str(e))
+        wall = time.perf_counter() - start
+        if under_torchrun() and int(os.environ["RANK"]) != 0:
+            return  # under torchrun only rank 0 reports
+
+        with open(os.path.join(folder, "summary.json")) as f:
+            summary = json.load(f)
+        summary["wall_time_s"] = wall
+        summary["record"] = folder
+        if as_json:
+            print(json.dumps(summary, indent=1))
+            return
+        _print_summary(summary, folder)
+
+    @app.command("plan")
+    def plan_cmd(
+        system: str = typer.Option(..., "--system"),
+        workload: str = typer.Option("mixed_video", "--workload"),
+        nproc: int = typer.Option(4, "--nproc"),
+        model: str = typer.Option("tiny-omni", "--model"),
+        step: int = typer.Option(0, "--step"),
+        seed: int = typer.Option(0, "--seed"),
+        tp: int = typer.Option(1, "--tp"),
+        pp: int = typer.Option(1, "--pp"),
+        cp: int = typer.Option(1, "--cp"),
+        ep: int = typer.Option(1, "--ep"),
+        dp: int = typer.Option(0, "--dp"),
+        microbatches: int = typer.Option(0, "--microbatches"),
+        encoder_tp: int = typer.Option(0, "--encoder-tp"),
+        encoder_ranks: int = typer.Option(0, "--encoder-ranks"),
+        global_batch_tokens: int = typer.Option(1536, "--global-batch-tokens"),
+        length_scale: float = typer.Option(0.02, "--length-scale"),
+        max_sample_tokens: int = typer.Option(384, "--max-sample-tokens"),
+        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work all before/after the LLM pipeline"),
+        no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
+        no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: LLM ranks consume what their loader holds"),
+        no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
+        option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> None:
+        """Print the Plan a system makes for one step: layouts, data, routes, per-rank actions."""
+        from omnibench.plan import PlanError
+        from omnibench.specs.model import SpecError
+        from omnibench.specs.parallel import ParallelSpec
+        from omnibench.specs.presets import get_model
+        from systems import get_planner
+
+        try:
+            from workloads.stream import WorkloadStream
+
+            spec = get_model(model)
+            from systems.omni.options import options_from_flags
+
+            parallel = ParallelSpec(world_size=nproc, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
+                                                                       encoder_ranks),
+                                    options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
+                                                               no_long_short_sp, option))
+            stream = WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens,
+                                    length_scale=length_scale, max_sample_tokens=max_sample_tokens or None)
+            p = get_planner(system).plan(spec, parallel, stream.batch(step))
+        except (SpecError, PlanError, ValueError, KeyError) as e:
+            fail(str(e).strip("'\""))
+        if as_json:
+            print(p.to_json())
+            return
+        print_plan(p)
+
+
+def print_plan(p) -> None:
+    from collections import Counter
+
+    console.print(f"[bold]{p.system}[/] plan, step {p.step}: {len(p.samples)} samples, "
+                  f"{sum(s.llm_tokens for s in p.samples)} LLM tokens, world size {p.world_size}, model {p.model}")
+    console.print(f"options: {p.options}")
+    t = Table(title="layouts")
+    for c in ("module", "mesh", "ranks"):
+        t.add_column(c)
+    for name, lay in p.layouts.items():
+        mesh = " x ".join(f"{d}={getattr(lay, d)}" for d in lay.mesh_dims) + (f" ep={lay.ep}" if lay.ep > 1 else "")
+        t.add_row(name, mesh, _ranks(lay.ranks))
+    console.print(t)
+    t = Table(title="data assignment (microbatches: sample ids; LLM tokens, or encoder positions for encoders)")
+    for c in ("module", "rank", "microbatches"):
+        t.add_column(c)
+    for module, per_rank in p.assignment.items():
+        for r, mbs in sorted(per_rank.items()):
+            cells = []
+            for j, mb in enumerate(mbs):
+                ids = ",".join(map(str, mb)) if len(mb) <= 6 else f"{len(mb)} samples"
+                if module == "llm":
+                    cells.append(f"mb{j}: [{ids}] {sum(p.sample(i).llm_tokens for i in mb)} tok")
+                else:
+                    cells.append(f"mb{j}: [{ids}] {sum(sum(p.sample(i).encoder_seq_lens(module)) for i in mb)} pos")
+            t.add_row(module, str(r), "; ".join(cells))
+    console.print(t)
+    moved = [r for r in p.routes if r.src_rank != r.dst_rank]
+    by_pair = Counter((r.module, r.src_rank, r.dst_rank) for r in moved)
+    tokens = Counter()
+    for r in moved:
+        tokens[(r.module, r.src_rank, r.dst_rank)] += r.tokens
+    console.print(f"routes: {len(p.routes)} ({len(p.routes) - len(moved)} local, {len(moved)} cross ranks, "
+                  f"{sum(r.tokens for r in moved)} tokens moved)")
+    for (m, s, d), n in sorted(by_pair.items())[:24]:
+        console.print(f"  {m}: rank {s} -> rank {d}: {n} samples, {tokens[(m, s, d)]} tokens")
+    if len(by_pair) > 24:
+        console.print(f"  ... {len(by_pair) - 24} more rank pairs")
+    for r, acts in sorted(p.actions.items()):
+        console.print(f"[bold]rank {r}[/] ({len(acts)} actions): " + " ".join(str(a) for a in acts),
+                      highlight=False, soft_wrap=True)
+    if p.notes:
+        console.print("[bold]notes[/] (what the system decided)")
+        for key, value in p.notes.items():
+            console.print(f"  {key}: {json.dumps(value)}", highlight=False, soft_wrap=True)
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return ",".join(map(str, ranks)) if len(ranks) <= 16 else f"{len(ranks)} ranks"
+
+
+def _launch_with_progress(spec, launch) -> str:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console) as bar:
+        task = bar.add_task(f"{spec.system} x{spec.nproc} {spec.model}", total=spec.steps, info="starting ranks")
+
+        def on_progress(line: dict) -> None:
+            bar.update(task, completed=line["step"] + 1,
+                       info=f"loss {line['loss']:.4f}  {line['step_time_s'] * 1e3:.0f} ms/step")
+
+        return launch(spec, on_progress)
+
+
+def _print_summary(s: dict, folder: str) -> None:
+    t = Table(title=f"{s['system']} on {s['workload']}: {s['model']}, {s['world_size']} x {s['device']} ({s['dtype']})")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("steps", str(s["steps"])),
+        ("final loss", f"{s['final_loss']:.5f}"),
+        ("step time", f"{s['mean_step_time_s'] * 1e3:.1f} ms ({s['timed_steps']} steps)"),
+        ("tokens/s", f"{s['tokens_per_s']:.0f}"),
+        ("tokens/s/GPU", f"{s['tokens_per_s_per_gpu']:.0f}"),
+        ("TFLOPS/GPU", f"{s['tflops_per_gpu']:.4f}"),
+        ("MFU", f"{s['mfu'] * 100:.1f}%" if s["mfu"] is not None else "n/a (no peak for this device)"),
+        ("bubble fraction", f"{s['bubble_fraction'] * 100:.1f}%"),
+        ("exposed communication", f"{s['exposed_comm_fraction'] * 100:.1f}%"),
+        ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
+        ("wall time", f"{s['wall_time_s']:.1f} s"),
+        ("record", folder),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    for n in s.get("notes", []):
+        console.print(f"note: {n}")

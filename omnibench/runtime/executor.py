@@ -1,0 +1,602 @@
+"""Execute a Plan on this rank with real tensors and real collectives, timing every action.
+
+Every rank runs the same planner on the same batch (planning is deterministic and cheap), builds
+the modules its layouts give it, then walks `plan.actions[rank]` in order:
+
+- forward/backward of an encoder microbatch or an LLM pipeline stage microbatch;
+- send/recv of pipeline activations and gradients (isend, blocking recv: a 1F1B order posted this
+  way cannot deadlock, and every pair's messages are posted in the same order on both sides);
+- boundary: the encoder->LLM exchange of one message's routes (`BoundaryCommunicator`);
+- grad_sync (FSDP2 already reduce-scattered in the last microbatch's backward; without FSDP
+  the data-parallel all-reduce happens here) and optimizer_step.
+
+Losses: the last stage of every LLM data group adds sum-CE over its loss tokens divided by the
+step's GLOBAL loss-token count, so microbatch, data, pipeline and context splits sum to the
+single-process loss. The MoE auxiliary loss is not added (it depends on how a batch is split, so
+no two systems would train the same objective); it is reported only through expert loads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omnibench.models import build_model, init_weights
+from omnibench.models.inputs import PackedBatch, pack, synthesize
+from omnibench.models.loss import IGNORE_INDEX, text_loss
+from omnibench.models.multimodal import scatter_encoder_outputs
+from omnibench.plan import (
+    BACKWARD,
+    BOUNDARY,
+    FORWARD,
+    GRAD_SYNC,
+    OPTIMIZER_STEP,
+    RECV,
+    SEND,
+    Action,
+    Layout,
+    Plan,
+)
+from omnibench.runtime.parallelize import apply_cp, apply_encoder_tp, apply_ep, apply_fsdp, apply_tp
+from omnibench.specs.model import MultimodalSpec
+from systems.common import data_rank, encoder_tokens, is_primary
+from workloads.sample import Sample, Segment
+
+# --------------------------------------------------------------------------------- groups
+
+
+class Groups:
+    """Every process group the layouts need, created once in the same order on every rank
+    (new_group is collective over the world); each rank keeps the ones it belongs to."""
+
+    def __init__(self, layouts: dict[str, Layout], rank: int, timeout):
+        self.rank = rank
+        self.mine: dict[tuple, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+        self._timeout = timeout
+        for name in sorted(layouts):
+            lay = layouts[name]
+            if name == "llm":
+                for key, ranks_list in self._llm_groups(lay).items():
+                    for ranks in ranks_list:
+                        self._new(("llm", key), ranks)
+            else:
+                for dim in ("dp", "tp"):
+                    for ranks in lay.groups(dim):
+                        self._new((name, dim), ranks)
+
+    def _new(self, key, ranks):
+        g = dist.new_group(list(ranks), timeout=self._timeout)
+        if self.rank in ranks:
+            self.mine[key] = (g, tuple(ranks))
+
+    @staticmethod
+    def _llm_groups(lay: Layout) -> dict[str, list[tuple[int, ...]]]:
+        out: dict[str, list[tuple[int, ...]]] = {"tp": lay.groups("tp"), "cp": lay.groups("cp"), "dpcp": [], "ep": [], "edp": []}
+        for p in range(lay.pp):
+            for t in range(lay.tp):
+                flat = [lay.rank_at(pp=p, dp=d, cp=c, tp=t) for d in range(lay.dp) for c in range(lay.cp)]
+                out["dpcp"].append(tuple(flat))
+                ep = lay.ep
+                out["ep"] += [tuple(flat[i : i + ep]) for i in range(0, len(flat), ep)]
+                out["edp"] += [tuple(flat[i::ep]) for i in range(ep)]
+        return out
+
+    def get(self, module: str, dim: str) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+        return self.mine[(module, dim)]
+
+
+def mesh_from(groups, names: tuple[str, ...], device: str, grid: list[list[int]] | None = None):
+    """A DeviceMesh over existing groups (1D, or 2D with `grid` listing the ranks row by row)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if len(groups) == 1:
+        return DeviceMesh.from_group(groups[0][0], device, mesh_dim_names=names)
+    return DeviceMesh.from_group([g for g, _ in groups], device, mesh=torch.tensor(grid), mesh_dim_names=names)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class LLMStage(nn.Module):
+    """One pipeline stage of the LLM; stage 0 also embeds and scatters the encoder outputs."""
+
+    def __init__(self, llm: nn.Module, first: bool, last: bool):
+        super().__init__()
+        self.llm = llm
+        self.first, self.last = first, last
+
+    def forward(self, x, position_ids, cu_seqlens, max_seqlen, enc_outs=None, cp_chunk=None):
+        if self.first:
+            h = self.llm.embed(x)
+            for positions, out in enc_outs or []:
+                h = scatter_encoder_outputs(h, positions, out)
+            if cp_chunk is not None:
+                h = h[cp_chunk[0] : cp_chunk[1]]
+            x = h
+        return self.llm(x, position_ids, cu_seqlens, max_seqlen)
+
+
+def split_stage(llm: nn.Module, stage: int, stages: int) -> tuple[nn.Module, list[int]]:
+    """Keep only this stage's layers (torchtitan-style: delete the rest, names unchanged)."""
+    n = len(llm.layers)
+    bounds = [round(i * n / stages) for i in range(stages + 1)]
+    keep = list(range(bounds[stage], bounds[stage + 1]))
+    for i in range(n):
+        if i not in keep:
+            del llm.layers[str(i)]
+    if stage > 0:
+        llm.tok_embeddings = None
+    if stage < stages - 1:
+        llm.norm = None
+        llm.output = None
+    return llm, keep
+
+
+def _dummy_sample(module: str) -> Sample:
+    # The smallest input an encoder accepts: keeps its collectives in step when a rank has no work.
+    if module == "vision":
+        seg = Segment("image", llm_tokens=1, encoder_seq_len=4, grid_thw=(1, 2, 2))
+    else:
+        seg = Segment("audio", llm_tokens=1, encoder_seq_len=2, mel_frames=4)
+    return Sample(-1, "dummy", (Segment("text", 1), seg))
+
+
+# ------------------------------------------------------------------------------ records
+
+
+@dataclass
+class Span:
+    step: int
+    name: str
+    kind: str
+    module: str
+    start: float
+    end: float
+
+
+@dataclass
+class StepState:
+    enc_out: dict = field(default_factory=dict)  # (module, mb) -> (output, [sample ids], [tokens])
+    emb: dict = field(default_factory=dict)  # (module, sample) -> leaf tensor on the LLM side
+    enc_grad: dict = field(default_factory=dict)  # (module, sample) -> gradient on the encoder side
+    act_in: dict = field(default_factory=dict)  # llm mb -> received activation (leaf)
+    act_out: dict = field(default_factory=dict)  # llm mb -> stage output / loss
+    grad_in: dict = field(default_factory=dict)  # llm mb -> received gradient of the output
+    packed: dict = field(default_factory=dict)  # llm mb -> (PackedBatch, chunk)
+    pending: list = field(default_factory=list)  # isend handles + their tensors
+    loss_sum: float = 0.0
+
+
+class Executor:
+    def __init__(self, model_spec: MultimodalSpec, first_plan: Plan, rank: int, device: torch.device,
+                 dtype: torch.dtype, seed: int, lr: float, timeout, optimizer: str = "adamw"):
+        self.spec = model_spec
+        self.rank = rank
+        self.device = device
+        self.dtype = dtype
+        self.layouts = first_plan.layouts
+        self.groups = Groups(self.layouts, rank, timeout)
+        # omni's long inputs: sequence-parallel groups of their own (omnibench/runtime/long_short.py).
+        from omnibench.runtime.long_short import LongShortRuntime
+
+        self.long_short = LongShortRuntime.create(first_plan, rank, timeout)
+        self.modules: dict[str, nn.Module] = {}
+        self.fsdp: dict[str, bool] = {}
+        self.notes: list[str] = []
+        # Built on the meta device: a rank materialises (and initialises, by parameter name, exactly
+        # as the single-process reference does) only the modules and layers it runs.
+        with torch.device("meta"):
+            full = build_model(model_spec, seed=None)
+        self.seed = seed
+        dev = device.type
+        for name, lay in self.layouts.items():
+            if rank not in lay.ranks:
+                continue
+            if name == "llm":
+                self._build_llm(full.llm, lay, dev)
+            else:
+                self._build_encoder(name, getattr(full, name), lay, dev)
+        del full
+        params = [p for m in self.modules.values() for p in m.parameters()]
+        self.optimizer = make_optimizer(optimizer, params, lr) if params else None
+        self.spans: list[Span] = []
+
+    # -- building -------------------------------------------------------------------------
+    def _build_llm(self, llm: nn.Module, lay: Layout, dev: str) -> None:
+        c = lay.coords(self.rank)
+        self.stage, self.stages = c["pp"], lay.pp
+        llm, _ = split_stage(llm, self.stage, lay.pp)
+        llm.to_empty(device=self.device)
+        init_weights(llm, self.seed, prefix="llm.")
+        dpcp = self.groups.get("llm", "dpcp")
+        self.fsdp["llm"] = lay.fsdp and len(dpcp[1]) > 1
+        dp_mesh = None
+        if lay.tp > 1:
+            tp = self.groups.get("llm", "tp")
+            if self.fsdp["llm"]:
+                # One 2D mesh: FSDP2 needs the dp and tp meshes to share a parent.
+                p = self.stage
+                grid = [[lay.rank_at(pp=p, dp=d, cp=cc, tp=t) for t in range(lay.tp)]
+                        for d in range(lay.dp) for cc in range(lay.cp)]
+                mesh = mesh_from([dpcp, tp], ("dpcp", "tp"), dev, grid)
+                dp_mesh, tp_mesh = mesh["dpcp"], mesh["tp"]
+            else:
+                tp_mesh = mesh_from([tp], ("tp",), dev)
+            apply_tp(llm, tp_mesh)
+        elif self.fsdp["llm"]:
+            dp_mesh = mesh_from([dpcp], ("dpcp",), dev)
+        if lay.cp > 1:
+            apply_cp(llm, self.groups.get("llm", "cp")[0], lay.cp)
+        extra, ignored = [], None
+        self.expert_params: list = []  # ordered: collectives over them must match across ranks
+        if lay.ep > 1:
+            eg, eranks = self.groups.get("llm", "ep")
+            local = apply_ep(llm, eg, lay.ep, eranks.index(self.rank))
+            self.expert_params = [p for m in local for p in m.parameters()]
+            edp = self.groups.get("llm", "edp")
+            if self.fsdp["llm"] and len(edp[1]) > 1:
+                # Experts shard over the ranks holding the same experts (expert data parallel).
+                emesh = mesh_from([edp], ("edp",), dev)
+                extra = [(m, emesh) for m in local]
+            else:
+                ignored = set(self.expert_params)  # no other rank holds them, or grad_sync reduces them
+        stage = LLMStage(llm, self.stage == 0, self.stage == lay.pp - 1)
+        if self.fsdp["llm"]:
+            mp = self.dtype if self.dtype != torch.float32 else None
+            apply_fsdp(stage, list(llm.layers.values()), dp_mesh, mp, extra, ignored)
+        self.modules["llm"] = stage
+        self.llm_layout = lay
+
+    def _build_encoder(self, name: str, enc: nn.Module, lay: Layout, dev: str) -> None:
+        enc.to_empty(device=self.device)
+        init_weights(enc, self.seed, prefix=f"{name}.")
+        dp = self.groups.get(name, "dp")
+        self.fsdp[name] = lay.fsdp and len(dp[1]) > 1
+        dp_mesh = None
+        if lay.tp > 1:
+            tp = self.groups.get(name, "tp")
+            if self.fsdp[name]:
+                grid = [[lay.rank_at(dp=d, sp=0, tp=t) for t in range(lay.tp)] for d in range(lay.dp)]
+                mesh = mesh_from([dp, tp], ("dp", "tp"), dev, grid)
+                dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+            else:
+                tp_mesh = mesh_from([tp], ("tp",), dev)
+            replicated = apply_encoder_tp(enc, tp_mesh)
+            if replicated:
+                self.notes.append(f"{name}: tensor parallel over tp={lay.tp} except {', '.join(replicated)} (replicated)")
+        elif self.fsdp[name]:
+            dp_mesh = mesh_from([dp], ("dp",), dev)
+        if self.fsdp[name]:
+            mp = self.dtype if self.dtype != torch.float32 else None
+            apply_fsdp(enc, list(enc.layers.values()), dp_mesh, mp)
+        self.modules[name] = enc
+
+    # -- one step ---------------------------------------------------------------------------
+    def run_step(self, plan: Plan, global_loss_tokens: int, t0: float) -> float:
+        self.plan = plan
+        self.state = StepState()
+        self.global_loss_tokens = global_loss_tokens
+        self.t0 = t0
+        for a in plan.actions.get(self.rank, []):
+            start = time.perf_counter()
+            self._do(a)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            end = time.perf_counter()
+            self.spans.append(Span(plan.step, str(a), a.kind, a.module, start - t0, end - t0))
+        for h, _ in self.state.pending:
+            h.wait()
+        return self.state.loss_sum
+
+    def _do(self, a: Action) -> None:
+        if a.kind == FORWARD:
+            (self._llm_forward if a.module == "llm" else self._enc_forward)(a)
+        elif a.kind == BACKWARD:
+            (self._llm_backward if a.module == "llm" else self._enc_backward)(a)
+        elif a.kind == SEND:
+            self._send_pipeline(a)
+        elif a.kind == RECV:
+            self._recv_pipeline(a)
+        elif a.kind == BOUNDARY:
+            self._boundary(a)
+        elif a.kind == GRAD_SYNC:
+            self._grad_sync(a)
+        elif a.kind == OPTIMIZER_STEP:
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+
+    # -- encoders ---------------------------------------------------------------------------
+    def _enc_microbatch(self, module: str, mb: int) -> tuple[int, ...]:
+        lay = self.layouts[module]
+        return self.plan.assignment[module][data_rank(lay, self.rank)][mb]
+
+    def _enc_forward(self, a: Action) -> None:
+        if self.long_short is not None and self.long_short.handles(self.plan, a.module, a.microbatch):
+            self.long_short.forward(self, a)
+            return
+        module = a.module
+        ids = self._enc_microbatch(module, a.microbatch)
+        samples = [self.plan.sample(i) for i in ids] or [_dummy_sample(module)]
+        packed = pack([synthesize(s, self.spec) for s in samples]).to(self.device)
+        enc = self.modules[module]
+        if module == "vision":
+            out = enc(packed.pixel_patches, packed.grid_thw)
+        else:
+            out = enc(packed.mel, packed.mel_lens)
+        tokens = [encoder_tokens(s, module) for s in samples] if ids else []
+        self.state.enc_out[(module, a.microbatch)] = (out, list(ids), tokens)
+        if ids:
+            for i, piece in zip(ids, torch.split(out, tokens), strict=True):
+                # A route from this rank to itself hands the output over without communication.
+                self.state.emb[(module, i, "local")] = piece
+
+    def _enc_backward(self, a: Action) -> None:
+        module = a.module
+        out, ids, _ = self.state.enc_out.pop((module, a.microbatch))
+        lay = self.layouts[module]
+        enc = self.modules[module]
+        if ids:
+            if self.rank == data_rank(lay, self.rank):
+                grad = torch.cat([self.state.enc_grad.pop((module, i)) for i in ids]).to(out.dtype)
+            else:
+                grad = torch.empty_like(out)
+            if lay.tp > 1:
+                g, ranks = self.groups.get(module, "tp")
+                dist.broadcast(grad, src=ranks[0], group=g)
+        else:
+            grad = torch.zeros_like(out)  # dummy forward: zero gradient, collectives still run
+        if self.fsdp.get(module):
+            enc.set_requires_gradient_sync(a.microbatch == self._last_enc_mb(module))
+        torch.autograd.backward(out, grad)
+
+    def _last_enc_mb(self, module: str) -> int:
+        return max(x.microbatch for x in self.plan.actions[self.rank] if x.kind == BACKWARD and x.module == module)
+
+    # -- LLM --------------------------------------------------------------------------------
+    def _llm_packed(self, mb: int) -> tuple[PackedBatch, tuple[int, int] | None]:
+        if mb in self.state.packed:
+            return self.state.packed[mb]
+        lay = self.llm_layout
+        ids = self.plan.assignment["llm"][data_rank(lay, self.rank)][mb]
+        samples = [synthesize(self.plan.sample(i), self.spec) for i in ids]
+        packed = pack(samples)
+        chunk = None
+        if lay.cp > 1:
+            packed = pad_row(packed, lay.cp)
+            n = packed.tokens // lay.cp
+            c = lay.coords(self.rank)["cp"]
+            chunk = (c * n, (c + 1) * n)
+        packed = packed.to(self.device)
+        self.state.packed[mb] = (packed, chunk)
+        return packed, chunk
+
+    def _stage_input_tokens(self, mb: int) -> int:
+        ids = self.plan.assignment["llm"][data_rank(self.llm_layout, self.rank)][mb]
+        n = sum(self.plan.sample(i).llm_tokens for i in ids)
+        cp = self.llm_layout.cp
+        return -(-n // cp) if cp > 1 else n
+
+    def _llm_forward(self, a: Action) -> None:
+        mb = a.microbatch
+        packed, chunk = self._llm_packed(mb)
+        stage = self.modules["llm"]
+        pos = packed.position_ids if chunk is None else packed.position_ids[chunk[0] : chunk[1]]
+        if stage.first:
+            enc_outs = []
+            for module in ("vision", "audio"):
+                positions = getattr(packed, f"{module}_positions")
+                if positions is None or not positions.numel():
+                    continue
+                parts = [self._embedding(module, i) for i in packed.sample_ids if self._has(i, module)]
+                enc_outs.append((positions, torch.cat(parts)))
+            out = stage(packed.input_ids, pos, packed.cu_seqlens, packed.max_seqlen, enc_outs, chunk)
+        else:
+            x = self.state.act_in[mb]
+            if not self.fsdp.get("llm"):  # FSDP's mixed precision casts inputs itself
+                x = x.to(next(stage.parameters()).dtype)
+            out = stage(x, pos, packed.cu_seqlens, packed.max_seqlen)
+        if stage.last:
+            labels = packed.labels if chunk is None else packed.labels[chunk[0] : chunk[1]]
+            ce, _ = text_loss(out, labels)
+            loss = ce / self.global_loss_tokens
+            if self.llm_layout.coords(self.rank)["tp"] == 0:
+                self.state.loss_sum += float(loss.detach())
+            out = loss
+        self.state.act_out[mb] = out
+
+    def _has(self, sample_id: int, module: str) -> bool:
+        return bool(self.plan.sample(sample_id).encoder_seq_lens(module))
+
+    def _embedding(self, module: str, sample_id: int) -> torch.Tensor:
+        st = self.state
+        key = (module, sample_id)
+        if key not in st.emb:
+            # Produced on this rank: a detached leaf, so LLM backward stops at the boundary and
+            # the encoder's backward stays its own action.
+            st.emb[key] = st.emb.pop((module, sample_id, "local")).detach().requires_grad_(True)
+        return st.emb[key]
+
+    def _llm_backward(self, a: Action) -> None:
+        mb = a.microbatch
+        stage = self.modules["llm"]
+        out = self.state.act_out.pop(mb)
+        if self.fsdp.get("llm"):
+            stage.set_requires_gradient_sync(mb == self._last_llm_mb())
+        if stage.last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, self.state.grad_in.pop(mb).to(out.dtype))
+        if stage.first:
+            self._collect_embedding_grads(mb)
+
+    def _last_llm_mb(self) -> int:
+        return max(x.microbatch for x in self.plan.actions[self.rank] if x.kind == BACKWARD and x.module == "llm")
+
+    def _collect_embedding_grads(self, mb: int) -> None:
+        """After stage 0's backward: the encoder outputs' gradients of this microbatch, summed over
+        cp ranks (each saw only its chunk of the row), kept for the primary route's send."""
+        lay = self.llm_layout
+        packed, _ = self.state.packed[mb]
+        keys = [(m, i) for m in ("vision", "audio") for i in packed.sample_ids
+                if m in self.layouts and self._has(i, m)]
+        if not keys:
+            return
+        grads = [self.state.emb[k].grad if self.state.emb[k].grad is not None else torch.zeros_like(self.state.emb[k])
+                 for k in keys]
+        if lay.cp > 1:
+            flat = torch.cat(grads)
+            dist.all_reduce(flat, group=self.groups.get("llm", "cp")[0])
+            grads = list(torch.split(flat, [g.shape[0] for g in grads]))
+        for k, g in zip(keys, grads, strict=True):
+            self.state.emb[k] = g  # the leaf is done with; its gradient goes back along the primary route
+            if self._primary_src(*k) == self.rank:
+                self.state.enc_grad[k] = g
+
+    def _primary_src(self, module: str, sample_id: int) -> int:
+        if not hasattr(self.plan, "_primary"):
+            self.plan._primary = {
+                (r.module, r.sample_id): r.src_rank for r in self.plan.routes if is_primary(r, self.plan.layouts["llm"])
+            }
+        return self.plan._primary[(module, sample_id)]
+
+    # -- point to point -----------------------------------------------------------------------
+    def _send_pipeline(self, a: Action) -> None:
+        # Messages travel in the run's compute dtype, so both sides size their buffers alike.
+        if a.what == "act":
+            t = self.state.act_out[a.microbatch].detach().to(self.dtype).contiguous()
+        else:
+            t = self.state.act_in.pop(a.microbatch).grad.to(self.dtype).contiguous()
+        self.state.pending.append((dist.isend(t, a.peer), t))
+
+    def _recv_pipeline(self, a: Action) -> None:
+        shape = (self._stage_input_tokens(a.microbatch), self.spec.llm.hidden)
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        dist.recv(buf, a.peer)
+        if a.what == "act":
+            self.state.act_in[a.microbatch] = buf.requires_grad_(True)
+        else:
+            self.state.grad_in[a.microbatch] = buf
+
+    def _boundary(self, a: Action) -> None:
+        routes = self._message_routes(a)
+        hidden = self.spec.llm.hidden
+        if a.what == "act" and a.direction == "send":
+            out, ids, tokens = self.state.enc_out[(a.module, a.microbatch)]
+            by_id = dict(zip(ids, torch.split(out.detach(), tokens), strict=True))
+            t = torch.cat([by_id[r.sample_id] for r in routes]).to(self.dtype).contiguous()
+            self.state.pending.append((dist.isend(t, a.peer), t))
+        elif a.what == "act":
+            buf = torch.empty(sum(r.tokens for r in routes), hidden, dtype=self.dtype, device=self.device)
+            dist.recv(buf, a.peer)
+            for r, piece in zip(routes, torch.split(buf, [r.tokens for r in routes]), strict=True):
+                self.state.emb[(a.module, r.sample_id)] = piece.detach().requires_grad_(True)
+        elif a.direction == "send":
+            t = torch.cat([self.state.emb[(a.module, r.sample_id)] for r in routes]).to(self.dtype).contiguous()
+            self.state.pending.append((dist.isend(t, a.peer), t))
+        else:
+            out, _, _ = self.state.enc_out[(a.module, a.microbatch)]
+            buf = torch.empty(sum(r.tokens for r in routes), out.shape[1], dtype=self.dtype, device=self.device)
+            dist.recv(buf, a.peer)
+            for r, piece in zip(routes, torch.split(buf, [r.tokens for r in routes]), strict=True):
+                self.state.enc_grad[(a.module, r.sample_id)] = piece
+
+    def _message_routes(self, a: Action):
+        """The routes one boundary message carries, in sample-id order (both sides agree)."""
+        llm = self.plan.layouts["llm"]
+        if a.direction == "send" and a.what == "act":
+            src, smb, dst, dmb = self.rank, a.microbatch, a.peer, a.peer_microbatch
+        elif a.what == "act":
+            src, smb, dst, dmb = a.peer, a.peer_microbatch, self.rank, a.microbatch
+        elif a.direction == "send":
+            src, smb, dst, dmb = a.peer, a.peer_microbatch, self.rank, a.microbatch
+        else:
+            src, smb, dst, dmb = self.rank, a.microbatch, a.peer, a.peer_microbatch
+        rs = [r for r in self.plan.routes_to(a.module, dst, dmb) if r.src_rank == src and r.src_microbatch == smb]
+        if a.what == "grad":
+            rs = [r for r in rs if is_primary(r, llm)]
+        return sorted(rs, key=lambda r: r.sample_id)
+
+    # -- gradients ------------------------------------------------------------------------------
+    def _grad_sync(self, a: Action) -> None:
+        """FSDP2 reduce-scattered in the last microbatch's backward; without FSDP the gradients are
+        summed here: experts over the ranks holding the same experts, the rest over dp (x cp)."""
+        module = self.modules.get(a.module)
+        if module is None:
+            return
+        dim = "dpcp" if a.module == "llm" else "dp"
+        g, ranks = self.groups.mine.get((a.module, dim), (None, ()))
+        experts = self.expert_params if a.module == "llm" else []
+        expert_ids = {id(p) for p in experts}
+        if not self.fsdp.get(a.module) and len(ranks) > 1:
+            for p in module.parameters():
+                if p.grad is not None and id(p) not in expert_ids:
+                    dist.all_reduce(p.grad, group=g)
+        if experts and not (self.fsdp.get(a.module) and len(self.groups.get("llm", "edp")[1]) > 1):
+            eg, eranks = self.groups.get("llm", "edp")
+            if len(eranks) > 1:
+                for p in experts:
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=eg)
+
+    # -- parameters (parity checks) -----------------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter this rank owns, gathered to full tensors, under the reference model's
+        names; an expert-parallel shard is named `<name>@<first expert>`."""
+        from omnibench.runtime.parallelize import ExpertParallel
+
+        shards = {}
+        for module in self.modules.values():
+            for mname, m in module.named_modules():
+                if isinstance(m, ExpertParallel):
+                    shards[f"{mname}.local."] = m.first_expert
+        out = {}
+        for name, module in self.modules.items():
+            for pname, p in module.named_parameters():
+                t = p.full_tensor() if hasattr(p, "full_tensor") else p
+                ref = _reference_name(name, pname)
+                for prefix, first in shards.items():
+                    if pname.startswith(prefix):
+                        ref = _reference_name(name, pname.replace(".local.", ".")) + f"@{first}"
+                out[ref] = t.detach().to("cpu", torch.float32).clone()
+        return out
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    # foreach=False: the per-tensor path handles DTensor shards of every layout on CPU and GPU.
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=False)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+
+
+def _reference_name(module: str, pname: str) -> str:
+    if module == "llm":
+        return "llm." + pname.removeprefix("llm.")
+    return f"{module}.{pname}"
+
+
+def pad_row(packed: PackedBatch, multiple: int) -> PackedBatch:
+    """Pad a packed row to a multiple of `multiple` tokens with one extra, loss-free sequence."""
+    n = packed.tokens
+    pad = (-n) % multiple
+    if not pad:
+        return packed
+    cat = torch.cat
+    return PackedBatch(
+        input_ids=cat([packed.input_ids, packed.input_ids.new_zeros(pad)]),
+        labels=cat([packed.labels, packed.labels.new_full((pad,), IGNORE_INDEX)]),
+        position_ids=cat([packed.position_ids, torch.arange(pad, dtype=packed.position_ids.dtype)]),
+        cu_seqlens=cat([packed.cu_seqlens, packed.cu_seqlens.new_tensor([n + pad])]),
+        max_seqlen=max(packed.max_seqlen, pad),
+        sample_ids=packed.sample_ids,
+        pixel_patches=packed.pixel_patches,
+        grid_thw=packed.grid_thw,
+        vision_positions=packed.vision_positions,
+        mel=packed.mel,
+        mel_lens=packed.mel_lens,
+        audio_positions=packed.audio_positions,
+    )

@@ -1,0 +1,229 @@
+"""Executing omni's long inputs: one encoder microbatch split over a sequence-parallel group.
+
+The plan marks, per encoder and rank, which encoder microbatches are *long*
+(`plan.options["long_short"]["long_microbatches"]`); every member of the sample's fixed group
+(`plan.options["long_short"]["groups"]`) runs that microbatch together:
+
+- when the sample's attention sequences (vision frame groups, audio 30 s windows) split into k
+  contiguous runs of whole sequences within 25% of an even share, each member takes one run and
+  the blocks need no exchange at all (attention never crosses a sequence);
+- otherwise (one sequence dominates) each member embeds a contiguous 1/k of the positions (padded
+  to a multiple of k with one extra, isolated attention sequence whose outputs are dropped) and
+  every block's attention core is wrapped in Ulysses (omnibench.runtime.parallelize.
+  UlyssesAttention: all-to-all to whole sequence x 1/k heads, the usual varlen core over the full
+  cu_seqlens, all-to-all back), so the result is exact either way;
+- the chunks are all-gathered (autograd-aware: the backward hands each member its chunk's
+  gradient) and the group's first rank, the route source in the plan, finishes the module
+  (vision: the 2x2 merger runs per chunk, as merge windows never straddle a chunk; audio: pool,
+  norm and projector on the gathered sequence, run by every member so all hold gradients for all
+  parameters) and sends the outputs across the boundary.
+
+Backward needs no special path: the executor's encoder backward runs `backward(out, grad)` with
+the routed gradient on the first rank and zeros on the others, which walks the same collectives
+in reverse on every member. Encoder parameters are replicated (omni's encoder layout has
+fsdp=False), so the members' partial gradients add up in grad_sync's all-reduce.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_gather
+
+from omnibench.models.inputs import pack, synthesize
+from omnibench.models.vision import vision_cu_seqlens, vision_position_ids, vision_rope
+from omnibench.runtime.parallelize import UlyssesAttention
+from omnibench.specs.costs import audio_windows
+from systems.common import encoder_tokens
+
+
+class LongShortRuntime:
+    """Process groups of the long-input groups, built once (collectively, on every rank)."""
+
+    def __init__(self, plan, rank: int, timeout):
+        cfg = plan.options.get("long_short", {})
+        self.rank = rank
+        self.groups: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+        self.layout = {m: [tuple(g) for g in gs] for m, gs in cfg.get("groups", {}).items()}
+        for module in sorted(self.layout):
+            for ranks in self.layout[module]:
+                g = dist.new_group(list(ranks), timeout=timeout)
+                if rank in ranks:
+                    self.groups[module] = (g, ranks)
+
+    @staticmethod
+    def create(plan, rank: int, timeout) -> LongShortRuntime | None:
+        return LongShortRuntime(plan, rank, timeout) if plan.options.get("long_short", {}).get("groups") else None
+
+    def handles(self, plan, module: str, microbatch: int) -> bool:
+        cfg = plan.options.get("long_short", {})
+        long = cfg.get("long_microbatches", {}).get(module, {}).get(str(self.rank), ())
+        if microbatch not in long:
+            return False
+        step_groups = [tuple(g) for g in cfg.get("groups", {}).get(module, [])]
+        if step_groups != self.layout.get(module):
+            raise RuntimeError(f"step {plan.step}: {module} long-input groups changed; the runtime builds them once")
+        return True
+
+    def forward(self, ex, a) -> None:
+        module, mb = a.module, a.microbatch
+        ids = ex._enc_microbatch(module, mb)
+        if len(ids) != 1:
+            raise RuntimeError(f"{module} long microbatch {mb} on rank {self.rank} holds {len(ids)} samples, not 1")
+        group, ranks = self.groups[module]
+        k, c = len(ranks), ranks.index(self.rank)
+        leader = c == 0
+        sample = ex.plan.sample(ids[0])
+        packed = pack([synthesize(sample, ex.spec)]).to(ex.device)
+        enc = ex.modules[module]
+        if module == "vision":
+            out = vision_forward_sp(enc, packed.pixel_patches, packed.grid_thw, group, k, c)
+        else:
+            out = audio_forward_sp(enc, packed.mel, packed.mel_lens, group, k, c)
+        if leader:
+            tokens = encoder_tokens(sample, module)
+            if out.shape[0] != tokens:
+                raise RuntimeError(f"{module} sample {ids[0]}: {out.shape[0]} output tokens, plan expects {tokens}")
+            ex.state.enc_out[(module, mb)] = (out, [ids[0]], [tokens])
+            ex.state.emb[(module, ids[0], "local")] = out
+        else:
+            ex.state.enc_out[(module, mb)] = (out, [], [])  # backward: zeros through the same collectives
+
+
+@contextmanager
+def ulysses(enc, group, k: int):
+    cores = {name: layer.attention.core for name, layer in enc.layers.items()}
+    try:
+        for name, layer in enc.layers.items():
+            layer.attention.core = UlyssesAttention(cores[name], group, k)
+        yield
+    finally:
+        for name, layer in enc.layers.items():
+            layer.attention.core = cores[name]
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    return torch.cat(all_gather(x.contiguous(), group=group))
+
+
+def split_whole_sequences(lengths: list[int], k: int, slack: float = 1.25) -> list[tuple[int, int]] | None:
+    """Contiguous runs of whole attention sequences, one per member, or None when the most loaded
+    run would exceed `slack` x an even share (then Ulysses splits inside the sequences)."""
+    total = sum(lengths)
+    if k <= 1 or total == 0:
+        return None
+    bounds, start, acc = [], 0, 0
+    for c in range(k - 1):
+        target = total * (c + 1) / k
+        end = start
+        while end < len(lengths) and abs(acc + lengths[end] - target) <= abs(acc - target):
+            acc += lengths[end]
+            end += 1
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, len(lengths)))
+    runs = [sum(lengths[a:b]) for a, b in bounds]
+    return bounds if max(runs) <= slack * total / k else None
+
+
+def _gather_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """All-gather rows of unequal counts (padded to the largest), in member order."""
+    most = max(sizes)
+    padded = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])]) if x.shape[0] < most else x
+    parts = all_gather(padded.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+
+def vision_forward_sp(enc, patches: torch.Tensor, grid_thw: torch.Tensor, group, k: int, c: int) -> torch.Tensor:
+    spec = enc.spec
+    window = spec.merge**2
+    grid = grid_thw.long()
+    cos, sin = vision_rope(vision_position_ids(grid, spec.merge), spec.hidden // spec.heads)
+    cu, max_seqlen = vision_cu_seqlens(grid)
+    n = patches.shape[0]
+    lengths = [h * w for t, h, w in grid.tolist() for _ in range(t)]
+    runs = split_whole_sequences(lengths, k)
+    if runs is not None:
+        # The frame groups split evenly: each member attends over whole groups of its own, with no
+        # exchange inside the blocks (attention never crosses a group).
+        offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        lo, hi = offsets[runs[c][0]], offsets[runs[c][1]]
+        mine = lengths[runs[c][0] : runs[c][1]]
+        local_cu = F.pad(torch.tensor(mine, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(patches.device)
+        h = enc.patch_embed(patches[lo:hi])
+        cs, sn = cos[lo:hi].to(h.device), sin[lo:hi].to(h.device)
+        for layer in enc.layers.values():
+            h = layer(h, cs, sn, local_cu, max(mine, default=0))
+        sizes = [(offsets[b] - offsets[a]) // window for a, b in runs]
+        return _gather_uneven(enc.merger(h), sizes, group)
+    pad = (-n) % (k * window)
+    if pad:  # one isolated extra sequence, so every member holds the same number of whole merge windows
+        patches = torch.cat([patches, patches.new_zeros(pad, patches.shape[1])])
+        cos = torch.cat([cos, cos.new_ones(pad, cos.shape[1])])
+        sin = torch.cat([sin, sin.new_zeros(pad, sin.shape[1])])
+        cu = torch.cat([cu, cu.new_tensor([n + pad])])
+        max_seqlen = max(max_seqlen, pad)
+    per = (n + pad) // k
+    lo, hi = c * per, (c + 1) * per
+    cu = cu.to(patches.device)
+    h = enc.patch_embed(patches[lo:hi])
+    cos, sin = cos[lo:hi].to(h.device), sin[lo:hi].to(h.device)
+    with ulysses(enc, group, k):
+        for layer in enc.layers.values():
+            h = layer(h, cos, sin, cu, max_seqlen)
+    return _gather(enc.merger(h), group)[: n // window]
+
+
+def audio_forward_sp(enc, mel: torch.Tensor, mel_lens, group, k: int, c: int) -> torch.Tensor:
+    spec = enc.spec
+    lens = [int(x) for x in (mel_lens.tolist() if torch.is_tensor(mel_lens) else mel_lens)]
+    x = mel.to(enc.conv1.weight.dtype)
+    feats = []
+    for seg in torch.split(x, lens, dim=0):
+        if seg.shape[0] < 2:
+            continue
+        # The convs are cheap next to the blocks: every member runs them over the whole input and
+        # keeps its chunk (its gradient then reaches only the chunk's positions).
+        h = F.gelu(enc.conv1(seg.t().unsqueeze(0)))
+        feats.append(F.gelu(enc.conv2(h))[0].t()[: seg.shape[0] // 2])
+    windows = audio_windows(lens, spec.max_positions)
+    h = torch.cat(feats)
+    table = _sinusoids(spec.max_positions, spec.hidden, h.device).to(h.dtype)
+    h = h + table[torch.cat([torch.arange(w, device=h.device) for w in windows])]
+    n = h.shape[0]
+    runs = split_whole_sequences(windows, k)
+    if runs is not None:  # whole 30 s windows per member: no exchange inside the blocks
+        offsets = [0, *torch.tensor(windows).cumsum(0).tolist()]
+        mine = windows[runs[c][0] : runs[c][1]]
+        part = h[offsets[runs[c][0]] : offsets[runs[c][1]]]
+        local_cu = F.pad(torch.tensor(mine, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(h.device)
+        for layer in enc.layers.values():
+            part = layer(part, local_cu, max(mine, default=0))
+        full = _gather_uneven(part, [offsets[b] - offsets[a] for a, b in runs], group)
+    else:
+        pad = (-n) % k
+        seqs = list(windows) + ([pad] if pad else [])
+        if pad:
+            h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+        cu = F.pad(torch.tensor(seqs, device=h.device).cumsum(0, dtype=torch.int32), (1, 0))
+        per = (n + pad) // k
+        part = h[c * per : (c + 1) * per]
+        with ulysses(enc, group, k):
+            for layer in enc.layers.values():
+                part = layer(part, cu, max(seqs))
+        full = _gather(part, group)[:n]
+    # Every member finishes the module (cheap) so every member's head parameters get a gradient,
+    # zero except on the first rank, and grad_sync's all-reduce sees the same tensors everywhere.
+    starts = F.pad(torch.tensor(windows).cumsum(0), (1, 0))[:-1].tolist()
+    keep = torch.cat([torch.arange(s, s + (w // spec.pool) * spec.pool) for s, w in zip(starts, windows, strict=True)])
+    pooled = full[keep.to(full.device)].view(-1, spec.pool, full.shape[-1]).mean(dim=1)
+    return enc.projector(enc.norm(pooled))
+
+
+def _sinusoids(length: int, channels: int, device):
+    from omnibench.models.audio import sinusoids
+
+    return sinusoids(length, channels, device=device)

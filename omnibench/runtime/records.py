@@ -1,0 +1,100 @@
+"""Record folders: written under `<dir>.incomplete`, renamed to `<dir>` only when complete.
+
+An interrupted run therefore never looks finished: its folder keeps the `.incomplete` suffix.
+Contents: config.json (the resolved RunSpec and model), plan_step0.json (the first step's Plan),
+steps.jsonl (per-step metrics), summary.json, trace.json (Chrome/Perfetto: one track per rank,
+one span per action), progress.jsonl (written while running).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+INCOMPLETE = ".incomplete"
+
+
+def new_run_dir(out: str, system: str, workload: str) -> str:
+    """The final folder name; the run writes into `<it>.incomplete` until it finishes."""
+    if out:
+        return os.path.abspath(out)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(os.path.join("results", "runs", f"{stamp}-{system}-{workload}"))
+
+
+def start(final_dir: str) -> str:
+    if os.path.exists(final_dir):
+        raise FileExistsError(f"out: {final_dir} already exists")
+    work = final_dir + INCOMPLETE
+    os.makedirs(work, exist_ok=True)
+    return work
+
+
+def progress(work_dir: str, step: int, steps: int, loss: float, step_time: float) -> None:
+    with open(os.path.join(work_dir, "progress.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "steps": steps, "loss": loss, "step_time_s": step_time}) + "\n")
+
+
+def _write(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def finish(work_dir: str, spec, model, plan, gathered: list[dict], device, dtype) -> None:
+    """Rank 0 after the last step: metrics, trace and config (the launcher renames the folder)."""
+    from omnibench.runtime.metrics import peak_tflops, step_metrics
+
+    world = len(gathered)
+    spans = {g["rank"]: g["spans"] for g in gathered}
+    peak = peak_tflops(device)
+    steps = [step_metrics(s, spans, world, peak) for s in gathered[0]["steps"]]
+    for s in steps:
+        s["peak_memory_bytes"] = max(g["steps"][s["step"]]["peak_memory_bytes"] for g in gathered)
+    with open(os.path.join(work_dir, "steps.jsonl"), "w") as f:
+        for s in steps:
+            f.write(json.dumps(s) + "\n")
+    timed = steps[1:] or steps  # the first step pays one-time costs (allocations, warm-up)
+    summary = {
+        "system": spec.system, "workload": spec.workload, "model": model.name, "world_size": world,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "steps": len(steps),
+        "final_loss": steps[-1]["loss"],
+        "mean_step_time_s": sum(s["step_time_s"] for s in timed) / len(timed),
+        "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["step_time_s"] for s in timed),
+        "peak_tflops_per_gpu": peak,
+        "flop_formula": "omnibench.specs.costs.batch_flops: exact matmul FLOPs per module, fwd+bwd, "
+        "attention per real packed sequence",
+        "notes": sorted({n for g in gathered for n in g["notes"]}),
+        "timed_steps": "all but the first" if len(steps) > 1 else "all",
+    }
+    summary["tokens_per_s_per_gpu"] = summary["tokens_per_s"] / world
+    for k in ("tflops_per_gpu", "bubble_fraction", "exposed_comm_fraction"):
+        summary[k] = sum(s[k] for s in timed) / len(timed)
+    summary["mfu"] = summary["tflops_per_gpu"] / peak if peak else None
+    summary["peak_memory_bytes"] = max(s["peak_memory_bytes"] for s in steps)
+    _write(os.path.join(work_dir, "summary.json"), summary)
+    _write(os.path.join(work_dir, "config.json"), {"run": spec.to_dict(), "model": asdict(model)})
+    with open(os.path.join(work_dir, "plan_step0.json"), "w") as f:
+        f.write(plan.to_json())
+    _write(os.path.join(work_dir, "trace.json"), chrome_trace(spans))
+
+
+def chrome_trace(spans_by_rank: dict[int, list[dict]]) -> dict:
+    events = []
+    for rank, spans in sorted(spans_by_rank.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        for s in spans:
+            events.append({
+                "name": s["name"], "cat": s["kind"], "ph": "X", "pid": 0, "tid": rank,
+                "ts": s["start"] * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
+                "args": {"step": s["step"], "module": s["module"]},
+            })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def complete(work_dir: str) -> str:
+    final = work_dir.removesuffix(INCOMPLETE)
+    os.replace(work_dir, final)
+    return final

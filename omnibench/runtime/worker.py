@@ -1,0 +1,131 @@
+"""What every rank runs: set up the process group, plan each step, execute it, report metrics.
+
+Rank 0 gathers every rank's trace and step figures and writes the record folder; the folder only
+loses its `.incomplete` suffix once everything is written (records.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from omnibench.plan import Plan
+from omnibench.runtime import metrics, records
+from omnibench.runtime.executor import Executor
+from omnibench.runtime.launch import batch_source, parallel_spec
+from omnibench.specs.model import MultimodalSpec
+from omnibench.specs.run import RunSpec
+from systems import get_planner
+from systems.common import data_rank
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by --inject-failure (tests of failure handling)."""
+
+
+def loss_tokens(plan: Plan, model: MultimodalSpec, rank: int) -> int:
+    """This rank's share of the step's loss tokens (LLM data ranks count their samples)."""
+    from omnibench.models.inputs import synthesize
+    from omnibench.models.loss import IGNORE_INDEX
+
+    lay = plan.layouts["llm"]
+    if rank not in lay.ranks or data_rank(lay, rank) != rank:
+        return 0
+    n = 0
+    for mb in plan.assignment["llm"][rank]:
+        for i in mb:
+            n += int((synthesize(plan.sample(i), model).labels != IGNORE_INDEX).sum())
+    return n
+
+
+def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device(spec.extra["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(int(spec.extra.get("threads", 1)))
+    dtype = torch.bfloat16 if spec.extra["dtype"] == "bf16" else torch.float32
+    timeout = timedelta(seconds=spec.timeout_s)
+    dist.init_process_group(spec.extra["backend"], rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    planner = get_planner(spec.system)
+    parallel = parallel_spec(spec, world)
+    next_batch = batch_source(spec)
+    plans = [planner.plan(model, parallel, next_batch(0))]
+    ex = Executor(model, plans[0], rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer)
+    fail_rank, fail_step = (int(x) for x in spec.inject_failure.split(":")) if spec.inject_failure else (-1, -1)
+    steps = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(spec.steps):
+        plan = plans[0] if step == 0 else planner.plan(model, parallel, next_batch(step))
+        if plan.layouts != plans[0].layouts:
+            raise RuntimeError(f"step {step}: the planner changed layouts between steps; the runtime builds them once")
+        counts = torch.tensor([loss_tokens(plan, model, rank)], dtype=torch.float64, device=device)  # NCCL: on GPU
+        dist.all_reduce(counts)
+        if rank == fail_rank and step == fail_step:
+            raise InjectedFailure(f"injected failure on rank {rank} at step {step}")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = ex.run_step(plan, int(counts.item()), t0)
+        end = time.perf_counter()
+        figures = torch.tensor([loss, end - start], dtype=torch.float64, device=device)
+        loss_t, time_t = figures[:1].clone(), figures[1:].clone()
+        dist.all_reduce(loss_t)
+        dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
+        figures = torch.cat([loss_t, time_t]).cpu()
+        steps.append({"step": step, "loss": float(figures[0]), "step_time_s": float(figures[1]),
+                      "start_s": start - t0, "peak_memory_bytes": metrics.peak_memory(device),
+                      "loss_tokens": int(counts.item()), **metrics.batch_figures(model, plan),
+                      "plan": {"options": plan.options, **plan.notes}})
+        if rank == 0:
+            records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]))
+    params = ex.full_parameters() if spec.dump_params else None
+    mine = {"rank": rank, "spans": [s.__dict__ for s in ex.spans], "steps": steps, "notes": ex.notes}
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if params is not None:
+        torch.save(params, os.path.join(run_dir, f"params_rank{rank}.pt"))
+    if rank == 0:
+        records.finish(run_dir, spec, model, plans[0], gathered, device, dtype)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(spec_json: str, run_dir: str) -> None:
+    """Entry of one rank process (also under torchrun); errors go to run_dir/errors/rank<r>.txt."""
+    spec = RunSpec.from_dict(json.loads(spec_json))
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        from omnibench.specs.presets import get_model
+
+        run_rank(spec, get_model(spec.model), run_dir)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher once
+        os.makedirs(os.path.join(run_dir, "errors"), exist_ok=True)
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        path = os.path.join(run_dir, "errors", f"rank{rank}.txt")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{time.time()}\n{text}")
+        os.replace(path + ".tmp", path)
+        if os.environ.get("OMNIBENCH_LAUNCHER") != "1":
+            print(f"[rank {rank}] {text}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo threads can outlive interpreter shutdown and abort it (REFERENCE.md): leave now.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

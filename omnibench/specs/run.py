@@ -1,0 +1,72 @@
+"""RunSpec: everything one `omnibench run` needs, validated once at the edge (no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from omnibench.specs.model import SpecError
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class RunSpec:
+    system: str
+    workload: str = "mixed_video"
+    model: str = ""  # preset name; "" = tiny-omni on CPU, a real preset on CUDA
+    nproc: int = 0  # 0: 2 on CPU, every GPU on CUDA
+    steps: int = 5
+    seed: int = 0
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    microbatches: int = 0
+    encoder_tp: int = 0
+    encoder_ranks: int = 0
+    fsdp: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    lr: float = 1e-3
+    optimizer: str = "adamw"  # "adamw" | "sgd"
+    global_batch_tokens: int = 0  # 0: a size that keeps steps short on the device
+    length_scale: float = 0.0  # 0: device default (CPU shrinks samples)
+    max_sample_tokens: int = 0
+    batches_file: str = ""  # JSON list of Batch dicts to replay instead of the workload stream
+    out: str = ""  # record folder; "" = results/runs/<timestamp>-<system>-<workload>
+    timeout_s: float = 120.0  # every process group's timeout
+    dump_params: bool = False  # write full parameters after the last step (parity tests)
+    inject_failure: str = ""  # "rank:step": that rank raises at that step (failure tests)
+    options: dict = field(default_factory=dict)  # system switches (ParallelSpec.options), e.g. omni ablations
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for name in ("steps", "tp", "pp", "cp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise SpecError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("nproc", "dp", "microbatches", "encoder_tp", "encoder_ranks", "global_batch_tokens"):
+            if getattr(self, name) < 0:
+                raise SpecError(f"{name} must be >= 0 (0 = default), got {getattr(self, name)!r}")
+        if self.device not in DEVICES:
+            raise SpecError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise SpecError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
+        if self.lr <= 0:
+            raise SpecError(f"lr must be > 0, got {self.lr}")
+        if self.timeout_s <= 0:
+            raise SpecError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.inject_failure and len(self.inject_failure.split(":")) != 2:
+            raise SpecError(f"inject_failure must be 'rank:step', got {self.inject_failure!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> RunSpec:
+        return RunSpec(**d)

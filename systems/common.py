@@ -1,0 +1,432 @@
+"""Planning pieces every baseline shares (and `omni` can reuse): layouts, data assignment,
+1F1B schedules, boundary routes and the actions that move tensors. No tensors here.
+
+Conventions the runtime and the simulator rely on
+- The LLM's *data rank* of a data-parallel group is its rank at (pp=0, cp=0, tp=0);
+  `Plan.assignment["llm"]` is keyed by data ranks only (every sample exactly once). Every other
+  rank of the group (other stages, cp and tp peers) runs the same microbatches.
+- An encoder's data rank is its rank at (sp=0, tp=0) of an encoder dp index; encoder microbatches
+  may be empty tuples (the runtime then runs a dummy forward so the module's collectives stay in
+  step); every encoder rank runs the same number of encoder microbatches.
+- Routes: one per (sample, consuming LLM rank); the consumers are the pp=0 ranks of the sample's
+  data group (every cp and tp rank needs the embeddings). The source is the consumer itself when
+  that rank computed the output (no transfer), else the encoder data rank (the tp leader).
+- Gradients cross the boundary back only along each sample's *primary* route, the one to the
+  consumer at cp=0, tp=0, whose source is always the encoder data rank; the encoder's tp peers
+  get the gradient by broadcast inside encoder backward. On the LLM side the primary consumer
+  holds the full gradient (tp peers hold identical copies; cp shards are summed inside LLM backward).
+- Boundary messages group all routes of one (src, src microbatch, dst, dst microbatch) in
+  sample-id order; senders post them right after the encoder forward, receivers right before the
+  LLM forward that needs them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from omnibench.plan import (
+    BACKWARD,
+    BOUNDARY,
+    FORWARD,
+    GRAD_SYNC,
+    OPTIMIZER_STEP,
+    RECV,
+    SEND,
+    Action,
+    Layout,
+    Plan,
+    PlanError,
+    Route,
+)
+from omnibench.specs.model import MultimodalSpec
+from omnibench.specs.parallel import ParallelSpec
+from workloads.sample import Batch, Sample
+
+# ----------------------------------------------------------------------------------- layouts
+
+
+def llm_layout(parallel: ParallelSpec, ranks: Sequence[int]) -> Layout:
+    """The LLM's layout over `ranks` (mesh order pp, dp, cp, tp), dp filled from what is left."""
+    per = parallel.tp * parallel.pp * parallel.cp
+    n = len(ranks)
+    if n % per:
+        raise PlanError(f"tp*pp*cp = {per} does not divide the {n} ranks the LLM gets")
+    dp = parallel.dp or n // per
+    if dp * per != n:
+        raise PlanError(
+            f"dp: dp*tp*pp*cp = {dp}*{parallel.tp}*{parallel.pp}*{parallel.cp} = {dp * per} "
+            f"but the LLM gets {n} ranks"
+        )
+    if (dp * parallel.cp) % parallel.ep:
+        raise PlanError(f"ep={parallel.ep} must divide dp*cp = {dp * parallel.cp} (experts spread over data ranks)")
+    return Layout(
+        "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp
+    )
+
+
+def stage_of(layout: Layout, rank: int) -> int:
+    return layout.coords(rank)["pp"]
+
+
+def data_rank(layout: Layout, rank: int) -> int:
+    """The rank holding the assignment of `rank`'s data group (LLM: pp=cp=tp=0; encoders: sp=tp=0)."""
+    c = layout.coords(rank)
+    if layout.module == "llm":
+        return layout.rank_at(pp=0, dp=c["dp"], cp=0, tp=0)
+    return layout.rank_at(dp=c["dp"], sp=0, tp=0)
+
+
+def data_ranks(layout: Layout) -> list[int]:
+    if layout.module == "llm":
+        return [layout.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(layout.dp)]
+    return [layout.rank_at(dp=d, sp=0, tp=0) for d in range(layout.dp)]
+
+
+def consumers(layout: Layout, dp_index: int) -> list[int]:
+    """The LLM ranks that need a data group's embeddings: stage 0, every cp and tp rank."""
+    return [layout.rank_at(pp=0, dp=dp_index, cp=c, tp=t) for c in range(layout.cp) for t in range(layout.tp)]
+
+
+def encoder_layout(module: str, ranks: Sequence[int], tp: int = 1, sp: int = 1, fsdp: bool = True) -> Layout:
+    n = len(ranks)
+    if n % (tp * sp):
+        raise PlanError(f"encoder_tp*encoder_sp = {tp * sp} does not divide the {n} ranks {module} gets")
+    return Layout(module, tuple(ranks), dp=n // (tp * sp), tp=tp, sp=sp, fsdp=fsdp)
+
+
+# ---------------------------------------------------------------------------- data assignment
+
+
+def balance(items: Iterable[tuple[int, float]], bins: int) -> list[list[int]]:
+    """Longest-processing-time greedy split of (id, cost) into `bins` bins; deterministic.
+
+    Ties break on id and bin index so every system gets the same split of the same batch.
+    Each bin lists its ids in ascending order.
+    """
+    heap = [(0.0, 0, k) for k in range(bins)]  # (load, items, bin): a heap keeps 1,024-way splits fast
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for i, cost in sorted(items, key=lambda x: (-x[1], x[0])):
+        load, n, b = heapq.heappop(heap)
+        out[b].append(i)
+        heapq.heappush(heap, (load + cost, n + 1, b))
+    return [sorted(b) for b in out]
+
+
+def default_microbatches(parallel: ParallelSpec) -> int:
+    if parallel.microbatches:
+        return parallel.microbatches
+    return 2 * parallel.pp if parallel.pp > 1 else 1
+
+
+def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[list[tuple[int, ...]]]:
+    """Split the global batch over `dp` data groups (balanced by LLM tokens), then each group's
+    samples into microbatches (balanced again). Every group gets the same number of microbatches,
+    at most its sample count, so data-parallel collectives stay in step."""
+    if len(batch.samples) < dp:
+        raise PlanError(f"batch: {len(batch.samples)} samples cannot feed dp={dp} data-parallel ranks")
+    groups = balance(((s.sample_id, s.llm_tokens) for s in batch.samples), dp)
+    tokens = {s.sample_id: s.llm_tokens for s in batch.samples}
+    m = min(microbatches, min(len(g) for g in groups))
+    if m < pp:
+        raise PlanError(
+            f"microbatches: only {m} microbatch(es) per data rank fit this batch but pp={pp} needs >= {pp}; "
+            "use a larger batch or fewer stages"
+        )
+    return [[tuple(mb) for mb in balance(((i, tokens[i]) for i in g), m)] for g in groups]
+
+
+def encoder_samples(batch: Batch, samples: Iterable[int], module: str) -> list[Sample]:
+    by_id = {s.sample_id: s for s in batch.samples}
+    return [by_id[i] for i in samples if by_id[i].encoder_seq_lens(module)]
+
+
+def encoder_cost(sample: Sample, module: str) -> float:
+    # Linear in positions plus the attention term; only relative sizes matter for balancing.
+    lens = sample.encoder_seq_lens(module)
+    return float(sum(n + n * n / 4096 for n in lens))
+
+
+def encoder_tokens(sample: Sample, module: str) -> int:
+    """LLM tokens one sample's outputs of an encoder occupy (what crosses the boundary)."""
+    return sum(seg.llm_tokens for seg in sample.segments if seg.encoder == module)
+
+
+# ------------------------------------------------------------------------------------ routes
+
+
+def make_routes(
+    module: str,
+    batch: Batch,
+    llm: Layout,
+    llm_mbs: list[list[tuple[int, ...]]],
+    enc: Layout,
+    enc_mbs: dict[int, list[tuple[int, ...]]],
+) -> list[Route]:
+    """Routes for one encoder given where each sample is encoded (enc_mbs: encoder data rank ->
+    microbatches) and consumed (llm_mbs: per LLM dp index)."""
+    where: dict[int, tuple[int, int]] = {}
+    for src, mbs in enc_mbs.items():
+        for j, mb in enumerate(mbs):
+            for i in mb:
+                where[i] = (src, j)
+    by_id = {s.sample_id: s for s in batch.samples}
+    routes = []
+    for d, mbs in enumerate(llm_mbs):
+        dsts = consumers(llm, d)
+        for j, mb in enumerate(mbs):
+            for i in mb:
+                if i not in where:
+                    continue
+                src, src_mb = where[i]
+                producers = enc.group(src, "tp")
+                for dst in dsts:
+                    primary = dst == dsts[0]
+                    s = dst if (dst in producers and not primary) else src
+                    routes.append(Route(module, i, s, src_mb, dst, j, encoder_tokens(by_id[i], module)))
+    return routes
+
+
+def is_primary(route: Route, llm: Layout) -> bool:
+    c = llm.coords(route.dst_rank)
+    return c["cp"] == 0 and c["tp"] == 0
+
+
+def _messages(routes: Iterable[Route]) -> dict[tuple[int, int, int, int], list[Route]]:
+    out: dict[tuple[int, int, int, int], list[Route]] = defaultdict(list)
+    for r in routes:
+        if r.src_rank != r.dst_rank:
+            out[(r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)].append(r)
+    return out
+
+
+class BoundaryIndex:
+    """Boundary messages of a plan's routes, indexed for emitting actions in O(1) per lookup."""
+
+    def __init__(self, routes: list[Route], llm: Layout):
+        self.act_out: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
+        self.act_in: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
+        self.grad_out: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
+        self.grad_in: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
+        by_module: dict[str, list[Route]] = defaultdict(list)
+        for r in routes:
+            by_module[r.module].append(r)
+        for module, rs in by_module.items():
+            for (src, smb, dst, dmb) in sorted(_messages(rs)):
+                self.act_out[(module, src, smb)].append((dst, dmb))
+                self.act_in[(module, dst, dmb)].append((src, smb))
+            for (src, smb, dst, dmb) in sorted(_messages(r for r in rs if is_primary(r, llm))):
+                self.grad_out[(module, dst, dmb)].append((src, smb))
+                self.grad_in[(module, src, smb)].append((dst, dmb))
+        for d in (self.act_in, self.grad_out):
+            for k in d:
+                d[k].sort(key=lambda x: (x[1], x[0]))
+
+    def send_acts(self, module: str, rank: int, mb: int) -> list[Action]:
+        return [
+            Action(BOUNDARY, module, mb, what="act", peer=dst, direction="send", peer_microbatch=dmb)
+            for dst, dmb in self.act_out.get((module, rank, mb), [])
+        ]
+
+    def recv_acts(self, module: str, rank: int, mb: int) -> list[Action]:
+        return [
+            Action(BOUNDARY, module, mb, what="act", peer=src, direction="recv", peer_microbatch=smb)
+            for src, smb in self.act_in.get((module, rank, mb), [])
+        ]
+
+    def send_grads(self, module: str, rank: int, mb: int) -> list[Action]:
+        return [
+            Action(BOUNDARY, module, mb, what="grad", peer=src, direction="send", peer_microbatch=smb)
+            for src, smb in self.grad_out.get((module, rank, mb), [])
+        ]
+
+    def recv_grads(self, module: str, rank: int, mb: int) -> list[Action]:
+        return [
+            Action(BOUNDARY, module, mb, what="grad", peer=dst, direction="recv", peer_microbatch=dmb)
+            for dst, dmb in self.grad_in.get((module, rank, mb), [])
+        ]
+
+
+# ---------------------------------------------------------------------------------- schedules
+
+
+def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """Non-interleaved 1F1B order of one stage: warm-up forwards, steady 1F1B, cool-down backwards."""
+    warmup = min(stages - stage - 1, microbatches)
+    order: list[tuple[str, int]] = [("F", j) for j in range(warmup)]
+    f, b = warmup, 0
+    while f < microbatches:
+        order.append(("F", f))
+        f += 1
+        order.append(("B", b))
+        b += 1
+    order += [("B", j) for j in range(b, microbatches)]
+    return order
+
+
+def llm_stage_actions(
+    llm: Layout, rank: int, microbatches: int, before_forward=None, after_backward=None
+) -> list[Action]:
+    """1F1B actions of one LLM rank with its pipeline sends/recvs; hooks add per-microbatch
+    actions around stage 0's compute (encoder work, boundary transfers)."""
+    c = llm.coords(rank)
+    s, p = c["pp"], llm.pp
+    prev = llm.rank_at(**{**c, "pp": s - 1}) if s > 0 else -1
+    nxt = llm.rank_at(**{**c, "pp": s + 1}) if s < p - 1 else -1
+    out: list[Action] = []
+    for kind, j in one_f_one_b(s, p, microbatches):
+        if kind == "F":
+            if before_forward is not None and s == 0:
+                out += before_forward(j)
+            if prev >= 0:
+                out.append(Action(RECV, "llm", j, s, "act", prev))
+            out.append(Action(FORWARD, "llm", j, s))
+            if nxt >= 0:
+                out.append(Action(SEND, "llm", j, s, "act", nxt))
+        else:
+            if nxt >= 0:
+                out.append(Action(RECV, "llm", j, s, "grad", nxt))
+            out.append(Action(BACKWARD, "llm", j, s))
+            if prev >= 0:
+                out.append(Action(SEND, "llm", j, s, "grad", prev))
+            if after_backward is not None and s == 0:
+                out += after_backward(j)
+    return out
+
+
+def step_tail(modules: Iterable[str]) -> list[Action]:
+    return [Action(GRAD_SYNC, m) for m in modules] + [Action(OPTIMIZER_STEP, "all")]
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def check_p2p_order(plan: Plan) -> None:
+    """Every ordered pair of ranks must post its messages (pipeline and boundary) in the same order
+    on both sides: NCCL matches point-to-point messages first-in first-out per pair."""
+    sent: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    got: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    for rank, acts in plan.actions.items():
+        for a in acts:
+            if a.kind == SEND:
+                sent[(rank, a.peer)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
+            elif a.kind == RECV:
+                got[(a.peer, rank)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
+            elif a.kind == BOUNDARY and a.direction == "send":
+                sent[(rank, a.peer)].append(("boundary", a.module, a.what, a.microbatch, a.peer_microbatch))
+            elif a.kind == BOUNDARY and a.direction == "recv":
+                got[(a.peer, rank)].append(("boundary", a.module, a.what, a.peer_microbatch, a.microbatch))
+    for pair in set(sent) | set(got):
+        if sent.get(pair, []) != got.get(pair, []):
+            raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
+
+
+def resolve_common(model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> None:
+    parallel.validate(model)
+    if not batch.samples:
+        raise PlanError("batch: a step needs at least one sample")
+    encoders = model.encoders
+    for s in batch.samples:
+        for seg in s.segments:
+            if seg.encoder is not None and seg.encoder not in encoders:
+                raise PlanError(
+                    f"model: {model.name} has no {seg.encoder} encoder for the batch's {seg.modality} samples; "
+                    f"pick a model with one (e.g. tiny-omni) or a workload without {seg.modality}"
+                )
+
+
+def notes_for(plan: Plan) -> dict:
+    """Figures a person reads first: per LLM data rank tokens, per encoder rank positions."""
+    per_rank: dict[str, list[int]] = {}  # str keys: notes must survive a JSON round trip
+    for r, mbs in plan.assignment.get("llm", {}).items():
+        per_rank[str(r)] = [sum(plan.sample(i).llm_tokens for i in mb) for mb in mbs]
+    return {"llm_tokens_per_microbatch": per_rank}
+
+
+# ------------------------------------------------------------------------ plan assembly
+
+
+def active_encoders(model: MultimodalSpec, batch: Batch) -> list[str]:
+    """Encoders with work in this batch (an idle encoder gets a layout but no actions)."""
+    return [m for m in model.encoders if any(s.encoder_seq_lens(m) for s in batch.samples)]
+
+
+def plan_encoders_in_stage0(
+    system: str, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, encoder_tp: int
+) -> Plan:
+    """Encoders run on the LLM's pipeline-stage-0 ranks, per LLM microbatch, just before it.
+
+    Each LLM data group's microbatch j is encoded by the group's stage-0 ranks: split over its
+    cp (and, when encoder_tp < LLM tp, tp) ranks as extra encoder data parallelism, encoder tp
+    peers computing together. Shared by homogeneous (encoder_tp = LLM tp) and temporal
+    (encoder_tp = 1, pp = 1).
+    """
+    resolve_common(model, parallel, batch)
+    world = parallel.world_size
+    llm = llm_layout(parallel, range(world))
+    if llm.tp % encoder_tp:
+        raise PlanError(f"encoder_tp={encoder_tp} must divide the LLM's tp={llm.tp} when encoders share its ranks")
+    llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp)
+    m = len(llm_mbs[0])
+    stage0 = [llm.rank_at(pp=0, dp=d, cp=c, tp=t) for d in range(llm.dp) for c in range(llm.cp) for t in range(llm.tp)]
+    split = llm.cp * (llm.tp // encoder_tp)  # encoder data ranks per LLM data group
+    layouts = {"llm": llm}
+    assignment: dict = {"llm": {data_rank(llm, consumers(llm, d)[0]): mbs for d, mbs in enumerate(llm_mbs)}}
+    routes: list[Route] = []
+    by_id = {s.sample_id: s for s in batch.samples}
+    for module in model.encoders:
+        enc = encoder_layout(module, stage0, tp=encoder_tp, fsdp=parallel.fsdp)
+        layouts[module] = enc
+        enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
+        for d, mbs in enumerate(llm_mbs):
+            for mb in mbs:
+                parts = balance(((i, encoder_cost(by_id[i], module)) for i in mb if by_id[i].encoder_seq_lens(module)), split)
+                for k in range(split):
+                    enc_mbs[enc.rank_at(dp=d * split + k, sp=0, tp=0)].append(tuple(parts[k]))
+        assignment[module] = enc_mbs
+        routes += make_routes(module, batch, llm, llm_mbs, enc, enc_mbs)
+    active = active_encoders(model, batch)
+    index = BoundaryIndex(routes, llm)
+    actions: dict[int, list[Action]] = {}
+    for r in range(world):
+
+        def before(j: int, r: int = r) -> list[Action]:
+            out = []
+            for mod in active:
+                out.append(Action(FORWARD, mod, j))
+                out += index.send_acts(mod, r, j)
+            for mod in active:
+                out += index.recv_acts(mod, r, j)
+            return out
+
+        def after(j: int, r: int = r) -> list[Action]:
+            out = []
+            for mod in reversed(active):
+                out += index.send_grads(mod, r, j)
+            for mod in reversed(active):
+                out += index.recv_grads(mod, r, j)
+                out.append(Action(BACKWARD, mod, j))
+            return out
+
+        acts = llm_stage_actions(llm, r, m, before, after)
+        on_stage0 = stage_of(llm, r) == 0
+        actions[r] = acts + step_tail(["llm"] + (active if on_stage0 else []))
+    return Plan(
+        system=system,
+        step=batch.step,
+        world_size=world,
+        model=model.name,
+        samples=list(batch.samples),
+        layouts=layouts,
+        assignment=assignment,
+        routes=routes,
+        actions=actions,
+        options={"microbatches": m, "encoder_tp": encoder_tp},
+    )
+
+
+def finish(plan: Plan) -> Plan:
+    plan.notes = {**notes_for(plan), **plan.notes}
+    plan.validate()
+    return plan
