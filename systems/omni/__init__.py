@@ -1,0 +1,291 @@
+"""omni: MegaScale-Omni's design as a planner.
+
+Per step:
+1. layouts (layout.py): the LLM keeps its full dp/tp/pp/cp/ep layout over every rank; each encoder
+   gets its own data-parallel layout over the same ranks and fixed sequence-parallel groups for
+   long inputs, all groups placed inside nodes where they fit;
+2. costs: every sample's encoder and LLM cost from the shared cost model
+   (omnibench/specs/cost_model.py; calibrated when `options.calibration` names a profile);
+3. long/short (long_short.py): samples costlier than the balanced per-rank share go to a
+   sequence-parallel group, the rest stay data-parallel;
+4. loading (reorder.py): loaders start from a distributed sampler's round-robin shards and
+   rebalance inside small groups from exchanged cost metadata;
+5. encoding: short samples are encoded inside their loader's data group, long ones on their group;
+6. resharding (reshard.py): the LLM assignment is balanced afresh by LLM cost and encoder outputs
+   are routed to it (Plan.routes);
+7. schedule (schedule.py): the encoder-LLM joint pipeline, from this step's costs.
+
+Every technique can be switched off on its own (options.py) for ablations. The Plan's notes record
+what each step decided.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from omnibench.plan import Plan, PlanError, Route
+from omnibench.specs.cost_model import CostModel, load_cost_model
+from omnibench.specs.model import MultimodalSpec
+from omnibench.specs.parallel import ParallelSpec
+from systems.common import (
+    BoundaryIndex,
+    active_encoders,
+    balance,
+    check_p2p_order,
+    data_rank,
+    data_ranks,
+    default_microbatches,
+    finish,
+    make_routes,
+    resolve_common,
+    step_tail,
+)
+from systems.omni.layout import build_layouts, placement_notes, sp_groups, sp_size
+from systems.omni.long_short import place_long, place_short, split_long_short
+from systems.omni.options import OmniOptions
+from systems.omni.reorder import grouped_reorder, loader_shards, max_over_mean
+from systems.omni.reshard import reshard
+from systems.omni.schedule import EncItem, align_sends, joint_timeline, to_actions
+from workloads.sample import Batch
+
+__all__ = ["OmniOptions", "OmniPlanner"]
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+class OmniPlanner:
+    name = "omni"
+
+    def __init__(self, cost_model: CostModel | None = None):
+        self._cost_model = cost_model
+        self._cache: dict = {}
+
+    def cost_model(self, model: MultimodalSpec, opts: OmniOptions) -> CostModel:
+        if self._cost_model is not None:
+            return self._cost_model
+        key = (model, opts.calibration)
+        if key not in self._cache:
+            self._cache[key] = load_cost_model(model, opts.calibration or None)
+        return self._cache[key]
+
+    def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
+        resolve_common(model, parallel, batch)
+        opts = OmniOptions.parse(parallel.options)
+        cm = self.cost_model(model, opts)
+        layouts = build_layouts(model, parallel)
+        llm = layouts["llm"]
+        for m in model.encoders:
+            for group in layouts[m].groups("tp") if layouts[m].tp > 1 else []:
+                if len({llm.coords(r)["pp"] for r in group}) > 1:
+                    raise PlanError(f"encoder_tp={layouts[m].tp}: {m} tp group {group} spans LLM pipeline stages; "
+                                    f"use an encoder_tp that divides the ranks of one stage")
+        world = parallel.world_size
+        samples = batch.samples
+        ids = [s.sample_id for s in samples]
+        by_id = {s.sample_id: s for s in samples}
+        llm_cost = {i: cm.llm(by_id[i]) for i in ids}
+        enc_cost = {m: {i: cm.encoder(by_id[i], m) for i in ids if by_id[i].encoder_seq_lens(m)} for m in model.encoders}
+        active = active_encoders(model, batch)
+        notes: dict = {"cost_model": cm.source}
+
+        # -- long / short ------------------------------------------------------------------------
+        sp_long: dict[str, list[tuple[int, ...]]] = {}
+        splits = {}
+        for m in model.encoders:
+            enc = layouts[m]
+            k = sp_size(model, parallel, m, enc) if (opts.long_short_sp and enc.tp == 1) else 1
+            sp_long[m] = sp_groups(enc, k) if k > 1 else []
+            splits[m] = split_long_short(enc_cost[m], enc.dp, k, opts.long_short_sp and k > 1)
+        long_ids = {m: set(sp.long) for m, sp in splits.items()}
+
+        # -- loading and reordering ---------------------------------------------------------------
+        dp = llm.dp
+        if len(ids) < dp:
+            raise PlanError(f"batch: {len(samples)} samples cannot feed dp={dp} data-parallel ranks")
+        want_mb = default_microbatches(parallel)
+        floor = max(llm.pp, min(want_mb, len(ids) // dp))
+        group_ranks: dict[int, list[int]] = defaultdict(list)
+        for r in llm.ranks:
+            group_ranks[llm.coords(r)["dp"]].append(r)
+        enc_home = {m: {d: sorted({data_rank(layouts[m], r) for r in group_ranks[d]}) for d in range(dp)}
+                    for m in model.encoders}
+        shards = loader_shards(ids, dp)
+        # A loader's cost is what its data group will run for it: the short encoder work (spread
+        # over the group's encoder ranks; long inputs are split over their group wherever they were
+        # loaded) plus, when resharding will not redistribute it later, the LLM work.
+        cost = {i: sum(enc_cost[m].get(i, 0.0) / len(enc_home[m][0]) for m in model.encoders if i not in long_ids[m])
+                + (0.0 if opts.reshard else llm_cost[i]) for i in ids}
+        before = [sum(cost[i] for i in shard) for shard in shards]
+        traffic: list[dict] = []
+        if opts.reorder and dp > 1:
+            shards, traffic = grouped_reorder(shards, cost, opts.reorder_group, floor if not opts.reshard else 0)
+        after = [sum(cost[i] for i in shard) for shard in shards]
+        home = {i: d for d, shard in enumerate(shards) for i in shard}
+
+        # -- LLM assignment (resharding) -------------------------------------------------------------
+        if opts.reshard:
+            llm_shards = reshard(ids, llm_cost, home, dp, floor)
+        else:
+            llm_shards = shards
+        m_count = min(want_mb, min(len(s) for s in llm_shards))
+        if m_count < llm.pp:
+            raise PlanError(
+                f"microbatches: only {m_count} microbatch(es) per data rank fit this batch but pp={llm.pp} needs "
+                f">= {llm.pp}; use a larger batch or fewer stages"
+            )
+        llm_mbs = [[tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count)] for shard in llm_shards]
+        due = {i: j for mbs in llm_mbs for j, mb in enumerate(mbs) for i in mb}
+        consumer = {i: d for d, mbs in enumerate(llm_mbs) for mb in mbs for i in mb}
+        assignment: dict = {"llm": {data_rank(llm, r): mbs for r, mbs in
+                                    zip([llm.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(dp)], llm_mbs, strict=True)}}
+
+        # -- encoder placement ------------------------------------------------------------------------
+        stage_cost = self._stage_costs(cm, llm, llm_mbs, by_id)
+        f_stage, b_stage = stage_cost
+        credit = {}
+        for r in range(world):
+            # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
+            credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
+
+        def place(bubble: dict[int, float]):
+            assignment_enc: dict = {}
+            routes: list[Route] = []
+            items: dict[int, list[EncItem]] = {r: [] for r in range(world)}
+            long_notes: dict = {}
+            enc_layout_notes = {}
+            for m in model.encoders:
+                enc = layouts[m]
+                leaders = data_ranks(enc)
+                loads = {r: -bubble[r] for r in leaders}
+                groups = sp_long[m]
+                on_group = place_long(splits[m].long, enc_cost[m], groups, loads) if groups else {}
+                short_home = {i: enc_home[m][home[i]] for i in splits[m].short}
+                on_rank = place_short(splits[m].short, enc_cost[m], short_home, loads)
+                mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
+                route_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
+                long_mb: dict[str, list[int]] = {}
+                for g, sids in on_group.items():
+                    for i in sids:  # one microbatch per long sample, the same index on every member
+                        for r in groups[g]:
+                            long_mb.setdefault(str(r), []).append(len(mbs[r]))
+                            mbs[r].append((i,))
+                            route_mbs[r].append((i,) if r == groups[g][0] else ())
+                            share = enc_cost[m][i] / len(groups[g])
+                            items[r].append(EncItem(m, len(mbs[r]) - 1, due[i], cm.forward(m, share),
+                                                    share - cm.forward(m, share), groups[g]))
+                for r in leaders:
+                    by_due: dict[int, list[int]] = defaultdict(list)
+                    for i in on_rank[r]:
+                        by_due[due[i]].append(i)
+                    for j in sorted(by_due):
+                        mb = tuple(sorted(by_due[j]))
+                        c = sum(enc_cost[m][i] for i in mb)
+                        mbs[r].append(mb)
+                        route_mbs[r].append(mb)
+                        items[r].append(EncItem(m, len(mbs[r]) - 1, j, cm.forward(m, c), c - cm.forward(m, c)))
+                    if not mbs[r] and m in active:  # a dummy forward keeps this rank's gradients defined
+                        mbs[r].append(())
+                        route_mbs[r].append(())
+                        items[r].append(EncItem(m, 0, -1, 0.0, 0.0))
+                assignment_enc[m] = mbs
+                routes += make_routes(m, batch, llm, llm_mbs, enc, route_mbs)
+                enc_load = {r: sum(enc_cost[m][i] for i in on_rank[r]) for r in leaders}
+                for g, sids in on_group.items():
+                    for r in groups[g]:
+                        enc_load[r] += sum(enc_cost[m][i] for i in sids) / len(groups[g])
+                enc_layout_notes[m] = {
+                    "threshold_s": _r(splits[m].threshold),
+                    "long_samples": [{"sample": i, "cost_s": _r(enc_cost[m][i]), "group": list(groups[g]),
+                                      "positions": sum(by_id[i].encoder_seq_lens(m))}
+                                     for g, sids in on_group.items() for i in sids],
+                    "short_samples": len(splits[m].short),
+                    "sp_group_size": len(groups[0]) if groups else 1,
+                    "encoder_cost_per_rank_s": [_r(enc_load[r]) for r in leaders][:64],
+                    "max_over_mean": _r(max_over_mean(list(enc_load.values()))),
+                }
+                if long_mb:
+                    long_notes[m] = long_mb
+            for r in range(world):  # tp peers of an encoder data rank run its work too
+                for m in model.encoders:
+                    lay = layouts[m]
+                    lead = data_rank(lay, r)
+                    if lead != r:
+                        items[r] += [it for it in items[lead] if it.module == m]
+            return assignment_enc, routes, items, enc_layout_notes, long_notes
+
+        # -- schedule -----------------------------------------------------------------------------------
+        # Candidates, estimated from this step's costs: encoder work spread evenly and run all ahead
+        # of the pipeline (the ablation), and, with the joint pipeline, both an even and a
+        # bubble-aware spread (later stages take more) in the joint order. The fastest one is kept:
+        # when encoder work dwarfs the bubbles, filling them just in time can stall the stages it
+        # lands on, and the step keeps the all-ahead order.
+        even = place({r: 0.0 for r in range(world)})
+        phased = joint_timeline(llm, m_count, f_stage, b_stage, even[2], joint=False)
+        timeline, chosen, placement = phased, even, "even"
+        if opts.joint_pipeline:
+            cands = [(even, "even"), (place(credit), "bubble_aware")] if llm.pp > 1 else [(even, "even")]
+            for cand, name in cands:
+                joint = joint_timeline(llm, m_count, f_stage, b_stage, cand[2], joint=True)
+                if joint.step_s < timeline.step_s:
+                    timeline, chosen, placement = joint, cand, name
+        enc_assignment, routes, items, enc_layout_notes, long_notes = chosen
+        assignment.update(enc_assignment)
+        index = BoundaryIndex(routes, llm)
+        actions = to_actions(llm, timeline.orders, index, active)
+        for r in actions:
+            actions[r] += step_tail(["llm", *active])
+        actions = align_sends(actions)
+        llm_tokens = [sum(by_id[i].llm_tokens for mb in mbs for i in mb) for mbs in llm_mbs]
+        moved = [rt for rt in routes if rt.src_rank != rt.dst_rank]
+        reshard_moves = sum(1 for i in ids if consumer[i] != home[i])
+        notes.update({
+            "placement": placement_notes(layouts, parallel, sp_long),
+            "long_short": enc_layout_notes,
+            "reorder": {
+                "enabled": opts.reorder, "group_size": min(opts.reorder_group, dp),
+                "objective": "short encoder cost" if opts.reshard else "short encoder + LLM cost",
+                "loader_cost_before_s": [_r(x) for x in before][:64],
+                "loader_cost_after_s": [_r(x) for x in after][:64],
+                "max_over_mean_before": _r(max_over_mean(before)), "max_over_mean_after": _r(max_over_mean(after)),
+                "groups": traffic[:16],
+            },
+            "reshard": {
+                "enabled": opts.reshard, "samples_moved_off_loader": reshard_moves,
+                "llm_tokens_per_data_rank": llm_tokens[:64],
+                "tokens_max_over_mean": _r(max_over_mean(llm_tokens)),
+                "boundary_routes_cross_rank": len(moved), "boundary_tokens_moved": sum(rt.tokens for rt in moved),
+            },
+            "schedule": {
+                "joint_pipeline": opts.joint_pipeline,
+                "order": "joint" if timeline is not phased else "all_ahead",
+                "encoder_placement": placement,
+                "estimated_step_s": _r(timeline.step_s),
+                "estimated_step_all_ahead_s": _r(phased.step_s),
+                "encoder_actions_by_phase": {str(r): timeline.placed[r] for r in sorted(timeline.placed)[:16]},
+            },
+        })
+        plan = Plan(
+            system=self.name, step=batch.step, world_size=world, model=model.name, samples=list(samples),
+            layouts=layouts, assignment=assignment, routes=routes, actions=actions,
+            options={"microbatches": m_count, "encoder_tp": layouts[next(iter(model.encoders))].tp if model.encoders else 1,
+                     **opts.to_dict(),
+                     "long_short": {"groups": {m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
+                                    "long_microbatches": long_notes}},
+            notes=notes,
+        )
+        plan = finish(plan)
+        check_p2p_order(plan)
+        return plan
+
+    @staticmethod
+    def _stage_costs(cm: CostModel, llm, llm_mbs, by_id) -> tuple[list[float], list[float]]:
+        m = len(llm_mbs[0])
+        split = llm.pp * llm.tp * llm.cp
+        f, b = [], []
+        for j in range(m):
+            worst = max(sum(cm.llm(by_id[i]) for i in mbs[j]) for mbs in llm_mbs) / split
+            f.append(cm.forward("llm", worst))
+            b.append(worst - cm.forward("llm", worst))
+        return f, b

@@ -1,0 +1,82 @@
+"""Decoupled layouts: the LLM keeps its full 5D layout over every rank, each encoder gets its own
+data-parallel layout over the same ranks, and long inputs get fixed sequence-parallel groups.
+
+Placement. Ranks are numbered node by node (`gpus_per_node` consecutive ranks share NVLink). The
+LLM mesh lists tp innermost, then cp, then dp, then pp, so tp and cp groups are runs of
+consecutive ranks and land inside one node whenever tp*cp divides the node; encoder tp groups and
+the long-input sequence-parallel groups are consecutive too. The traffic those groups carry every
+layer (TP all-reduces, CP and Ulysses all-to-alls) then crosses NVLink, and only data-parallel
+reductions and the encoder->LLM boundary cross the network. `placement_notes` says where every
+group landed.
+
+Encoders are replicated across their data-parallel ranks (DDP-style: gradients all-reduced at
+grad_sync), not FSDP-sharded: FSDP would lock every rank's encoder forward to every other rank's
+layer by layer, and then no rank could run encoder work inside its own pipeline bubble.
+"""
+
+from __future__ import annotations
+
+from omnibench.plan import Layout, PlanError
+from omnibench.specs.model import MultimodalSpec
+from omnibench.specs.parallel import ParallelSpec
+from systems.common import encoder_layout, llm_layout
+
+
+def build_layouts(model: MultimodalSpec, parallel: ParallelSpec) -> dict[str, Layout]:
+    world = parallel.world_size
+    enc_tp = parallel.encoder_tp or 1
+    if world % enc_tp:
+        raise PlanError(f"encoder_tp={enc_tp} does not divide world_size={world}")
+    layouts = {"llm": llm_layout(parallel, range(world))}
+    for module in model.encoders:
+        layouts[module] = encoder_layout(module, range(world), tp=enc_tp, fsdp=False)
+    return layouts
+
+
+def sp_size(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc: Layout) -> int:
+    """Ranks one long input of `module` is split over: `encoder_sp` when given, else the largest
+    size that divides the encoder's heads (Ulysses splits heads) and its data ranks and fits in a
+    node (the all-to-alls run every layer)."""
+    heads = model.encoders[module].heads
+    if parallel.encoder_sp:
+        k = parallel.encoder_sp
+        if enc.dp % k:
+            raise PlanError(f"encoder_sp={k} does not divide the {enc.dp} {module} data ranks")
+        return k
+    limit = min(enc.dp, max(1, parallel.gpus_per_node // enc.tp))
+    return max(k for k in range(1, limit + 1) if heads % k == 0 and enc.dp % k == 0)
+
+
+def sp_groups(enc: Layout, k: int) -> list[tuple[int, ...]]:
+    """Fixed groups of k consecutive encoder data ranks (tp leaders), the same every step."""
+    leaders = [enc.rank_at(dp=d, sp=0, tp=0) for d in range(enc.dp)]
+    return [tuple(leaders[i : i + k]) for i in range(0, len(leaders), k)]
+
+
+def node_of(rank: int, gpus_per_node: int) -> int:
+    return rank // gpus_per_node
+
+
+def _where(groups: list[tuple[int, ...]], gpn: int) -> dict:
+    nodes = [sorted({node_of(r, gpn) for r in g}) for g in groups]
+    inside = sum(1 for n in nodes if len(n) == 1)
+    shown = {f"{g[0]}..{g[-1]}" if len(g) > 1 else str(g[0]): n[0] if len(n) == 1 else n
+             for g, n in list(zip(groups, nodes, strict=True))[:16]}
+    return {"groups": len(groups), "inside_one_node": inside, "node_of_group": shown}
+
+
+def placement_notes(layouts: dict[str, Layout], parallel: ParallelSpec, sp: dict[str, list]) -> dict:
+    gpn = parallel.gpus_per_node
+    llm = layouts["llm"]
+    out: dict = {"gpus_per_node": gpn, "nodes": -(-parallel.world_size // gpn)}
+    for dim in ("tp", "cp", "dp", "pp"):
+        if getattr(llm, dim) > 1:
+            out[f"llm_{dim}"] = _where(llm.groups(dim), gpn)
+    for name, lay in layouts.items():
+        if name == "llm":
+            continue
+        if lay.tp > 1:
+            out[f"{name}_tp"] = _where(lay.groups("tp"), gpn)
+        if sp.get(name):
+            out[f"{name}_long_sp"] = _where([tuple(g) for g in sp[name]], gpn)
+    return out

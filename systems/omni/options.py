@@ -1,0 +1,72 @@
+"""omni's switches, read once from `ParallelSpec.options` (CLI: --no-joint-pipeline, --no-reorder,
+--no-reshard, --no-long-short-sp, --option key=value) and validated here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from omnibench.plan import PlanError
+
+BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp")
+
+
+@dataclass(frozen=True)
+class OmniOptions:
+    joint_pipeline: bool = True  # encoder fwd/bwd inside the LLM pipeline's bubbles
+    reorder: bool = True  # decentralized grouped reordering in the data loaders
+    reshard: bool = True  # adaptive resharding of encoder outputs to LLM data ranks
+    long_short_sp: bool = True  # long inputs split over an encoder sequence-parallel group
+    reorder_group: int = 8  # loader ranks exchanging cost metadata together (no global coordinator)
+    calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model; "" = analytic
+
+    @staticmethod
+    def parse(raw: dict) -> OmniOptions:
+        known = {f.name for f in fields(OmniOptions)}
+        out = {}
+        for key, value in (raw or {}).items():
+            k = key.replace("-", "_")
+            if k not in known:
+                raise PlanError(f"options.{key}: unknown omni option; allowed: {', '.join(sorted(known))}")
+            if k in BOOL_KEYS:
+                value = _bool(key, value)
+            elif k == "reorder_group":
+                try:
+                    value = int(value)
+                except (TypeError, ValueError):
+                    raise PlanError(f"options.reorder_group must be a positive integer, got {value!r}") from None
+                if value < 1:
+                    raise PlanError(f"options.reorder_group must be a positive integer, got {value!r}")
+            else:
+                value = str(value)
+            out[k] = value
+        return OmniOptions(**out)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _bool(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise PlanError(f"options.{key} must be one of true, false; got {value!r}")
+
+
+def options_from_flags(no_joint_pipeline: bool = False, no_reorder: bool = False, no_reshard: bool = False,
+                       no_long_short_sp: bool = False, option: list[str] | None = None) -> dict:
+    """ParallelSpec.options from the CLI's ablation flags and repeatable `--option key=value`."""
+    out: dict = {}
+    for item in option or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise PlanError(f"--option must look like key=value, got {item!r}")
+        out[key.strip().replace("-", "_")] = value.strip()
+    for flag, key in ((no_joint_pipeline, "joint_pipeline"), (no_reorder, "reorder"), (no_reshard, "reshard"),
+                      (no_long_short_sp, "long_short_sp")):
+        if flag:
+            out[key] = False
+    return out

@@ -1,0 +1,58 @@
+"""omni through the CLI: `omnibench plan` shows what each technique decided, the ablation flags reach
+the planner, bad options fail with one line, and `omnibench run --system omni` trains."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def omnibench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omnibench", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_plan_shows_long_short_reorder_reshard_and_schedule():
+    res = omnibench("plan", "--system", "omni", "--workload", "mixed_video", "--nproc", "4")
+    assert res.returncode == 0, res.stderr
+    for word in ("long_short", "threshold_s", "reorder", "max_over_mean_after", "reshard",
+                 "llm_tokens_per_data_rank", "schedule", "encoder_actions_by_phase", "placement"):
+        assert word in res.stdout, word
+
+
+@pytest.mark.timeout(60)
+def test_ablation_flags_reach_the_plan():
+    res = omnibench("plan", "--system", "omni", "--nproc", "4", "--pp", "2", "--no-joint-pipeline", "--no-reorder",
+                    "--no-reshard", "--no-long-short-sp", "--option", "reorder_group=2", "--json")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    opts = plan["options"]
+    assert (opts["joint_pipeline"], opts["reorder"], opts["reshard"], opts["long_short_sp"]) == (False,) * 4
+    assert opts["reorder_group"] == 2
+    assert plan["notes"]["schedule"]["order"] == "all_ahead"
+    assert plan["notes"]["reshard"]["samples_moved_off_loader"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_bad_option_is_one_line_error():
+    res = omnibench("plan", "--system", "omni", "--nproc", "4", "--option", "reorder_group=lots")
+    assert res.returncode == 2
+    assert "reorder_group must be a positive integer" in res.stderr + res.stdout
+    res = omnibench("plan", "--system", "omni", "--nproc", "4", "--option", "novel")
+    assert res.returncode == 2
+    assert "--option must look like key=value" in res.stderr + res.stdout
+
+
+@pytest.mark.timeout(120)
+def test_run_omni_with_an_ablation_trains(tmp_path):
+    out = tmp_path / "run"
+    res = omnibench("run", "--system", "omni", "--device", "cpu", "--nproc", "2", "--steps", "2", "--workload",
+                    "long_video", "--no-reorder", "--out", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["steps"] == 2 and summary["final_loss"] > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["run"]["options"] == {"reorder": False}

@@ -1,0 +1,92 @@
+"""omni trains exactly like a single process (fp32, 4 gloo ranks, 1e-4), with every technique on and
+with each one switched off, on batches that exercise them: long videos and audio clips that take the
+sequence-parallel path (Ulysses inside one attention sequence, or whole frame groups / windows per
+rank), and skewed loads that make resharding move samples."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_runtime_parity import assert_parity, make_batches, reference, run_distributed
+
+from omnibench.specs.parallel import ParallelSpec
+from omnibench.specs.presets import get_model
+from systems import get_planner
+from workloads.sample import Batch, Sample, Segment
+
+STEPS = 3
+
+
+def long_batches(steps: int = STEPS, seed: int = 1) -> list[Batch]:
+    """The parity harness's small mixed batches, each with one long video (and, on odd steps, one
+    long audio clip) whose encoder cost is far above a rank's balanced share."""
+    base = make_batches(steps, samples=8, seed=seed)
+    rng = random.Random(seed)
+    out = []
+    for b in base:
+        sid = 10_000 + b.step * 10
+        extra = [Sample(sid, "long_video", (Segment("text", 5), Segment("video", 45, 180, grid_thw=(3, 6, 10)),
+                                              Segment("text", rng.randint(4, 9))))]
+        if b.step % 2:
+            frames = 3000 + 2 * rng.randint(0, 50)
+            extra.append(Sample(sid + 1, "long_audio", (Segment("text", 4), Segment("audio", frames // 4, frames // 2,
+                                                                                       mel_frames=frames),
+                                                        Segment("text", 6))))
+        if b.step == 2:  # many frame groups / 30 s windows: split over the group without any exchange
+            extra.append(Sample(sid + 2, "long_video", (Segment("text", 3), Segment("video", 32, 128, grid_thw=(8, 4, 4)),
+                                                        Segment("text", 5))))
+            extra.append(Sample(sid + 3, "long_audio", (Segment("text", 3), Segment("audio", 3000, 6000, mel_frames=12000),
+                                                        Segment("text", 5))))
+        out.append(Batch(b.step, list(b.samples) + extra))
+    return out
+
+
+def _plan(batch: Batch, **options):
+    parallel = ParallelSpec(world_size=4, options=options)
+    return get_planner("omni").plan(get_model("tiny-omni"), parallel, batch)
+
+
+def test_long_batches_take_both_sequence_parallel_paths_and_resharding_moves_samples():
+    from omnibench.runtime.long_short import split_whole_sequences
+
+    batches = long_batches()
+    plans = [_plan(b) for b in batches]
+    kinds = set()
+    for p in plans:
+        for module, notes in p.notes["long_short"].items():
+            for x in notes["long_samples"]:
+                segs = [s for s in p.sample(x["sample"]).segments if s.encoder == module]
+                lens = [g[1] * g[2] for g in (s.grid_thw for s in segs) for _ in range(g[0])] if module == "vision" \
+                    else [w for s in segs for w in (1500,) * (s.mel_frames // 2 // 1500) + ((s.mel_frames // 2) % 1500,) if w]
+                kinds.add((module, split_whole_sequences(lens, len(x["group"])) is None))
+    assert kinds == {("vision", True), ("vision", False), ("audio", True), ("audio", False)}
+    assert all(p.notes["long_short"]["vision"]["long_samples"] for p in plans)
+    assert any(p.notes["long_short"]["audio"]["long_samples"] for p in plans)
+    assert any(p.notes["reshard"]["samples_moved_off_loader"] > 0 for p in plans)
+
+
+_REF: dict = {}
+
+CASES = [
+    pytest.param({}, {}, id="all-on"),
+    pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline"),
+    pytest.param({"reorder": False}, {}, id="no-reorder", marks=pytest.mark.slow),
+    pytest.param({"reshard": False}, {}, id="no-reshard", marks=pytest.mark.slow),
+    pytest.param({"long_short_sp": False}, {}, id="no-long-short-sp", marks=pytest.mark.slow),
+    pytest.param({}, {"pp": 2}, id="all-on-pp2"),
+    pytest.param({"joint_pipeline": False}, {"pp": 2}, id="no-joint-pipeline-pp2", marks=pytest.mark.slow),
+    pytest.param({}, {"tp": 2}, id="all-on-tp2", marks=pytest.mark.slow),
+    pytest.param({}, {"encoder_tp": 2, "pp": 2}, id="all-on-encoder-tp2-pp2", marks=pytest.mark.slow),
+    pytest.param({}, {"cp": 2}, id="all-on-cp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("options,layout", CASES)
+def test_omni_matches_single_process(tmp_path, options, layout):
+    batches = long_batches()
+    if "ref" not in _REF:
+        _REF["ref"] = reference("tiny-omni", batches)
+    losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options=options, **layout)
+    assert_parity(losses, params, *_REF["ref"])
