@@ -1,0 +1,282 @@
+"""`omnibench plot | report | reproduce`: paper-style figures from run and simulation records.
+
+plot: one figure kind (PNG + PDF). report: one self-contained HTML page with every figure the
+records can make. reproduce: re-make the committed reference figures from scratch (CPU runs through
+`omnibench run`, simulations through `omnibench simulate`, then figures and report).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from omnibench.cli.common import console, err_console, fail
+
+ABLATIONS = ("joint-pipeline", "reorder", "reshard", "long-short-sp")  # omni's switches (`omnibench run --no-X`)
+KINDS = ("throughput", "scaling", "dynamic", "timeline", "validation", "ablation", "workload")
+
+_PLOT_EXAMPLES = """
+Examples:
+
+  omnibench plot throughput results/runs/*
+
+  omnibench plot scaling results/sims/20261121-055030-mixed_video-omni-7b-h100 --out figs
+
+  omnibench plot timeline results/runs/my-run --step 2
+
+  omnibench plot timeline results/sims/<record> --system omni --gpus 256
+
+  omnibench plot workload --workload bursty_mix
+"""
+
+
+def _load(run_dirs: list[Path] | None, kind: str):
+    from omnibench.plots.load import PlotInputError, load
+
+    if not run_dirs:
+        fail(f"{kind}: no record folders given (pass run folders from `omnibench run` or simulation folders "
+             "from `omnibench simulate`, e.g. results/runs/<run> results/sims/<record>)")
+    try:
+        recs = load(run_dirs)
+    except PlotInputError as e:
+        fail(str(e))
+    for why in recs.skipped:
+        err_console.print(f"[yellow]skipped:[/] {why}", highlight=False)
+    return recs
+
+
+def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, system: str | None = None,
+         gpus: int | None = None, step: int | None = None, calibration: str | None = None):
+    """One figure (a `figures.Drawn`), or a one-line error naming what is missing."""
+    from omnibench.plots import figures
+    from omnibench.plots.load import PlotInputError, Records
+
+    if kind not in KINDS:
+        fail(f"KIND must be one of {', '.join(KINDS)}; got {kind!r}")
+    try:
+        if kind == "workload":
+            if workload is None:
+                if not run_dirs:
+                    fail("plot workload: give --workload NAME (or record folders whose workload to draw)")
+                wls = _load(run_dirs, "plot workload").workloads()
+                if len(wls) > 1:
+                    fail(f"plot workload: records hold several workloads ({', '.join(wls)}); pick one with --workload")
+                workload = wls[0]
+            return figures.workload(workload)
+        recs = _load(run_dirs, f"plot {kind}")
+        if kind == "throughput":
+            return figures.throughput(recs, gpus=gpus)
+        if kind == "scaling":
+            return figures.scaling(recs, workload)
+        if kind == "dynamic":
+            return figures.dynamic(recs, workload)
+        if kind == "timeline":
+            if len(recs.all) > 1 and system is None:
+                fail(f"plot timeline draws one record; got {len(recs.all)}: give one folder or pick with --system")
+            return figures.timeline(figures.record_of(recs, system), system, gpus, step)
+        if kind == "validation":
+            return figures.validation(recs, calibration)
+        if kind == "ablation":
+            return figures.ablation(Records(runs=recs.runs, sims=recs.sims), workload)
+    except PlotInputError as e:
+        fail(str(e))
+    raise AssertionError(kind)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plot", epilog=_PLOT_EXAMPLES)
+    def plot_cmd(
+        kind: str = typer.Argument(..., help=f"One of: {', '.join(KINDS)}."),
+        run_dirs: list[Path] = typer.Argument(None, help="Run and/or simulation record folders (or folders of them)."),
+        out: Path = typer.Option(Path("."), "--out", help="Folder for <KIND>.png and <KIND>.pdf."),
+        workload: str = typer.Option(None, "--workload", "-w", help="Workload to draw (records with several)."),
+        system: str = typer.Option(None, "--system", "-s", help="timeline: the system whose trace to draw."),
+        gpus: int = typer.Option(None, "--gpus", help="timeline/throughput: cluster size of a simulation."),
+        step: int = typer.Option(None, "--step", help="timeline: step of a run's trace (default: the second)."),
+        calibration: str = typer.Option(None, "--calibration", help="validation: profile from `omnibench calibrate`."),
+        name: str = typer.Option(None, "--name", help="File name without suffix (default: KIND)."),
+    ) -> None:
+        """Draw one paper-style figure (PNG at 200 dpi and PDF) from run or simulation records."""
+        from omnibench.plots import style
+
+        d = draw(kind, run_dirs, workload, system, gpus, step, calibration)
+        paths = style.save(d.fig, out, name or d.name)
+        console.print(d.caption, highlight=False)
+        for p in paths:
+            console.print(f"wrote {p}", highlight=False)
+
+    @app.command("report")
+    def report_cmd(
+        run_dirs: list[Path] = typer.Argument(None, help="Run and/or simulation record folders (or folders of them)."),
+        out: Path = typer.Option(Path("."), "--out", help="Folder for report.html."),
+        calibration: str = typer.Option(None, "--calibration", help="Profile for the validation figure."),
+        title: str = typer.Option("omnibench report", "--title"),
+    ) -> None:
+        """One self-contained HTML page: every figure the records can make, its table, the commands."""
+        from omnibench.plots.report import draw_all, write_html
+
+        recs = _load(run_dirs, "report")
+        sections = draw_all(recs, calibration=calibration)
+        if not any(s.drawn for s in sections):
+            fail("report: the records make no figure: " + "; ".join(f"{s.title}: {s.reason}" for s in sections))
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "report.html"
+        write_html(sections, recs, path, title)
+        for s in sections:
+            mark = "[green]drawn[/]" if s.drawn else f"[yellow]not drawn[/]: {s.reason}"
+            console.print(f"{s.title}: {mark}", highlight=False)
+        console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", highlight=False)
+
+    @app.command("reproduce")
+    def reproduce_cmd(
+        out: Path = typer.Option(Path("results"), "--out", help="Results folder (figures/, report.html, runs/, sims/)."),
+        quick: bool = typer.Option(False, "--quick", help="Fewer runs, steps and cluster sizes (a smoke test)."),
+        reuse: bool = typer.Option(False, "--reuse", help="Redraw from the data an earlier reproduce produced."),
+    ) -> None:
+        """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
+        8,192 GPUs, then every figure under OUT/figures and OUT/report.html."""
+        reproduce(out, quick, reuse)
+
+
+# -- reproduce -------------------------------------------------------------------------------------
+def _omnibench(args: list[str], what: str, log: list[str]) -> tuple[bool, str]:
+    """Run an omnibench command in a fresh process: exactly the code path a user's command takes."""
+    cmd = [sys.executable, "-m", "omnibench", *args]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    line = "omnibench " + " ".join(args)
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        log.append(f"FAILED ({what}): {line}: {' | '.join(tail)}")
+        err_console.print(f"[red]failed[/] {what} ({dt:.0f} s): {' | '.join(tail)}", highlight=False)
+        return False, p.stdout
+    console.print(f"done {what} ({dt:.0f} s)", highlight=False)
+    log.append(line)
+    return True, p.stdout
+
+
+def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:
+    from omnibench.plots import figures, style
+    from omnibench.plots.load import PlotInputError, Records, load
+    from omnibench.plots.report import draw_all, write_html
+    from systems import available_systems
+
+    runs_dir, sims_dir, fig_dir = out / "runs" / "reproduce", out / "sims" / "reproduce", out / "figures"
+    systems = available_systems()
+    log: list[str] = []
+    if reuse:
+        if not (runs_dir.is_dir() and sims_dir.is_dir()):
+            fail(f"reproduce --reuse: no earlier data under {runs_dir} and {sims_dir}; run without --reuse first")
+    else:
+        _produce(runs_dir, sims_dir, systems, quick, log)
+
+    # 3. figures, each from the records whose configs say they are its data
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    results: list[tuple[str, str]] = []
+
+    def make(name: str, fn, *args, **kw):
+        try:
+            d = fn(*args, **kw)
+        except (PlotInputError, OSError) as e:
+            results.append((name, f"not produced: {e}"))
+            return None
+        style.save(d.fig, fig_dir, name)
+        results.append((name, "written"))
+        import matplotlib.pyplot as plt
+
+        plt.close(d.fig)
+        return d
+
+    def pick(pred) -> list[Path]:
+        return sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.endswith(".incomplete") and pred(p))
+
+    def recs_of(paths) -> Records:
+        return load(paths) if paths else Records()
+
+    sims = load([sims_dir]).sims if any(sims_dir.iterdir()) else []
+    scaling = [r for r in sims if r.workload == "mixed_video" and len(r.config.get("gpus", [])) > 1]
+    dynamic = [r for r in sims if r.workload == "bursty_mix"]
+    real = recs_of(pick(lambda p: "pp2" not in p.name and "-no-" not in p.name))
+    pp2 = pick(lambda p: "pp2" in p.name)
+    pipelined = [r for r in sims if r.config.get("pp", 1) > 1]
+    make("throughput", figures.throughput, Records(sims=[r for r in sims if r not in dynamic + pipelined]),
+         source="sim")
+    make("throughput_measured", figures.throughput, real, source="run")
+    make("scaling", figures.scaling, Records(sims=scaling))
+    make("dynamic", figures.dynamic, Records(sims=dynamic))
+    if pipelined:
+        if "omni" in systems:
+            make("timeline", figures.timeline, pipelined[0], system="omni")
+        make("timeline_homogeneous", figures.timeline, pipelined[0], system="homogeneous")
+    else:
+        results.append(("timeline", "not produced: the pipelined simulation failed"))
+    if pp2:
+        make("timeline_measured", figures.timeline, load(pp2).runs[0])
+    else:
+        results.append(("timeline_measured", "not produced: the pipelined run failed"))
+    profile = sims_dir / "calibration.json"  # fitted by `omnibench calibrate` on these runs
+    make("validation", figures.validation, recs_of(pick(lambda p: True)),
+         calibration=str(profile) if profile.is_file() else None)
+    make("ablation", figures.ablation, recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name)))
+    make("workload", figures.workload, "mixed_video")
+
+    # 4. the report over everything produced
+    everything = load([runs_dir, sims_dir])
+    write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None), everything,
+               out / "report.html", "omnibench reference results")
+    console.print("\n[bold]reference figures[/]", highlight=False)
+    for name, what in results:
+        console.print(f"  {name}: {what}", highlight=False)
+    console.print(f"report: {out / 'report.html'}", highlight=False)
+    failed = [line for line in log if line.startswith("FAILED")]
+    if failed:
+        console.print(f"{len(failed)} command(s) failed:", highlight=False)
+        for line in failed:
+            console.print("  " + line, highlight=False)
+
+
+def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, log: list[str]) -> None:
+    for d in (runs_dir, sims_dir):  # from scratch: these two folders belong to this command alone
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    steps = "3" if quick else "5"
+    run_workloads = ["mixed_video"] if quick else ["mixed_video", "image_sft"]
+    # 1. real runs on the CPU: 2 ranks, tiny model (the default preset on CPU)
+    for wl in run_workloads:
+        for s in systems:
+            _omnibench(["run", "--system", s, "--workload", wl, "--nproc", "2", "--steps", steps,
+                        "--out", str(runs_dir / f"{s}-{wl}"), "--json"], f"run {s} on {wl}", log)
+    if "omni" in systems:  # the ablation: one technique off at a time
+        for tech in ABLATIONS[:1] if quick else ABLATIONS:
+            _omnibench(["run", "--system", "omni", "--workload", "mixed_video", "--nproc", "2", "--steps", steps,
+                        f"--no-{tech}", "--out", str(runs_dir / f"omni-no-{tech}-mixed_video"), "--json"],
+                       f"run omni without {tech} on mixed_video", log)
+    # a pipelined run: its measured timeline shows real pipeline bubbles
+    _omnibench(["run", "--system", "homogeneous", "--workload", "mixed_video", "--nproc", "2", "--pp", "2",
+                "--microbatches", "4", "--steps", steps, "--out", str(runs_dir / "homogeneous-pp2-mixed_video"),
+                "--json"], "pipelined run (homogeneous, pp 2)", log)
+    # the simulator fitted to these runs (validation shows datasheet and calibrated costs against them)
+    finished = sorted(str(p) for p in runs_dir.iterdir() if p.is_dir() and not p.name.endswith(".incomplete"))
+    if finished:
+        _omnibench(["calibrate", *finished, "--out", str(sims_dir / "calibration.json")], "calibrate on the runs", log)
+    # 2. simulations: one layout for every system (TP 4 inside a node, full recomputation to fit 80 GB)
+    sim_common = ["--system", ",".join(systems), "--hardware", "h100", "--model", "omni-7b", "--tp", "4",
+                  "--recompute", "full", "--out", str(sims_dir), "--json"]
+    sizes = "256,1024" if quick else "256,512,1024,2048,4096,8192"
+    _omnibench(["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
+               f"simulate mixed_video at {sizes} GPUs", log)
+    for wl in ([] if quick else ["image_sft", "long_video", "omni_av"]):
+        _omnibench(["simulate", "--workload", wl, "--gpus", "1024", *sim_common], f"simulate {wl}", log)
+    # a pipelined layout (PP 4) at 256 GPUs: its traces show pipeline bubbles and what fills them
+    piped = [s for s in systems if s != "temporal"]  # temporal has no pipeline
+    _omnibench(["simulate", "--workload", "mixed_video", "--gpus", "256", "--pp", "4", "--microbatches", "8",
+                *sim_common[2:], "--system", ",".join(piped)], "simulate a pipelined layout at 256 GPUs", log)
+    # seed 14 of bursty_mix goes calm -> audio burst -> video burst within its first 16 steps
+    _omnibench(["simulate", "--workload", "bursty_mix", "--seed", "14", "--gpus", "256", "--steps",
+                "10" if quick else "16", *sim_common], "simulate bursty_mix over consecutive steps", log)

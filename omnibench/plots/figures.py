@@ -1,0 +1,526 @@
+"""The paper's figures. Each `<kind>(...)` returns a `Drawn`: the matplotlib Figure, the table
+behind it (a DataFrame, shown under the figure in the report) and a caption; inputs that cannot
+make the figure raise PlotInputError saying what is missing (never an empty figure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.patches import Patch
+from matplotlib.ticker import (
+    FuncFormatter,
+    LogLocator,
+    MaxNLocator,
+    NullFormatter,
+    NullLocator,
+    PercentFormatter,
+)
+
+from omnibench.plots import style
+from omnibench.plots.load import (
+    BASELINES,
+    PlotInputError,
+    Records,
+    RunRecord,
+    SimRecord,
+    mix_table,
+    steps_table,
+    throughput_table,
+    trace_table,
+    validation_table,
+)
+
+KINDS = ("throughput", "scaling", "dynamic", "timeline", "validation", "ablation", "workload")
+
+
+@dataclass
+class Drawn:
+    name: str
+    fig: plt.Figure
+    table: pd.DataFrame
+    caption: str
+
+
+def _si(x: float, _pos=None) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:g}{suffix}"
+    return f"{x:g}"
+
+
+def _pick_source(df: pd.DataFrame, what: str) -> pd.DataFrame:
+    """Measured runs when there are any, else simulations (one figure never mixes the two)."""
+    if df.empty:
+        raise PlotInputError(f"{what}: no run or simulation results that ran (all inputs failed or did not fit)")
+    return df[df.source == "run"] if (df.source == "run").any() else df[df.source == "sim"]
+
+
+def _systems_text(df: pd.DataFrame) -> str:
+    return ", ".join(style.order_systems(df.system.unique())) or "none"
+
+
+# -- 1. throughput ---------------------------------------------------------------------------------
+def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> Drawn:
+    """Grouped bars per workload. Simulations: by default each workload at the largest cluster size
+    where at least two systems ran (`gpus` picks one size)."""
+    full = throughput_table(recs)
+    if source != "auto":
+        full = full[full.source == source]
+        if full.empty:
+            raise PlotInputError(f"throughput: no {'run' if source == 'run' else 'simulation'} results given")
+    df = _pick_source(full, "throughput")
+    df = df[df.variant == df.system]  # omni's ablation variants belong to the ablation figure
+    if gpus is not None:
+        if gpus not in set(df.gpus):
+            raise PlotInputError(f"throughput: no results at {gpus:,} GPUs; sizes: "
+                                 f"{', '.join(f'{g:,}' for g in sorted(set(df.gpus)))}")
+        df = df[df.gpus == gpus]
+    elif (df.source == "sim").all():
+        n_sys = df.groupby(["workload", "gpus"]).system.nunique()
+        top = {wl: max(g for (w, g), n in n_sys.items() if w == wl and n >= 2) for wl, _ in n_sys[n_sys >= 2].index}
+        df = df[[top.get(w) == g for w, g in zip(df.workload, df.gpus, strict=True)]] if top else df
+    agg = (df.groupby(["workload", "gpus", "system"], as_index=False)
+           .agg(tokens_per_s=("tokens_per_s", "max"), tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "max"),
+                records=("record", "count")))
+    groups = []
+    for (wl, gpus), g in agg.groupby(["workload", "gpus"], sort=False):
+        if g.system.nunique() < 2:
+            continue
+        base = g[g.system.isin(BASELINES)]
+        best = (base if not base.empty else g[g.system != "omni"]).tokens_per_s.max()
+        g = g.assign(speedup=g.tokens_per_s / best, best_baseline=best)
+        groups.append(((wl, gpus), g))
+    if not groups:
+        raise PlotInputError(
+            "throughput compares systems: need results of at least two systems on the same workload and cluster "
+            f"size; got {_systems_text(df)} ({', '.join(sorted(set(df.workload)))})")
+    table = pd.concat([g for _, g in groups], ignore_index=True)
+    systems = style.order_systems(table.system.unique())
+    many_sizes = table.gpus.nunique() > 1
+    width = 0.8 / len(systems)
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(min(style.DOUBLE_IN, max(style.COLUMN_IN, 0.3 * len(systems) * len(groups) + 1.6)),
+                                    2.3))
+    for i, s in enumerate(systems):
+        xs, ys = [], []
+        for j, (_, g) in enumerate(groups):
+            row = g[g.system == s]
+            if not row.empty:
+                xs.append(j + (i - (len(systems) - 1) / 2) * width)
+                ys.append(float(row.speedup.iloc[0]))
+        bars = ax.bar(xs, ys, width=width * 0.95, color=style.system_color(s), label=s, edgecolor="white",
+                      linewidth=0.4)
+        ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=5.5, padding=1, rotation=90 if len(
+            systems) * len(groups) > 8 else 0)
+    ax.axhline(1.0, color="0.3", linewidth=0.6, linestyle="--", zorder=0)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{wl}\n{gpus:,} GPUs" if many_sizes else wl for (wl, gpus), _ in groups])
+    ax.set_ylabel("throughput (tokens/s)\nrel. to best baseline")
+    ax.set_ylim(0, table.speedup.max() * 1.22)
+    src = "measured" if (df.source == "run").all() else "simulated"
+    if src == "measured":
+        devs = sorted({str(r.summary.get("device", "?")) for r in recs.runs if str(r.path) in set(df.record)})
+        src = f"measured on {', '.join(devs)}"
+    ax.set_title(f"Training throughput per system ({src})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
+    fig.tight_layout()
+    caption = (f"{src[0].upper() + src[1:]} training throughput (tokens/s), normalised per group to the best baseline "
+               f"({', '.join(b for b in BASELINES)}); labels give the speedup. Where a system has several records "
+               "(layouts) in a group, its best one is shown.")
+    return Drawn("throughput", fig, table, caption + _left_out(full) + _cpu_note(recs, df))
+
+
+CPU_NOTE = (" Measured on CPU (gloo, tiny preset): such runs prove the code paths; their speed is dominated by "
+            "per-action overheads on a shared host and says little about GPUs at scale.")
+
+
+def _cpu_note(recs: Records, df: pd.DataFrame) -> str:
+    devs = {str(r.summary.get("device", "")) for r in recs.runs if str(r.path) in set(df.record)}
+    return CPU_NOTE if devs and all(d.startswith("cpu") for d in devs) else ""
+
+
+def _left_out(df: pd.DataFrame) -> str:
+    lo = df.attrs.get("left_out") or []
+    return (" Left out (did not run): " + "; ".join(lo[:8]) + (" ..." if len(lo) > 8 else "") + ".") if lo else ""
+
+
+# -- 2. scaling ------------------------------------------------------------------------------------
+def _one_workload(df: pd.DataFrame, workload: str | None, what: str) -> tuple[pd.DataFrame, str]:
+    wls = list(dict.fromkeys(df.workload))
+    if workload is not None:
+        if workload not in wls:
+            raise PlotInputError(f"{what}: no results for workload {workload!r}; records hold {', '.join(wls)}")
+        return df[df.workload == workload], workload
+    if len(wls) > 1:
+        raise PlotInputError(f"{what}: records hold several workloads ({', '.join(wls)}); pick one with --workload")
+    return df, wls[0]
+
+
+def scaling(recs: Records, workload: str | None = None) -> Drawn:
+    if not recs.sims:
+        raise PlotInputError("scaling needs simulation records (omnibench simulate --gpus 256,1024,...); "
+                             "got only real runs")
+    full = throughput_table(Records(sims=recs.sims))
+    df = full[(full.source == "sim") & (full.variant == full.system)]
+    if df.empty:
+        raise PlotInputError("scaling: no simulated result fits in memory" + _left_out(full))
+    df, wl = _one_workload(df, workload, "scaling")
+    sizes = sorted(df.gpus.unique())
+    if len(sizes) < 2:
+        raise PlotInputError(f"scaling needs at least two cluster sizes; records of {wl} hold only {sizes[0]:,} GPUs")
+    if df.system.nunique() < 2:
+        raise PlotInputError(f"scaling compares systems: records of {wl} hold only {_systems_text(df)}")
+    table = (df.groupby(["system", "gpus"], as_index=False)
+             .agg(tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "mean"), mfu=("mfu", "mean"),
+                  tflops_per_gpu=("tflops_per_gpu", "mean"), bubble=("bubble", "mean")))
+    style.apply_theme()
+    fig, axes = plt.subplots(1, 2, figsize=(style.DOUBLE_IN, 2.3))
+    for s in style.order_systems(table.system.unique()):
+        g = table[table.system == s].sort_values("gpus")
+        kw = dict(color=style.system_color(s), marker="o", markersize=3.5, linewidth=1.3, label=s)
+        axes[0].plot(g.gpus, g.tokens_per_s_per_gpu, **kw)
+        axes[1].plot(g.gpus, g.mfu * 100, **kw)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _p: f"{int(x):,}"))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("cluster size (GPUs, log$_2$)")
+        ax.set_ylim(bottom=0)
+    axes[0].set_ylabel("throughput (tokens/s/GPU)")
+    axes[0].yaxis.set_major_formatter(FuncFormatter(_si))
+    axes[1].set_ylabel("MFU (%)")
+    axes[0].set_title("(a) per-GPU throughput")
+    axes[1].set_title("(b) model FLOPs utilisation")
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
+    hw = ", ".join(sorted({f"{r.config.get('model')} on {r.config.get('hardware')}" for r in recs.sims
+                           if r.workload == wl}))
+    fig.suptitle(f"Scaling on {wl} ({hw}, simulated)", fontsize=9)
+    fig.tight_layout()
+    caption = (f"Simulated weak scaling on {wl} ({hw}): tokens/s/GPU and MFU (model FLOPs of the step, exact "
+               "per-module formula, over step time x GPUs x peak) against cluster size.")
+    return Drawn("scaling", fig, table, caption + _left_out(full))
+
+
+# -- 3. dynamic ------------------------------------------------------------------------------------
+def dynamic(recs: Records, workload: str | None = None) -> Drawn:
+    st = steps_table(recs)
+    if st.empty:
+        raise PlotInputError("dynamic: no per-step results in the records")
+    st, wl = _one_workload(st, workload, "dynamic")
+    # The most systems over the most steps, from one source and cluster size.
+    best, best_key = None, (-1, -1)
+    for (src, gpus), g in st.groupby(["source", "gpus"]):
+        n_steps = g.groupby("system").step.nunique().min()
+        key = (g.system.nunique(), n_steps)
+        if n_steps >= 2 and key > best_key:
+            best, best_key = (src, gpus, g), key
+    if best is None:
+        raise PlotInputError(f"dynamic needs records with at least two steps on {wl}; every record holds one step "
+                             "(simulate with --steps N, run with --steps N)")
+    src, gpus, g = best
+    rec = next(r for r in (recs.runs if src == "run" else recs.sims) if str(r.path) == g.record.iloc[0])
+    steps = sorted(g.step.unique())
+    mix = mix_table(rec, steps, gpus if src == "sim" else None)
+    style.apply_theme()
+    fig, (ax, axm) = plt.subplots(2, 1, figsize=(5.2, 3.6), sharex=True, gridspec_kw={"height_ratios": [1.6, 1]})
+    for s in style.order_systems(g.system.unique()):
+        d = g[g.system == s].groupby("step", as_index=False).tokens_per_s.mean()
+        ax.plot(d.step, d.tokens_per_s / gpus, color=style.system_color(s), label=s, linewidth=1.2, marker="o",
+                markersize=2 if len(steps) > 30 else 3)
+    if src == "run":
+        ax.axvspan(steps[0] - 0.5, steps[0] + 0.5, color="0.9", zorder=0)
+        ax.text(steps[0], ax.get_ylim()[1], " warm-up", fontsize=6, va="top", color="0.4")
+    ax.set_ylabel("throughput\n(tokens/s/GPU)")
+    ax.yaxis.set_major_formatter(FuncFormatter(_si))
+    ax.set_ylim(bottom=0)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="system")
+    wide = mix.pivot(index="step", columns="modality", values="share")
+    mods = [m for m in style.MODALITY_COLORS if m in wide.columns and wide[m].sum() > 0]
+    # steps, not slopes: each training step has one mix (its band spans step - 0.5 .. step + 0.5)
+    axm.stackplot(wide.index, [wide[m] for m in mods], labels=mods, colors=[style.MODALITY_COLORS[m] for m in mods],
+                  alpha=0.85, linewidth=0, step="mid")
+    axm.set_ylim(0, 1)
+    phases = mix.drop_duplicates("step").set_index("step").phase
+    runs_ = (phases != phases.shift()).cumsum()
+    if 1 < runs_.iloc[-1] <= 6:  # a staged or bursty schedule: name each stretch and mark where it changes
+        for _, seg in phases.groupby(runs_):
+            lo, hi = seg.index[0], seg.index[-1]
+            if lo != steps[0]:
+                for a in (ax, axm):
+                    a.axvline(lo - 0.5, color="0.2", linewidth=0.6, linestyle=":")
+            axm.text((lo + hi) / 2, 0.97, seg.iloc[0], ha="center", va="top", fontsize=5.5, color="white",
+                     fontweight="bold", clip_on=True)
+    axm.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    axm.set_ylabel("LLM tokens\nper modality")
+    axm.set_xlabel("training step")
+    axm.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    axm.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axm.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="modality")
+    kind = "measured" if src == "run" else "simulated"
+    ax.set_title(f"Throughput under a changing mix: {wl}, {gpus:,} GPUs ({kind})")
+    fig.tight_layout()
+    table = g.merge(mix.pivot(index="step", columns="modality", values="share").add_prefix("share_").reset_index(),
+                    on="step")
+    caption = (f"Per-step {kind} throughput per system on {wl} ({gpus:,} GPUs) above the share of each step's LLM "
+               "tokens per modality (recomputed from the same sample stream).")
+    return Drawn("dynamic", fig, table.drop(columns=["record"]), caption)
+
+
+# -- 4. timeline -----------------------------------------------------------------------------------
+def timeline(rec, system: str | None = None, gpus: int | None = None, step: int | None = None,
+             max_ranks: int = 16) -> Drawn:
+    df = trace_table(rec, system, gpus, step)
+    ranks = sorted(df["rank"].unique())
+    # Evenly spaced ranks, not the first few: the first ranks of a big cluster all sit in one pipeline stage.
+    shown = [ranks[i] for i in sorted({int(round(x)) for x in np.linspace(0, len(ranks) - 1, max_ranks)})] if len(
+        ranks) > max_ranks else ranks
+    df = df[df["rank"].isin(shown)]
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(style.DOUBLE_IN, 0.9 + 0.26 * len(shown)))
+    scale, unit = (1e3, "ms") if df.start.max() + df.duration.max() < 10 else (1.0, "s")
+    lanes = {"compute": (0.0, 0.56), "collective": (0.58, 0.2), "p2p": (0.8, 0.2)}
+    spans_drawn = 0
+    for row, r in enumerate(shown):
+        d = df[df["rank"] == r]
+        for (stream, module), g in d.groupby(["stream", "module"]):
+            off, h = lanes.get(stream, (0.8, 0.2))
+            comm = stream != "compute"
+            ax.broken_barh(list(zip(g.start * scale, g.duration * scale, strict=True)), (row + off - 0.4, h),
+                           facecolors=style.module_color(module), alpha=0.55 if comm else 0.95,
+                           hatch="/////" if comm else None, edgecolor="white" if not comm else
+                           style.module_color(module), linewidth=0.2)
+            spans_drawn += len(g)
+    end = (df.start + df.duration).max() * scale
+    ax.set_xlim(0, end * 1.01)
+    ax.set_ylim(len(shown) - 0.4, -0.5)
+    members = df.groupby("rank").members.first() if "members" in df else None
+    ax.set_yticks(range(len(shown)))
+    ax.set_yticklabels([f"rank {r}" + (f" (x{int(members[r])})" if members is not None and members[r] > 1 else "")
+                        for r in shown])
+    ax.set_xlabel(f"time in step ({unit})")
+    ax.grid(axis="y", visible=False)
+    busy = df[df.stream == "compute"].groupby("rank").duration.sum()
+    idle = 1 - busy / (end / scale)
+    mods = [m for m in ("vision", "audio", "llm", "all") if m in set(df.module)]
+    handles = [Patch(color=style.module_color(m), label="optimizer" if m == "all" else m) for m in mods]
+    handles += [Patch(facecolor="0.93", edgecolor="0.25", label="solid: compute"),
+                Patch(facecolor="white", edgecolor="0.4", hatch="/////", label="hatched: communication"),
+                Patch(facecolor="white", edgecolor="white", label="blank: idle (bubble)")]
+    ax.legend(handles=handles, ncol=len(handles), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              fontsize=6)
+    more = f"; {len(shown)} of them shown, evenly spaced" if len(ranks) > len(shown) else ""
+    ax.set_title(f"{df.attrs['label']}: mean idle {idle.mean():.0%}{more}", pad=16)
+    fig.tight_layout()
+    table = (df.groupby(["rank", "stream", "module", "kind"], as_index=False)
+             .agg(spans=("duration", "size"), busy_s=("duration", "sum")))
+    caption = (f"Per-rank timeline of one step ({df.attrs['label']}; from {df.attrs['source']}). Upper lane: "
+               "compute; lower lanes: collectives and point-to-point/boundary transfers; colour = module; gaps are "
+               "idle time (pipeline bubbles, waits).")
+    fig.spans_drawn = spans_drawn  # for tests and the report's table
+    return Drawn("timeline", fig, table, caption)
+
+
+# -- 5. validation ---------------------------------------------------------------------------------
+def validation(recs: Records, calibration: str | None = None) -> Drawn:
+    """One point per run: datasheet costs (hollow) and, with `calibration`, the calibrated simulator
+    (filled); each set's mean absolute error is written on the figure."""
+    if recs.sims:
+        raise PlotInputError(f"validation compares measured runs with the simulator: {recs.sims[0].path} is a "
+                             "simulation record; give run records (omnibench run)")
+    if not recs.runs:
+        raise PlotInputError("validation needs run records (omnibench run); none given")
+    try:
+        sets = [("datasheet", validation_table(recs.runs, None))]
+        if calibration:
+            sets.append(("calibrated", validation_table(recs.runs, calibration)))
+    except ValueError as e:
+        raise PlotInputError(f"validation: {e}") from None
+    table = pd.concat([t.assign(costs=name) for name, t in sets], ignore_index=True)
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 3.5))
+    for name, t in sets:
+        for s in style.order_systems(t.system.unique()):
+            d = t[t.system == s]
+            c = style.system_color(s)
+            ax.scatter(d.measured_s * 1e3, d.simulated_s * 1e3, s=18, zorder=3, linewidth=0.9 if name == "datasheet"
+                       else 0.3, facecolor="none" if name == "datasheet" else c,
+                       edgecolor=c if name == "datasheet" else "black", marker="o" if name == "datasheet" else "D",
+                       label=s if name == sets[-1][0] else None)
+    ms, ss = table.measured_s * 1e3, table.simulated_s * 1e3
+    lo, hi = min(ms.min(), ss.min()) * 0.8, max(ms.max(), ss.max()) * 1.25
+    ax.plot([lo, hi], [lo, hi], color="0.3", linewidth=0.8, linestyle="--", label="simulated = measured")
+    if hi / lo > 5:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FuncFormatter(lambda x, _p: f"{x:g}"))
+            axis.set_minor_locator(NullLocator())
+            axis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_aspect("equal")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("simulated step time (ms)")
+    prof = sets[-1][1].attrs["calibration"] if calibration else ""
+    in_sample = False
+    if calibration:
+        from simulator.calibrate import Profile
+
+        fitted = {str(Path(p).resolve()) for p in Profile.load(calibration).provenance.get("runs", [])}
+        in_sample = any(str(r.path.resolve()) in fitted for r in recs.runs)
+    maes = {name: float(t.error.abs().mean()) for name, t in sets}
+    text = "\n".join(f"{'o' if n == 'datasheet' else chr(9670)} {n}{' (in-sample)' if n == 'calibrated' and in_sample else ''}"
+                     f": MAE {m:.0%}" for n, m in maes.items())
+    ax.text(0.04, 0.96, f"{text}\n{len(sets[0][1])} run(s)", transform=ax.transAxes, va="top", fontsize=6.5,
+            bbox=dict(boxstyle="round,pad=0.3", facecolor="white", edgecolor="0.7"))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False, fontsize=6, ncol=3)
+    ax.set_title("Simulator vs measured runs")
+    fig.tight_layout()
+    left = sets[0][1].attrs["left_out"]
+    caption = ("Median step time per run (first, warm-up, step left out), simulated on the run's own Plans vs "
+               "measured; mean absolute error " + ", ".join(f"{n} {m:.1%}" for n, m in maes.items())
+               + (f" (calibration profile {prof}{', fitted on these runs: in-sample' if in_sample else ''})"
+                  if calibration else " (datasheet costs, no calibration)") + "."
+               + (" Not simulated: " + "; ".join(left) + "." if left else ""))
+    return Drawn("validation", fig, table.drop(columns=["record"]), caption)
+
+
+# -- 6. ablation -----------------------------------------------------------------------------------
+def ablation(recs: Records, workload: str | None = None) -> Drawn:
+    full = throughput_table(recs)
+    df = _pick_source(full, "ablation")
+    omni = df[df.system == "omni"]
+    if omni.empty:
+        raise PlotInputError(f"ablation needs omni records (with techniques switched off in its plan options); got "
+                             f"{_systems_text(df)}")
+    if workload is None:  # only workloads where some technique was switched off can make this figure
+        ablated = omni.groupby("workload").variant.nunique()
+        omni = omni[omni.workload.isin(ablated[ablated >= 2].index)] if (ablated >= 2).any() else omni
+    omni, wl = _one_workload(omni, workload, "ablation")
+    groups = []
+    for gpus, g in omni.groupby("gpus"):
+        variants = g.groupby("variant", as_index=False).tokens_per_s.mean()
+        if "omni" in set(variants.variant) and len(variants) >= 2:
+            groups.append((gpus, variants))
+    if not groups:
+        raise PlotInputError(
+            f"ablation needs a full omni record and at least one with a technique switched off (a false flag in its "
+            f"plan options) at the same cluster size; got {', '.join(sorted(set(omni.variant)))}")
+    gpus, variants = max(groups, key=lambda x: (len(x[1]), x[0]))
+    ref = float(variants[variants.variant == "omni"].tokens_per_s.iloc[0])
+    variants = variants.assign(relative=variants.tokens_per_s / ref)
+    order = ["omni"] + sorted(v for v in variants.variant if v != "omni")
+    variants = variants.set_index("variant").loc[order].reset_index()
+    base = df[(df.workload == wl) & (df.gpus == gpus) & df.system.isin(BASELINES)]
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 0.7 + 0.32 * len(variants)))
+    colors = [style.system_color("omni") if v == "omni" else style.lighten(style.system_color("omni"))
+              for v in variants.variant]
+    bars = ax.barh(range(len(variants)), variants.relative, color=colors, edgecolor="0.3", linewidth=0.4)
+    ax.bar_label(bars, labels=[f"{x:.2f}x" for x in variants.relative], fontsize=6, padding=2)
+    ax.set_yticks(range(len(variants)))
+    ax.set_yticklabels(["omni (all techniques)" if v == "omni" else v.removeprefix("omni ") for v in variants.variant])
+    ax.invert_yaxis()
+    if not base.empty:
+        b = base.groupby("system").tokens_per_s.mean()
+        ax.axvline(b.max() / ref, color=style.system_color(b.idxmax()), linestyle="--", linewidth=1,
+                   label=f"best baseline ({b.idxmax()})")
+        ax.legend(loc="lower right", fontsize=6, frameon=True)
+        variants["best_baseline_relative"] = b.max() / ref
+    ax.set_xlabel("throughput rel. to full omni (tokens/s)")
+    ax.set_xlim(0, max(variants.relative.max(), variants.get("best_baseline_relative", pd.Series([0])).max()) * 1.18)
+    src = "measured" if (df.source == "run").all() else "simulated"
+    ax.set_title(f"omni ablation: {wl}, {gpus:,} GPUs ({src})")
+    fig.tight_layout()
+    caption = (f"omni with one technique switched off at a time ({src}, {wl}, {gpus:,} GPUs), throughput relative "
+               "to omni with every technique on." + _cpu_note(recs, omni))
+    return Drawn("ablation", fig, variants, caption)
+
+
+# -- 7. workload -----------------------------------------------------------------------------------
+def workload(name: str, steps: int = 200, global_batch_tokens: int = 131072, seed: int = 0) -> Drawn:
+    from workloads import WorkloadError, WorkloadStream
+    from workloads.sample import MODALITIES
+    from workloads.stats import collect, sample_steps, summarize
+
+    try:
+        stream = WorkloadStream(name, seed=seed, global_batch_tokens=global_batch_tokens)
+        drawn = sample_steps(steps, stream.total_steps)
+        rows = collect(stream, drawn)
+        summary = summarize(stream, drawn, rows)
+    except WorkloadError as e:
+        raise PlotInputError(f"workload: {e}") from None
+    seg = pd.DataFrame({"modality": np.asarray(MODALITIES, dtype=object)[rows.seg_mod], "llm_tokens": rows.seg_tok,
+                        "step": rows.seg_step})
+    seg = seg[seg.llm_tokens > 0]
+    phase_of = {p["step"]: p["phase"] for p in summary["mix_over_steps"]}
+    named = [p["name"] for p in summary["schedule"]["phases"]]
+    if not set(phase_of.values()) <= set(named):
+        # A changing schedule blends its phases step by step: show the mix in quarters of training instead.
+        edges = np.linspace(0, summary["total_steps"], 5).astype(int)
+        named = [f"steps {a:,}-{b - 1:,}" for a, b in zip(edges[:-1], edges[1:], strict=True)]
+        phase_of = {s: named[min(int(np.searchsorted(edges, s, side="right")) - 1, 3)] for s in phase_of}
+    seg["phase"] = seg.step.map(phase_of)
+    mods = [m for m in MODALITIES if m in set(seg.modality)]
+    style.apply_theme()
+    fig, (ax, axp) = plt.subplots(1, 2, figsize=(style.DOUBLE_IN, 2.4), gridspec_kw={"width_ratios": [1.4, 1]})
+    for m in mods:
+        x = np.sort(seg[seg.modality == m].llm_tokens.to_numpy())
+        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=style.MODALITY_COLORS[m], linewidth=1.3,
+                label=f"{m} (p50 {int(np.median(x)):,})")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(_si))
+    ax.set_xlabel("LLM tokens per segment (log)")
+    ax.set_ylabel("fraction of segments (CDF)")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.legend(loc="lower right", frameon=True)
+    ax.set_title("(a) token length per modality")
+    phases = [p for p in named if p in set(seg.phase)]
+    share = (seg.groupby(["phase", "modality"]).llm_tokens.sum() / seg.groupby("phase").llm_tokens.sum()).unstack(
+        fill_value=0.0).reindex(index=phases, columns=mods, fill_value=0.0)
+    left = np.zeros(len(phases))
+    for m in mods:
+        axp.barh(range(len(phases)), share[m], left=left, color=style.MODALITY_COLORS[m], label=m, height=0.7)
+        left += share[m].to_numpy()
+    axp.set_yticks(range(len(phases)))
+    axp.set_yticklabels(phases)
+    axp.invert_yaxis()
+    axp.set_xlim(0, 1)
+    axp.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    axp.set_xlabel("share of LLM tokens")
+    axp.grid(axis="y", visible=False)
+    axp.set_title(f"(b) mix per phase ({summary['schedule']['kind']} schedule)")
+    axp.legend(frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(f"Workload {summary['workload']}: {len(drawn)} steps over {summary['total_steps']:,}, "
+                 f"{global_batch_tokens:,} tokens/batch", fontsize=9)
+    fig.tight_layout()
+    pct = (seg.groupby("modality").llm_tokens.describe(percentiles=[0.1, 0.5, 0.9])
+           [["count", "10%", "50%", "90%", "max"]].reindex(mods))
+    table = pct.join(share.T.add_prefix("share in ").rename_axis("modality"))
+    caption = (f"Workload {summary['workload']} ({summary['description']}): LLM tokens per segment by modality "
+               f"(CDF) and the realised share of LLM tokens per modality in each phase of its "
+               f"{summary['schedule']['kind']} schedule; seed {seed}, {global_batch_tokens:,} tokens per batch.")
+    return Drawn("workload", fig, table.reset_index(), caption)
+
+
+def record_of(recs: Records, system: str | None):
+    """The record a timeline is drawn from: a run of `system` when there is one, else a simulation."""
+    runs = [r for r in recs.runs if system in (None, r.system)]
+    if runs:
+        return runs[0]
+    sims = [r for r in recs.sims if system is None or system in r.systems]
+    if sims:
+        return sims[0]
+    have = sorted({r.system for r in recs.runs} | {s for r in recs.sims for s in r.systems})
+    raise PlotInputError(f"timeline: no record of system {system!r}; records hold {', '.join(have) or 'none'}")
+
+
+__all__ = ["KINDS", "Drawn", "RunRecord", "SimRecord", "ablation", "throughput_table", "dynamic", "record_of", "scaling", "throughput",
+           "timeline", "validation", "workload"]

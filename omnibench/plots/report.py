@@ -1,0 +1,143 @@
+"""Every figure the inputs can make, on one self-contained HTML page (images inline as base64, no
+external assets), with the table behind each figure and the commands that produced the data."""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import io
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+
+from omnibench.plots import figures
+from omnibench.plots.load import PlotInputError, Records
+
+
+@dataclass
+class Section:
+    title: str
+    drawn: figures.Drawn | None
+    reason: str = ""  # why it was not drawn
+
+
+def _try(title: str, fn, *args, **kw) -> Section:
+    try:
+        return Section(title, fn(*args, **kw))
+    except PlotInputError as e:
+        return Section(title, None, str(e))
+
+
+def draw_all(recs: Records, workloads: list[str] | None = None, calibration: str | None = None) -> list[Section]:
+    """Each figure kind for which the records hold enough data; the rest say why not."""
+    out: list[Section] = []
+    has_runs, has_sims = bool(recs.runs), bool(recs.sims)
+    if has_runs:
+        out.append(_try("Throughput (measured runs)", figures.throughput, recs, source="run"))
+    if has_sims:
+        out.append(_try("Throughput (simulated)", figures.throughput, recs, source="sim"))
+    if not (has_runs or has_sims):
+        out.append(Section("Throughput", None, "no run or simulation records given"))
+    # Per workload only where the data allow it; otherwise one line says why not.
+    sizes: dict[str, set] = {}
+    for r in recs.sims:
+        sizes.setdefault(r.workload, set()).update(int(g) for g in r.config.get("gpus", []))
+    scaled = [wl for wl, g in sizes.items() if len(g) >= 2]
+    out += [_try(f"Scaling ({wl})", figures.scaling, recs, workload=wl) for wl in scaled] or [
+        _try("Scaling", figures.scaling, recs)]
+    multi = [wl for wl in recs.workloads() if any(r.workload == wl and _steps(r) >= 2 for r in recs.all)]
+    out += [_try(f"Throughput over training ({wl})", figures.dynamic, recs, workload=wl) for wl in multi] or [
+        Section("Throughput over training", None, "needs records with at least two steps (--steps N)")]
+    timeline_recs = [(r, r.system) for r in {r.system: r for r in reversed(recs.runs)}.values()]
+    if not timeline_recs:
+        seen = set()
+        for rec in recs.sims:
+            for s in rec.systems:
+                if s not in seen and any(rec.trace_path(s, int(x["gpus"])) for x in rec.rows if x["system"] == s):
+                    seen.add(s)
+                    timeline_recs.append((rec, s))
+    for rec, s in sorted(timeline_recs, key=lambda x: figures.style.order_systems([y[1] for y in timeline_recs])
+                         .index(x[1])):
+        kind = "measured" if rec.kind == "run" else "simulated"
+        out.append(_try(f"Timeline: {s} ({kind})", figures.timeline, rec, system=s))
+    if not timeline_recs:
+        out.append(Section("Timeline", None, "no record with a trace"))
+    if has_runs:
+        out.append(_try("Simulated vs measured", figures.validation, Records(runs=recs.runs), calibration))
+    else:
+        out.append(Section("Simulated vs measured", None, "needs run records (omnibench run); only simulations given"))
+    wls = recs.workloads()
+    variants = figures.throughput_table(recs)
+    variants = variants[variants.system == "omni"].groupby("workload").variant.nunique()
+    omni_wls = [wl for wl in wls if variants.get(wl, 0) >= 2]
+    if omni_wls:
+        out += [_try(f"omni ablation ({wl})", figures.ablation, recs, workload=wl) for wl in omni_wls]
+    else:
+        out.append(Section("omni ablation", None, "needs omni records (with techniques switched off); none given"))
+    for wl in workloads if workloads is not None else wls:
+        out.append(_try(f"Workload {wl}", figures.workload, wl))
+    return out
+
+
+def _steps(rec) -> int:
+    if rec.kind == "run":
+        return len(rec.steps)
+    return max((len(r.get("per_step", [])) for r in rec.rows), default=0)
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=150)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _table_html(df) -> str:
+    df = df.copy()
+    for c in df.columns:
+        if df[c].dtype == object:
+            df[c] = df[c].map(lambda v: ", ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else v)
+    if len(df) > 60:
+        df = df.head(60)
+    return df.to_html(index=False, border=0, classes="t", float_format=lambda x: f"{x:,.4g}", na_rep="-")
+
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;color:#222;
+line-height:1.4;padding:0 1em}
+h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
+img{max-width:100%;border:1px solid #eee}p.cap{color:#444;font-size:.92em}
+table.t{border-collapse:collapse;font-size:.78em;margin:.5em 0}table.t td,table.t th{padding:2px 8px;
+border-bottom:1px solid #eee;text-align:right}table.t th{background:#f6f6f6}
+pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:.8em}.miss{color:#a33}
+details{margin:.4em 0}
+"""
+
+
+def write_html(sections: list[Section], recs: Records, path, title: str = "omnibench report") -> None:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+             f"<p>Generated {stamp} by <code>omnibench report</code> from {len(recs.runs)} run record(s) and "
+             f"{len(recs.sims)} simulation record(s).</p>"]
+    drawn = [s for s in sections if s.drawn]
+    missing = [s for s in sections if not s.drawn]
+    parts.append("<ul>" + "".join(f"<li><a href='#f{i}'>{html.escape(s.title)}</a></li>" for i, s in
+                                  enumerate(drawn)) + "</ul>")
+    for i, s in enumerate(drawn):
+        d = s.drawn
+        parts.append(f"<h2 id='f{i}'>{html.escape(s.title)}</h2><img alt='{html.escape(s.title)}' "
+                     f"src='data:image/png;base64,{_png(d.fig)}'><p class='cap'>{html.escape(d.caption)}</p>"
+                     f"<details><summary>table ({len(d.table)} rows)</summary>{_table_html(d.table)}</details>")
+        plt.close(d.fig)
+    if missing:
+        parts.append("<h2>Figures not drawn</h2><ul>" + "".join(
+            f"<li><b>{html.escape(s.title)}</b>: <span class='miss'>{html.escape(s.reason)}</span></li>"
+            for s in missing) + "</ul>")
+    if recs.skipped:
+        parts.append("<p class='miss'>Skipped unfinished folders: " + html.escape("; ".join(recs.skipped)) + "</p>")
+    parts.append("<h2>Commands that produced the data</h2><pre>" + html.escape(
+        "\n".join(r.command for r in recs.all) or "(no records)") + "</pre>")
+    parts.append("</body></html>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
