@@ -22,6 +22,10 @@ app = typer.Typer(
 # Order here is the order in `omnibench --help`.
 _COMMAND_MODULES = [
     "omnibench.cli.workloads",
+    "omnibench.cli.models",
+    "omnibench.cli.run",
+    "omnibench.cli.simulate",
+    "omnibench.cli.report",
 ]
 
 for _name in _COMMAND_MODULES:
