@@ -23,14 +23,6 @@ from omnibench.specs.presets import get_model
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core CI, torch's thread pool contends and runs ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class _FlashLikeFn(torch.autograd.Function):
     @staticmethod

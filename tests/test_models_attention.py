@@ -14,14 +14,6 @@ from omnibench.models.attention import VarlenAttention, flash_available, resolve
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core CI, torch's thread pool contends and runs ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _dense_reference(q, k, v, cu, causal):
     """One softmax over all T tokens with a block-diagonal (and causal) mask; GQA by repeating kv."""

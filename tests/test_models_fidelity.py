@@ -20,14 +20,6 @@ from omnibench.specs.model import AudioEncoderSpec, LLMSpec, MoESpec, VisionEnco
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core CI, torch's thread pool contends and runs ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 LLM = LLMSpec(name="fid-llm", layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=128, rope_theta=10_000.0)
 VIT = VisionEncoderSpec(name="fid-vit", layers=2, hidden=64, heads=4, ffn=256, out_hidden=48, mlp="quick_gelu")
 

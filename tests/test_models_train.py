@@ -18,14 +18,6 @@ from workloads.tokens import audio_encoder_len, audio_llm_tokens, audio_mel_fram
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core CI, torch's thread pool contends and runs ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _image(w, h):
     t, gh, gw = image_grid_thw(w, h)
