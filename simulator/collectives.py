@@ -13,7 +13,8 @@ NIC figures, with the per-GPU share of the node's NICs. `bytes` is always the fu
 (the all-reduced tensor, the gathered output, the reduce-scatter input, the all-to-all input).
 
 Calibrated alpha/beta (from `omnibench calibrate`) replace the datasheet latency/bandwidth for a
-placement ("intra"/"inter") when present.
+placement ("intra"/"inter") when present; "intra.inline"/"inter.inline" for the communication a
+module issues inside its compute (`inline_model`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,22 @@ class CollectiveModel:
     cluster: ClusterSpec
     # placement ("intra"|"inter") -> (alpha seconds/step, beta bytes/s); from calibration
     fitted: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Whether intra-module communication overlaps compute (GPU: FSDP prefetches the next layer's
+    # all-gather on its own stream, reduce-scatters run behind later compute). A CPU rank has one
+    # thread: every collective blocks it (calibrated CPU profiles set this False).
+    inline_overlap: bool = True
     _placement_cache: dict = field(default_factory=dict, repr=False)
     _cost_cache: dict = field(default_factory=dict, repr=False)
+
+    def inline_model(self) -> CollectiveModel:
+        """The model for communication issued inside a module's compute (FSDP gathers and
+        reduce-scatters, TP/CP/EP exchanges): calibrated figures of their own where the profile has
+        them (placement "intra.inline" / "inter.inline": on a CPU host a collective in the middle
+        of a layer also pays thread hand-offs and the peers' per-layer skew), else the same."""
+        own = {w: self.fitted[f"{w}.inline"] for w in ("intra", "inter") if f"{w}.inline" in self.fitted}
+        if not own:
+            return self
+        return CollectiveModel(self.cluster, fitted={**self.fitted, **own}, inline_overlap=self.inline_overlap)
 
     def placement(self, ranks: tuple[int, ...]) -> Placement:
         got = self._placement_cache.get(ranks)

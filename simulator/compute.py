@@ -29,12 +29,20 @@ class EfficiencyCurve:
     attention_weight: float = 1.0
     overhead_s: float = 0.0  # fixed cost per action (launch, Python), fitted on slow hosts
     per_sequence_s: float = 0.0  # cost per attention call (a per-sequence loop, as on CPU), fitted
+    # cost per element of input tensors the action prepares (the runtime draws every sample's pixel
+    # patches and mel frames where a forward takes raw samples: encoders and the LLM's first stage)
+    per_input_element_s: float = 0.0
+    # the rank's own work per collective call issued inside the action (FSDP2's hooks, copy-in and
+    # copy-out around each gather and reduce-scatter); the wait for the transfer is not in it
+    per_inline_call_s: float = 0.0
 
-    def time(self, matmul_flops: float, attention_flops: float, ops: int, sequences: int = 0) -> float:
+    def time(self, matmul_flops: float, attention_flops: float, ops: int, sequences: int = 0,
+             inputs: float = 0.0, calls: int = 0) -> float:
         if matmul_flops <= 0 and attention_flops <= 0:
             return 0.0
         work = matmul_flops + self.attention_weight * attention_flops + ops * self.half_flops
-        return self.overhead_s + sequences * self.per_sequence_s + work / (self.peak_flops * self.e_max)
+        return (self.overhead_s + sequences * self.per_sequence_s + inputs * self.per_input_element_s
+                + calls * self.per_inline_call_s + work / (self.peak_flops * self.e_max))
 
     def achieved(self, op_flops: float) -> float:
         return self.peak_flops * self.e_max * op_flops / (op_flops + self.half_flops)
@@ -59,7 +67,13 @@ class ComputeModel:
     # "forward.vision" / "forward" / "backward.llm" / ... -> fitted curve; a module's own curve wins,
     # then the kind's, then the datasheet curve.
     curves: dict[str, EfficiencyCurve] | None = None
-    optimizer: tuple[float, float] | None = None  # fitted (seconds per step, seconds per parameter)
+    # fitted (seconds per step, seconds per parameter[, seconds per FSDP-sharded layer, seconds per
+    # unsharded layer]): optimizer steps over many small tensors cost per tensor, and a DTensor shard
+    # far more than a plain tensor (CPU: dispatch overhead dominates the arithmetic).
+    optimizer: tuple[float, ...] | None = None
+    # Lock-stepped peers (FSDP, EP) wait for each other layer by layer, and the sum of per-layer
+    # maxima exceeds the largest peer's total by this fraction of it (fitted; 0 on the datasheet).
+    lock_skew: float = 0.0
     _default: EfficiencyCurve | None = field(default=None, repr=False)
 
     def curve(self, kind: str, module: str = "") -> EfficiencyCurve:
@@ -74,12 +88,15 @@ class ComputeModel:
     def fitted(self, kind: str, module: str = "") -> bool:
         return bool(self.curves) and (f"{kind}.{module}" in self.curves or kind in self.curves)
 
-    def action_time(self, work: Work, kind: str, recompute: str = "none", module: str = "") -> float:
+    def action_time(self, work: Work, kind: str, recompute: str = "none", module: str = "",
+                    inputs: float = 0.0, calls: int = 0) -> float:
         """Seconds of compute of a forward or backward action (backward includes its recomputation,
-        whose FLOPs `work` already holds for the run's recompute policy)."""
+        whose FLOPs `work` already holds for the run's recompute policy); `inputs`: elements of
+        raw input tensors a forward prepares (flops.input_elements); `calls`: collective calls the
+        action issues in line (their transfers are the collective model's)."""
         fwd = self.curve("forward", module)
         if kind == "forward":
-            return fwd.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences)
+            return fwd.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences, inputs, calls)
         rec = 0.0
         if recompute != "none" and (work.recompute_matmul or work.recompute_attention):
             ops = work.ops if recompute == "full" else work.layers
@@ -87,13 +104,18 @@ class ComputeModel:
         if self.fitted("backward", module):
             # A fitted backward curve is fitted against the forward FLOPs of the same action.
             c = self.curve("backward", module)
-            return c.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences) + rec
+            return c.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences, calls=calls) + rec
         c = self.curve("backward")
-        return c.time(work.backward_matmul, work.backward_attention, 2 * work.ops, 2 * work.sequences) + rec
+        return c.time(work.backward_matmul, work.backward_attention, 2 * work.ops, 2 * work.sequences,
+                      calls=calls) + rec
 
-    def optimizer_time(self, params_on_rank: float) -> float:
-        """AdamW: read param, grad, two moments and write param and moments, fp32: 28 bytes/param."""
+    def optimizer_time(self, params_on_rank: float, sharded_layers: float = 0.0, plain_layers: float = 0.0) -> float:
+        """AdamW: read param, grad, two moments and write param and moments, fp32: 28 bytes/param.
+        Fitted: a constant, a cost per parameter and (when fitted) per layer held, sharded or not."""
         if self.optimizer is not None:
-            return self.optimizer[0] + self.optimizer[1] * params_on_rank
+            t = self.optimizer[0] + self.optimizer[1] * params_on_rank
+            if len(self.optimizer) >= 4:
+                t += self.optimizer[2] * sharded_layers + self.optimizer[3] * plain_layers
+            return t
         g = self.cluster.gpu
         return 28.0 * params_on_rank / (g.memory_bandwidth * g.memory_efficiency)

@@ -16,6 +16,8 @@ part a layer's compute does not hide is exposed. FSDP and EP also lock data-para
 layer by layer: such an action starts when all (distinct) peers have arrived and lasts as long as
 the slowest peer's. A collective completes when all its distinct participants have arrived;
 a recv completes when the matching send's transfer has (the send starts once the recv is posted).
+Without overlap (`CollectiveModel.inline_overlap` False: a CPU rank is one thread) every FSDP
+gather and every gradient reduction blocks the rank in line, one call per layer plus the root.
 
 Memory per rank: bf16 + fp32 master params, fp32 grads and AdamW moments (sharded over the FSDP
 group), one layer of gathered bf16 params, and the activations of the microbatches in flight (counted from the
@@ -47,7 +49,15 @@ from omnibench.specs import costs
 from omnibench.specs.model import MultimodalSpec
 from simulator.collectives import CollectiveModel
 from simulator.compute import ComputeModel
-from simulator.flops import Work, audio_work, llm_work, model_train_flops, stage_layers, vision_work
+from simulator.flops import (
+    Work,
+    audio_work,
+    input_elements,
+    llm_work,
+    model_train_flops,
+    stage_layers,
+    vision_work,
+)
 from simulator.hardware import ClusterSpec, GiB
 
 RECOMPUTE = ("none", "full", "selective")
@@ -239,6 +249,8 @@ class _Op:
     lock_n: int = 1  # distinct participants
     p2p_keys: list = field(default_factory=list)  # (key, bytes-time) sends, or keys awaited for recv
     act_delta: float = 0.0  # activation bytes added (+) or freed (-)
+    blocking: bool = False  # a collective the rank waits for before its next action (no overlap)
+    calls: int = 0  # collective calls a compute action issues in line
 
 
 class Engine:
@@ -250,6 +262,7 @@ class Engine:
         self.plan, self.model, self.cluster = plan, model, cluster
         self.compute = compute or ComputeModel(cluster)
         self.coll = collectives or CollectiveModel(cluster)
+        self.coll_inline = self.coll.inline_model()  # FSDP/TP/CP/EP communication inside compute
         recompute = options.recompute if options.recompute != "none" else plan.options.get("recompute", "none")
         if recompute not in RECOMPUTE:
             raise SimulationError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
@@ -306,6 +319,18 @@ class Engine:
             else:
                 got = tuple(s.mel_frames for i in ids for s in sample(i).segments if s.encoder == "audio")
             self._sig_cache[key] = got
+        return got
+
+    def input_elements(self, module: str, rank: int, a: Action) -> float:
+        """Raw input elements a forward prepares: encoders and the LLM's first stage take raw
+        samples (the runtime draws all of each sample's inputs there); 0 for other actions."""
+        if a.kind != FORWARD or (module == "llm" and a.stage != 0):
+            return 0.0
+        key = ("inputs", module, self._data_rank(module, rank), a.microbatch)
+        got = self._sig_cache.get(key)
+        if got is None:
+            ids = self._microbatch(module, rank, a.microbatch)
+            got = self._sig_cache[key] = float(sum(input_elements(self.plan.sample(i), self.model) for i in ids))
         return got
 
     def _stage(self, module: str, rank: int, action: Action) -> int:
@@ -382,6 +407,8 @@ class Engine:
             for a in plan.actions[r]:
                 if a.kind in (FORWARD, BACKWARD, SEND, RECV):
                     data = self._signature(a.module, r, a.microbatch)
+                    if a.kind == FORWARD:
+                        data = (data, self.input_elements(a.module, r, a))
                 elif a.kind == BOUNDARY:
                     data = (a.direction, a.peer_microbatch, self._boundary_tokens(r, a))
                 else:
@@ -425,44 +452,64 @@ class Engine:
         long_group = self._long_group(module, rank, a.microbatch)
         work = self.work(module, a.stage if module == "llm" else 0, self._signature(module, rank, a.microbatch),
                          len(long_group))
-        own = self.compute.action_time(work, a.kind, self.recompute if a.kind == BACKWARD else "none", module)
+        recompute = self.recompute if a.kind == BACKWARD else "none"
+        inputs = self.input_elements(module, rank, a)
+        own = self.compute.action_time(work, a.kind, recompute, module, inputs)
         op = _Op(a, a.kind, duration=own)
         if self.options.communication:
             comm = exposed = 0.0
+            n_calls = 0  # collective calls issued in line (their CPU side is compute: see below)
             calls = 2 * work.layers
             tp_group = idx.group(rank, ("tp",))
             if work.tp_bytes and len(tp_group) > 1:
-                t = calls * self.coll.cost("all_reduce", work.tp_bytes / calls, tp_group)
+                t = calls * self.coll_inline.cost("all_reduce", work.tp_bytes / calls, tp_group)
                 comm += t
                 exposed += t
+                n_calls += calls
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
             if work.seq_bytes and len(seq_group) > 1:
-                t = work.layers * self.coll.cost("all_to_all", work.seq_bytes / work.layers, seq_group)
+                t = work.layers * self.coll_inline.cost("all_to_all", work.seq_bytes / work.layers, seq_group)
                 comm += t
                 exposed += t
+                n_calls += work.layers
             shard = idx.group(rank, idx.shard_dims())
             if work.ep_bytes and lay.ep > 1:
                 i = shard.index(rank)
                 ep_group = shard[i - i % lay.ep: i - i % lay.ep + lay.ep]
-                t = calls * self.coll.cost("all_to_all", work.ep_bytes / calls, ep_group)
+                t = calls * self.coll_inline.cost("all_to_all", work.ep_bytes / calls, ep_group)
                 comm += t
                 exposed += t
+                n_calls += calls
+            if (not self.coll.inline_overlap and a.kind == BACKWARD and lay.fsdp and len(shard) > 1
+                    and a.microbatch == self._last_backward(rank, module)):
+                n_calls += max(1, work.layers) + 1  # the reduce-scatters (the grad_sync op holds their wait)
             if lay.fsdp and len(shard) > 1 and self._gathers(rank, module, a):
-                # bf16 all-gather of each layer's shard, prefetched one layer ahead: the first is
-                # exposed, later ones only where a layer's compute is shorter than its gather.
+                # bf16 all-gather of each layer's shard. With overlap (GPU) it is prefetched one
+                # layer ahead: the first is exposed, later ones only where a layer's compute is
+                # shorter than its gather. Without (one CPU thread per rank) FSDP2's gathers of
+                # every layer and then the root each block the rank: the same bytes in n + 1 calls.
                 # Experts are split over ep first; FSDP shards them over the rest (dp*cp/ep).
                 dense = (work.params - work.expert_params) / lay.tp
                 n = max(1, work.layers)
-                g = self.coll.cost("all_gather", 2 * dense / n, shard)
+                calls = n if self.coll.inline_overlap else n + 1
+                g = self.coll_inline.cost("all_gather", 2 * dense / calls, shard)
                 if work.expert_params:
                     edp = self._expert_group(rank, shard, lay.ep)
-                    g += self.coll.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / n, edp)
-                per_layer = own / n
-                comm += n * g
-                exposed += g + (n - 1) * max(0.0, g - per_layer)
-            op.comm, op.exposed = comm, exposed
+                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / calls, edp)
+                comm += calls * g
+                n_calls += calls
+                if self.coll.inline_overlap:
+                    exposed += g + (n - 1) * max(0.0, g - own / n)
+                else:
+                    exposed += calls * g
+            op.comm, op.exposed, op.calls = comm, exposed, n_calls
+            if n_calls:
+                # The rank's own work around each call (hooks, copies) runs on its compute stream.
+                op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls)
         lock = self._lock_group(module, rank)
+        if lock is not None and self.compute.lock_skew:
+            op.duration *= 1.0 + self.compute.lock_skew
         if lock is not None:
             gid, n = self._members(lock, cls)
             if n > 1:
@@ -473,6 +520,14 @@ class Engine:
         else:
             op.act_delta = -self._live_activation(work)
         return op
+
+    def _last_backward(self, rank: int, module: str) -> int:
+        key = ("last_bwd", rank, module)
+        got = self._sig_cache.get(key)
+        if got is None:
+            mbs = [a.microbatch for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD and a.module == module]
+            got = self._sig_cache[key] = max(mbs) if mbs else -1
+        return got
 
     def _long_group(self, module: str, rank: int, mb: int) -> tuple[int, ...]:
         """omni (systems/omni, plan.options["long_short"]): the sequence-parallel group that runs this
@@ -569,30 +624,62 @@ class Engine:
                     ops.append(_Op(a, "boundary_recv", p2p_keys=[key]))
             elif a.kind == GRAD_SYNC:
                 module = a.module
-                lay = self.plan.layouts[module]
                 group = self._grad_group(module, rank)
                 stage = self._stage(module, rank, a)
-                w = self.stage_work(module, stage)
-                nbytes = self.options.grad_reduce_bytes * w.params / lay.tp
-                cost = 0.0
-                if comm_on and len(group) > 1:
-                    op_name = "reduce_scatter" if lay.fsdp else "all_reduce"
-                    dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
-                    cost = self.coll.cost(op_name, dense, group)
-                    if w.expert_params and lay.ep > 1:
-                        # Experts are split over ep; their grads reduce over the remaining replicas.
-                        cost += self.coll.cost(op_name, (nbytes - dense) / lay.ep,
-                                               self._expert_group(rank, group, lay.ep))
-                    elif w.expert_params:
-                        cost += self.coll.cost(op_name, nbytes - dense, group)
+                cost = self.grad_sync_cost(module, rank, stage) if comm_on else 0.0
                 gid, n_members = self._members(group, cls)
                 key = ("coll", module, stage, gid)
                 n = seen[key]
                 seen[key] += 1
-                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members))
+                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
+                               blocking=not self.coll.inline_overlap))
             elif a.kind == OPTIMIZER_STEP:
-                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank))))
+                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
+                                                                               *self.layers_on_rank(rank))))
         return ops
+
+    def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
+        """Seconds of a module's data-parallel gradient reduction on `rank` (0 without peers).
+
+        GPU: one reduce-scatter (FSDP) or all-reduce of the stage's gradients. Without overlap
+        (`inline_overlap` False, a CPU rank) FSDP2's reduce-scatters go one per layer plus the root,
+        in line; a plain all-reduce stays one flat (bucketed) call, as the runtime issues it."""
+        lay = self.plan.layouts[module]
+        group = self._grad_group(module, rank)
+        if len(group) < 2:
+            return 0.0
+        w = self.stage_work(module, stage)
+        nbytes = self.options.grad_reduce_bytes * w.params / lay.tp
+        calls = 1 if self.coll.inline_overlap or not lay.fsdp else max(1, w.layers) + 1
+        op_name = "reduce_scatter" if lay.fsdp else "all_reduce"
+        # FSDP2 reduce-scatters from inside the backward (per layer): communication inside compute
+        coll = self.coll_inline if lay.fsdp else self.coll
+        dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
+        cost = calls * coll.cost(op_name, dense / calls, group)
+        if w.expert_params and lay.ep > 1:
+            # Experts are split over ep; their grads reduce over the remaining replicas.
+            cost += calls * coll.cost(op_name, (nbytes - dense) / lay.ep / calls,
+                                      self._expert_group(rank, group, lay.ep))
+        elif w.expert_params:
+            cost += calls * coll.cost(op_name, (nbytes - dense) / calls, group)
+        return cost
+
+    def layers_on_rank(self, rank: int) -> tuple[float, float]:
+        """(FSDP-sharded, unsharded) layers of the modules this rank trains in the step (runs a
+        backward of), each module's root (embeddings, head, patch/conv stems) counted as one more:
+        what an optimizer step walks (AdamW skips parameters that got no gradient)."""
+        sharded = plain = 0.0
+        trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD}
+        for m, lay in self.plan.layouts.items():
+            idx = self.index[m]
+            if rank not in idx.coords or m not in trained:
+                continue
+            w = self.stage_work(m, idx.coords[rank].get("pp", 0))
+            if lay.fsdp and len(idx.group(rank, idx.shard_dims())) > 1:
+                sharded += w.layers + 1
+            else:
+                plain += w.layers + 1
+        return sharded, plain
 
     def _params_on_rank(self, rank: int) -> float:
         total = 0.0
@@ -762,6 +849,10 @@ class Engine:
                         yield done
                 elif kind == GRAD_SYNC:
                     collective(rank, op, pending)
+                    if op.blocking:
+                        wait_start = env.now
+                        yield pending.pop()
+                        st.exposed_comm += env.now - wait_start
                 elif kind == OPTIMIZER_STEP:
                     wait_start = env.now
                     if pending:

@@ -159,6 +159,20 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
     )
 
 
+def input_elements(sample, model: MultimodalSpec) -> int:
+    """Elements of a sample's raw input tensors (pixel patches, mel frames): a forward that takes
+    raw samples prepares them, at a cost in proportion to their size and not to any FLOPs."""
+    n = 0
+    for seg in sample.segments:
+        if seg.modality in ("image", "video") and model.vision is not None and seg.grid_thw:
+            v = model.vision
+            t, h, w = seg.grid_thw
+            n += t * h * w * v.in_channels * v.temporal_patch * v.patch_size**2
+        elif seg.modality == "audio" and model.audio is not None:
+            n += seg.mel_frames * model.audio.n_mels
+    return n
+
+
 def model_train_flops(model: MultimodalSpec, samples) -> float:
     """Useful FLOPs of one training step over a batch (forward + backward, no recomputation):
     costs.batch_flops with each sample its own packed sequence (the MFU numerator)."""

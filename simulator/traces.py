@@ -4,13 +4,16 @@ real run's record folder that calibration and validation consume.
 Everything about the runtime's on-disk format lives here, so a format change is one place.
 A run folder (omnibench/runtime/records.py) holds:
 - `config.json`: {"run": the resolved RunSpec, "model": the MultimodalSpec as a dict};
-- `plan_step0.json` (`Plan.to_json`) — the runtime keeps only the first step's Plan, so the Plans
-  of later steps are re-made here from the RunSpec (same planner, same deterministic workload
-  stream, same batch source as omnibench/runtime/worker.py) and checked against step 0's;
+- `plans.jsonl`: every step's Plan, one `Plan.to_json` per line — what the steps really ran;
+- `plan_step0.json` (`Plan.to_json`): the first step's Plan. Records written before plans.jsonl
+  existed hold only this one, so the Plans of later steps are re-made here from the RunSpec (same
+  planner, same deterministic workload stream, same batch source as omnibench/runtime/worker.py)
+  and used only if re-planning step 0 reproduces plan_step0.json;
 - `steps.jsonl`: one JSON object per step with `step` and `step_time_s`;
 - `summary.json`: device, dtype;
-- `trace.json`: Chrome format, `tid` = rank (or args.rank), one complete ("X") event per action,
-  `name` = str(Action) (microbatch, stage, what parsed from it), `cat` = kind, args step, module;
+- `trace.json`: Chrome format, `tid` = rank, one complete ("X") event per action, `name` =
+  str(Action), `cat` = kind, args {step, rank, kind, module, microbatch, stage, what, cpu_s} (older
+  records: args step and module only, microbatch / stage / what parsed from the name);
   `ts`/`dur` in microseconds.
 Also accepted, for hand-made records: `plan.json`, `plans/*.json`, `metrics.jsonl`/`metrics.json`.
 """
@@ -88,6 +91,7 @@ class TraceSpan:
     stage: int = 0
     what: str = ""
     name: str = ""
+    cpu: float | None = None  # CPU seconds of the rank's thread in the span (args.cpu_s), if recorded
 
 
 @dataclass
@@ -178,7 +182,7 @@ def _replan(config: dict, plan0: Plan, steps: list[int]) -> tuple[list[Plan], st
             world_size=plan0.world_size, dp=spec.get("dp", 0), tp=spec.get("tp", 1), pp=spec.get("pp", 1),
             cp=spec.get("cp", 1), ep=spec.get("ep", 1), microbatches=spec.get("microbatches", 0),
             encoder_tp=spec.get("encoder_tp", 0), encoder_ranks=spec.get("encoder_ranks", 0),
-            fsdp=spec.get("fsdp", True),
+            fsdp=spec.get("fsdp", True), options=dict(spec.get("options") or {}),
         )
         if spec.get("batches_file"):
             raw = json.loads(Path(spec["batches_file"]).read_text())
@@ -222,14 +226,23 @@ def read_run(path: str | Path) -> RunRecord:
     config = _load(cfg_path) if cfg_path else {}
     summary = _load(folder / "summary.json") if (folder / "summary.json").is_file() else {}
     plans: list[Plan] = []
-    plan_files = (sorted(folder.glob("plan.json")) + sorted(folder.glob("plan_step*.json"))
-                  + sorted(folder.glob("plans/*.json")))
-    for p in plan_files:
-        d = _load(p)
-        for item in d if isinstance(d, list) else [d]:
-            plans.append(Plan.from_dict(item))
+    if (folder / "plans.jsonl").is_file():
+        for n, line in enumerate((folder / "plans.jsonl").read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                plans.append(Plan.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise TraceError(f"{folder / 'plans.jsonl'}: line {n} is not a Plan ({e})") from None
+    else:
+        plan_files = (sorted(folder.glob("plan.json")) + sorted(folder.glob("plan_step*.json"))
+                      + sorted(folder.glob("plans/*.json")))
+        for p in plan_files:
+            d = _load(p)
+            for item in d if isinstance(d, list) else [d]:
+                plans.append(Plan.from_dict(item))
     if not plans:
-        raise TraceError(f"{folder}: no plan (plan_step0.json, plan.json or plans/*.json)")
+        raise TraceError(f"{folder}: no plan (plans.jsonl, plan_step0.json, plan.json or plans/*.json)")
     mpath = _first(folder, ["steps.jsonl", "metrics.jsonl", "metrics.json"])
     if mpath is None:
         raise TraceError(f"{folder}: no steps.jsonl (per-step metrics)")
@@ -278,6 +291,7 @@ def read_run(path: str | Path) -> RunRecord:
                 rank=int(rank), kind=str(kind), module=str(args.get("module", "")), microbatch=int(mb),
                 start=float(ev.get("ts", 0)) * 1e-6, duration=float(ev.get("dur", 0)) * 1e-6,
                 step=int(args.get("step", -1)), stage=int(stage), what=str(what), name=name,
+                cpu=float(args["cpu_s"]) if "cpu_s" in args else None,
             ))
     return RunRecord(folder, config, plans, step_times, spans, metrics, summary, notes)
 
@@ -288,3 +302,25 @@ def plan_for_step(run: RunRecord, step: int) -> Plan | None:
         if p.step == step:
             return p
     return None
+
+
+def step_actions(run: RunRecord, step: int) -> dict[int, list[tuple]]:
+    """rank -> [(Action, TraceSpan)] of one step: the runtime writes one span per planned action, in
+    the order of `plan.actions[rank]`, so the two zip. A rank whose span count does not match its
+    actions (a record from another runtime version) is left out, never guessed."""
+    plan = plan_for_step(run, step)
+    if plan is None:
+        return {}
+    mine: dict[int, list[TraceSpan]] = {}
+    for sp in run.spans:
+        if sp.step == step:
+            mine.setdefault(sp.rank, []).append(sp)
+    out = {}
+    for rank, spans in mine.items():
+        actions = plan.actions.get(rank, [])
+        spans.sort(key=lambda s: s.start)
+        if len(spans) != len(actions):
+            continue
+        if all(a.kind == s.kind and a.module == s.module for a, s in zip(actions, spans, strict=True)):
+            out[rank] = list(zip(actions, spans, strict=True))
+    return out

@@ -89,6 +89,27 @@ def test_default_run_writes_a_complete_record_with_metrics_plan_and_trace(tmp_pa
     for r in (0, 1):
         step0 = [e for e in trace if e["ph"] == "X" and e["tid"] == r and e["args"]["step"] == 0]
         assert len(step0) == per_rank[r]  # one span per planned action
+    # Every step's Plan is recorded (one per line, in step order), the first also on its own.
+    plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in plans] == [0, 1, 2] and plans[0] == plan
+    # Spans name their action in args: what the simulator's reader needs without parsing names.
+    for e in (e for e in trace if e["ph"] == "X"):
+        args = e["args"]
+        assert set(args) >= {"step", "rank", "kind", "module", "microbatch", "stage", "what", "cpu_s"}
+        assert args["rank"] == e["tid"] and args["kind"] == e["cat"] and args["cpu_s"] >= 0
+    for step, p in enumerate(plans):
+        for r in (0, 1):
+            names = [e["name"] for e in sorted((e for e in trace if e["ph"] == "X" and e["tid"] == r
+                                                and e["args"]["step"] == step), key=lambda e: e["ts"])]
+            assert names == [_action_name(a) for a in p["actions"][str(r)]]
+    summary_file = json.loads((out / "summary.json").read_text())
+    assert summary_file["torch"] and summary_file["threads_per_rank"] == 1
+
+
+def _action_name(d: dict) -> str:
+    from omnibench.plan import Action
+
+    return str(Action(**d))
 
 
 def test_an_interrupted_run_keeps_its_incomplete_suffix(tmp_path):

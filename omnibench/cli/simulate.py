@@ -110,16 +110,29 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
         out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work all before/after the LLM pipeline"),
+        no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
+        no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
+        no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
+        option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
     ) -> None:
-        """Simulate systems at cluster sizes nobody here has; one row per (size, system)."""
+        """Simulate systems at cluster sizes nobody here has; one row per (size, system).
+
+        The --no-* switches turn off one omni technique each, for the ablation a paper shows.
+        """
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
         from simulator.calibrate import Profile
         from simulator.hardware import load_cluster
         from simulator.traces import perfetto_events, write_json_atomic
         from systems import SYSTEMS, available_systems
+        from systems.omni.options import options_from_flags
 
         sizes = _ints(gpus, "gpus")
+        try:
+            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option)
+        except ValueError as e:
+            fail(str(e))
         if steps < 1:
             fail(f"steps must be a positive integer, got {steps}")
         if global_batch_tokens < 0:
@@ -146,6 +159,9 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         name = f"{stamp}-{Path(workload).stem}-{spec.name}-{Path(hardware).stem}"
+        off = sorted(k for k, v in options.items() if v is False)
+        if off:
+            name += "-no-" + "-".join(k.replace("_", "-") for k in off)
         out.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
         rows: list[dict] = []
@@ -155,7 +171,8 @@ def register(app: typer.Typer) -> None:
                 try:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp,
-                                            pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute)
+                                            pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute,
+                                            options=options)
                     parallel.validate(spec)
                 except ValueError as e:
                     fail(str(e))
@@ -186,7 +203,7 @@ def register(app: typer.Typer) -> None:
                 "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
                 "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
                 "ep": ep, "dp": dp, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
-                "recompute": recompute, "seed": seed, "date": stamp,
+                "recompute": recompute, "seed": seed, "date": stamp, "options": options,
                 "calibration_provenance": profile.provenance if profile else None,
             }
             write_json_atomic(tmp / "config.json", config)
@@ -245,6 +262,8 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         if out is None:
             out = Path("results/sims") / f"calibration-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}.json"
+        prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
+                                               *(["--hardware", hardware] if hardware else [])])
         prof.save(out)
         table = Table(title="calibration")
         table.add_column("model")
@@ -252,15 +271,22 @@ def register(app: typer.Typer) -> None:
         for k, c in prof.compute.items():
             table.add_row(f"compute.{k}", f"e_max {c.e_max:.3g} of {c.peak_flops / 1e12:.3g} TF, F_half "
                           f"{c.half_flops / 1e9:.3g} GFLOP, attn x{c.attention_weight:.2f}, overhead "
-                          f"{c.overhead_s * 1e3:.2f} ms/action + {c.per_sequence_s * 1e6:.0f} us/sequence; "
+                          f"{c.overhead_s * 1e3:.2f} ms/action + {c.per_sequence_s * 1e6:.0f} us/sequence + "
+                          f"{c.per_input_element_s * 1e9:.2f} ns/input element + {c.per_inline_call_s * 1e6:.0f} "
+                          "us/inline collective call; "
                           f"{_fit_text(prof.fit.get(f'compute.{k}', {}))}")
         for k, (a, b) in prof.collectives.items():
             table.add_row(f"collectives.{k}", f"alpha {a * 1e6:.1f} us/step, beta {b / 1e9:.3g} GB/s; "
                           f"{_fit_text(prof.fit.get(f'collectives.{k}', {}))}")
         if prof.optimizer is not None:
-            table.add_row("optimizer", f"{prof.optimizer[0] * 1e3:.2f} ms + {prof.optimizer[1] * 1e9:.3g} ns/param; "
+            per_layer = (f" + {prof.optimizer[2] * 1e3:.2f} ms/sharded layer + {prof.optimizer[3] * 1e3:.2f} ms/plain layer"
+                         if len(prof.optimizer) >= 4 else "")
+            table.add_row("optimizer", f"{prof.optimizer[0] * 1e3:.2f} ms + {prof.optimizer[1] * 1e9:.3g} ns/param"
+                          f"{per_layer}; "
                           f"{_fit_text(prof.fit.get('optimizer', {}))}")
         console.print(table)
+        if prof.lock_skew:
+            console.print(f"lock-step skew: {prof.lock_skew:.1%} of a lock-stepped action's compute", highlight=False)
         console.print(f"profile: {out}")
 
     @app.command()
@@ -268,6 +294,8 @@ def register(app: typer.Typer) -> None:
         run_dirs: list[Path] = typer.Argument(None, help="Run record folders; default: every folder in results/runs."),
         calibration: str = typer.Option(None, "--calibration", help="Profile JSON; default: datasheet figures."),
         hardware: str = typer.Option(None, "--hardware"),
+        by_action: bool = typer.Option(False, "--by-action", help="Also break each run down by action kind: "
+                                       "measured wall and CPU seconds vs simulated, per step."),
     ) -> None:
         """Simulate each run's own Plan and compare with the measured step time."""
         from simulator.calibrate import Profile
@@ -284,13 +312,13 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         table = Table(title="simulated vs measured" + (" (calibrated)" if prof else " (datasheet)"))
         for col in ("run", "system", "ranks", "measured s", "simulated s", "measured tok/s", "simulated tok/s",
-                    "error"):
+                    "error", "host cpu/wall"):
             table.add_column(col, justify="left" if col in ("run", "system") else "right")
         done = [v for v in rows if v.steps]
         for v in done:
             table.add_row(Path(v.run).name, v.system, str(v.world_size), f"{v.measured_s:.4f}",
                           f"{v.simulated_s:.4f}", f"{v.tokens / v.measured_s:,.0f}", f"{v.tokens / v.simulated_s:,.0f}",
-                          f"{v.error:+.1%}")
+                          f"{v.error:+.1%}", "-" if v.cpu_share is None else f"{v.cpu_share:.2f}")
         console.print(table)
         for v in rows:
             if not v.steps:
@@ -300,10 +328,32 @@ def register(app: typer.Typer) -> None:
         mae = sum(abs(v.error) for v in done) / len(done)
         console.print(f"mean absolute error: {mae:.1%} over {len(done)} run(s); step times are medians over "
                       "each run's steps after the first (warm-up)")
+        if any(v.cpu_share is not None for v in done):
+            console.print("host cpu/wall: CPU over wall time of the actions that wait for nobody; well below 1 means "
+                          "other work shared the cores and the measured times are not the run's alone", highlight=False)
         if prof is not None:
             fitted_on = set(prof.provenance.get("runs", []))
             inside = [v for v in done if str(Path(v.run).resolve()) in fitted_on]
+            held = [v for v in done if v not in inside]
             if inside:
                 console.print(f"{len(inside)} of {len(done)} runs were also used to fit the profile (in-sample)")
             else:
                 console.print("no run here was used to fit the profile (held out)")
+            for label, part in (("in-sample", inside), ("held-out", held)):
+                if part and held and inside:
+                    console.print(f"mean absolute error, {label}: {sum(abs(v.error) for v in part) / len(part):.1%} "
+                                  f"over {len(part)} run(s)")
+        if by_action:
+            from simulator.calibrate import action_breakdown
+
+            for v in done:
+                t = Table(title=f"{Path(v.run).name}: seconds per step, summed over ranks")
+                for col in ("action", "module", "measured wall", "measured CPU", "simulated"):
+                    t.add_column(col, justify="left" if col in ("action", "module") else "right")
+                for r in action_breakdown(v.run, prof, hardware):
+                    t.add_row(r.kind, r.module, f"{r.measured_s:.4f}",
+                              "-" if r.measured_cpu_s is None else f"{r.measured_cpu_s:.4f}", f"{r.simulated_s:.4f}")
+                console.print(t)
+            console.print("simulated: forward/backward/optimizer on the compute stream (with exposed inline "
+                          "communication); send/boundary/grad_sync as transfers; a recv's wait is not an action "
+                          "in the simulator but a measured span", highlight=False)

@@ -156,6 +156,12 @@ class Span:
     module: str
     start: float
     end: float
+    # What the simulator's reader needs without parsing `name` (records.chrome_trace writes them as args).
+    rank: int = -1
+    microbatch: int = 0
+    stage: int = 0
+    what: str = ""
+    cpu: float = 0.0  # CPU seconds of this rank's thread during the action (wall minus waits / load)
 
 
 @dataclass
@@ -282,12 +288,13 @@ class Executor:
         self.global_loss_tokens = global_loss_tokens
         self.t0 = t0
         for a in plan.actions.get(self.rank, []):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             self._do(a)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             end = time.perf_counter()
-            self.spans.append(Span(plan.step, str(a), a.kind, a.module, start - t0, end - t0))
+            self.spans.append(Span(plan.step, str(a), a.kind, a.module, start - t0, end - t0,
+                                   self.rank, a.microbatch, a.stage, a.what, time.thread_time() - cpu))
         for h, _ in self.state.pending:
             h.wait()
         return self.state.loss_sum
@@ -533,9 +540,15 @@ class Executor:
         experts = self.expert_params if a.module == "llm" else []
         expert_ids = {id(p) for p in experts}
         if not self.fsdp.get(a.module) and len(ranks) > 1:
-            for p in module.parameters():
-                if p.grad is not None and id(p) not in expert_ids:
-                    dist.all_reduce(p.grad, group=g)
+            # One flat all-reduce (DDP-style bucket; a tensor-parallel DTensor gradient goes in through
+            # its local shard): per-tensor calls each pay the collective's latency.
+            grads = [getattr(p.grad, "_local_tensor", p.grad) for p in module.parameters()
+                     if p.grad is not None and id(p) not in expert_ids]
+            if grads:
+                flat = torch.cat([t.reshape(-1) for t in grads])
+                dist.all_reduce(flat, group=g)
+                for t, part in zip(grads, torch.split(flat, [t.numel() for t in grads]), strict=True):
+                    t.copy_(part.view_as(t))
         if experts and not (self.fsdp.get(a.module) and len(self.groups.get("llm", "edp")[1]) > 1):
             eg, eranks = self.groups.get("llm", "edp")
             if len(eranks) > 1:

@@ -1,9 +1,12 @@
 """Record folders: written under `<dir>.incomplete`, renamed to `<dir>` only when complete.
 
 An interrupted run therefore never looks finished: its folder keeps the `.incomplete` suffix.
-Contents: config.json (the resolved RunSpec and model), plan_step0.json (the first step's Plan),
-steps.jsonl (per-step metrics), summary.json, trace.json (Chrome/Perfetto: one track per rank,
-one span per action), progress.jsonl (written while running).
+Contents: config.json (the resolved RunSpec and model), plans.jsonl (every step's Plan, one
+`Plan.to_json` per line, in step order), plan_step0.json (the first step's Plan, for readers that
+want one file to look at), steps.jsonl (per-step metrics), summary.json, trace.json
+(Chrome/Perfetto: one track per rank, one span per action, args {step, rank, kind, module,
+microbatch, stage, what, cpu_s}; cpu_s: the rank thread's CPU seconds in the span, which tells
+compute from waiting and from a loaded host), progress.jsonl (written while running).
 """
 
 from __future__ import annotations
@@ -43,10 +46,14 @@ def _write(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
-def finish(work_dir: str, spec, model, plan, gathered: list[dict], device, dtype) -> None:
-    """Rank 0 after the last step: metrics, trace and config (the launcher renames the folder)."""
+def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtype) -> None:
+    """Rank 0 after the last step: metrics, trace, config and every step's Plan (`plans`: a list in
+    step order, or one Plan) (the launcher renames the folder)."""
+    import torch
+
     from omnibench.runtime.metrics import peak_tflops, step_metrics
 
+    plans = plans if isinstance(plans, list) else [plans]
     world = len(gathered)
     spans = {g["rank"]: g["spans"] for g in gathered}
     peak = peak_tflops(device)
@@ -68,6 +75,8 @@ def finish(work_dir: str, spec, model, plan, gathered: list[dict], device, dtype
         "attention per real packed sequence",
         "notes": sorted({n for g in gathered for n in g["notes"]}),
         "timed_steps": "all but the first" if len(steps) > 1 else "all",
+        "torch": torch.__version__,
+        "threads_per_rank": torch.get_num_threads() if device.type == "cpu" else None,
     }
     summary["tokens_per_s_per_gpu"] = summary["tokens_per_s"] / world
     for k in ("tflops_per_gpu", "bubble_fraction", "exposed_comm_fraction"):
@@ -77,7 +86,10 @@ def finish(work_dir: str, spec, model, plan, gathered: list[dict], device, dtype
     _write(os.path.join(work_dir, "summary.json"), summary)
     _write(os.path.join(work_dir, "config.json"), {"run": spec.to_dict(), "model": asdict(model)})
     with open(os.path.join(work_dir, "plan_step0.json"), "w") as f:
-        f.write(plan.to_json())
+        f.write(plans[0].to_json())
+    with open(os.path.join(work_dir, "plans.jsonl"), "w") as f:
+        for p in plans:
+            f.write(p.to_json(indent=None) + "\n")
     _write(os.path.join(work_dir, "trace.json"), chrome_trace(spans))
 
 
@@ -89,7 +101,9 @@ def chrome_trace(spans_by_rank: dict[int, list[dict]]) -> dict:
             events.append({
                 "name": s["name"], "cat": s["kind"], "ph": "X", "pid": 0, "tid": rank,
                 "ts": s["start"] * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
-                "args": {"step": s["step"], "module": s["module"]},
+                "args": {"step": s["step"], "rank": rank, "kind": s["kind"], "module": s["module"],
+                         "microbatch": s.get("microbatch", 0), "stage": s.get("stage", 0), "what": s.get("what", ""),
+                         "cpu_s": s.get("cpu", 0.0)},
             })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 

@@ -68,6 +68,8 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
     t0 = time.perf_counter()
     for step in range(spec.steps):
         plan = plans[0] if step == 0 else planner.plan(model, parallel, next_batch(step))
+        if step > 0 and rank == 0:
+            plans.append(plan)  # every step's Plan goes into the record (plans.jsonl)
         if plan.layouts != plans[0].layouts:
             raise RuntimeError(f"step {step}: the planner changed layouts between steps; the runtime builds them once")
         counts = torch.tensor([loss_tokens(plan, model, rank)], dtype=torch.float64, device=device)  # NCCL: on GPU
@@ -97,7 +99,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
     if params is not None:
         torch.save(params, os.path.join(run_dir, f"params_rank{rank}.pt"))
     if rank == 0:
-        records.finish(run_dir, spec, model, plans[0], gathered, device, dtype)
+        records.finish(run_dir, spec, model, plans, gathered, device, dtype)
     dist.barrier()
     dist.destroy_process_group()
 
