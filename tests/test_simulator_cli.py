@@ -93,3 +93,23 @@ def test_calibrate_and_validate_commands(app, tmp_path):
     assert "mean absolute error" in r.output and "in-sample" in r.output
     r = CliRunner().invoke(app, ["validate", str(tmp_path / "missing")])
     assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_simulate_ablation_switches_reach_omnis_plan_and_the_record(app, tmp_path):
+    r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "omni", "--gpus", "16", "--tp", "2",
+                                 "--no-long-short-sp", "--no-reorder", "--option", "reorder_group=4",
+                                 "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    rec = tmp_path / json.loads(r.output)["record"].split("/")[-1]
+    assert rec.name.endswith("-no-long-short-sp-reorder")
+    config = json.loads((rec / "config.json").read_text())
+    assert config["options"] == {"reorder_group": "4", "long_short_sp": False, "reorder": False}
+    plan = json.loads(next(rec.glob("plan_omni_16_step*.json")).read_text())
+    assert plan["options"]["long_short_sp"] is False and plan["options"]["reorder"] is False
+
+
+def test_simulate_bad_system_option_is_one_line(app, tmp_path):
+    r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "omni", "--gpus", "16",
+                                 "--option", "reorder_group", "--out", str(tmp_path)])
+    assert r.exit_code == 2
+    assert "--option must look like key=value" in r.output and len(r.output.strip().splitlines()) == 1
