@@ -195,6 +195,20 @@ def test_ablation_has_a_bar_per_switched_off_technique(tmp_path):
     plt.close(d.fig)
 
 
+def test_ablation_from_simulations_uses_the_records_switches_and_says_gpus(tmp_path):
+    base = ["simulate", "--workload", "mixed_video", "--gpus", "16", "--tp", "4", "--recompute", "full",
+            "--system", "omni", "--out", str(tmp_path), "--json"]
+    for extra in ([], ["--no-reorder"]):
+        r = runner.invoke(app, [*base, *extra])
+        assert r.exit_code == 0, r.output
+    d = figures.ablation(load([tmp_path]))
+    ax = d.fig.axes[0]
+    assert len(_bars(ax)) == 2
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["omni (all techniques)", "w/o reorder"]
+    assert "16 GPUs (simulated)" in ax.get_title()
+    plt.close(d.fig)
+
+
 def test_workload_figure_has_a_distribution_per_modality_and_a_bar_per_phase():
     d = figures.workload("bursty_mix", steps=40, global_batch_tokens=16384)
     cdf, phases = d.fig.axes[:2]

@@ -205,8 +205,10 @@ def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:
     real = recs_of(pick(lambda p: "pp2" not in p.name and "-no-" not in p.name))
     pp2 = pick(lambda p: "pp2" in p.name)
     pipelined = [r for r in sims if r.config.get("pp", 1) > 1]
-    make("throughput", figures.throughput, Records(sims=[r for r in sims if r not in dynamic + pipelined]),
-         source="sim")
+    ablated = [r for r in sims if any(v is False for v in (r.config.get("options") or {}).values())]
+    # One cluster size for every workload, so the bars compare like with like.
+    make("throughput", figures.throughput, Records(sims=[r for r in sims if r not in dynamic + pipelined + ablated]),
+         source="sim", gpus=1024)
     make("throughput_measured", figures.throughput, real, source="run")
     make("scaling", figures.scaling, Records(sims=scaling))
     make("dynamic", figures.dynamic, Records(sims=dynamic))
@@ -223,7 +225,9 @@ def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:
     profile = sims_dir / "calibration.json"  # fitted by `omnibench calibrate` on these runs
     make("validation", figures.validation, recs_of(pick(lambda p: True)),
          calibration=str(profile) if profile.is_file() else None)
-    make("ablation", figures.ablation, recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name)))
+    make("ablation", figures.ablation, Records(sims=scaling + ablated), workload="mixed_video")
+    make("ablation_measured", figures.ablation,
+         recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name)))
     make("workload", figures.workload, "mixed_video")
 
     # 4. the report over everything produced
@@ -271,6 +275,10 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, lo
     sizes = "256,1024" if quick else "256,512,1024,2048,4096,8192"
     _omnibench(["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
                f"simulate mixed_video at {sizes} GPUs", log)
+    if "omni" in systems:  # the ablation at scale: same layout as the full omni of the run above, at 1,024 GPUs
+        for tech in ABLATIONS[:1] if quick else ABLATIONS:
+            _omnibench(["simulate", "--workload", "mixed_video", "--gpus", "1024", *sim_common[2:], "--system",
+                        "omni", f"--no-{tech}"], f"simulate omni without {tech} at 1,024 GPUs", log)
     for wl in ([] if quick else ["image_sft", "long_video", "omni_av"]):
         _omnibench(["simulate", "--workload", wl, "--gpus", "1024", *sim_common], f"simulate {wl}", log)
     # a pipelined layout (PP 4) at 256 GPUs: its traces show pipeline bubbles and what fills them

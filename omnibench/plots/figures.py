@@ -125,7 +125,8 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
     if src == "measured":
         devs = sorted({str(r.summary.get("device", "?")) for r in recs.runs if str(r.path) in set(df.record)})
         src = f"measured on {', '.join(devs)}"
-    ax.set_title(f"Training throughput per system ({src})")
+    size = "" if many_sizes else f", {int(table.gpus.iloc[0]):,} {'ranks' if (df.source == 'run').all() else 'GPUs'}"
+    ax.set_title(f"Training throughput per system ({src}{size})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     fig.tight_layout()
     caption = (f"{src[0].upper() + src[1:]} training throughput (tokens/s), normalised per group to the best baseline "
@@ -432,14 +433,17 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
         b = base.groupby("system").tokens_per_s.mean()
         ax.axvline(b.max() / ref, color=style.system_color(b.idxmax()), linestyle="--", linewidth=1,
                    label=f"best baseline ({b.idxmax()})")
-        ax.legend(loc="lower right", fontsize=6, frameon=True)
+        # Below the axes: inside, it would cover the bars' labels.
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.32), fontsize=6, frameon=False)
         variants["best_baseline_relative"] = b.max() / ref
     ax.set_xlabel("throughput rel. to full omni (tokens/s)")
     ax.set_xlim(0, max(variants.relative.max(), variants.get("best_baseline_relative", pd.Series([0])).max()) * 1.18)
     src = "measured" if (df.source == "run").all() else "simulated"
-    ax.set_title(f"omni ablation: {wl}, {gpus:,} GPUs ({src})")
+    # Measured runs here are ranks of whatever device ran them (CPU processes on the dev machine).
+    scale = f"{gpus:,} {'ranks' if src == 'measured' else 'GPUs'}"
+    ax.set_title(f"omni ablation: {wl}, {scale} ({src})")
     fig.tight_layout()
-    caption = (f"omni with one technique switched off at a time ({src}, {wl}, {gpus:,} GPUs), throughput relative "
+    caption = (f"omni with one technique switched off at a time ({src}, {wl}, {scale}), throughput relative "
                "to omni with every technique on." + _cpu_note(recs, omni))
     return Drawn("ablation", fig, variants, caption)
 
