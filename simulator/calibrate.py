@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,13 @@ ROBUST_LOSS = "soft_l1"  # see fit_compute
 
 class CalibrationError(ValueError):
     """Not enough measured data to fit, or a bad profile file; the message names what is missing."""
+
+
+def _resolved_runs(provenance: dict, folder: Path) -> dict:
+    """Provenance with its run folders as absolute paths (stored relative to the profile's folder)."""
+    if "runs" not in provenance:
+        return provenance
+    return {**provenance, "runs": [str((folder / r).resolve()) for r in provenance["runs"]]}
 
 
 @dataclass
@@ -76,7 +84,14 @@ class Profile:
     def save(self, path: str | Path) -> None:
         from simulator.traces import write_json_atomic
 
-        write_json_atomic(Path(path), self.to_dict())
+        # Run folders are stored relative to the profile, so a clone at another path (CI, a colleague's
+        # checkout) still tells in-sample from held-out runs; `load` resolves them back.
+        d = self.to_dict()
+        if "runs" in self.provenance:
+            folder = Path(path).resolve().parent
+            d["provenance"] = {**self.provenance,
+                               "runs": [os.path.relpath(r, folder) for r in self.provenance["runs"]]}
+        write_json_atomic(Path(path), d)
 
     @staticmethod
     def load(path: str | Path) -> Profile:
@@ -92,7 +107,7 @@ class Profile:
                 optimizer=None if not d.get("optimizer") else _optimizer_from(d["optimizer"]),
                 inline_overlap=bool(d.get("inline_overlap", True)),
                 lock_skew=float(d.get("lock_skew", 0.0)),
-                provenance=d.get("provenance", {}),
+                provenance=_resolved_runs(d.get("provenance", {}), p.resolve().parent),
                 fit=d.get("fit", {}),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as e:

@@ -329,3 +329,17 @@ def test_inline_communication_and_lock_skew_are_fitted_from_the_waits_in_lock_st
     alpha, beta = fitted["intra"]
     assert alpha == pytest.approx(9e-4, rel=0.02) and beta == pytest.approx(5e8, rel=0.02)
     assert skew == pytest.approx(0.03, rel=0.05) and stats["intra"]["r2"] > 0.999
+
+
+def test_profile_keeps_its_runs_when_the_folder_moves(tmp_path):
+    import shutil
+
+    from simulator.calibrate import Profile
+
+    a = tmp_path / "a"
+    (a / "runs" / "r1").mkdir(parents=True)
+    Profile(hardware="cpu-gloo", provenance={"runs": [str(a / "runs" / "r1")]}).save(a / "profile.json")
+    assert '"runs/r1"' in (a / "profile.json").read_text()  # stored relative to the profile
+    shutil.move(str(a), str(tmp_path / "b"))
+    moved = Profile.load(tmp_path / "b" / "profile.json")
+    assert moved.provenance["runs"] == [str((tmp_path / "b" / "runs" / "r1").resolve())]
