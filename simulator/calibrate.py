@@ -157,11 +157,6 @@ def _has_cpu_times(run: RunRecord) -> bool:
     return bool(compute) and all(sp.cpu is not None for sp in compute) and any(sp.cpu for sp in compute)
 
 
-def _last_backward(plan, rank: int, module: str) -> int:
-    mbs = [a.microbatch for a in plan.actions.get(rank, []) if a.kind == BACKWARD and a.module == module]
-    return max(mbs) if mbs else -1
-
-
 def _compute_points(runs: list[RunRecord], hardware: str | None, profile: Profile) -> dict[str, list[tuple]]:
     """(matmul FLOPs, attention FLOPs, ops, sequences, input elements, inline collective calls, seconds
     of compute) per traced forward/backward.
@@ -218,7 +213,7 @@ def _compute_points(runs: list[RunRecord], hardware: str | None, profile: Profil
             exposed = op.exposed
             lay = plan.layouts[sp.module]
             if (not profile.inline_overlap and sp.kind == BACKWARD and lay.fsdp
-                    and sp.microbatch == _last_backward(plan, sp.rank, sp.module)):
+                    and sp.microbatch == eng._last_backward(sp.rank, sp.module)):
                 exposed += eng.grad_sync_cost(sp.module, sp.rank, stage)
             lock = eng._lock_group(sp.module, sp.rank)
             base = (sp.step, sp.kind, sp.module, stage, lock if lock is not None else (sp.rank,))
@@ -467,7 +462,7 @@ def _inline_points(runs: list[RunRecord], hardware: str | None, inline_overlap: 
             steps = eng_a._compute_op(last.rank, a, _Identity()).exposed
             moved = eng_b._compute_op(last.rank, a, _Identity()).exposed
             if (not inline_overlap and kind == BACKWARD and plan.layouts[module].fsdp
-                    and last.microbatch == _last_backward(plan, last.rank, module)):
+                    and last.microbatch == eng_a._last_backward(last.rank, module)):
                 steps += eng_a.grad_sync_cost(module, last.rank, stage)
                 moved += eng_b.grad_sync_cost(module, last.rank, stage)
             if gap > 0 and steps > 0:

@@ -107,7 +107,7 @@ class CollectiveModel:
     def _eff(chunk: float) -> float:
         return chunk / (chunk + CHUNK_HALF_BYTES) if chunk > 0 else 1.0
 
-    def _ring(self, steps: int, moved: float, n: int, link: LinkCost) -> float:
+    def _ring(self, steps: int, moved: float, link: LinkCost) -> float:
         chunk = moved / max(1, steps)
         return steps * link.latency + moved / (link.bandwidth * self._eff(chunk))
 
@@ -124,7 +124,7 @@ class CollectiveModel:
         if n <= 1 or nbytes <= 0:
             return 0.0, "none"
         link = self._bus_link(p)
-        options = {"ring": self._ring(2 * (n - 1), 2 * (n - 1) / n * nbytes, n, link)}
+        options = {"ring": self._ring(2 * (n - 1), 2 * (n - 1) / n * nbytes, link)}
         # Double binary tree across nodes, chain inside each node: latency ~ log2(nodes).
         intra = self.link("intra")
         if p.nodes > 1:
@@ -151,7 +151,7 @@ class CollectiveModel:
         p = self.placement(ranks)
         if p.n <= 1 or nbytes <= 0:
             return 0.0, "none"
-        return self._ring(p.n - 1, (p.n - 1) / p.n * nbytes, p.n, self._bus_link(p)), "ring"
+        return self._ring(p.n - 1, (p.n - 1) / p.n * nbytes, self._bus_link(p)), "ring"
 
     def reduce_scatter(self, nbytes: float, ranks: tuple[int, ...]) -> tuple[float, str]:
         return self.all_gather(nbytes, ranks)

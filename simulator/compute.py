@@ -44,9 +44,6 @@ class EfficiencyCurve:
         return (self.overhead_s + sequences * self.per_sequence_s + inputs * self.per_input_element_s
                 + calls * self.per_inline_call_s + work / (self.peak_flops * self.e_max))
 
-    def achieved(self, op_flops: float) -> float:
-        return self.peak_flops * self.e_max * op_flops / (op_flops + self.half_flops)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -60,7 +60,6 @@ from simulator.flops import (
 )
 from simulator.hardware import ClusterSpec, GiB
 
-RECOMPUTE = ("none", "full", "selective")
 RESERVED_BYTES = 1.0 * GiB  # CUDA context, NCCL buffers, allocator slack
 
 
@@ -264,8 +263,8 @@ class Engine:
         self.coll = collectives or CollectiveModel(cluster)
         self.coll_inline = self.coll.inline_model()  # FSDP/TP/CP/EP communication inside compute
         recompute = options.recompute if options.recompute != "none" else plan.options.get("recompute", "none")
-        if recompute not in RECOMPUTE:
-            raise SimulationError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
+        if recompute not in costs.RECOMPUTE:
+            raise SimulationError(f"recompute must be one of {', '.join(costs.RECOMPUTE)}; got {recompute!r}")
         self.recompute = recompute
         self.options = options
         self.index = {m: _LayoutIndex(lay) for m, lay in plan.layouts.items()}
@@ -368,8 +367,7 @@ class Engine:
     # -- colour refinement ---------------------------------------------------------------------
     def _lock_group(self, module: str, rank: int) -> tuple[int, ...] | None:
         lay = self.plan.layouts[module]
-        idx = self.index[module]
-        g = idx.group(rank, idx.shard_dims())
+        g = self._grad_group(module, rank)
         if len(g) > 1 and (lay.fsdp or lay.ep > 1):
             return g
         return None
@@ -473,7 +471,7 @@ class Engine:
                 comm += t
                 exposed += t
                 n_calls += work.layers
-            shard = idx.group(rank, idx.shard_dims())
+            shard = self._grad_group(module, rank)
             if work.ep_bytes and lay.ep > 1:
                 i = shard.index(rank)
                 ep_group = shard[i - i % lay.ep: i - i % lay.ep + lay.ep]
@@ -675,7 +673,7 @@ class Engine:
             if rank not in idx.coords or m not in trained:
                 continue
             w = self.stage_work(m, idx.coords[rank].get("pp", 0))
-            if lay.fsdp and len(idx.group(rank, idx.shard_dims())) > 1:
+            if lay.fsdp and len(self._grad_group(m, rank)) > 1:
                 sharded += w.layers + 1
             else:
                 plain += w.layers + 1
@@ -689,7 +687,7 @@ class Engine:
                 continue
             stage = idx.coords[rank].get("pp", 0)
             w = self.stage_work(m, stage)
-            shard = len(idx.group(rank, idx.shard_dims())) if lay.fsdp else 1
+            shard = len(self._grad_group(m, rank)) if lay.fsdp else 1
             dense = w.params - w.expert_params
             total += dense / lay.tp / shard + w.expert_params / lay.tp / max(1, lay.ep) / max(1, shard // lay.ep)
         return total
@@ -701,7 +699,7 @@ class Engine:
         mem = RESERVED_BYTES + costs.training_state_bytes(self._params_on_rank(rank), "bf16").total
         for m, lay in self.plan.layouts.items():
             idx = self.index[m]
-            if rank in idx.coords and lay.fsdp and len(idx.group(rank, idx.shard_dims())) > 1:
+            if rank in idx.coords and lay.fsdp and len(self._grad_group(m, rank)) > 1:
                 w = self.stage_work(m, idx.coords[rank].get("pp", 0))
                 layers = min(2, max(1, w.layers)) if self.reshard_after_forward else max(1, w.layers)
                 mem += 2 * w.params / lay.tp * layers / max(1, w.layers)

@@ -11,7 +11,6 @@ module only divides them over the layout (tp, cp, sp, ep) and adds what the simu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from omnibench.specs import costs
 from omnibench.specs.model import AudioEncoderSpec, LLMSpec, MultimodalSpec, VisionEncoderSpec
@@ -69,27 +68,6 @@ def _split(f: costs.Flops, div: float) -> dict:
     }
 
 
-def _llm_stage_flops(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
-                     recompute: str) -> costs.Flops:
-    """costs.llm_flops of a stage, counted as one layer times n plus the head: layers are identical,
-    and costs.py walks them one by one (too slow for thousands of stages per simulated step)."""
-    n = len(layers)
-    out = costs.Flops()
-    if n:
-        one = _llm_layer_flops(llm, tuple(seq_lens), recompute)
-        out = costs.Flops(one.forward * n, one.backward * n, one.recompute * n,
-                          {k: v * n for k, v in one.parts.items()})
-    if last or first:
-        out = out + costs.llm_flops(llm, seq_lens, layers=range(0), embed=first, head=last, recompute=recompute)
-    return out
-
-
-@lru_cache(maxsize=65536)
-def _llm_layer_flops(llm: LLMSpec, seq_lens: tuple[int, ...], recompute: str) -> costs.Flops:
-    # Every stage of every data rank with these lengths shares it (the result is read, never changed).
-    return costs.llm_flops(llm, seq_lens, layers=range(1), embed=False, head=False, recompute=recompute)
-
-
 def llm_expert_params(llm: LLMSpec, layers: range) -> float:
     if llm.moe is None:
         return 0.0
@@ -101,7 +79,7 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
     n = len(layers)
-    f = _llm_stage_flops(llm, seq_lens, layers, first, last, recompute)
+    f = costs.llm_flops(llm, seq_lens, layers=layers, embed=first, head=last, recompute=recompute)
     mlp_ops = 3 if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
     per_rank_tokens = t // cp
     act = costs.llm_activation_bytes(llm, per_rank_tokens, layers=layers, head=last, recompute=recompute) / tp

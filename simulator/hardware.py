@@ -90,9 +90,6 @@ class ClusterSpec:
     def num_nodes(self) -> int:
         return -(-self.num_gpus // self.gpus_per_node)
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
-
     def validate(self) -> None:
         def pos(where: str, v, integer: bool = False) -> None:
             ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -180,13 +177,3 @@ def load_cluster(name_or_path: str, num_gpus: int | None = None) -> ClusterSpec:
         raise HardwareError(f"{path}: cannot parse: {str(e).splitlines()[0]}") from None
     cluster = _build(data, str(path))
     return cluster.with_gpus(num_gpus) if num_gpus is not None else cluster
-
-
-def cluster_to_dict(cluster: ClusterSpec) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cluster)
-
-
-def cluster_from_dict(d: dict) -> ClusterSpec:
-    return _build({k: v for k, v in d.items()}, d.get("name", "cluster"))

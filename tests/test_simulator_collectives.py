@@ -28,7 +28,7 @@ def test_small_all_reduce_across_many_nodes_prefers_the_tree_for_its_log_latency
     ranks = tuple(range(0, 2048, 8))  # one GPU per node, 256 nodes
     t_small, algo_small = h100.all_reduce(64 * 1024, ranks)
     assert algo_small == "tree"
-    ring = h100._ring(2 * 255, 2 * 255 / 256 * 64 * 1024, 256, h100._bus_link(h100.placement(ranks)))
+    ring = h100._ring(2 * 255, 2 * 255 / 256 * 64 * 1024, h100._bus_link(h100.placement(ranks)))
     assert t_small < ring
 
 

@@ -72,12 +72,11 @@ def _flops_coefficients(model: MultimodalSpec, module: str) -> tuple[float, floa
     """(linear matmul FLOPs per position, attention FLOPs per pair) of a training pass, and the same
     split of the forward alone, probed from costs.py so the formulas stay in one place."""
     if module == "llm":
-        one, two = costs.llm_flops(model.llm, [1]), costs.llm_flops(model.llm, [2])
-        # causal pairs: 1 -> 1, 2 -> 3; attention core is exact per pair, the rest linear.
+        one = costs.llm_flops(model.llm, [1])
+        # One position is one causal pair: the attention core is exact per pair, the rest linear.
         core = one.parts.get("attention_core", 0.0)
         fwd_lin = one.forward - core
         tot_lin = one.total - 3 * core
-        del two
         return tot_lin, 3 * core, fwd_lin, core
     enc = model.encoders[module]
     if isinstance(enc, VisionEncoderSpec):
