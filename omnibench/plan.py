@@ -187,9 +187,6 @@ class Plan:
     def microbatches(self, module: str, rank: int) -> list[tuple[int, ...]]:
         return self.assignment.get(module, {}).get(rank, [])
 
-    def routes_from(self, module: str, rank: int, microbatch: int) -> list[Route]:
-        return [r for r in self.routes if r.module == module and r.src_rank == rank and r.src_microbatch == microbatch]
-
     def routes_to(self, module: str, rank: int, microbatch: int | None = None) -> list[Route]:
         return [
             r

@@ -20,8 +20,6 @@ from systems.common import (
     active_encoders,
     assign_llm,
     balance,
-    consumers,
-    data_rank,
     data_ranks,
     default_microbatches,
     encoder_cost,
@@ -49,7 +47,7 @@ class ColocatedPlanner:
         llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp)
         m = len(llm_mbs[0])
         layouts = {"llm": llm}
-        assignment: dict = {"llm": {data_rank(llm, consumers(llm, d)[0]): mbs for d, mbs in enumerate(llm_mbs)}}
+        assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
         routes: list[Route] = []
         for module in model.encoders:
             enc = encoder_layout(module, range(world), tp=enc_tp, fsdp=parallel.fsdp)

@@ -137,11 +137,6 @@ def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[li
     return [[tuple(mb) for mb in balance(((i, tokens[i]) for i in g), m)] for g in groups]
 
 
-def encoder_samples(batch: Batch, samples: Iterable[int], module: str) -> list[Sample]:
-    by_id = {s.sample_id: s for s in batch.samples}
-    return [by_id[i] for i in samples if by_id[i].encoder_seq_lens(module)]
-
-
 def encoder_cost(sample: Sample, module: str) -> float:
     # Linear in positions plus the attention term; only relative sizes matter for balancing.
     lens = sample.encoder_seq_lens(module)
@@ -372,7 +367,7 @@ def plan_encoders_in_stage0(
     stage0 = [llm.rank_at(pp=0, dp=d, cp=c, tp=t) for d in range(llm.dp) for c in range(llm.cp) for t in range(llm.tp)]
     split = llm.cp * (llm.tp // encoder_tp)  # encoder data ranks per LLM data group
     layouts = {"llm": llm}
-    assignment: dict = {"llm": {data_rank(llm, consumers(llm, d)[0]): mbs for d, mbs in enumerate(llm_mbs)}}
+    assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
     routes: list[Route] = []
     by_id = {s.sample_id: s for s in batch.samples}
     for module in model.encoders:

@@ -16,15 +16,13 @@ that, one side waits for the other.
 from __future__ import annotations
 
 from omnibench.plan import BACKWARD, FORWARD, Action, Plan, PlanError, Route
-from omnibench.specs.model import AudioEncoderSpec, MultimodalSpec, VisionEncoderSpec
+from omnibench.specs.model import MultimodalSpec, VisionEncoderSpec
 from omnibench.specs.parallel import ParallelSpec
 from systems.common import (
     BoundaryIndex,
     active_encoders,
     assign_llm,
     balance,
-    consumers,
-    data_rank,
     data_ranks,
     encoder_cost,
     encoder_layout,
@@ -57,8 +55,6 @@ def nominal_encoder_share(model: MultimodalSpec) -> float:
     for enc in encs.values():
         positions = 4 if isinstance(enc, VisionEncoderSpec) else 2
         gated = isinstance(enc, VisionEncoderSpec) and enc.mlp == "swiglu"
-        if isinstance(enc, AudioEncoderSpec):
-            gated = False
         enc_per_token += NOMINAL_MEDIA_SHARE / len(encs) * positions * enc.layers * _layer_params(enc.hidden, enc.ffn, gated)
     return enc_per_token / (enc_per_token + llm_per_token)
 
@@ -105,7 +101,7 @@ class NoncolocatedPlanner:
         llm_mbs = assign_llm(batch, llm.dp, parallel.microbatches or 2 * (llm.pp + 1), llm.pp)
         m = len(llm_mbs[0])
         layouts = {"llm": llm}
-        assignment: dict = {"llm": {data_rank(llm, consumers(llm, d)[0]): mbs for d, mbs in enumerate(llm_mbs)}}
+        assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
         routes: list[Route] = []
         by_id = {s.sample_id: s for s in batch.samples}
         for module in model.encoders:

@@ -19,7 +19,7 @@ no two systems would train the same objective); it is reported only through expe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -120,11 +120,11 @@ class LLMStage(nn.Module):
         return self.llm(x, position_ids, cu_seqlens, max_seqlen)
 
 
-def split_stage(llm: nn.Module, stage: int, stages: int) -> tuple[nn.Module, list[int]]:
+def split_stage(llm: nn.Module, stage: int, stages: int) -> nn.Module:
     """Keep only this stage's layers (torchtitan-style: delete the rest, names unchanged)."""
     n = len(llm.layers)
     bounds = [round(i * n / stages) for i in range(stages + 1)]
-    keep = list(range(bounds[stage], bounds[stage + 1]))
+    keep = range(bounds[stage], bounds[stage + 1])
     for i in range(n):
         if i not in keep:
             del llm.layers[str(i)]
@@ -133,7 +133,7 @@ def split_stage(llm: nn.Module, stage: int, stages: int) -> tuple[nn.Module, lis
     if stage < stages - 1:
         llm.norm = None
         llm.output = None
-    return llm, keep
+    return llm
 
 
 def _dummy_sample(module: str) -> Sample:
@@ -215,7 +215,7 @@ class Executor:
     def _build_llm(self, llm: nn.Module, lay: Layout, dev: str) -> None:
         c = lay.coords(self.rank)
         self.stage, self.stages = c["pp"], lay.pp
-        llm, _ = split_stage(llm, self.stage, lay.pp)
+        llm = split_stage(llm, self.stage, lay.pp)
         llm.to_empty(device=self.device)
         init_weights(llm, self.seed, prefix="llm.")
         dpcp = self.groups.get("llm", "dpcp")
@@ -286,7 +286,11 @@ class Executor:
         self.plan = plan
         self.state = StepState()
         self.global_loss_tokens = global_loss_tokens
-        self.t0 = t0
+        # FSDP reduces gradients in the last backward of each module on this rank.
+        self.last_backward: dict[str, int] = {}
+        for a in plan.actions.get(self.rank, []):
+            if a.kind == BACKWARD:
+                self.last_backward[a.module] = max(self.last_backward.get(a.module, -1), a.microbatch)
         for a in plan.actions.get(self.rank, []):
             start, cpu = time.perf_counter(), time.thread_time()
             self._do(a)
@@ -358,11 +362,8 @@ class Executor:
         else:
             grad = torch.zeros_like(out)  # dummy forward: zero gradient, collectives still run
         if self.fsdp.get(module):
-            enc.set_requires_gradient_sync(a.microbatch == self._last_enc_mb(module))
+            enc.set_requires_gradient_sync(a.microbatch == self.last_backward[module])
         torch.autograd.backward(out, grad)
-
-    def _last_enc_mb(self, module: str) -> int:
-        return max(x.microbatch for x in self.plan.actions[self.rank] if x.kind == BACKWARD and x.module == module)
 
     # -- LLM --------------------------------------------------------------------------------
     def _llm_packed(self, mb: int) -> tuple[PackedBatch, tuple[int, int] | None]:
@@ -378,7 +379,8 @@ class Executor:
             n = packed.tokens // lay.cp
             c = lay.coords(self.rank)["cp"]
             chunk = (c * n, (c + 1) * n)
-        packed = packed.to(self.device)
+        # The encoders pack their own inputs; the LLM side reads only ids, labels and positions.
+        packed = replace(packed, pixel_patches=None, grid_thw=None, mel=None, mel_lens=None).to(self.device)
         self.state.packed[mb] = (packed, chunk)
         return packed, chunk
 
@@ -433,16 +435,13 @@ class Executor:
         stage = self.modules["llm"]
         out = self.state.act_out.pop(mb)
         if self.fsdp.get("llm"):
-            stage.set_requires_gradient_sync(mb == self._last_llm_mb())
+            stage.set_requires_gradient_sync(mb == self.last_backward["llm"])
         if stage.last:
             out.backward()
         else:
             torch.autograd.backward(out, self.state.grad_in.pop(mb).to(out.dtype))
         if stage.first:
             self._collect_embedding_grads(mb)
-
-    def _last_llm_mb(self) -> int:
-        return max(x.microbatch for x in self.plan.actions[self.rank] if x.kind == BACKWARD and x.module == "llm")
 
     def _collect_embedding_grads(self, mb: int) -> None:
         """After stage 0's backward: the encoder outputs' gradients of this microbatch, summed over
@@ -598,18 +597,13 @@ def pad_row(packed: PackedBatch, multiple: int) -> PackedBatch:
     pad = (-n) % multiple
     if not pad:
         return packed
+    # replace(): the encoder inputs and anything added to PackedBatch later carry over untouched.
     cat = torch.cat
-    return PackedBatch(
+    return replace(
+        packed,
         input_ids=cat([packed.input_ids, packed.input_ids.new_zeros(pad)]),
         labels=cat([packed.labels, packed.labels.new_full((pad,), IGNORE_INDEX)]),
         position_ids=cat([packed.position_ids, torch.arange(pad, dtype=packed.position_ids.dtype)]),
         cu_seqlens=cat([packed.cu_seqlens, packed.cu_seqlens.new_tensor([n + pad])]),
         max_seqlen=max(packed.max_seqlen, pad),
-        sample_ids=packed.sample_ids,
-        pixel_patches=packed.pixel_patches,
-        grid_thw=packed.grid_thw,
-        vision_positions=packed.vision_positions,
-        mel=packed.mel,
-        mel_lens=packed.mel_lens,
-        audio_positions=packed.audio_positions,
     )

@@ -88,9 +88,9 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
         figures = torch.cat([loss_t, time_t]).cpu()
         steps.append({"step": step, "loss": float(figures[0]), "step_time_s": float(figures[1]),
                       "start_s": start - t0, "peak_memory_bytes": metrics.peak_memory(device),
-                      "loss_tokens": int(counts.item()), **metrics.batch_figures(model, plan),
-                      "plan": {"options": plan.options, **plan.notes}})
-        if rank == 0:
+                      "loss_tokens": int(counts.item())})
+        if rank == 0:  # the record takes step figures from rank 0 (other ranks: peak memory only)
+            steps[-1].update(**metrics.batch_figures(model, plan), plan={"options": plan.options, **plan.notes})
             records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]))
     params = ex.full_parameters() if spec.dump_params else None
     mine = {"rank": rank, "spans": [s.__dict__ for s in ex.spans], "steps": steps, "notes": ex.notes}

@@ -5,7 +5,7 @@ Validated once here (`ParallelSpec.validate(model)`), so planners and executors 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from omnibench.specs.model import MultimodalSpec, SpecError
 
@@ -33,21 +33,6 @@ class ParallelSpec:
     fsdp: bool = True
     recompute: str = "none"  # "none" | "full" | "selective"
     options: dict = field(default_factory=dict)  # system-specific switches (e.g. omni's ablations)
-
-    def llm_ranks_needed(self, dp: int | None = None) -> int:
-        return (dp if dp is not None else self.dp) * self.tp * self.pp * self.cp
-
-    def resolved(self, llm_world: int | None = None) -> ParallelSpec:
-        """Fill dp=0 from the ranks the LLM gets (default: all of them)."""
-        world = self.world_size if llm_world is None else llm_world
-        if self.dp:
-            return self
-        per = self.tp * self.pp * self.cp
-        if per <= 0 or world % per:
-            raise SpecError(
-                f"world size {world} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {per}"
-            )
-        return replace(self, dp=world // per)
 
     def validate(self, model: MultimodalSpec) -> None:
         """Refuse impossible layouts before any process starts, naming the field."""

@@ -138,8 +138,7 @@ class OmniPlanner:
         llm_mbs = [[tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count)] for shard in llm_shards]
         due = {i: j for mbs in llm_mbs for j, mb in enumerate(mbs) for i in mb}
         consumer = {i: d for d, mbs in enumerate(llm_mbs) for mb in mbs for i in mb}
-        assignment: dict = {"llm": {data_rank(llm, r): mbs for r, mbs in
-                                    zip([llm.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(dp)], llm_mbs, strict=True)}}
+        assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
 
         # -- encoder placement ------------------------------------------------------------------------
         stage_cost = self._stage_costs(cm, llm, llm_mbs, by_id)

@@ -104,7 +104,7 @@ def joint_timeline(llm: Layout, m: int, f: list[float], b: list[float], items: d
             for it in pending_f[r]:
                 run_fwd(r, it)
             pending_f[r] = []
-    first_llm = {r: len(orders[r]) for r in ranks}
+    first_llm: dict[int, int] = {}
     ops = [one_f_one_b(s, llm.pp, m) for s in range(llm.pp)]
     ptr = [0] * llm.pp
     done: dict[tuple[int, str, int], float] = {}
