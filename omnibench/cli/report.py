@@ -54,7 +54,7 @@ def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, sy
          gpus: int | None = None, step: int | None = None, calibration: str | None = None):
     """One figure (a `figures.Drawn`), or a one-line error naming what is missing."""
     from omnibench.plots import figures
-    from omnibench.plots.load import PlotInputError, Records
+    from omnibench.plots.load import PlotInputError
 
     if kind not in KINDS:
         fail(f"KIND must be one of {', '.join(KINDS)}; got {kind!r}")
@@ -82,7 +82,7 @@ def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, sy
         if kind == "validation":
             return figures.validation(recs, calibration)
         if kind == "ablation":
-            return figures.ablation(Records(runs=recs.runs, sims=recs.sims), workload)
+            return figures.ablation(recs, workload)
     except PlotInputError as e:
         fail(str(e))
     raise AssertionError(kind)
@@ -144,7 +144,7 @@ def register(app: typer.Typer) -> None:
 
 
 # -- reproduce -------------------------------------------------------------------------------------
-def _omnibench(args: list[str], what: str, log: list[str]) -> tuple[bool, str]:
+def _omnibench(args: list[str], what: str, log: list[str]) -> None:
     """Run an omnibench command in a fresh process: exactly the code path a user's command takes."""
     cmd = [sys.executable, "-m", "omnibench", *args]
     t0 = time.perf_counter()
@@ -155,10 +155,9 @@ def _omnibench(args: list[str], what: str, log: list[str]) -> tuple[bool, str]:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         log.append(f"FAILED ({what}): {line}: {' | '.join(tail)}")
         err_console.print(f"[red]failed[/] {what} ({dt:.0f} s): {' | '.join(tail)}", highlight=False)
-        return False, p.stdout
+        return
     console.print(f"done {what} ({dt:.0f} s)", highlight=False)
     log.append(line)
-    return True, p.stdout
 
 
 def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:

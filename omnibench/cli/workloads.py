@@ -6,11 +6,30 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from omnibench.cli.common import console, fail
+
+# Options shared by `show` and `batch` (one definition each).
+WorkloadName = Annotated[str, typer.Argument(help="Named workload, or a TOML/YAML/JSON spec or JSONL trace path.")]
+Seed = Annotated[int, typer.Option("--seed", min=0, help="Stream seed.")]
+GlobalBatchTokens = Annotated[
+    int, typer.Option("--global-batch-tokens", min=1, help="Token budget of a global batch (LLM tokens).")
+]
+GlobalBatchSize = Annotated[
+    int | None,
+    typer.Option("--global-batch-size", min=1, help="Samples per global batch (replaces the token budget)."),
+]
+LengthScale = Annotated[float, typer.Option("--length-scale", help="Multiply raw sizes before token rules.")]
+MaxSampleTokens = Annotated[
+    int | None, typer.Option("--max-sample-tokens", min=1, help="Drop-and-redraw samples longer than this.")
+]
+TotalSteps = Annotated[
+    int | None, typer.Option("--total-steps", min=1, help="Override the workload's nominal training length.")
+]
 
 _SHOW_EXAMPLES = """
 Examples:
@@ -30,14 +49,13 @@ Examples:
 
 
 def _stream(name, seed, global_batch_tokens, global_batch_size, length_scale, max_sample_tokens, total_steps):
-    from workloads import WorkloadError, WorkloadStream, get_workload
+    from workloads import WorkloadError, WorkloadStream
 
     try:
-        spec = get_workload(name)
         if global_batch_size is not None:
             global_batch_tokens = None
         return WorkloadStream(
-            spec,
+            name,
             seed=seed,
             global_batch_tokens=global_batch_tokens,
             global_batch_size=global_batch_size,
@@ -317,29 +335,19 @@ def register(app: typer.Typer) -> None:
 
     @wl.command("show", epilog=_SHOW_EXAMPLES)
     def show_cmd(
-        name: str = typer.Argument(..., help="Named workload, or a TOML/YAML/JSON spec or JSONL trace path."),
+        name: WorkloadName,
         steps: int = typer.Option(
             100, "--steps", min=1, help="Steps to draw, spread evenly over total_steps."
         ),
         start: int | None = typer.Option(
             None, "--start", min=0, help="Draw consecutive steps from this one instead of spreading them."
         ),
-        seed: int = typer.Option(0, "--seed", min=0, help="Stream seed."),
-        global_batch_tokens: int = typer.Option(
-            131072, "--global-batch-tokens", min=1, help="Token budget of a global batch (LLM tokens)."
-        ),
-        global_batch_size: int | None = typer.Option(
-            None, "--global-batch-size", min=1, help="Samples per global batch (replaces the token budget)."
-        ),
-        length_scale: float = typer.Option(
-            1.0, "--length-scale", help="Multiply raw sizes before token rules."
-        ),
-        max_sample_tokens: int | None = typer.Option(
-            None, "--max-sample-tokens", min=1, help="Drop-and-redraw samples longer than this."
-        ),
-        total_steps: int | None = typer.Option(
-            None, "--total-steps", min=1, help="Override the workload's nominal training length."
-        ),
+        seed: Seed = 0,
+        global_batch_tokens: GlobalBatchTokens = 131072,
+        global_batch_size: GlobalBatchSize = None,
+        length_scale: LengthScale = 1.0,
+        max_sample_tokens: MaxSampleTokens = None,
+        total_steps: TotalSteps = None,
         as_json: bool = typer.Option(
             False, "--json", help="Print the summary as one JSON document on stdout."
         ),
@@ -377,24 +385,14 @@ def register(app: typer.Typer) -> None:
 
     @wl.command("batch")
     def batch_cmd(
-        name: str = typer.Argument(..., help="Named workload, or a TOML/YAML/JSON spec or JSONL trace path."),
+        name: WorkloadName,
         step: int = typer.Option(0, "--step", min=0, help="Training step."),
-        seed: int = typer.Option(0, "--seed", min=0, help="Stream seed."),
-        global_batch_tokens: int = typer.Option(
-            131072, "--global-batch-tokens", min=1, help="Token budget of a global batch (LLM tokens)."
-        ),
-        global_batch_size: int | None = typer.Option(
-            None, "--global-batch-size", min=1, help="Samples per global batch (replaces the token budget)."
-        ),
-        length_scale: float = typer.Option(
-            1.0, "--length-scale", help="Multiply raw sizes before token rules."
-        ),
-        max_sample_tokens: int | None = typer.Option(
-            None, "--max-sample-tokens", min=1, help="Drop-and-redraw samples longer than this."
-        ),
-        total_steps: int | None = typer.Option(
-            None, "--total-steps", min=1, help="Override the workload's nominal training length."
-        ),
+        seed: Seed = 0,
+        global_batch_tokens: GlobalBatchTokens = 131072,
+        global_batch_size: GlobalBatchSize = None,
+        length_scale: LengthScale = 1.0,
+        max_sample_tokens: MaxSampleTokens = None,
+        total_steps: TotalSteps = None,
     ) -> None:
         """Print the global batch of one step as JSON lines, one sample per line (the exact
         samples every system and the simulator get for that step).

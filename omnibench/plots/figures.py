@@ -34,8 +34,6 @@ from omnibench.plots.load import (
     validation_table,
 )
 
-KINDS = ("throughput", "scaling", "dynamic", "timeline", "validation", "ablation", "workload")
-
 
 @dataclass
 class Drawn:
@@ -123,8 +121,7 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
     ax.set_ylim(0, table.speedup.max() * 1.22)
     src = "measured" if (df.source == "run").all() else "simulated"
     if src == "measured":
-        devs = sorted({str(r.summary.get("device", "?")) for r in recs.runs if str(r.path) in set(df.record)})
-        src = f"measured on {', '.join(devs)}"
+        src = f"measured on {', '.join(sorted(_devices(recs, df)))}"
     size = "" if many_sizes else f", {int(table.gpus.iloc[0]):,} {'ranks' if (df.source == 'run').all() else 'GPUs'}"
     ax.set_title(f"Training throughput per system ({src}{size})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
@@ -139,8 +136,14 @@ CPU_NOTE = (" Measured on CPU (gloo, tiny preset): such runs prove the code path
             "per-action overheads on a shared host and says little about GPUs at scale.")
 
 
+def _devices(recs: Records, df: pd.DataFrame) -> set[str]:
+    """The devices of the runs behind a table's rows ("?" where a record does not say)."""
+    keep = set(df.record)
+    return {str(r.summary.get("device", "?")) for r in recs.runs if str(r.path) in keep}
+
+
 def _cpu_note(recs: Records, df: pd.DataFrame) -> str:
-    devs = {str(r.summary.get("device", "")) for r in recs.runs if str(r.path) in set(df.record)}
+    devs = _devices(recs, df)
     return CPU_NOTE if devs and all(d.startswith("cpu") for d in devs) else ""
 
 
@@ -526,5 +529,5 @@ def record_of(recs: Records, system: str | None):
     raise PlotInputError(f"timeline: no record of system {system!r}; records hold {', '.join(have) or 'none'}")
 
 
-__all__ = ["KINDS", "Drawn", "RunRecord", "SimRecord", "ablation", "throughput_table", "dynamic", "record_of", "scaling", "throughput",
+__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "throughput_table", "dynamic", "record_of", "scaling", "throughput",
            "timeline", "validation", "workload"]

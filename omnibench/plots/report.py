@@ -29,7 +29,7 @@ def _try(title: str, fn, *args, **kw) -> Section:
         return Section(title, None, str(e))
 
 
-def draw_all(recs: Records, workloads: list[str] | None = None, calibration: str | None = None) -> list[Section]:
+def draw_all(recs: Records, calibration: str | None = None) -> list[Section]:
     """Each figure kind for which the records hold enough data; the rest say why not."""
     out: list[Section] = []
     has_runs, has_sims = bool(recs.runs), bool(recs.sims)
@@ -75,7 +75,7 @@ def draw_all(recs: Records, workloads: list[str] | None = None, calibration: str
         out += [_try(f"omni ablation ({wl})", figures.ablation, recs, workload=wl) for wl in omni_wls]
     else:
         out.append(Section("omni ablation", None, "needs omni records (with techniques switched off); none given"))
-    for wl in workloads if workloads is not None else wls:
+    for wl in wls:
         out.append(_try(f"Workload {wl}", figures.workload, wl))
     return out
 
