@@ -1,6 +1,7 @@
 """How fast the simulator executes one training step at cluster scale (CPU wall time).
 
     python benchmarks/bench_simulator.py [--gpus 1024,8192] [--system homogeneous] [--model omni-7b]
+                                         [--dp-shard 0]   # 0: automatic HSDP; -1: plain FSDP
 
 Prints, per cluster size: workload generation, planning (the planner's job) and simulation
 (class detection + program building + simpy run) wall times, the distinct ranks simulated, and the
@@ -33,27 +34,31 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--tokens-per-gpu", type=int, default=4096)
     ap.add_argument("--encoder-ranks-fraction", type=float, default=0.25)
+    ap.add_argument("--dp-shard", type=int, default=0,
+                    help="HSDP shard group size; 0: automatic (within 8 nodes), -1: plain FSDP over the whole group")
     args = ap.parse_args()
     model = get_model(args.model)
     print(f"system {args.system}, model {model.name}, workload {args.workload}, hardware {args.hardware}, "
-          f"tp {args.tp} pp {args.pp} microbatches {args.microbatches}, {args.tokens_per_gpu} tokens/GPU/step")
+          f"tp {args.tp} pp {args.pp} microbatches {args.microbatches}, {args.tokens_per_gpu} tokens/GPU/step, "
+          f"dp_shard {args.dp_shard}")
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (timings scale with it)")
     print(f"{'GPUs':>6} {'batch s':>8} {'plan s':>8} {'sim s':>8} {'distinct':>9} {'step s':>8} "
-          f"{'tok/s/GPU':>10} {'MFU':>6} {'bubble':>7} {'exp.comm':>8}")
+          f"{'tok/s/GPU':>10} {'MFU':>6} {'bubble':>7} {'exp.comm':>8} {'mem GiB':>8}  dp_shard")
     for n in [int(x) for x in args.gpus.split(",")]:
         t0 = time.perf_counter()
         batch = WorkloadStream(args.workload, seed=0, global_batch_tokens=args.tokens_per_gpu * n).batch(0)
         t1 = time.perf_counter()
         enc = int(n * args.encoder_ranks_fraction) if args.system == "noncolocated" else 0
         parallel = ParallelSpec(world_size=n, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                                encoder_ranks=enc)
+                                encoder_ranks=enc, dp_shard=args.dp_shard)
         plan = get_planner(args.system).plan(model, parallel, batch)
+        shards = " ".join(f"{m}={lay.shard_size}/{lay.fsdp_size}" for m, lay in plan.layouts.items() if lay.fsdp)
         t2 = time.perf_counter()
         res = simulate(plan, model, load_cluster(args.hardware, n))
         t3 = time.perf_counter()
         print(f"{n:>6} {t1 - t0:>8.2f} {t2 - t1:>8.2f} {t3 - t2:>8.2f} {res.classes:>9} {res.step_time:>8.3f} "
-              f"{res.tokens_per_s_per_gpu:>10,.0f} {res.mfu:>6.1%} {res.bubble:>7.1%} {res.exposed_comm:>8.1%}",
-              flush=True)
+              f"{res.tokens_per_s_per_gpu:>10,.0f} {res.mfu:>6.1%} {res.bubble:>7.1%} {res.exposed_comm:>8.1%} "
+              f"{res.peak_memory / 2**30:>8.1f}  {shards}", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,55 @@ class Layout:
     ep: int = 1  # experts split over ep ranks drawn from dp*cp (MoE only)
     sp: int = 1  # Ulysses sequence parallel (encoders)
     fsdp: bool = True  # dp shards parameters (FSDP2) rather than replicating them
+    # HSDP: FSDP shards parameters within groups of `dp_shard` consecutive ranks of each FSDP group
+    # (`fsdp_groups`) and replicates them across those groups (gradients: reduce-scatter inside the
+    # shard group, all-reduce of the shard across the replicate group). 0: one shard group over the
+    # whole FSDP group (plain FSDP), which is also what a plan written before this field means.
+    dp_shard: int = 0
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
         return LLM_MESH_DIMS if self.module == "llm" else ENCODER_MESH_DIMS
+
+    @property
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """The data-like dims FSDP shards over (torchtitan: dp_shard x cp); encoders: dp x sp."""
+        return ("dp", "cp") if self.module == "llm" else ("dp", "sp")
+
+    @property
+    def fsdp_size(self) -> int:
+        a, b = self.fsdp_dims
+        return getattr(self, a) * getattr(self, b)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one copy of the parameters is sharded over (the whole FSDP group unless HSDP)."""
+        return self.dp_shard if 0 < self.dp_shard < self.fsdp_size else self.fsdp_size
+
+    @property
+    def hsdp(self) -> bool:
+        return self.fsdp and self.shard_size < self.fsdp_size
+
+    def fsdp_groups(self) -> list[tuple[int, ...]]:
+        """Every FSDP group (one per coordinate of the other dims), members in mesh order."""
+        a, b = self.fsdp_dims
+        others = [d for d in self.mesh_dims if d not in (a, b)]
+        out = []
+        for vals in product(*(range(getattr(self, d)) for d in others)):
+            base = dict(zip(others, vals, strict=True))
+            out.append(tuple(self.rank_at(**base, **{a: i, b: j})
+                             for i in range(getattr(self, a)) for j in range(getattr(self, b))))
+        return out
+
+    def shard_groups(self) -> list[tuple[int, ...]]:
+        """HSDP shard groups: runs of `shard_size` consecutive members of each FSDP group."""
+        s = self.shard_size
+        return [g[i : i + s] for g in self.fsdp_groups() for i in range(0, len(g), s)]
+
+    def replicate_groups(self) -> list[tuple[int, ...]]:
+        """HSDP replicate groups: the members of one FSDP group holding the same shard."""
+        s = self.shard_size
+        return [g[j::s] for g in self.fsdp_groups() for j in range(s)]
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -117,6 +162,13 @@ class Layout:
             raise PlanError(
                 f"layout.{self.module}: mesh {shape} = {self.size} ranks but {len(self.ranks)} given"
             )
+        n, dims = self.fsdp_size, "*".join(self.fsdp_dims)
+        if self.dp_shard < 0 or (self.dp_shard and n % self.dp_shard):
+            raise PlanError(f"layout.{self.module}.dp_shard: {self.dp_shard} must be 0 (the whole FSDP group) "
+                            f"or a divisor of {dims} = {n}")
+        if self.hsdp and self.ep > 1 and self.shard_size % self.ep:
+            raise PlanError(f"layout.{self.module}.dp_shard: {self.dp_shard} must be a multiple of ep={self.ep} "
+                            "(a shard group holds whole expert groups)")
 
 
 @dataclass(frozen=True)

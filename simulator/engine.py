@@ -19,9 +19,13 @@ a recv completes when the matching send's transfer has (the send starts once the
 Without overlap (`CollectiveModel.inline_overlap` False: a CPU rank is one thread) every FSDP
 gather and every gradient reduction blocks the rank in line, one call per layer plus the root.
 
+HSDP (`Layout.dp_shard`): gathers, reduce-scatters and the layer-by-layer lock run over the shard
+group only; grad_sync adds one all-reduce of the gradient shard across the replicate group.
+
 Memory per rank: bf16 + fp32 master params, fp32 grads and AdamW moments (sharded over the FSDP
-group), one layer of gathered bf16 params, and the activations of the microbatches in flight (counted from the
-action order, so 1F1B's in-flight depth and dynamic sequence lengths both show).
+group, or its shard group under HSDP), one layer of gathered bf16 params, and the activations of
+the microbatches in flight (counted from the action order, so 1F1B's in-flight depth and dynamic
+sequence lengths both show).
 """
 
 from __future__ import annotations
@@ -213,6 +217,7 @@ class _LayoutIndex:
                 idx //= s
             self.coords[r] = c
         self._groups: dict[tuple[str, ...], dict[int, tuple[int, ...]]] = {}
+        self._hsdp: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
     def group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
         """Ranks sharing every coordinate with `rank` except those in `dims`."""
@@ -234,6 +239,32 @@ class _LayoutIndex:
     def shard_dims(self) -> tuple[str, ...]:
         # FSDP shards over every data-like dim (torchtitan: dp_shard x cp); encoders: dp x sp.
         return ("dp", "cp") if self.layout.module == "llm" else ("dp", "sp")
+
+    def hsdp(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(shard group, replicate group) of `rank` under HSDP (`Layout.dp_shard`): runs of
+        `shard_size` consecutive members of its FSDP group, and the members holding the same shard.
+        Without HSDP the shard group is the FSDP group itself (the same tuple) and the replicate
+        group is the rank alone."""
+        if self._hsdp is None:
+            s = self.layout.shard_size
+            table: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+            seen: set[int] = set()
+            for r in self.layout.ranks:
+                g = self.group(r, self.shard_dims())
+                if id(g) in seen:
+                    continue
+                seen.add(id(g))
+                if s >= len(g):
+                    for x in g:
+                        table[x] = (g, (x,))
+                    continue
+                reps = [g[j::s] for j in range(s)]
+                for i in range(0, len(g), s):
+                    chunk = g[i : i + s]
+                    for j, x in enumerate(chunk):
+                        table[x] = (chunk, reps[j])
+            self._hsdp = table
+        return self._hsdp[rank]
 
 
 # -- ops: what a simulated rank executes ------------------------------------------------------------
@@ -368,9 +399,18 @@ class Engine:
     def _lock_group(self, module: str, rank: int) -> tuple[int, ...] | None:
         lay = self.plan.layouts[module]
         g = self._grad_group(module, rank)
+        if lay.hsdp:
+            # Gathers lock the shard group; its ep groups lie inside it (ep divides dp_shard).
+            g = self._shard_group(module, rank)
         if len(g) > 1 and (lay.fsdp or lay.ep > 1):
             return g
         return None
+
+    def _shard_group(self, module: str, rank: int) -> tuple[int, ...]:
+        return self.index[module].hsdp(rank)[0]
+
+    def _replicate_group(self, module: str, rank: int) -> tuple[int, ...]:
+        return self.index[module].hsdp(rank)[1]
 
     def _grad_group(self, module: str, rank: int) -> tuple[int, ...]:
         idx = self.index[module]
@@ -426,11 +466,14 @@ class Engine:
                         sig.append(colour.get(a.peer, -1))
                 for m in plan.layouts:
                     if r in self.index[m].coords:
-                        g = self._grad_group(m, r)
-                        got = group_colour.get(g)
-                        if got is None:
-                            got = group_colour[g] = hash(frozenset(colour[x] for x in g if x in colour))
-                        sig.append(got)
+                        groups = [self._grad_group(m, r)]
+                        if plan.layouts[m].hsdp:  # FSDP locks the shard group layer by layer
+                            groups.append(self._shard_group(m, r))
+                        for g in groups:
+                            got = group_colour.get(g)
+                            if got is None:
+                                got = group_colour[g] = hash(frozenset(colour[x] for x in g if x in colour))
+                            sig.append(got)
                 new[r] = intern.setdefault(tuple(sig), len(intern))
             colour = new
             if len(intern) == n_classes:
@@ -482,6 +525,10 @@ class Engine:
             if (not self.coll.inline_overlap and a.kind == BACKWARD and lay.fsdp and len(shard) > 1
                     and a.microbatch == self._last_backward(rank, module)):
                 n_calls += max(1, work.layers) + 1  # the reduce-scatters (the grad_sync op holds their wait)
+                if lay.hsdp:
+                    n_calls += max(1, work.layers) + 1  # HSDP: each followed by the replicas' all-reduce
+            # HSDP gathers inside the shard group only (the FSDP group itself without HSDP).
+            shard = self._shard_group(module, rank) if lay.hsdp else shard
             if lay.fsdp and len(shard) > 1 and self._gathers(rank, module, a):
                 # bf16 all-gather of each layer's shard. With overlap (GPU) it is prefetched one
                 # layer ahead: the first is exposed, later ones only where a layer's compute is
@@ -653,6 +700,8 @@ class Engine:
         # FSDP2 reduce-scatters from inside the backward (per layer): communication inside compute
         coll = self.coll_inline if lay.fsdp else self.coll
         dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
+        if lay.hsdp:
+            return self._hsdp_grad_sync_cost(module, rank, w, nbytes, dense, calls)
         cost = calls * coll.cost(op_name, dense / calls, group)
         if w.expert_params and lay.ep > 1:
             # Experts are split over ep; their grads reduce over the remaining replicas.
@@ -660,6 +709,24 @@ class Engine:
                                       self._expert_group(rank, group, lay.ep))
         elif w.expert_params:
             cost += calls * coll.cost(op_name, (nbytes - dense) / calls, group)
+        return cost
+
+    def _hsdp_grad_sync_cost(self, module: str, rank: int, w: Work, nbytes: float, dense: float,
+                             calls: int) -> float:
+        """HSDP: reduce-scatter inside the shard group, then one all-reduce of the resulting shard
+        over the replicate group (FSDP2 issues both per layer from the backward)."""
+        lay = self.plan.layouts[module]
+        coll = self.coll_inline
+        shard, rep = self._shard_group(module, rank), self._replicate_group(module, rank)
+        cost = calls * (coll.cost("reduce_scatter", dense / calls, shard)
+                        + coll.cost("all_reduce", dense / len(shard) / calls, rep))
+        experts = nbytes - dense
+        if w.expert_params:
+            # Experts split over ep first, then sharded over the shard group's ranks holding them.
+            eshard = self._expert_group(rank, shard, lay.ep) if lay.ep > 1 else shard
+            per = experts / max(1, lay.ep)
+            cost += calls * (coll.cost("reduce_scatter", per / calls, eshard)
+                             + coll.cost("all_reduce", per / len(eshard) / calls, rep))
         return cost
 
     def layers_on_rank(self, rank: int) -> tuple[float, float]:
@@ -687,7 +754,7 @@ class Engine:
                 continue
             stage = idx.coords[rank].get("pp", 0)
             w = self.stage_work(m, stage)
-            shard = len(self._grad_group(m, rank)) if lay.fsdp else 1
+            shard = len(self._shard_group(m, rank)) if lay.fsdp else 1  # HSDP: the shard group only
             dense = w.params - w.expert_params
             total += dense / lay.tp / shard + w.expert_params / lay.tp / max(1, lay.ep) / max(1, shard // lay.ep)
         return total
@@ -699,7 +766,7 @@ class Engine:
         mem = RESERVED_BYTES + costs.training_state_bytes(self._params_on_rank(rank), "bf16").total
         for m, lay in self.plan.layouts.items():
             idx = self.index[m]
-            if rank in idx.coords and lay.fsdp and len(self._grad_group(m, rank)) > 1:
+            if rank in idx.coords and lay.fsdp and len(self._shard_group(m, rank)) > 1:
                 w = self.stage_work(m, idx.coords[rank].get("pp", 0))
                 layers = min(2, max(1, w.layers)) if self.reshard_after_forward else max(1, w.layers)
                 mem += 2 * w.params / lay.tp * layers / max(1, w.layers)

@@ -23,8 +23,10 @@ Conventions the runtime and the simulator rely on
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from omnibench.plan import (
     BACKWARD,
@@ -61,9 +63,48 @@ def llm_layout(parallel: ParallelSpec, ranks: Sequence[int]) -> Layout:
         )
     if (dp * parallel.cp) % parallel.ep:
         raise PlanError(f"ep={parallel.ep} must divide dp*cp = {dp * parallel.cp} (experts spread over data ranks)")
-    return Layout(
+    lay = Layout(
         "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp
     )
+    return with_dp_shard(lay, parallel)
+
+
+# HSDP default: a shard group spans at most this many nodes (and never fewer than this many ranks,
+# so clusters of up to 64 ranks keep plain FSDP whatever their node size). torchtitan and Megatron
+# runs at thousands of GPUs shard within one to a few nodes and replicate across; 8 nodes keeps the
+# per-rank training state small for 7B-70B models while a ring step count stays in the tens.
+AUTO_SHARD_NODES = 8
+AUTO_SHARD_MIN_RANKS = 64
+
+
+def resolve_dp_shard(parallel: ParallelSpec, layout: Layout) -> int:
+    """The `dp_shard` a module's layout gets: `parallel.dp_shard` when given (-1: plain FSDP), else the largest divisor
+    of its FSDP group whose shard group spans at most AUTO_SHARD_NODES nodes (members sit `tp` ranks
+    apart) and holds whole cp (sp) and ep groups; 0 when that is the whole group (plain FSDP)."""
+    n = layout.fsdp_size
+    if not layout.fsdp or n <= 1 or parallel.dp_shard == -1:
+        return 0
+    llm = layout.module == "llm"
+    dims = "*".join(layout.fsdp_dims)
+    if parallel.dp_shard:
+        k = parallel.dp_shard
+        if not llm and k >= n:
+            return 0  # an encoder's FSDP group smaller than the LLM's shard group: plain FSDP
+        if n % k:
+            raise PlanError(f"dp_shard={k} does not divide the {n} ranks FSDP shards {layout.module} over ({dims}); "
+                            f"allowed: 0 (automatic) or a divisor of {n}")
+        return 0 if k == n else k
+    unit = math.lcm(layout.cp, layout.ep) if llm else layout.sp
+    span = max(AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES * parallel.gpus_per_node)
+    target = max(1, span // layout.tp)
+    fits = [d for d in range(unit, n + 1, unit) if n % d == 0 and d <= target]
+    k = max(fits) if fits else unit
+    return 0 if k == n else k
+
+
+def with_dp_shard(layout: Layout, parallel: ParallelSpec) -> Layout:
+    k = resolve_dp_shard(parallel, layout)
+    return replace(layout, dp_shard=k) if k != layout.dp_shard else layout
 
 
 def stage_of(layout: Layout, rank: int) -> int:
@@ -371,7 +412,7 @@ def plan_encoders_in_stage0(
     routes: list[Route] = []
     by_id = {s.sample_id: s for s in batch.samples}
     for module in model.encoders:
-        enc = encoder_layout(module, stage0, tp=encoder_tp, fsdp=parallel.fsdp)
+        enc = with_dp_shard(encoder_layout(module, stage0, tp=encoder_tp, fsdp=parallel.fsdp), parallel)
         layouts[module] = enc
         enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
         for d, mbs in enumerate(llm_mbs):

@@ -33,6 +33,7 @@ from systems.common import (
     one_f_one_b,
     resolve_common,
     step_tail,
+    with_dp_shard,
 )
 from workloads.sample import Batch
 
@@ -105,7 +106,7 @@ class NoncolocatedPlanner:
         routes: list[Route] = []
         by_id = {s.sample_id: s for s in batch.samples}
         for module in model.encoders:
-            enc = encoder_layout(module, range(n_enc), tp=enc_tp, fsdp=parallel.fsdp)
+            enc = with_dp_shard(encoder_layout(module, range(n_enc), tp=enc_tp, fsdp=parallel.fsdp), parallel)
             layouts[module] = enc
             enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
             for j in range(m):

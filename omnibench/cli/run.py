@@ -12,9 +12,13 @@ from rich.table import Table
 from omnibench.cli.common import console, err_console, fail
 
 
-def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks) -> dict:
+def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, dp_shard=0) -> dict:
     return dict(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, microbatches=microbatches, encoder_tp=encoder_tp,
-                encoder_ranks=encoder_ranks)
+                encoder_ranks=encoder_ranks, dp_shard=dp_shard)
+
+
+_DP_SHARD_HELP = ("HSDP: ranks each FSDP shard group holds (replicated across groups); 0: automatic "
+                  "(within 8 nodes); -1: the whole group (plain FSDP)")
 
 
 def register(app: typer.Typer) -> None:
@@ -31,6 +35,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(1, "--cp"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: what is left"),
+        dp_shard: int = typer.Option(0, "--dp-shard", help=_DP_SHARD_HELP),
         microbatches: int = typer.Option(0, "--microbatches"),
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
@@ -68,7 +73,7 @@ def register(app: typer.Typer) -> None:
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
                        dump_params=dump_params, fsdp=fsdp,
                        options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
-                                                                  encoder_ranks))
+                                                                  encoder_ranks, dp_shard))
         try:
             spec = resolve(spec)
             check_layout(spec)
@@ -112,6 +117,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(1, "--cp"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp"),
+        dp_shard: int = typer.Option(0, "--dp-shard", help=_DP_SHARD_HELP),
         microbatches: int = typer.Option(0, "--microbatches"),
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks"),
@@ -139,7 +145,7 @@ def register(app: typer.Typer) -> None:
             from systems.omni.options import options_from_flags
 
             parallel = ParallelSpec(world_size=nproc, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
-                                                                       encoder_ranks),
+                                                                       encoder_ranks, dp_shard),
                                     options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
                                                                no_long_short_sp, option))
             stream = WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens,

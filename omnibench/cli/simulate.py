@@ -103,6 +103,9 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(1, "--cp"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
+        dp_shard: int = typer.Option(
+            0, "--dp-shard", help="HSDP: ranks each FSDP shard group holds (replicated across groups); "
+            "0: automatic (within 8 nodes); -1: the whole group (plain FSDP)."),
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
@@ -172,7 +175,7 @@ def register(app: typer.Typer) -> None:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp,
                                             pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute,
-                                            options=options)
+                                            dp_shard=dp_shard, options=options)
                     parallel.validate(spec)
                 except ValueError as e:
                     fail(str(e))
@@ -202,7 +205,7 @@ def register(app: typer.Typer) -> None:
                 "command": "simulate", "workload": workload, "systems": systems, "systems_missing": missing,
                 "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
                 "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
-                "ep": ep, "dp": dp, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
+                "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "seed": seed, "date": stamp, "options": options,
                 "calibration_provenance": profile.provenance if profile else None,
             }

@@ -67,6 +67,10 @@ class Groups:
                 for dim in ("dp", "tp"):
                     for ranks in lay.groups(dim):
                         self._new((name, dim), ranks)
+                if lay.hsdp:
+                    for key, ranks_list in self._hsdp_groups(lay, [tuple(g) for g in lay.groups("dp")]).items():
+                        for ranks in ranks_list:
+                            self._new((name, key), ranks)
 
     def _new(self, key, ranks):
         g = dist.new_group(list(ranks), timeout=self._timeout)
@@ -83,14 +87,31 @@ class Groups:
                 ep = lay.ep
                 out["ep"] += [tuple(flat[i : i + ep]) for i in range(0, len(flat), ep)]
                 out["edp"] += [tuple(flat[i::ep]) for i in range(ep)]
+        if lay.hsdp:
+            out.update(Groups._hsdp_groups(lay, out["dpcp"]))
+        return out
+
+    @staticmethod
+    def _hsdp_groups(lay: Layout, fsdp_groups: list[tuple[int, ...]]) -> dict[str, list[tuple[int, ...]]]:
+        """HSDP (Layout.dp_shard): each FSDP group split into shard groups of `shard_size` consecutive
+        members, the replicate groups across them (members holding the same shard), and, with
+        experts split over ep, the members of a shard group holding the same experts."""
+        s, ep = lay.shard_size, lay.ep if lay.module == "llm" else 1
+        out: dict[str, list[tuple[int, ...]]] = {"dp_shard": [], "dp_replicate": [], "edp_shard": []}
+        for flat in fsdp_groups:
+            chunks = [flat[i : i + s] for i in range(0, len(flat), s)]
+            out["dp_shard"] += chunks
+            out["dp_replicate"] += [flat[j::s] for j in range(s)]
+            if ep > 1:
+                out["edp_shard"] += [c[i::ep] for c in chunks for i in range(ep)]
         return out
 
     def get(self, module: str, dim: str) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
         return self.mine[(module, dim)]
 
 
-def mesh_from(groups, names: tuple[str, ...], device: str, grid: list[list[int]] | None = None):
-    """A DeviceMesh over existing groups (1D, or 2D with `grid` listing the ranks row by row)."""
+def mesh_from(groups, names: tuple[str, ...], device: str, grid: list | None = None):
+    """A DeviceMesh over existing groups (1D, or N-D with `grid` the nested list of ranks)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if len(groups) == 1:
@@ -221,7 +242,14 @@ class Executor:
         dpcp = self.groups.get("llm", "dpcp")
         self.fsdp["llm"] = lay.fsdp and len(dpcp[1]) > 1
         dp_mesh = None
-        if lay.tp > 1:
+        if lay.hsdp and self.fsdp["llm"]:
+            p = self.stage
+            rows = [[lay.rank_at(pp=p, dp=d, cp=cc, tp=t) for t in range(lay.tp)]
+                    for d in range(lay.dp) for cc in range(lay.cp)]
+            dp_mesh, tp_mesh = self._hsdp_meshes("llm", lay, rows, dev)
+            if tp_mesh is not None:
+                apply_tp(llm, tp_mesh)
+        elif lay.tp > 1:
             tp = self.groups.get("llm", "tp")
             if self.fsdp["llm"]:
                 # One 2D mesh: FSDP2 needs the dp and tp meshes to share a parent.
@@ -245,8 +273,9 @@ class Executor:
             self.expert_params = [p for m in local for p in m.parameters()]
             edp = self.groups.get("llm", "edp")
             if self.fsdp["llm"] and len(edp[1]) > 1:
-                # Experts shard over the ranks holding the same experts (expert data parallel).
-                emesh = mesh_from([edp], ("edp",), dev)
+                # Experts shard over the ranks holding the same experts (expert data parallel); under
+                # HSDP over those of the shard group, replicated across shard groups.
+                emesh = self._expert_hsdp_mesh(lay, dpcp[1], dev) if lay.hsdp else mesh_from([edp], ("edp",), dev)
                 extra = [(m, emesh) for m in local]
             else:
                 ignored = set(self.expert_params)  # no other rank holds them, or grad_sync reduces them
@@ -263,7 +292,15 @@ class Executor:
         dp = self.groups.get(name, "dp")
         self.fsdp[name] = lay.fsdp and len(dp[1]) > 1
         dp_mesh = None
-        if lay.tp > 1:
+        if lay.hsdp and self.fsdp[name]:
+            rows = [[lay.rank_at(dp=d, sp=0, tp=t) for t in range(lay.tp)] for d in range(lay.dp)]
+            dp_mesh, tp_mesh = self._hsdp_meshes(name, lay, rows, dev)
+            if tp_mesh is not None:
+                replicated = apply_encoder_tp(enc, tp_mesh)
+                if replicated:
+                    self.notes.append(f"{name}: tensor parallel over tp={lay.tp} except {', '.join(replicated)} "
+                                      "(replicated)")
+        elif lay.tp > 1:
             tp = self.groups.get(name, "tp")
             if self.fsdp[name]:
                 grid = [[lay.rank_at(dp=d, sp=0, tp=t) for t in range(lay.tp)] for d in range(lay.dp)]
@@ -280,6 +317,30 @@ class Executor:
             mp = self.dtype if self.dtype != torch.float32 else None
             apply_fsdp(enc, list(enc.layers.values()), dp_mesh, mp)
         self.modules[name] = enc
+
+    def _hsdp_meshes(self, module: str, lay: Layout, rows: list[list[int]], dev: str):
+        """HSDP meshes of a module: FSDP2's 2D ("dp_replicate", "dp_shard") mesh and, with tp, the tp
+        mesh, both slices of one parent (FSDP2 needs them to share it). `rows`: this rank's FSDP
+        group in order, each member as its tp ranks."""
+        s = lay.shard_size
+        self.notes.append(f"{module}: HSDP, parameters sharded over {s} ranks and replicated "
+                          f"{lay.fsdp_size // s}x (dp_shard={s} of {lay.fsdp_size})")
+        names = ("dp_replicate", "dp_shard")
+        groups = [self.groups.get(module, "dp_replicate"), self.groups.get(module, "dp_shard")]
+        grid = [rows[i : i + s] for i in range(0, len(rows), s)]  # [replica][shard][tp]
+        if lay.tp > 1:
+            mesh = mesh_from(groups + [self.groups.get(module, "tp")], (*names, "tp"), dev, grid)
+            return mesh[names], mesh["tp"]
+        return mesh_from(groups, names, dev, [[row[0] for row in g] for g in grid]), None
+
+    def _expert_hsdp_mesh(self, lay: Layout, flat: tuple[int, ...], dev: str):
+        """Experts under HSDP: ("dp_replicate", "edp_shard"), the ranks of each shard group holding
+        this rank's experts, replicated across shard groups (the dense replicate groups)."""
+        s, ep = lay.shard_size, lay.ep
+        i = flat.index(self.rank) % s % ep
+        grid = [[flat[r + i + m * ep] for m in range(s // ep)] for r in range(0, len(flat), s)]
+        groups = [self.groups.get("llm", "dp_replicate"), self.groups.get("llm", "edp_shard")]
+        return mesh_from(groups, ("dp_replicate", "edp_shard"), dev, grid)
 
     # -- one step ---------------------------------------------------------------------------
     def run_step(self, plan: Plan, global_loss_tokens: int, t0: float) -> float:

@@ -92,7 +92,8 @@ def _cuda_default(names: list[str]) -> str:
 def parallel_spec(spec: RunSpec, world: int) -> ParallelSpec:
     return ParallelSpec(
         world_size=world, dp=spec.dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep,
-        microbatches=spec.microbatches, encoder_tp=spec.encoder_tp, encoder_ranks=spec.encoder_ranks, fsdp=spec.fsdp, options=dict(spec.options),
+        microbatches=spec.microbatches, encoder_tp=spec.encoder_tp, encoder_ranks=spec.encoder_ranks, fsdp=spec.fsdp, dp_shard=spec.dp_shard,
+        options=dict(spec.options),
     )
 
 

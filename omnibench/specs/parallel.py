@@ -31,6 +31,11 @@ class ParallelSpec:
     encoder_sp: int = 0
     encoder_ranks: int = 0  # noncolocated: ranks given to the encoders (the rest run the LLM)
     fsdp: bool = True
+    # HSDP: ranks one copy of a module's parameters is sharded over, out of its FSDP group (the LLM:
+    # dp*cp); replicated across the groups. 0: automatic (systems/common.py::resolve_dp_shard:
+    # a shard group spans at most 8 nodes, so nothing changes up to 64 ranks); -1: the whole FSDP
+    # group (plain FSDP, whatever the cluster size).
+    dp_shard: int = 0
     recompute: str = "none"  # "none" | "full" | "selective"
     options: dict = field(default_factory=dict)  # system-specific switches (e.g. omni's ablations)
 
@@ -42,6 +47,18 @@ class ParallelSpec:
                 raise SpecError(f"{name} must be a positive integer, got {v!r}")
         if self.dp < 0 or self.microbatches < 0:
             raise SpecError("dp and microbatches must be >= 0 (0 = system default)")
+        if not isinstance(self.dp_shard, int) or self.dp_shard < -1:
+            raise SpecError(f"dp_shard must be -1 (whole FSDP group), 0 (automatic) or a positive divisor of dp*cp; "
+                            f"got {self.dp_shard!r}")
+        if self.dp_shard > 0 and not self.fsdp:
+            raise SpecError(f"dp_shard={self.dp_shard} needs fsdp (without it parameters are replicated, not sharded)")
+        if self.dp_shard > 0 and self.dp and (self.dp * self.cp) % self.dp_shard:
+            g = self.dp * self.cp
+            raise SpecError(f"dp_shard={self.dp_shard} must divide dp*cp = {g} (the ranks FSDP shards the LLM over); "
+                            f"allowed: -1 (whole group), 0 (automatic) or a divisor of {g}")
+        if self.dp_shard > 0 and self.ep > 1 and self.dp_shard % self.ep:
+            raise SpecError(f"dp_shard={self.dp_shard} must be a multiple of ep={self.ep} "
+                            "(a shard group holds whole expert groups); 0 = automatic")
         if self.recompute not in ("none", "full", "selective"):
             raise SpecError(f"recompute must be one of none, full, selective; got {self.recompute!r}")
         llm = model.llm

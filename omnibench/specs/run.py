@@ -28,6 +28,7 @@ class RunSpec:
     encoder_tp: int = 0
     encoder_ranks: int = 0
     fsdp: bool = True
+    dp_shard: int = 0  # HSDP shard group size (ParallelSpec.dp_shard); 0 = automatic, -1 = whole group
     device: str = "auto"
     dtype: str = "auto"
     lr: float = 1e-3
@@ -51,6 +52,9 @@ class RunSpec:
         for name in ("nproc", "dp", "microbatches", "encoder_tp", "encoder_ranks", "global_batch_tokens"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{name} must be >= 0 (0 = default), got {getattr(self, name)!r}")
+        if self.dp_shard < -1:
+            raise SpecError(f"dp_shard must be -1 (whole FSDP group), 0 (automatic) or a positive divisor of dp*cp; "
+                            f"got {self.dp_shard!r}")
         if self.device not in DEVICES:
             raise SpecError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.dtype not in DTYPES:

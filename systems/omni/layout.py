@@ -72,6 +72,8 @@ def placement_notes(layouts: dict[str, Layout], parallel: ParallelSpec, sp: dict
     for dim in ("tp", "cp", "dp", "pp"):
         if getattr(llm, dim) > 1:
             out[f"llm_{dim}"] = _where(llm.groups(dim), gpn)
+    if llm.hsdp:  # parameters sharded inside these groups, replicated across them
+        out["llm_dp_shard"] = _where(llm.shard_groups(), gpn)
     for name, lay in layouts.items():
         if name == "llm":
             continue
