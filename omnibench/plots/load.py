@@ -124,6 +124,8 @@ class SimRecord:
     config: dict
     rows: list[dict]
     kind: str = "sim"
+    # omni's plan options per (system, gpus): plan files are megabytes, read each once per record
+    plan_options: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def workload(self) -> str:
@@ -278,10 +280,12 @@ def variant_label(system: str, options: dict) -> str:
 def _sim_plan_options(rec: SimRecord, system: str, gpus: int) -> dict:
     if system != "omni":
         return {}
-    p = rec.plan_path(system, gpus)
-    if p is None:
-        return dict(rec.config.get("options", {}) or {})
-    return _read_json(p).get("options", {}) or {}
+    key = (system, gpus)
+    if key not in rec.plan_options:
+        p = rec.plan_path(system, gpus)
+        got = rec.config.get("options", {}) if p is None else _read_json(p).get("options", {})
+        rec.plan_options[key] = dict(got or {})
+    return rec.plan_options[key]
 
 
 # -- tables ----------------------------------------------------------------------------------------
