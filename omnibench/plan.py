@@ -33,7 +33,13 @@ RECV = "recv"
 BOUNDARY = "boundary"  # encoder->LLM exchange of one encoder microbatch's outputs: what="act" | "grad"
 GRAD_SYNC = "grad_sync"  # data-parallel gradient reduction of a module (FSDP reduce-scatter / all-reduce)
 OPTIMIZER_STEP = "optimizer_step"
-ACTION_KINDS = (FORWARD, BACKWARD, SEND, RECV, BOUNDARY, GRAD_SYNC, OPTIMIZER_STEP)
+# Data loaders' all-gather of per-sample metadata before the step's compute (module "loader"):
+# what="reorder" inside a reorder group of loaders (`loader_group`), what="plan" over the LLM data
+# ranks (every loader's post-reorder samples, so every rank builds the same Plan). `nbytes`: what
+# each member contributes. The runtime runs these while loading, before the Plan exists; they sit
+# at the head of the Plan so the simulator costs them and the trace shows them.
+METADATA = "metadata"
+ACTION_KINDS = (FORWARD, BACKWARD, SEND, RECV, BOUNDARY, GRAD_SYNC, OPTIMIZER_STEP, METADATA)
 
 LLM_MESH_DIMS = ("pp", "dp", "cp", "tp")
 ENCODER_MESH_DIMS = ("dp", "sp", "tp")
@@ -183,10 +189,11 @@ class Action:
     # message belongs to on the peer (encoder microbatch on the LLM side and vice versa).
     direction: str = ""
     peer_microbatch: int = -1
+    nbytes: int = 0  # metadata only: bytes this rank contributes to the all-gather
 
     def __str__(self) -> str:
         s = f"{self.kind}({self.module}"
-        if self.kind not in (GRAD_SYNC, OPTIMIZER_STEP):
+        if self.kind not in (GRAD_SYNC, OPTIMIZER_STEP, METADATA):
             s += f", mb{self.microbatch}"
             if self.module == "llm" or self.stage:
                 s += f", stage{self.stage}"
@@ -199,6 +206,18 @@ class Action:
             if self.peer_microbatch >= 0:
                 s += f" mb{self.peer_microbatch}"
         return s + ")"
+
+
+def loader_group(llm: Layout, rank: int, what: str, group_size: int) -> tuple[int, ...]:
+    """The ranks a metadata exchange of `rank` runs over: its LLM data-parallel group ("plan"), or
+    the chunk of `group_size` consecutive data ranks of it holding its own ("reorder"). Ranks with
+    the same dp coordinate load the same samples, so each (pp, cp, tp) slice exchanges on its own."""
+    group = llm.group(rank, "dp")
+    if what == "plan":
+        return group
+    g = max(1, min(group_size, llm.dp))
+    start = llm.coords(rank)["dp"] // g * g
+    return group[start : start + g]
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,14 @@ from omnibench.plan import (
     BOUNDARY,
     FORWARD,
     GRAD_SYNC,
+    METADATA,
     OPTIMIZER_STEP,
     RECV,
     SEND,
     Action,
     Layout,
     Plan,
+    loader_group,
 )
 from omnibench.specs import costs
 from omnibench.specs.model import MultimodalSpec
@@ -302,6 +304,7 @@ class Engine:
         self._work_cache: dict = {}
         self._gathered: set = set()
         self._member_cache: dict = {}
+        self._loader_groups: dict[tuple, tuple[int, ...]] = {}
         self._edp_cache: dict = {}
         self._member_ids: dict = {}
         self._sig_cache: dict = {}
@@ -415,6 +418,16 @@ class Engine:
     def _grad_group(self, module: str, rank: int) -> tuple[int, ...]:
         idx = self.index[module]
         return idx.group(rank, idx.shard_dims())
+
+    def _loader_group(self, rank: int, what: str) -> tuple[int, ...]:
+        """omnibench.plan.loader_group, computed once per distinct group (a shared tuple)."""
+        c = self.index["llm"].coords[rank]
+        size = max(1, min(int(self.plan.options.get("reorder_group", 1)), self.plan.layouts["llm"].dp))
+        key = (what, c["pp"], c["cp"], c["tp"], c["dp"] // size if what == "reorder" else 0)
+        got = self._loader_groups.get(key)
+        if got is None:
+            got = self._loader_groups[key] = loader_group(self.plan.layouts["llm"], rank, what, size)
+        return got
 
     def _boundary_tokens(self, rank: int, a: Action) -> int:
         """LLM tokens in one boundary message (all routes of one (src, src mb, dst, dst mb))."""
@@ -678,6 +691,16 @@ class Engine:
                 seen[key] += 1
                 ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
                                blocking=not self.coll.inline_overlap))
+            elif a.kind == METADATA:
+                # The loaders' all-gather before the step (padded to the largest contribution,
+                # which the planner put on every member); the rank waits for it.
+                group = self._loader_group(rank, a.what)
+                cost = self.coll.cost("all_gather", a.nbytes * len(group), group) if comm_on else 0.0
+                gid, n_members = self._members(group, cls)
+                key = ("meta", a.what, gid)
+                n = seen[key]
+                seen[key] += 1
+                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members, blocking=True))
             elif a.kind == OPTIMIZER_STEP:
                 ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))
@@ -867,7 +890,7 @@ class Engine:
             ready = arrive(op.lock_key, op.lock_n, 0.0)
 
             def run_it(_e=None):
-                ev = transfer(rank, op, "collective", GRAD_SYNC, holder)
+                ev = transfer(rank, op, "collective", op.kind, holder)
                 ev.callbacks.append(lambda _x: next_collective(rank))
 
             if ready.triggered:
@@ -912,7 +935,7 @@ class Engine:
                     done = channel(op.p2p_keys[0])[1]
                     if not done.triggered:
                         yield done
-                elif kind == GRAD_SYNC:
+                elif kind == GRAD_SYNC or kind == METADATA:
                     collective(rank, op, pending)
                     if op.blocking:
                         wait_start = env.now

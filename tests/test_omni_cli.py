@@ -56,3 +56,21 @@ def test_run_omni_with_an_ablation_trains(tmp_path):
     assert summary["steps"] == 2 and summary["final_loss"] > 0
     config = json.loads((out / "config.json").read_text())
     assert config["run"]["options"] == {"reorder": False}
+
+
+@pytest.mark.timeout(120)
+def test_run_omni_records_the_loaders_metadata_exchange(tmp_path):
+    out = tmp_path / "run"
+    res = omnibench("run", "--system", "omni", "--device", "cpu", "--nproc", "2", "--steps", "2", "--workload",
+                    "mixed_video", "--out", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    trace = json.loads((out / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    spans = [e for e in events if e.get("cat") == "metadata"]
+    seen = {(e["args"]["rank"], e["args"]["step"], e["name"]) for e in spans}
+    assert seen == {(r, s, f"metadata(loader, {w})") for r in (0, 1) for s in (0, 1) for w in ("reorder", "plan")}
+    assert all(e["dur"] > 0 for e in spans)
+    plan = json.loads((out / "plan_step0.json").read_text())
+    head = [a for a in plan["actions"]["0"][:2]]
+    assert [(a["kind"], a["what"]) for a in head] == [("metadata", "reorder"), ("metadata", "plan")]
+    assert all(a["nbytes"] > 0 for a in head)

@@ -72,6 +72,7 @@ CASES = [
     pytest.param({}, {}, id="all-on"),
     pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline"),
     pytest.param({"reorder": False}, {}, id="no-reorder", marks=pytest.mark.slow),
+    pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups", marks=pytest.mark.slow),
     pytest.param({"reshard": False}, {}, id="no-reshard", marks=pytest.mark.slow),
     pytest.param({"long_short_sp": False}, {}, id="no-long-short-sp", marks=pytest.mark.slow),
     pytest.param({}, {"pp": 2}, id="all-on-pp2"),

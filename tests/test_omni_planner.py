@@ -12,7 +12,7 @@ from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.presets import get_model
 from systems import get_planner
 from systems.common import is_primary
-from systems.omni.reorder import grouped_reorder, loader_shards, lpt_with_floor, max_over_mean
+from systems.omni.reorder import LoaderSpec, Loading, dealt, decide, lpt_with_floor, max_over_mean
 from workloads.sample import Batch, Sample, Segment
 from workloads.stream import WorkloadStream
 
@@ -54,15 +54,41 @@ def test_reordering_reduces_max_over_mean_loader_cost():
 def test_reordering_stays_inside_its_groups():
     ids = list(range(40))
     cost = {i: float((i * 37) % 11 + (50 if i % 8 == 0 else 0)) for i in ids}
-    shards = loader_shards(ids, 8)
-    new, traffic = grouped_reorder(shards, cost, group_size=4, floor=2)
+    # No encoders and the LLM cost counted: the objective is `cost` itself.
+    spec = LoaderSpec(loaders=8, group_size=4, reorder=True, count_llm=True, floor=2, encoders=())
+    shards = [list(dealt(40, r, 8)) for r in range(8)]
+    decisions = []
+    for group in spec.groups():
+        gathered = [[(float(i), float(i), cost[i]) for i in shards[r]] for r in group]
+        decisions.append(decide(spec, group, gathered))
+    loading = Loading.merge(spec, decisions)
+    new = loading.shards
     for g in (range(0, 4), range(4, 8)):
         assert sorted(i for r in g for i in shards[r]) == sorted(i for r in g for i in new[r])
     assert all(len(s) >= 2 for s in new)
-    assert [t["metadata_entries"] for t in traffic] == [20, 20]
+    assert [t["metadata_entries"] for t in loading.traffic] == [20, 20]
     per_group_before = [max_over_mean([sum(cost[i] for i in shards[r]) for r in g]) for g in (range(4), range(4, 8))]
     per_group_after = [max_over_mean([sum(cost[i] for i in new[r]) for r in g]) for g in (range(4), range(4, 8))]
     assert all(a <= b for a, b in zip(per_group_after, per_group_before, strict=True))
+    assert loading.before == [sum(cost[i] for i in shards[r]) for r in range(8)]
+
+
+def test_a_reorder_group_decides_from_its_own_samples_alone():
+    """With two reorder groups of two loaders, making the second group's samples heavier changes
+    the second group's shards and nothing in the first group's."""
+    base = skewed_batch(32)
+    heavier = Batch(0, [s if s.sample_id % 4 != 2 else
+                        Sample(s.sample_id, "skew", (*s.segments, Segment("text", 10 * s.sample_id)))
+                        for s in base.samples])
+    kw = {"world": 4, "options": {"reorder_group": 2, "reshard": False}}
+    a, b = plan(base, **kw), plan(heavier, **kw)
+    shards = [[sorted(i for mb in a.assignment["llm"][r] for i in mb) for r in range(4)],
+              [sorted(i for mb in b.assignment["llm"][r] for i in mb) for r in range(4)]]
+    assert shards[0][:2] == shards[1][:2]
+    assert shards[0][2:] != shards[1][2:]
+    assert [g["metadata_entries"] for g in a.notes["reorder"]["groups"]] == [16, 16]
+    exchange = [x for x in a.actions[0] if x.kind == "metadata"]
+    assert [x.what for x in exchange] == ["reorder", "plan"] and all(x.nbytes > 0 for x in exchange)
 
 
 def test_lpt_with_floor_gives_every_bin_its_floor():

@@ -34,6 +34,7 @@ from omnibench.plan import (
     BOUNDARY,
     FORWARD,
     GRAD_SYNC,
+    METADATA,
     OPTIMIZER_STEP,
     RECV,
     SEND,
@@ -343,7 +344,10 @@ class Executor:
         return mesh_from(groups, ("dp_replicate", "edp_shard"), dev, grid)
 
     # -- one step ---------------------------------------------------------------------------
-    def run_step(self, plan: Plan, global_loss_tokens: int, t0: float) -> float:
+    def run_step(self, plan: Plan, global_loss_tokens: int, t0: float,
+                 loaded: dict[str, tuple[float, float, float]] | None = None) -> float:
+        """Run this rank's actions; `loaded`: the (start, end, cpu) the loaders' metadata exchanges
+        took (omnibench/runtime/loading.py), which ran before the Plan existed."""
         self.plan = plan
         self.state = StepState()
         self.global_loss_tokens = global_loss_tokens
@@ -353,6 +357,12 @@ class Executor:
             if a.kind == BACKWARD:
                 self.last_backward[a.module] = max(self.last_backward.get(a.module, -1), a.microbatch)
         for a in plan.actions.get(self.rank, []):
+            if a.kind == METADATA:
+                if a.what not in (loaded or {}):
+                    raise RuntimeError(f"step {plan.step}: the plan lists {a} but the loader ran no such exchange")
+                s, e, c = loaded[a.what]
+                self.spans.append(Span(plan.step, str(a), a.kind, a.module, s, e, self.rank, 0, 0, a.what, c))
+                continue
             start, cpu = time.perf_counter(), time.thread_time()
             self._do(a)
             if self.device.type == "cuda":

@@ -20,6 +20,7 @@ from omnibench.plan import Plan
 from omnibench.runtime import metrics, records
 from omnibench.runtime.executor import Executor
 from omnibench.runtime.launch import batch_source, parallel_spec
+from omnibench.runtime.loading import LoaderExchange
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.run import RunSpec
 from systems import get_planner
@@ -60,17 +61,27 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
     planner = get_planner(spec.system)
     parallel = parallel_spec(spec, world)
     next_batch = batch_source(spec)
-    plans = [planner.plan(model, parallel, next_batch(0))]
-    ex = Executor(model, plans[0], rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer)
+    # Step 0 planned in one process gives the layouts the runtime builds once.
+    first = planner.plan(model, parallel, next_batch(0))
+    ex = Executor(model, first, rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer)
+    # Systems whose loaders exchange metadata (omni) plan every step from that real exchange.
+    exchange = (LoaderExchange(planner, model, parallel, first.layouts, rank, device, timeout)
+                if hasattr(planner, "loader_spec") else None)
+    plans = []
     fail_rank, fail_step = (int(x) for x in spec.inject_failure.split(":")) if spec.inject_failure else (-1, -1)
     steps = []
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(spec.steps):
-        plan = plans[0] if step == 0 else planner.plan(model, parallel, next_batch(step))
-        if step > 0 and rank == 0:
+        loaded: dict = {}
+        if exchange is not None:
+            batch, loading, loaded = exchange.run(step, next_batch(step).samples, t0)
+            plan = planner.plan(model, parallel, batch, loading=loading)
+        else:
+            plan = first if step == 0 else planner.plan(model, parallel, next_batch(step))
+        if rank == 0:
             plans.append(plan)  # every step's Plan goes into the record (plans.jsonl)
-        if plan.layouts != plans[0].layouts:
+        if plan.layouts != first.layouts:
             raise RuntimeError(f"step {step}: the planner changed layouts between steps; the runtime builds them once")
         counts = torch.tensor([loss_tokens(plan, model, rank)], dtype=torch.float64, device=device)  # NCCL: on GPU
         dist.all_reduce(counts)
@@ -79,8 +90,9 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        loss = ex.run_step(plan, int(counts.item()), t0)
-        end = time.perf_counter()
+        loss = ex.run_step(plan, int(counts.item()), t0, loaded)
+        # The loaders' exchange is part of the step (planning is not, for any system).
+        end = time.perf_counter() + sum(e - s for s, e, _ in loaded.values())
         figures = torch.tensor([loss, end - start], dtype=torch.float64, device=device)
         loss_t, time_t = figures[:1].clone(), figures[1:].clone()
         dist.all_reduce(loss_t)

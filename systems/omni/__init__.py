@@ -9,7 +9,11 @@ Per step:
 3. long/short (long_short.py): samples costlier than the balanced per-rank share go to a
    sequence-parallel group, the rest stay data-parallel;
 4. loading (reorder.py): loaders start from a distributed sampler's round-robin shards and
-   rebalance inside small groups from exchanged cost metadata;
+   rebalance inside small groups from exchanged cost metadata. The runtime runs that exchange for
+   real before planning (omnibench/runtime/loading.py: an all-gather inside each reorder group,
+   then one over the data-parallel group sharing the post-reorder sample headers) and passes the
+   result in as `loading`; without it the same exchange runs here in one process. Both are the
+   Plan's leading `metadata` actions, so the simulator costs them;
 5. encoding: short samples are encoded inside their loader's data group, long ones on their group;
 6. resharding (reshard.py): the LLM assignment is balanced afresh by LLM cost and encoder outputs
    are routed to it (Plan.routes);
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from omnibench.plan import Plan, PlanError, Route
+from omnibench.plan import METADATA, Action, Plan, PlanError, Route
 from omnibench.specs.cost_model import CostModel, load_cost_model
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
@@ -43,7 +47,14 @@ from systems.common import (
 from systems.omni.layout import build_layouts, placement_notes, sp_groups, sp_size
 from systems.omni.long_short import place_long, place_short, split_long_short
 from systems.omni.options import OmniOptions
-from systems.omni.reorder import grouped_reorder, loader_shards, max_over_mean
+from systems.omni.reorder import (
+    EncoderShare,
+    LoaderSpec,
+    Loading,
+    header_bytes,
+    in_process_loading,
+    max_over_mean,
+)
 from systems.omni.reshard import reshard
 from systems.omni.schedule import EncItem, align_sends, joint_timeline, to_actions
 from workloads.sample import Batch
@@ -70,7 +81,28 @@ class OmniPlanner:
             self._cache[key] = load_cost_model(model, opts.calibration or None)
         return self._cache[key]
 
-    def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
+    def loader_spec(self, model: MultimodalSpec, parallel: ParallelSpec, n_samples: int,
+                    layouts: dict | None = None) -> LoaderSpec:
+        """What each data loader knows before it reads a sample (reorder.py)."""
+        opts = OmniOptions.parse(parallel.options)
+        layouts = layouts or build_layouts(model, parallel)
+        llm = layouts["llm"]
+        if n_samples < llm.dp:
+            raise PlanError(f"batch: {n_samples} samples cannot feed dp={llm.dp} data-parallel ranks")
+        floor = max(llm.pp, min(default_microbatches(parallel), n_samples // llm.dp))
+        loader0 = [r for r in llm.ranks if llm.coords(r)["dp"] == 0]
+        shares = []
+        for m in model.encoders:
+            enc = layouts[m]
+            k = sp_size(model, parallel, m, enc) if (opts.long_short_sp and enc.tp == 1) else 1
+            shares.append(EncoderShare(m, len({data_rank(enc, r) for r in loader0}), enc.dp, k > 1))
+        return LoaderSpec(loaders=llm.dp, group_size=opts.reorder_group, reorder=opts.reorder and llm.dp > 1,
+                          count_llm=not opts.reshard, floor=0 if opts.reshard else floor, encoders=tuple(shares))
+
+    def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch,
+             loading: Loading | None = None) -> Plan:
+        """One step's Plan. `loading`: the loaders' shards after their real metadata exchange
+        (the runtime); without it the same exchange is run here in one process."""
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
@@ -98,12 +130,15 @@ class OmniPlanner:
             k = sp_size(model, parallel, m, enc) if (opts.long_short_sp and enc.tp == 1) else 1
             sp_long[m] = sp_groups(enc, k) if k > 1 else []
             splits[m] = split_long_short(enc_cost[m], enc.dp, k, opts.long_short_sp and k > 1)
-        long_ids = {m: set(sp.long) for m, sp in splits.items()}
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp
-        if len(ids) < dp:
-            raise PlanError(f"batch: {len(samples)} samples cannot feed dp={dp} data-parallel ranks")
+        spec = self.loader_spec(model, parallel, len(ids), layouts)
+        if loading is None:
+            loading = in_process_loading(spec, cm, samples)
+        elif sorted(i for shard in loading.shards for i in shard) != sorted(ids) or len(loading.shards) != dp:
+            raise PlanError(f"loading: the loaders' shards do not cover this batch's {len(ids)} samples over dp={dp}")
+        shards, before, after, traffic = loading.shards, loading.before, loading.after, loading.traffic
         want_mb = default_microbatches(parallel)
         floor = max(llm.pp, min(want_mb, len(ids) // dp))
         group_ranks: dict[int, list[int]] = defaultdict(list)
@@ -111,17 +146,6 @@ class OmniPlanner:
             group_ranks[llm.coords(r)["dp"]].append(r)
         enc_home = {m: {d: sorted({data_rank(layouts[m], r) for r in group_ranks[d]}) for d in range(dp)}
                     for m in model.encoders}
-        shards = loader_shards(ids, dp)
-        # A loader's cost is what its data group will run for it: the short encoder work (spread
-        # over the group's encoder ranks; long inputs are split over their group wherever they were
-        # loaded) plus, when resharding will not redistribute it later, the LLM work.
-        cost = {i: sum(enc_cost[m].get(i, 0.0) / len(enc_home[m][0]) for m in model.encoders if i not in long_ids[m])
-                + (0.0 if opts.reshard else llm_cost[i]) for i in ids}
-        before = [sum(cost[i] for i in shard) for shard in shards]
-        traffic: list[dict] = []
-        if opts.reorder and dp > 1:
-            shards, traffic = grouped_reorder(shards, cost, opts.reorder_group, floor if not opts.reshard else 0)
-        after = [sum(cost[i] for i in shard) for shard in shards]
         home = {i: d for d, shard in enumerate(shards) for i in shard}
 
         # -- LLM assignment (resharding) -------------------------------------------------------------
@@ -236,6 +260,9 @@ class OmniPlanner:
         for r in actions:
             actions[r] += step_tail(["llm", *active])
         actions = align_sends(actions)
+        exchange = self._metadata_actions(spec, llm, loading, by_id)
+        for r in actions:
+            actions[r] = exchange[r] + actions[r]
         llm_tokens = [sum(by_id[i].llm_tokens for mb in mbs for i in mb) for mbs in llm_mbs]
         moved = [rt for rt in routes if rt.src_rank != rt.dst_rank]
         reshard_moves = sum(1 for i in ids if consumer[i] != home[i])
@@ -249,6 +276,7 @@ class OmniPlanner:
                 "loader_cost_after_s": [_r(x) for x in after][:64],
                 "max_over_mean_before": _r(max_over_mean(before)), "max_over_mean_after": _r(max_over_mean(after)),
                 "groups": traffic[:16],
+                "metadata_bytes_per_loader": {a.what: a.nbytes for a in exchange[0]},
             },
             "reshard": {
                 "enabled": opts.reshard, "samples_moved_off_loader": reshard_moves,
@@ -277,6 +305,20 @@ class OmniPlanner:
         plan = finish(plan)
         check_p2p_order(plan)
         return plan
+
+    @staticmethod
+    def _metadata_actions(spec: LoaderSpec, llm, loading: Loading, by_id) -> dict[int, list[Action]]:
+        """The loaders' exchanges (reorder.py), at the head of every rank's actions: the reorder
+        group's all-gather of cost metadata (padded to the largest dealt shard), then the all-gather
+        of every loader's post-reorder sample headers that lets each rank build the same Plan."""
+        dealt_max = -(-len(by_id) // spec.loaders)
+        head = []
+        if spec.reorder and min(spec.group_size, spec.loaders) > 1:
+            head.append(Action(METADATA, "loader", what="reorder", nbytes=8 * spec.entry_width * dealt_max))
+        if spec.loaders > 1:
+            biggest = max(sum(header_bytes(by_id[i]) for i in shard) for shard in loading.shards)
+            head.append(Action(METADATA, "loader", what="plan", nbytes=8 + biggest))
+        return {r: list(head) for r in llm.ranks}
 
     @staticmethod
     def _stage_costs(cm: CostModel, llm, llm_mbs, by_id) -> tuple[list[float], list[float]]:

@@ -1,25 +1,34 @@
 """Decentralized grouped reordering in the data loaders.
 
 Each LLM data rank's loader starts with the samples a distributed sampler deals it (round robin
-over the global batch: sample k goes to loader k mod dp). Loaders are split into groups of
-`group_size` consecutive ranks; inside a group the loaders exchange only cost metadata
-(sample id, estimated encoder and LLM cost: a few numbers per sample) and every member runs the
-same deterministic assignment over the group's samples, so they agree without a coordinator and
-no metadata leaves the group. Samples never move between groups.
+over the step's index list: position k goes to loader k mod dp). Loaders are split into groups of
+`group_size` consecutive data ranks. A loader reads only its own samples' headers and turns them
+into cost metadata (`metadata`: position, sample id, encoder cost per encoder, LLM cost: a few
+numbers per sample); the group all-gathers that metadata and every member runs the same
+deterministic assignment over it (`decide`), so they agree without a coordinator and no metadata
+leaves the group. Samples never move between groups. Each loader then loads the samples it was
+given by id.
+
+Everything a loader knows before it looks at a sample (layout-derived shares, the per-loader
+sample floor, the switches) is a `LoaderSpec`. `in_process_loading` runs the same exchange and
+decisions in one process: what the simulator and `omnibench plan` see, and what the runtime's
+real exchange (omnibench/runtime/loading.py) must reproduce.
 
 The assignment is a longest-processing-time greedy with a floor on the number of samples per
-loader (every data rank needs enough samples for its pipeline microbatches).
+loader (every data rank needs enough samples for its pipeline microbatches). Its objective is what
+the loader's data group will run for the sample: short encoder work spread over the group's
+encoder ranks (a sample whose encoder cost is above the group's estimate of the balanced per-rank
+share leaves for a sequence-parallel group wherever it was loaded, so it costs the loader nothing)
+plus, when resharding will not redistribute it later, the LLM work.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-
-def loader_shards(sample_ids: Sequence[int], loaders: int) -> list[list[int]]:
-    """What a distributed sampler gives each loader: round robin in batch order."""
-    return [list(sample_ids[i::loaders]) for i in range(loaders)]
+from workloads.sample import Sample
 
 
 def loader_groups(loaders: int, group_size: int) -> list[list[int]]:
@@ -61,19 +70,135 @@ def lpt_with_floor(items: Sequence[tuple[int, float]], bins: int, floor: int,
     return [sorted(x) for x in out]
 
 
-def grouped_reorder(shards: list[list[int]], cost: dict[int, float], group_size: int,
-                    floor: int) -> tuple[list[list[int]], list[dict]]:
-    """Rebalance each group's samples by `cost`; returns new shards and per-group metadata traffic."""
-    out = [list(s) for s in shards]
-    traffic = []
-    for group in loader_groups(len(shards), group_size):
-        pool = [i for r in group for i in shards[r]]
-        parts = lpt_with_floor([(i, cost[i]) for i in pool], len(group), floor)
-        for r, part in zip(group, parts, strict=True):
-            out[r] = part
-        moved = sum(len(set(part) - set(shards[r])) for r, part in zip(group, parts, strict=True))
-        traffic.append({"loaders": [group[0], group[-1]], "metadata_entries": len(pool), "moved": moved})
-    return out, traffic
+@dataclass(frozen=True)
+class EncoderShare:
+    module: str
+    ranks_per_loader: int  # encoder data ranks inside one loader's data group (short work spreads over them)
+    data_ranks: int  # the encoder's data-parallel degree (the balanced share divides by it)
+    long_path: bool  # long inputs leave for a sequence-parallel group (long-short SP on and possible)
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """What every loader knows before it reads a sample: from the layouts, the options and the
+    sampler's global sample count."""
+
+    loaders: int  # LLM data ranks
+    group_size: int
+    reorder: bool
+    count_llm: bool  # the objective includes LLM cost (no resharding will redistribute it)
+    floor: int  # samples every loader must keep (its pipeline microbatches); 0 with resharding
+    encoders: tuple[EncoderShare, ...]
+
+    def groups(self) -> list[list[int]]:
+        return loader_groups(self.loaders, self.group_size if self.reorder else 1)
+
+    def group_of(self, loader: int) -> list[int]:
+        return next(g for g in self.groups() if loader in g)
+
+    @property
+    def entry_width(self) -> int:
+        return 3 + len(self.encoders)
+
+
+# One sample's metadata: (position, sample id, encoder cost per spec.encoders entry..., LLM cost).
+Entry = tuple[float, ...]
+
+
+def metadata(spec: LoaderSpec, cost_model, shard: Sequence[tuple[int, Sample]]) -> list[Entry]:
+    """A loader's metadata for the (position, sample) pairs it was dealt: costs from the shared
+    cost model (`cost_model.encoder(sample, module)`, `cost_model.llm(sample)`)."""
+    out = []
+    for k, s in shard:
+        enc = [cost_model.encoder(s, e.module) if s.encoder_seq_lens(e.module) else 0.0 for e in spec.encoders]
+        out.append((float(k), float(s.sample_id), *enc, cost_model.llm(s)))
+    return out
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    shards: dict[int, list[int]]  # loader -> sample ids after reordering (ascending when reordered)
+    positions: dict[int, int]  # sample id -> position in the step's index list (every id of the group)
+    before: dict[int, float]  # loader -> objective before / after
+    after: dict[int, float]
+    traffic: dict  # what the group exchanged and moved
+
+
+def decide(spec: LoaderSpec, members: Sequence[int], gathered: Sequence[Sequence[Entry]]) -> GroupDecision:
+    """The assignment every member of a group computes from the group's gathered metadata alone
+    (`gathered[j]`: the entries of loader `members[j]`, in its sampler order)."""
+    entries = [e for part in gathered for e in part]
+    ne = len(spec.encoders)
+    # The balanced per-rank share of each encoder, estimated from this group's samples alone
+    # (exact when one group spans every loader).
+    share = []
+    for j, e in enumerate(spec.encoders):
+        ranks = e.data_ranks * len(members) / spec.loaders
+        share.append(sum(x[2 + j] for x in entries) / ranks if ranks else 0.0)
+
+    def objective(x: Entry) -> float:
+        c = 0.0
+        for j, e in enumerate(spec.encoders):
+            v = x[2 + j]
+            if not (e.long_path and v > share[j]):
+                c += v / e.ranks_per_loader
+        return c + (x[2 + ne] if spec.count_llm else 0.0)
+
+    cost = {int(x[1]): objective(x) for x in entries}
+    before_ids = {r: [int(x[1]) for x in part] for r, part in zip(members, gathered, strict=True)}
+    if spec.reorder and len(members) > 1:
+        parts = lpt_with_floor(list(cost.items()), len(members), spec.floor)
+        shards = dict(zip(members, parts, strict=True))
+    else:
+        shards = before_ids
+    moved = sum(len(set(shards[r]) - set(before_ids[r])) for r in members)
+    return GroupDecision(
+        shards=shards,
+        positions={int(x[1]): int(x[0]) for x in entries},
+        before={r: sum(cost[i] for i in before_ids[r]) for r in members},
+        after={r: sum(cost[i] for i in shards[r]) for r in members},
+        traffic={"loaders": [members[0], members[-1]], "metadata_entries": len(entries), "moved": moved},
+    )
+
+
+@dataclass(frozen=True)
+class Loading:
+    """Every loader's samples after reordering, as the whole step sees them."""
+
+    shards: list[list[int]]  # sample ids per loader (LLM data rank index)
+    before: list[float]  # loader objective before / after reordering
+    after: list[float]
+    traffic: list[dict]  # per reorder group
+
+    @staticmethod
+    def merge(spec: LoaderSpec, decisions: Sequence[GroupDecision]) -> Loading:
+        shards, before, after = [[] for _ in range(spec.loaders)], [0.0] * spec.loaders, [0.0] * spec.loaders
+        for d in decisions:
+            for r, ids in d.shards.items():
+                shards[r], before[r], after[r] = list(ids), d.before[r], d.after[r]
+        traffic = [d.traffic for d in decisions] if spec.reorder and spec.loaders > 1 else []
+        return Loading(shards, before, after, traffic)
+
+
+def dealt(n_samples: int, loader: int, loaders: int) -> range:
+    """Positions a distributed sampler deals one loader."""
+    return range(loader, n_samples, loaders)
+
+
+def in_process_loading(spec: LoaderSpec, cost_model, samples: Sequence[Sample]) -> Loading:
+    """The loaders' exchange and every group's decision, run in one process."""
+    decisions = []
+    for group in spec.groups():
+        gathered = [metadata(spec, cost_model, [(k, samples[k]) for k in dealt(len(samples), r, spec.loaders)])
+                    for r in group]
+        decisions.append(decide(spec, group, gathered))
+    return Loading.merge(spec, decisions)
+
+
+def header_bytes(sample: Sample) -> int:
+    """Bytes of a sample's header in the "plan" exchange: id, source and per segment its modality,
+    token counts and raw size (ten 8-byte fields), plus framing."""
+    return 32 + len(sample.source) + 80 * len(sample.segments)
 
 
 def max_over_mean(loads: Sequence[float]) -> float:
