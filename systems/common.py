@@ -301,31 +301,47 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, i
     return order
 
 
+def pipeline_neighbours(llm: Layout, rank: int) -> tuple[int, int, int]:
+    """(stage, previous stage's rank or -1, next stage's rank or -1) of an LLM rank."""
+    c = llm.coords(rank)
+    s = c["pp"]
+    prev = llm.rank_at(**{**c, "pp": s - 1}) if s > 0 else -1
+    nxt = llm.rank_at(**{**c, "pp": s + 1}) if s < llm.pp - 1 else -1
+    return s, prev, nxt
+
+
+def llm_forward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]:
+    """One LLM microbatch's forward on a stage: receive activations, compute, pass them on."""
+    out = [Action(RECV, "llm", j, stage, "act", prev)] if prev >= 0 else []
+    out.append(Action(FORWARD, "llm", j, stage))
+    if nxt >= 0:
+        out.append(Action(SEND, "llm", j, stage, "act", nxt))
+    return out
+
+
+def llm_backward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]:
+    """One LLM microbatch's backward on a stage: receive gradients, compute, pass them back."""
+    out = [Action(RECV, "llm", j, stage, "grad", nxt)] if nxt >= 0 else []
+    out.append(Action(BACKWARD, "llm", j, stage))
+    if prev >= 0:
+        out.append(Action(SEND, "llm", j, stage, "grad", prev))
+    return out
+
+
 def llm_stage_actions(
     llm: Layout, rank: int, microbatches: int, before_forward=None, after_backward=None
 ) -> list[Action]:
     """1F1B actions of one LLM rank with its pipeline sends/recvs; hooks add per-microbatch
     actions around stage 0's compute (encoder work, boundary transfers)."""
-    c = llm.coords(rank)
-    s, p = c["pp"], llm.pp
-    prev = llm.rank_at(**{**c, "pp": s - 1}) if s > 0 else -1
-    nxt = llm.rank_at(**{**c, "pp": s + 1}) if s < p - 1 else -1
+    s, prev, nxt = pipeline_neighbours(llm, rank)
     out: list[Action] = []
-    for kind, j in one_f_one_b(s, p, microbatches):
+    for kind, j in one_f_one_b(s, llm.pp, microbatches):
         if kind == "F":
             if before_forward is not None and s == 0:
                 out += before_forward(j)
-            if prev >= 0:
-                out.append(Action(RECV, "llm", j, s, "act", prev))
-            out.append(Action(FORWARD, "llm", j, s))
-            if nxt >= 0:
-                out.append(Action(SEND, "llm", j, s, "act", nxt))
+            out += llm_forward_actions(j, s, prev, nxt)
         else:
-            if nxt >= 0:
-                out.append(Action(RECV, "llm", j, s, "grad", nxt))
-            out.append(Action(BACKWARD, "llm", j, s))
-            if prev >= 0:
-                out.append(Action(SEND, "llm", j, s, "grad", prev))
+            out += llm_backward_actions(j, s, prev, nxt)
             if after_backward is not None and s == 0:
                 out += after_backward(j)
     return out

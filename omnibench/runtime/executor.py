@@ -19,6 +19,7 @@ no two systems would train the same objective); it is reported only through expe
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -349,6 +350,7 @@ class Executor:
         """Run this rank's actions; `loaded`: the (start, end, cpu) the loaders' metadata exchanges
         took (omnibench/runtime/loading.py), which ran before the Plan existed."""
         self.plan = plan
+        self._index_routes(plan)
         self.state = StepState()
         self.global_loss_tokens = global_loss_tokens
         # FSDP reduces gradients in the last backward of each module on this rank.
@@ -535,11 +537,20 @@ class Executor:
                 self.state.enc_grad[k] = g
 
     def _primary_src(self, module: str, sample_id: int) -> int:
-        if not hasattr(self.plan, "_primary"):
-            self.plan._primary = {
-                (r.module, r.sample_id): r.src_rank for r in self.plan.routes if is_primary(r, self.plan.layouts["llm"])
-            }
-        return self.plan._primary[(module, sample_id)]
+        return self.primary_src[(module, sample_id)]
+
+    def _index_routes(self, plan: Plan) -> None:
+        """Per step: the routes of each boundary message (module, src, src mb, dst, dst mb) in
+        sample-id order, whether each is its sample's primary route, and each sample's primary
+        source (who takes the gradient back)."""
+        llm = plan.layouts["llm"]
+        self.messages: dict[tuple, list[tuple]] = defaultdict(list)
+        self.primary_src: dict[tuple[str, int], int] = {}
+        for r in sorted(plan.routes, key=lambda r: r.sample_id):
+            primary = is_primary(r, llm)
+            self.messages[(r.module, r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)].append((r, primary))
+            if primary:
+                self.primary_src[(r.module, r.sample_id)] = r.src_rank
 
     # -- point to point -----------------------------------------------------------------------
     def _send_pipeline(self, a: Action) -> None:
@@ -584,7 +595,6 @@ class Executor:
 
     def _message_routes(self, a: Action):
         """The routes one boundary message carries, in sample-id order (both sides agree)."""
-        llm = self.plan.layouts["llm"]
         if a.direction == "send" and a.what == "act":
             src, smb, dst, dmb = self.rank, a.microbatch, a.peer, a.peer_microbatch
         elif a.what == "act":
@@ -593,10 +603,8 @@ class Executor:
             src, smb, dst, dmb = a.peer, a.peer_microbatch, self.rank, a.microbatch
         else:
             src, smb, dst, dmb = self.rank, a.microbatch, a.peer, a.peer_microbatch
-        rs = [r for r in self.plan.routes_to(a.module, dst, dmb) if r.src_rank == src and r.src_microbatch == smb]
-        if a.what == "grad":
-            rs = [r for r in rs if is_primary(r, llm)]
-        return sorted(rs, key=lambda r: r.sample_id)
+        routes = self.messages.get((a.module, src, smb, dst, dmb), [])
+        return [r for r, primary in routes if primary or a.what != "grad"]
 
     # -- gradients ------------------------------------------------------------------------------
     def _grad_sync(self, a: Action) -> None:

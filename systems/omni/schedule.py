@@ -30,7 +30,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from omnibench.plan import BACKWARD, BOUNDARY, FORWARD, RECV, SEND, Action, Layout
-from systems.common import BoundaryIndex, one_f_one_b
+from systems.common import (
+    BoundaryIndex,
+    llm_backward_actions,
+    llm_forward_actions,
+    one_f_one_b,
+    pipeline_neighbours,
+)
 
 
 @dataclass(frozen=True)
@@ -186,10 +192,7 @@ def _fill_gap(r, start, t, orders, pending_f, pending_b, run_fwd) -> None:
 def to_actions(llm: Layout, orders: dict[int, list[tuple]], index: BoundaryIndex, active: list[str]) -> dict[int, list[Action]]:
     out: dict[int, list[Action]] = {}
     for r, order in orders.items():
-        c = llm.coords(r)
-        s, p = c["pp"], llm.pp
-        prev = llm.rank_at(**{**c, "pp": s - 1}) if s > 0 else -1
-        nxt = llm.rank_at(**{**c, "pp": s + 1}) if s < p - 1 else -1
+        s, prev, nxt = pipeline_neighbours(llm, r)
         acts: list[Action] = []
         for op in order:
             if op[0] == "enc_f":
@@ -205,18 +208,10 @@ def to_actions(llm: Layout, orders: dict[int, list[tuple]], index: BoundaryIndex
                 if s == 0:
                     for mod in active:
                         acts += index.recv_acts(mod, r, j)
-                if prev >= 0:
-                    acts.append(Action(RECV, "llm", j, s, "act", prev))
-                acts.append(Action(FORWARD, "llm", j, s))
-                if nxt >= 0:
-                    acts.append(Action(SEND, "llm", j, s, "act", nxt))
+                acts += llm_forward_actions(j, s, prev, nxt)
             else:
                 j = op[2]
-                if nxt >= 0:
-                    acts.append(Action(RECV, "llm", j, s, "grad", nxt))
-                acts.append(Action(BACKWARD, "llm", j, s))
-                if prev >= 0:
-                    acts.append(Action(SEND, "llm", j, s, "grad", prev))
+                acts += llm_backward_actions(j, s, prev, nxt)
                 if s == 0:
                     for mod in reversed(active):
                         acts += index.send_grads(mod, r, j)
