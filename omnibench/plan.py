@@ -36,8 +36,9 @@ OPTIMIZER_STEP = "optimizer_step"
 # Data loaders' all-gather of per-sample metadata before the step's compute (module "loader"):
 # what="reorder" inside a reorder group of loaders (`loader_group`), what="plan" over the LLM data
 # ranks (every loader's post-reorder samples, so every rank builds the same Plan). `nbytes`: what
-# each member contributes. The runtime runs these while loading, before the Plan exists; they sit
-# at the head of the Plan so the simulator costs them and the trace shows them.
+# each member contributes. The runtime's loaders run them before the Plan exists, on a loader
+# thread during the previous step (in line for the first); they sit at the head of the Plan so the
+# simulator costs them (overlapping the step's compute) and the trace shows them.
 METADATA = "metadata"
 ACTION_KINDS = (FORWARD, BACKWARD, SEND, RECV, BOUNDARY, GRAD_SYNC, OPTIMIZER_STEP, METADATA)
 

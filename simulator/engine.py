@@ -692,15 +692,16 @@ class Engine:
                 ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
                                blocking=not self.coll.inline_overlap))
             elif a.kind == METADATA:
-                # The loaders' all-gather before the step (padded to the largest contribution,
-                # which the planner put on every member); the rank waits for it.
+                # The loaders' all-gather (padded to the largest contribution, which the planner put
+                # on every member). Loaders prefetch: the next step's exchange runs on the loader's
+                # own thread while this step computes, so it holds the collective stream, not compute.
                 group = self._loader_group(rank, a.what)
                 cost = self.coll.cost("all_gather", a.nbytes * len(group), group) if comm_on else 0.0
                 gid, n_members = self._members(group, cls)
                 key = ("meta", a.what, gid)
                 n = seen[key]
                 seen[key] += 1
-                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members, blocking=True))
+                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members))
             elif a.kind == OPTIMIZER_STEP:
                 ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))

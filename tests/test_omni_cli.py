@@ -70,6 +70,12 @@ def test_run_omni_records_the_loaders_metadata_exchange(tmp_path):
     seen = {(e["args"]["rank"], e["args"]["step"], e["name"]) for e in spans}
     assert seen == {(r, s, f"metadata(loader, {w})") for r in (0, 1) for s in (0, 1) for w in ("reorder", "plan")}
     assert all(e["dur"] > 0 for e in spans)
+    for r in (0, 1):  # step 1's exchange ran on the loader track while step 0 computed
+        step0 = [e for e in events if e.get("ph") == "X" and e["args"]["rank"] == r and e["args"]["step"] == 0
+                 and e["cat"] != "metadata"]
+        ahead = [e for e in spans if e["args"]["rank"] == r and e["args"]["step"] == 1]
+        assert min(e["ts"] for e in ahead) < max(e["ts"] + e["dur"] for e in step0)
+        assert {e["tid"] for e in ahead} == {100_000 + r} and all(e["tid"] == r for e in step0)
     plan = json.loads((out / "plan_step0.json").read_text())
     head = [a for a in plan["actions"]["0"][:2]]
     assert [(a["kind"], a["what"]) for a in head] == [("metadata", "reorder"), ("metadata", "plan")]

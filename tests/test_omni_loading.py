@@ -37,7 +37,6 @@ class RecordingDataset:
 
 
 def _rank(rank: int, store_path: str, out: str) -> None:
-    import torch
     import torch.distributed as dist
 
     from omnibench.runtime.loading import LoaderExchange
@@ -49,7 +48,7 @@ def _rank(rank: int, store_path: str, out: str) -> None:
     parallel = ParallelSpec(world_size=WORLD, options=OPTIONS)
     batch = skewed_batch(32)
     first = planner.plan(model, parallel, batch)
-    ex = LoaderExchange(planner, model, parallel, first.layouts, rank, torch.device("cpu"), timedelta(seconds=30))
+    ex = LoaderExchange(planner, model, parallel, first.layouts, rank, timedelta(seconds=30))
     data = RecordingDataset(batch.samples)
     marks = {}
 
@@ -59,7 +58,8 @@ def _rank(rank: int, store_path: str, out: str) -> None:
 
     gather = ex._gather_metadata
     ex._gather_metadata = mark_first_gather
-    got, loading, timings = ex.run(0, data, 0.0)
+    got, loading, timings = ex.submit(0, data, 0.0).result(timeout=60)  # on the loader thread
+    ex.close()
     plan = planner.plan(model, parallel, got, loading=loading)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"reads": data.reads, "before_exchange": marks.get("before_exchange"),

@@ -8,14 +8,17 @@ identically. It then loads the samples it was given, by position. A second all-g
 LLM data-parallel group, shares every loader's post-reorder sample headers: each rank builds the
 same global Plan from them (resharding, long/short split, schedule need the whole step's costs).
 
-Both exchanges are the Plan's leading `metadata` actions; their measured spans are handed to the
-executor, which records them instead of running them again.
+Loaders prefetch: step s+1's exchange runs on a loader thread, over its own gloo groups on CPU,
+while step s computes (`submit`); only the first step's runs in line. Both exchanges are the Plan's
+leading `metadata` actions; their measured spans are handed to the executor, which records them
+instead of running them again.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -33,12 +36,12 @@ class LoaderExchange:
     `planner` supplies `loader_spec(model, parallel, n_samples, layouts)` and `cost_model(model,
     options)`; construct on every rank in the same order (new_group is collective)."""
 
-    def __init__(self, planner, model, parallel, layouts: dict[str, Layout], rank: int,
-                 device: torch.device, timeout):
+    def __init__(self, planner, model, parallel, layouts: dict[str, Layout], rank: int, timeout):
         from systems.omni.options import OmniOptions
 
         self.planner, self.model, self.parallel, self.layouts = planner, model, parallel, layouts
-        self.rank, self.device = rank, device
+        self.rank = rank
+        self._thread: ThreadPoolExecutor | None = None
         self.llm = layouts["llm"]
         self.options = OmniOptions.parse(parallel.options)
         self.cost_model = planner.cost_model(model, self.options)
@@ -48,9 +51,21 @@ class LoaderExchange:
             for r in self.llm.ranks:
                 g = loader_group(self.llm, r, what, self.options.reorder_group)
                 if len(g) > 1 and g not in made:
-                    made[g] = dist.new_group(list(g), timeout=timeout)
+                    # Loaders talk over CPU (gloo) whatever the training backend, as data loaders do.
+                    made[g] = dist.new_group(list(g), timeout=timeout, backend="gloo")
             mine = loader_group(self.llm, rank, what, self.options.reorder_group)
             self.groups[what] = (made.get(mine), mine)
+
+    def submit(self, step: int, dataset: Sequence[Sample], t0: float) -> Future:
+        """Run `run` on the loader thread (one at a time, in submission order)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loader{self.rank}")
+        return self._thread.submit(self.run, step, dataset, t0)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def run(self, step: int, dataset: Sequence[Sample], t0: float) -> tuple[Batch, Loading, dict[str, Timing]]:
         """This step's loading: `dataset` is the step's index list (read by position only)."""
@@ -99,9 +114,9 @@ class LoaderExchange:
         if any(abs(e[1]) >= 2**53 for e in entries):
             raise RuntimeError("sample ids must stay below 2**53 to travel as float64 metadata")
         rows = -(-n // spec.loaders)
-        t = torch.full((rows, spec.entry_width), -1.0, dtype=torch.float64, device=self.device)
+        t = torch.full((rows, spec.entry_width), -1.0, dtype=torch.float64)
         if entries:
-            t[: len(entries)] = torch.tensor(entries, dtype=torch.float64, device=self.device)
+            t[: len(entries)] = torch.tensor(entries, dtype=torch.float64)
         out = [torch.empty_like(t) for _ in range(size)]
         dist.all_gather(out, t, group=pg)
-        return [[tuple(row) for row in o.cpu().tolist() if row[0] >= 0] for o in out]
+        return [[tuple(row) for row in o.tolist() if row[0] >= 0] for o in out]

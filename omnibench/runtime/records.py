@@ -16,6 +16,8 @@ import os
 from dataclasses import asdict
 from datetime import datetime, timezone
 
+from omnibench.plan import METADATA
+
 INCOMPLETE = ".incomplete"
 
 
@@ -93,13 +95,21 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     _write(os.path.join(work_dir, "trace.json"), chrome_trace(spans))
 
 
+LOADER_TID = 100_000  # trace thread id offset of each rank's loader track
+
+
 def chrome_trace(spans_by_rank: dict[int, list[dict]]) -> dict:
     events = []
     for rank, spans in sorted(spans_by_rank.items()):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        if any(s["kind"] == METADATA for s in spans):
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": LOADER_TID + rank,
+                           "args": {"name": f"rank {rank} loader"}})
         for s in spans:
+            # The loader thread's exchanges overlap the previous step's compute: a track of their own.
+            tid = LOADER_TID + rank if s["kind"] == METADATA else rank
             events.append({
-                "name": s["name"], "cat": s["kind"], "ph": "X", "pid": 0, "tid": rank,
+                "name": s["name"], "cat": s["kind"], "ph": "X", "pid": 0, "tid": tid,
                 "ts": s["start"] * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
                 "args": {"step": s["step"], "rank": rank, "kind": s["kind"], "module": s["module"],
                          "microbatch": s.get("microbatch", 0), "stage": s.get("stage", 0), "what": s.get("what", ""),

@@ -65,18 +65,24 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
     first = planner.plan(model, parallel, next_batch(0))
     ex = Executor(model, first, rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer)
     # Systems whose loaders exchange metadata (omni) plan every step from that real exchange.
-    exchange = (LoaderExchange(planner, model, parallel, first.layouts, rank, device, timeout)
+    exchange = (LoaderExchange(planner, model, parallel, first.layouts, rank, timeout)
                 if hasattr(planner, "loader_spec") else None)
     plans = []
     fail_rank, fail_step = (int(x) for x in spec.inject_failure.split(":")) if spec.inject_failure else (-1, -1)
     steps = []
     dist.barrier()
     t0 = time.perf_counter()
+    prefetch = exchange.submit(0, next_batch(0).samples, t0) if exchange is not None else None
     for step in range(spec.steps):
         loaded: dict = {}
+        waited = 0.0  # loader time the step waited for: all of step 0's exchange, later only a shortfall
         if exchange is not None:
-            batch, loading, loaded = exchange.run(step, next_batch(step).samples, t0)
+            wait = time.perf_counter()
+            batch, loading, loaded = prefetch.result()
+            waited = time.perf_counter() - wait
             plan = planner.plan(model, parallel, batch, loading=loading)
+            if step + 1 < spec.steps:  # the next step's exchange runs while this one computes
+                prefetch = exchange.submit(step + 1, next_batch(step + 1).samples, t0)
         else:
             plan = first if step == 0 else planner.plan(model, parallel, next_batch(step))
         if rank == 0:
@@ -91,8 +97,8 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         loss = ex.run_step(plan, int(counts.item()), t0, loaded)
-        # The loaders' exchange is part of the step (planning is not, for any system).
-        end = time.perf_counter() + sum(e - s for s, e, _ in loaded.values())
+        # Waiting for the loaders is part of the step (planning is not, for any system).
+        end = time.perf_counter() + waited
         figures = torch.tensor([loss, end - start], dtype=torch.float64, device=device)
         loss_t, time_t = figures[:1].clone(), figures[1:].clone()
         dist.all_reduce(loss_t)
@@ -104,6 +110,8 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
         if rank == 0:  # the record takes step figures from rank 0 (other ranks: peak memory only)
             steps[-1].update(**metrics.batch_figures(model, plan), plan={"options": plan.options, **plan.notes})
             records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]))
+    if exchange is not None:
+        exchange.close()
     params = ex.full_parameters() if spec.dump_params else None
     mine = {"rank": rank, "spans": [s.__dict__ for s in ex.spans], "steps": steps, "notes": ex.notes}
     gathered = [None] * world if rank == 0 else None
