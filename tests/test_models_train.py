@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omnibench.models import build_model, init_weights
-from omnibench.models.inputs import pack, special_ids, synthesize
+from omnibench.models.inputs import loss_token_count, pack, special_ids, synthesize
 from omnibench.models.llm import Transformer
 from omnibench.models.moe import MoE
 from omnibench.specs.costs import model_params
@@ -89,6 +89,21 @@ def test_synthesize_is_deterministic_and_follows_segment_token_rules():
     start = len(x) - n_resp
     assert torch.equal(x.labels[start - 1 : -1], x.input_ids[start:])
     assert synthesize(Sample(99, "t", sample.segments), spec).input_ids.ne(x.input_ids).any()
+
+
+def test_loss_token_count_from_segments_equals_synthesized_labels():
+    from workloads.stream import WorkloadStream
+
+    spec = get_model("tiny-omni")
+    samples = list(_samples())
+    samples += [Sample(90, "t", (Segment("text", 1),)), Sample(91, "t", (Segment("text", 0), Segment("text", 5))),
+                Sample(92, "v", (_image(28, 28),)), Sample(93, "t", (Segment("text", 4), _image(28, 28)))]
+    for wl in ("mixed_video", "omni_av", "text_only"):
+        samples += WorkloadStream(wl, seed=1, global_batch_tokens=2048, length_scale=0.02,
+                                  max_sample_tokens=256).batch(3).samples
+    counts = [loss_token_count(s) for s in samples]
+    assert counts == [int((synthesize(s, spec).labels != -100).sum()) for s in samples]
+    assert 0 < sum(counts) and 0 in counts
 
 
 def test_encoders_emit_exactly_the_segments_llm_tokens():

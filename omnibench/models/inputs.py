@@ -90,13 +90,28 @@ class PackedBatch:
         return PackedBatch(**kw)
 
 
+def response_segment(sample: Sample) -> int:
+    """Index of the segment the loss is on (the last text segment; -1: none)."""
+    return max((i for i, s in enumerate(sample.segments) if s.modality == "text"), default=-1)
+
+
+def loss_token_count(sample: Sample) -> int:
+    """How many labels `synthesize` marks for loss, from the segments alone: every token of the
+    response is a target except a sequence's first position (no position predicts it)."""
+    last = response_segment(sample)
+    if last < 0:
+        return 0
+    starts_sequence = all(s.llm_tokens == 0 for s in sample.segments[:last])
+    return max(0, int(sample.segments[last].llm_tokens) - (1 if starts_sequence else 0))
+
+
 def synthesize(sample: Sample, spec: MultimodalSpec) -> SampleInputs:
     """Deterministic tensors for `sample` under `spec` (same on every rank and system)."""
     g = torch.Generator().manual_seed(sample_seed(sample.sample_id))
     vocab = spec.llm.vocab
     ids_special = special_ids(vocab)
     ids, is_response = [], []
-    last_text = max((i for i, s in enumerate(sample.segments) if s.modality == "text"), default=-1)
+    last_text = response_segment(sample)
     patches, grids, vpos, mels, mel_lens, apos = [], [], [], [], [], []
     offset = 0
     for i, seg in enumerate(sample.segments):

@@ -31,19 +31,14 @@ class InjectedFailure(RuntimeError):
     """Raised on purpose by --inject-failure (tests of failure handling)."""
 
 
-def loss_tokens(plan: Plan, model: MultimodalSpec, rank: int) -> int:
+def loss_tokens(plan: Plan, rank: int) -> int:
     """This rank's share of the step's loss tokens (LLM data ranks count their samples)."""
-    from omnibench.models.inputs import synthesize
-    from omnibench.models.loss import IGNORE_INDEX
+    from omnibench.models.inputs import loss_token_count
 
     lay = plan.layouts["llm"]
     if rank not in lay.ranks or data_rank(lay, rank) != rank:
         return 0
-    n = 0
-    for mb in plan.assignment["llm"][rank]:
-        for i in mb:
-            n += int((synthesize(plan.sample(i), model).labels != IGNORE_INDEX).sum())
-    return n
+    return sum(loss_token_count(plan.sample(i)) for mb in plan.assignment["llm"][rank] for i in mb)
 
 
 def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
@@ -89,7 +84,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
             plans.append(plan)  # every step's Plan goes into the record (plans.jsonl)
         if plan.layouts != first.layouts:
             raise RuntimeError(f"step {step}: the planner changed layouts between steps; the runtime builds them once")
-        counts = torch.tensor([loss_tokens(plan, model, rank)], dtype=torch.float64, device=device)  # NCCL: on GPU
+        counts = torch.tensor([loss_tokens(plan, rank)], dtype=torch.float64, device=device)  # NCCL: on GPU
         dist.all_reduce(counts)
         if rank == fail_rank and step == fail_step:
             raise InjectedFailure(f"injected failure on rank {rank} at step {step}")
