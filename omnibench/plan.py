@@ -259,13 +259,6 @@ class Plan:
     def microbatches(self, module: str, rank: int) -> list[tuple[int, ...]]:
         return self.assignment.get(module, {}).get(rank, [])
 
-    def routes_to(self, module: str, rank: int, microbatch: int | None = None) -> list[Route]:
-        return [
-            r
-            for r in self.routes
-            if r.module == module and r.dst_rank == rank and (microbatch is None or r.dst_microbatch == microbatch)
-        ]
-
     # -- checks ----------------------------------------------------------------------------
     def validate(self) -> None:
         """Structural checks every planner's output must pass (executors trust a valid plan)."""

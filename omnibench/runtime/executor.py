@@ -533,11 +533,8 @@ class Executor:
             grads = list(torch.split(flat, [g.shape[0] for g in grads]))
         for k, g in zip(keys, grads, strict=True):
             self.state.emb[k] = g  # the leaf is done with; its gradient goes back along the primary route
-            if self._primary_src(*k) == self.rank:
+            if self.primary_src[k] == self.rank:
                 self.state.enc_grad[k] = g
-
-    def _primary_src(self, module: str, sample_id: int) -> int:
-        return self.primary_src[(module, sample_id)]
 
     def _index_routes(self, plan: Plan) -> None:
         """Per step: the routes of each boundary message (module, src, src mb, dst, dst mb) in

@@ -66,6 +66,16 @@ def _r(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+def _long_sp_size(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc, opts: OmniOptions) -> int:
+    """Ranks a long input of `module` is split over (1: no long path; encoder TP rules SP out)."""
+    return sp_size(model, parallel, module, enc) if (opts.long_short_sp and enc.tp == 1) else 1
+
+
+def _samples_floor(llm, parallel: ParallelSpec, n_samples: int) -> int:
+    """Samples every LLM data rank needs: enough for its pipeline microbatches."""
+    return max(llm.pp, min(default_microbatches(parallel), n_samples // llm.dp))
+
+
 class OmniPlanner:
     name = "omni"
 
@@ -89,15 +99,13 @@ class OmniPlanner:
         llm = layouts["llm"]
         if n_samples < llm.dp:
             raise PlanError(f"batch: {n_samples} samples cannot feed dp={llm.dp} data-parallel ranks")
-        floor = max(llm.pp, min(default_microbatches(parallel), n_samples // llm.dp))
         loader0 = [r for r in llm.ranks if llm.coords(r)["dp"] == 0]
-        shares = []
-        for m in model.encoders:
-            enc = layouts[m]
-            k = sp_size(model, parallel, m, enc) if (opts.long_short_sp and enc.tp == 1) else 1
-            shares.append(EncoderShare(m, len({data_rank(enc, r) for r in loader0}), enc.dp, k > 1))
+        shares = [EncoderShare(m, len({data_rank(layouts[m], r) for r in loader0}), layouts[m].dp,
+                               _long_sp_size(model, parallel, m, layouts[m], opts) > 1) for m in model.encoders]
         return LoaderSpec(loaders=llm.dp, group_size=opts.reorder_group, reorder=opts.reorder and llm.dp > 1,
-                          count_llm=not opts.reshard, floor=0 if opts.reshard else floor, encoders=tuple(shares))
+                          count_llm=not opts.reshard,
+                          floor=0 if opts.reshard else _samples_floor(llm, parallel, n_samples),
+                          encoders=tuple(shares))
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch,
              loading: Loading | None = None) -> Plan:
@@ -127,7 +135,7 @@ class OmniPlanner:
         splits = {}
         for m in model.encoders:
             enc = layouts[m]
-            k = sp_size(model, parallel, m, enc) if (opts.long_short_sp and enc.tp == 1) else 1
+            k = _long_sp_size(model, parallel, m, enc, opts)
             sp_long[m] = sp_groups(enc, k) if k > 1 else []
             splits[m] = split_long_short(enc_cost[m], enc.dp, k, opts.long_short_sp and k > 1)
 
@@ -140,7 +148,7 @@ class OmniPlanner:
             raise PlanError(f"loading: the loaders' shards do not cover this batch's {len(ids)} samples over dp={dp}")
         shards, before, after, traffic = loading.shards, loading.before, loading.after, loading.traffic
         want_mb = default_microbatches(parallel)
-        floor = max(llm.pp, min(want_mb, len(ids) // dp))
+        floor = _samples_floor(llm, parallel, len(ids))
         group_ranks: dict[int, list[int]] = defaultdict(list)
         for r in llm.ranks:
             group_ranks[llm.coords(r)["dp"]].append(r)
