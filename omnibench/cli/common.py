@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
+import typer
 from rich.console import Console
 
 console = Console()
 err_console = Console(stderr=True)
+
+# --dp-shard on run, plan and simulate.
+DpShard = Annotated[int, typer.Option(
+    "--dp-shard", help="HSDP: ranks each FSDP shard group holds (replicated across groups); 0: automatic "
+    "(within 8 nodes); -1: the whole group (plain FSDP).")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -9,16 +9,12 @@ import time
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import console, err_console, fail
+from omnibench.cli.common import DpShard, console, err_console, fail
 
 
 def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, dp_shard=0) -> dict:
     return dict(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, microbatches=microbatches, encoder_tp=encoder_tp,
                 encoder_ranks=encoder_ranks, dp_shard=dp_shard)
-
-
-_DP_SHARD_HELP = ("HSDP: ranks each FSDP shard group holds (replicated across groups); 0: automatic "
-                  "(within 8 nodes); -1: the whole group (plain FSDP)")
 
 
 def register(app: typer.Typer) -> None:
@@ -35,7 +31,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(1, "--cp"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: what is left"),
-        dp_shard: int = typer.Option(0, "--dp-shard", help=_DP_SHARD_HELP),
+        dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches"),
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
@@ -117,7 +113,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(1, "--cp"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp"),
-        dp_shard: int = typer.Option(0, "--dp-shard", help=_DP_SHARD_HELP),
+        dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches"),
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks"),

@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import console, fail
+from omnibench.cli.common import DpShard, console, fail
 
 BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
 SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces and metrics are kept
@@ -103,9 +103,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(1, "--cp"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
-        dp_shard: int = typer.Option(
-            0, "--dp-shard", help="HSDP: ranks each FSDP shard group holds (replicated across groups); "
-            "0: automatic (within 8 nodes); -1: the whole group (plain FSDP)."),
+        dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
