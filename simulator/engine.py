@@ -239,8 +239,7 @@ class _LayoutIndex:
         return table[rank]
 
     def shard_dims(self) -> tuple[str, ...]:
-        # FSDP shards over every data-like dim (torchtitan: dp_shard x cp); encoders: dp x sp.
-        return ("dp", "cp") if self.layout.module == "llm" else ("dp", "sp")
+        return self.layout.fsdp_dims
 
     def hsdp(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(shard group, replicate group) of `rank` under HSDP (`Layout.dp_shard`): runs of
@@ -248,23 +247,15 @@ class _LayoutIndex:
         Without HSDP the shard group is the FSDP group itself (the same tuple) and the replicate
         group is the rank alone."""
         if self._hsdp is None:
-            s = self.layout.shard_size
             table: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-            seen: set[int] = set()
-            for r in self.layout.ranks:
-                g = self.group(r, self.shard_dims())
-                if id(g) in seen:
-                    continue
-                seen.add(id(g))
-                if s >= len(g):
-                    for x in g:
-                        table[x] = (g, (x,))
-                    continue
-                reps = [g[j::s] for j in range(s)]
-                for i in range(0, len(g), s):
-                    chunk = g[i : i + s]
-                    for j, x in enumerate(chunk):
-                        table[x] = (chunk, reps[j])
+            if self.layout.shard_size >= self.layout.fsdp_size:
+                for r in self.layout.ranks:
+                    table[r] = (self.group(r, self.shard_dims()), (r,))
+            else:
+                rep_of = {x: rep for rep in self.layout.replicate_groups() for x in rep}
+                for chunk in self.layout.shard_groups():
+                    for x in chunk:
+                        table[x] = (chunk, rep_of[x])
             self._hsdp = table
         return self._hsdp[rank]
 
