@@ -119,7 +119,7 @@ class RunRecord:
         """The hardware preset this run's device corresponds to, when one does."""
         if "hardware" in self.config:
             return str(self.config["hardware"])
-        dev = self.device.lower()
+        dev = f"{self.device} {self.summary.get('device_name', '')}".lower()  # "cuda:0 nvidia h100 80gb hbm3"
         if dev.startswith("cpu"):
             return "cpu-gloo"
         for name in ("h200", "h100", "a100"):

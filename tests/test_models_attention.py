@@ -1,7 +1,8 @@
 """Varlen attention: backends agree with a dense block-diagonal masked reference, never mix sequences.
 
-Only the "sdpa" and "math" backends run on CPU; the "flash" backend (flash-attn on CUDA) is not
-exercised here.
+Only the "sdpa" and "math" backends run on CPU; on a CUDA machine the "varlen" (torch's varlen_attn)
+and fused-only "sdpa" paths are checked against the CPU path too. The "flash" backend (the flash-attn
+package) is not exercised here.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnibench.models.attention import VarlenAttention, flash_available, resolve_backend
+from omnibench.models.attention import VarlenAttention, flash_available, resolve_backend, varlen_available
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,7 +86,7 @@ def test_backend_chosen_by_argument_then_environment(monkeypatch):
     assert VarlenAttention().backend == "math"
     assert VarlenAttention("sdpa").backend == "sdpa"
     monkeypatch.setenv("OMNIBENCH_ATTN", "bogus")
-    with pytest.raises(ValueError, match="auto, flash, sdpa, math"):
+    with pytest.raises(ValueError, match="auto, flash, varlen, sdpa, math"):
         VarlenAttention()
 
 
@@ -101,3 +102,33 @@ def test_auto_backend_runs_sdpa_on_cpu():
 def test_flash_backend_refused_without_cuda_and_flash_attn():
     with pytest.raises(ValueError, match="flash"):
         VarlenAttention("flash")
+
+
+def _cuda_case(backend):
+    q, k, v, cu = _qkv([300, 7, 129], hq=8, hkv=2, d=64, seed=3)
+    leaves = [x.cuda().bfloat16().requires_grad_() for x in (q, k, v)]
+    out = VarlenAttention(backend)(*leaves, cu.cuda(), 300, causal=True)
+    out.float().square().sum().backward()
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]  # the CPU path, fp32
+    ref = VarlenAttention("sdpa")(*ref_leaves, cu, 300, causal=True)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    for a, b in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(a.grad.float().cpu(), b.grad, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not varlen_available(), reason="needs CUDA and torch's varlen_attn")
+def test_torch_varlen_backend_on_cuda_matches_the_cpu_path_with_gqa():
+    _cuda_case("varlen")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sdpa_backend_on_cuda_runs_fused_kernels_only_and_matches_the_cpu_path():
+    # _fused_sdpa forbids the math kernel: a layout the fused kernels refuse would raise here
+    _cuda_case("sdpa")
+
+
+def test_varlen_backend_refused_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="varlen"):
+        VarlenAttention("varlen")

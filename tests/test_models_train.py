@@ -47,7 +47,8 @@ def test_adamw_steps_on_one_batch_lower_the_loss(name):
     spec = get_model(name)
     model = build_model(spec, seed=0)
     batch = pack([synthesize(s, spec) for s in _samples()])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # 2e-3: at 3e-3 Adam overshoots on some draws of the synthetic batch (MoE's loss rose once).
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     losses = []
     for _ in range(5):
         loss_sum, n, aux = model.forward_loss(batch)

@@ -36,6 +36,10 @@ def register(app: typer.Typer) -> None:
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
         fsdp: bool = typer.Option(True, "--fsdp/--no-fsdp", help="shard data-parallel state (FSDP2) or replicate"),
+        recompute: str = typer.Option("auto", "--recompute",
+                                      help="activation checkpointing of every module: none | selective | full "
+                                           "(auto: none on CPU, full on CUDA)"),
+        compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block"),
         global_batch_tokens: int = typer.Option(0, "--global-batch-tokens"),
         length_scale: float = typer.Option(0.0, "--length-scale"),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
@@ -55,6 +59,7 @@ def register(app: typer.Typer) -> None:
         """Train for a few steps with real tensors and collectives; write a record folder."""
         from omnibench.plan import PlanError
         from omnibench.runtime.launch import RunFailed, check_layout, launch, resolve, under_torchrun
+        from omnibench.runtime.memory import fit_to_device
         from omnibench.specs.model import SpecError
         from omnibench.specs.run import RunSpec
         from systems import SYSTEMS, available_systems
@@ -67,14 +72,17 @@ def register(app: typer.Typer) -> None:
                        global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
                        out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
-                       dump_params=dump_params, fsdp=fsdp,
+                       dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
                        options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
         try:
             spec = resolve(spec)
+            spec, fit_note = fit_to_device(spec, model_given=bool(model))  # settles recompute=auto on CUDA
             check_layout(spec)
         except (SpecError, PlanError, ValueError, KeyError) as e:
             fail(str(e).strip("'\""))
+        if fit_note:
+            spec.extra["notes"] = [*spec.extra.get("notes", []), fit_note]
         start = time.perf_counter()
         try:
             if as_json or under_torchrun():

@@ -9,13 +9,15 @@ replace `block.attention.core` from outside both work without touching this file
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-BACKENDS = ("auto", "flash", "sdpa", "math")
+BACKENDS = ("auto", "flash", "varlen", "sdpa", "math")
 ENV_BACKEND = "OMNIBENCH_ATTN"
 
 
@@ -23,23 +25,58 @@ def flash_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+@cache
+def _varlen_fn():
+    """torch's own packed attention (`torch.nn.attention.varlen.varlen_attn`, PyTorch >= 2.10) and how
+    to ask it for causal masking and GQA, read from its signature: 2.10 takes `is_causal`, 2.11 a
+    `window_size=(-1, 0)`, 2.12 adds `enable_gqa`. None when this torch has no such function."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = "window_size" if "window_size" in params else "is_causal" if "is_causal" in params else None
+    if causal is None:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def varlen_available() -> bool:
+    return torch.cuda.is_available() and _varlen_fn() is not None
+
+
 def resolve_backend(backend: str | None = None) -> str:
-    """`backend` argument, else $OMNIBENCH_ATTN, else auto: flash-attn on CUDA when installed, else SDPA."""
+    """`backend` argument, else $OMNIBENCH_ATTN, else auto: on CUDA flash-attn when installed, else
+    torch's varlen_attn; the per-sequence SDPA loop on CPU."""
     name = backend or os.environ.get(ENV_BACKEND, "auto") or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     if name == "flash" and not flash_available():
         raise ValueError("attention backend 'flash' needs CUDA and the flash-attn package")
+    if name == "varlen" and not varlen_available():
+        raise ValueError("attention backend 'varlen' needs CUDA and torch.nn.attention.varlen.varlen_attn (torch >= 2.10)")
     return name
+
+
+def auto_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """What "auto" runs for tensors of this device and dtype (the fused kernels take bf16/fp16 only)."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if flash_available():
+            return "flash"
+        if _varlen_fn() is not None:
+            return "varlen"
+    return "sdpa"
 
 
 class VarlenAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v per packed sequence; GQA by sharing each kv head across a group of q heads.
 
-    Backends: "flash" (flash_attn_varlen_func; bf16/fp16 on CUDA, GQA native), "sdpa" (one
-    F.scaled_dot_product_attention call per sequence: fastest on CPU, see REFERENCE.md), "math"
-    (explicit matmuls per sequence: a reference, and the only form torch's FlopCounterMode sees on CPU).
-    "auto" picks flash when it can run the given dtype/device, else sdpa.
+    Backends: "flash" (flash_attn_varlen_func; bf16/fp16 on CUDA, GQA native), "varlen" (torch's
+    own varlen_attn, the same FlashAttention kernels shipped with PyTorch; bf16/fp16 on CUDA),
+    "sdpa" (one F.scaled_dot_product_attention call per sequence: fastest on CPU, see REFERENCE.md;
+    on CUDA restricted to the fused kernels, never the s x s math kernel), "math" (explicit matmuls
+    per sequence: a reference, and the only form torch's FlopCounterMode sees on CPU).
+    "auto" picks flash, then varlen, when they can run the given dtype/device, else sdpa.
     """
 
     def __init__(self, backend: str | None = None):
@@ -60,10 +97,11 @@ class VarlenAttention(nn.Module):
     ) -> torch.Tensor:
         backend = self.backend
         if backend == "auto":
-            flash_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_available()
-            backend = "flash" if flash_ok else "sdpa"
+            backend = auto_backend(q.device, q.dtype)
         if backend == "flash":
             return _flash(q, k, v, cu_seqlens, max_seqlen, causal)
+        if backend == "varlen":
+            return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal)
         return _per_sequence(q, k, v, cu_seqlens, causal, math=backend == "math")
 
 
@@ -72,6 +110,16 @@ def _flash(q, k, v, cu_seqlens, max_seqlen, causal):
 
     cu = cu_seqlens.to(dtype=torch.int32)
     return flash_attn_varlen_func(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), causal=causal)
+
+
+def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal):
+    fn, causal_arg, gqa_flag = _varlen_fn()
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    kwargs = {"window_size": (-1, 0) if causal else (-1, -1)} if causal_arg == "window_size" else {"is_causal": causal}
+    if gqa_flag:
+        kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
+    m = int(max_seqlen)
+    return fn(q, k, v, cu, cu, m, m, **kwargs)
 
 
 def _per_sequence(q, k, v, cu_seqlens, causal, math):
@@ -89,11 +137,29 @@ def _per_sequence(q, k, v, cu_seqlens, causal, math):
                 ki = ki.repeat_interleave(hq // hkv, dim=0)
                 vi = vi.repeat_interleave(hq // hkv, dim=0)
             outs.append(_math_attention(qi, ki, vi, causal))
+        elif q.is_cuda:
+            outs.append(_fused_sdpa(qi, ki, vi, causal))
         else:  # native GQA: no repeated K/V copies (about 1.4x faster on CPU for 4 q heads per kv head)
             outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, enable_gqa=hkv != hq))
     if not outs:
         return q.new_zeros(q.shape)
     return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def _fused_sdpa(q, k, v, causal):
+    """SDPA on CUDA with the fused kernels only. The flash and memory-efficient kernels refuse
+    `enable_gqa` and strided [H, L, D] views, and SDPA then silently picks the math kernel, which
+    materialises H x L x L scores (3.1 GiB for one 8K sequence of a 7B model): give them contiguous
+    [1, H, L, D] inputs with the kv heads repeated, and forbid the math kernel outright."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rep = q.shape[0] // k.shape[0]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    q, k, v = (x.unsqueeze(0).contiguous() for x in (q, k, v))
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)[0]
 
 
 def _math_attention(q, k, v, causal):

@@ -2,8 +2,10 @@
 
 Training data here is synthetic on purpose: the benchmark measures systems, so what matters is
 that every system, rank and run sees bit-identical inputs for the same sample. `synthesize` draws
-everything from a torch.Generator seeded by the sample id alone (CPU, fp32), so any rank can build
-any sample.
+each segment from its own torch.Generator seeded by (sample id, segment index) alone, so any rank
+can build any sample, and the LLM side can build token ids without drawing the media (a video's
+pixels are hundreds of MB). Media are drawn on the device that consumes them (a CUDA generator gives
+other numbers than the CPU one, the same on every rank of the run).
 
 Row layout of one sample: its segments in order; a text segment is `llm_tokens` random text ids, a
 media segment is `llm_tokens` placeholder ids (one per encoder output token). The last text
@@ -34,8 +36,8 @@ def text_vocab(vocab: int) -> int:
     return vocab - 3
 
 
-def sample_seed(sample_id: int) -> int:
-    return (int(sample_id) * _SEED_MIX + 0x5EED) % (2**63)
+def sample_seed(sample_id: int, segment: int = 0) -> int:
+    return (int(sample_id) * _SEED_MIX + 0x5EED + segment * 0x9E37) % (2**63)
 
 
 @dataclass
@@ -105,9 +107,17 @@ def loss_token_count(sample: Sample) -> int:
     return max(0, int(sample.segments[last].llm_tokens) - (1 if starts_sequence else 0))
 
 
-def synthesize(sample: Sample, spec: MultimodalSpec) -> SampleInputs:
-    """Deterministic tensors for `sample` under `spec` (same on every rank and system)."""
-    g = torch.Generator().manual_seed(sample_seed(sample.sample_id))
+def synthesize(sample: Sample, spec: MultimodalSpec, media: bool = True, device=None) -> SampleInputs:
+    """Deterministic tensors for `sample` under `spec` (same on every rank and system).
+
+    `media=False` leaves out pixel patches and mel frames (what the LLM side needs: ids, labels,
+    positions); `device`: where the media are drawn (default CPU).
+    """
+    device = torch.device(device or "cpu")
+
+    def gen(i: int, on=torch.device("cpu")) -> torch.Generator:
+        return torch.Generator(device=on).manual_seed(sample_seed(sample.sample_id, i))
+
     vocab = spec.llm.vocab
     ids_special = special_ids(vocab)
     ids, is_response = [], []
@@ -117,7 +127,7 @@ def synthesize(sample: Sample, spec: MultimodalSpec) -> SampleInputs:
     for i, seg in enumerate(sample.segments):
         n = int(seg.llm_tokens)
         if seg.modality == "text":
-            ids.append(torch.randint(0, text_vocab(vocab), (n,), generator=g))
+            ids.append(torch.randint(0, text_vocab(vocab), (n,), generator=gen(i)))
         elif seg.modality in ("image", "video"):
             vit = spec.vision
             if vit is None:
@@ -131,7 +141,8 @@ def synthesize(sample: Sample, spec: MultimodalSpec) -> SampleInputs:
                     f"with merge {vit.merge}"
                 )
             d = vit.in_channels * vit.temporal_patch * vit.patch_size**2
-            patches.append(torch.randn(t * h * w, d, generator=g))
+            if media:
+                patches.append(torch.randn(t * h * w, d, generator=gen(i, device), device=device))
             grids.append((t, h, w))
             vpos.append(torch.arange(offset, offset + n))
             ids.append(torch.full((n,), ids_special[seg.modality], dtype=torch.long))
@@ -147,7 +158,8 @@ def synthesize(sample: Sample, spec: MultimodalSpec) -> SampleInputs:
                     f"sample {sample.sample_id}: mel_frames {frames} gives {(frames // 2) // enc.pool} "
                     f"audio tokens, segment says llm_tokens={n}"
                 )
-            mels.append(torch.randn(frames, enc.n_mels, generator=g))
+            if media:
+                mels.append(torch.randn(frames, enc.n_mels, generator=gen(i, device), device=device))
             mel_lens.append(frames)
             apos.append(torch.arange(offset, offset + n))
             ids.append(torch.full((n,), ids_special["audio"], dtype=torch.long))
@@ -164,12 +176,12 @@ def synthesize(sample: Sample, spec: MultimodalSpec) -> SampleInputs:
         target_is_loss = response[1:]
         labels[:-1] = torch.where(target_is_loss, input_ids[1:], torch.full_like(input_ids[1:], IGNORE_INDEX))
     out = SampleInputs(sample_id=sample.sample_id, input_ids=input_ids, labels=labels)
-    if patches:
-        out.pixel_patches = torch.cat(patches)
+    if grids:
+        out.pixel_patches = torch.cat(patches) if media else None
         out.grid_thw = torch.tensor(grids, dtype=torch.long)
         out.vision_positions = torch.cat(vpos)
-    if mels:
-        out.mel = torch.cat(mels)
+    if mel_lens:
+        out.mel = torch.cat(mels) if media else None
         out.mel_lens = torch.tensor(mel_lens, dtype=torch.long)
         out.audio_positions = torch.cat(apos)
     return out

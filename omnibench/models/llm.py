@@ -67,7 +67,8 @@ class Transformer(nn.Module):
 
     Integer input is token ids and goes through `tok_embeddings`; floating input is already-embedded
     hidden states (a later pipeline stage, or text embeddings with encoder outputs scattered in).
-    Returns logits [T, vocab] when `output` is present, else hidden [T, hidden].
+    Returns logits [T, vocab] when `output` is present and `head` is set, else hidden [T, hidden]
+    (a chunked loss applies `output.weight` itself, so [T, vocab] never exists at once).
     """
 
     def __init__(self, spec: LLMSpec, attn_backend: str | None = None):
@@ -93,6 +94,7 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
+        head: bool = True,
     ) -> torch.Tensor:
         h = h_or_tokens
         if not h.is_floating_point():
@@ -102,7 +104,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, cu_seqlens, max_seqlen)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and head:
             h = self.output(h)
         return h
 

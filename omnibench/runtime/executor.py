@@ -18,6 +18,7 @@ no two systems would train the same objective); it is reported only through expe
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,7 @@ from torch import nn
 
 from omnibench.models import build_model, init_weights
 from omnibench.models.inputs import PackedBatch, pack, synthesize
-from omnibench.models.loss import IGNORE_INDEX, text_loss
+from omnibench.models.loss import IGNORE_INDEX, linear_cross_entropy
 from omnibench.models.multimodal import scatter_encoder_outputs
 from omnibench.plan import (
     BACKWARD,
@@ -43,7 +44,16 @@ from omnibench.plan import (
     Layout,
     Plan,
 )
-from omnibench.runtime.parallelize import apply_cp, apply_encoder_tp, apply_ep, apply_fsdp, apply_tp
+from omnibench.runtime.parallelize import (
+    CHECKPOINT_PREFIX,
+    apply_ac,
+    apply_compile,
+    apply_cp,
+    apply_encoder_tp,
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+)
 from omnibench.specs.model import MultimodalSpec
 from systems.common import data_rank, encoder_tokens, is_primary
 from workloads.sample import Sample, Segment
@@ -132,7 +142,9 @@ class LLMStage(nn.Module):
         self.llm = llm
         self.first, self.last = first, last
 
-    def forward(self, x, position_ids, cu_seqlens, max_seqlen, enc_outs=None, cp_chunk=None):
+    def forward(self, x, position_ids, cu_seqlens, max_seqlen, enc_outs=None, cp_chunk=None, labels=None):
+        """Hidden states for the next stage; on the last stage, with `labels`, the (sum-CE, count)
+        of its tokens through the chunked head (omnibench.models.loss.linear_cross_entropy)."""
         if self.first:
             h = self.llm.embed(x)
             for positions, out in enc_outs or []:
@@ -140,7 +152,10 @@ class LLMStage(nn.Module):
             if cp_chunk is not None:
                 h = h[cp_chunk[0] : cp_chunk[1]]
             x = h
-        return self.llm(x, position_ids, cu_seqlens, max_seqlen)
+        if labels is None:
+            return self.llm(x, position_ids, cu_seqlens, max_seqlen)
+        h = self.llm(x, position_ids, cu_seqlens, max_seqlen, head=False)
+        return linear_cross_entropy(h, self.llm.output.weight, labels)
 
 
 def split_stage(llm: nn.Module, stage: int, stages: int) -> nn.Module:
@@ -202,8 +217,10 @@ class StepState:
 
 class Executor:
     def __init__(self, model_spec: MultimodalSpec, first_plan: Plan, rank: int, device: torch.device,
-                 dtype: torch.dtype, seed: int, lr: float, timeout, optimizer: str = "adamw"):
+                 dtype: torch.dtype, seed: int, lr: float, timeout, optimizer: str = "adamw",
+                 recompute: str = "none", compile: bool = False):
         self.spec = model_spec
+        self.recompute, self.compile = recompute, compile
         self.rank = rank
         self.device = device
         self.dtype = dtype
@@ -281,6 +298,7 @@ class Executor:
                 extra = [(m, emesh) for m in local]
             else:
                 ignored = set(self.expert_params)  # no other rank holds them, or grad_sync reduces them
+        self._ac_and_compile(llm)
         stage = LLMStage(llm, self.stage == 0, self.stage == lay.pp - 1)
         if self.fsdp["llm"]:
             mp = self.dtype if self.dtype != torch.float32 else None
@@ -315,10 +333,17 @@ class Executor:
                 self.notes.append(f"{name}: tensor parallel over tp={lay.tp} except {', '.join(replicated)} (replicated)")
         elif self.fsdp[name]:
             dp_mesh = mesh_from([dp], ("dp",), dev)
+        self._ac_and_compile(enc)
         if self.fsdp[name]:
             mp = self.dtype if self.dtype != torch.float32 else None
             apply_fsdp(enc, list(enc.layers.values()), dp_mesh, mp)
         self.modules[name] = enc
+
+    def _ac_and_compile(self, module: nn.Module) -> None:
+        """Between the TP/CP/EP swaps and FSDP, as torchtitan orders them (parallelize.py)."""
+        apply_ac(module, self.recompute)
+        if self.compile:
+            apply_compile(module)
 
     def _hsdp_meshes(self, module: str, lay: Layout, rows: list[list[int]], dev: str):
         """HSDP meshes of a module: FSDP2's 2D ("dp_replicate", "dp_shard") mesh and, with tp, the tp
@@ -358,6 +383,8 @@ class Executor:
         for a in plan.actions.get(self.rank, []):
             if a.kind == BACKWARD:
                 self.last_backward[a.module] = max(self.last_backward.get(a.module, -1), a.microbatch)
+        cuda = self.device.type == "cuda"
+        events = []  # CUDA: (action, host start, host cpu, start event, end event), read once per step
         for a in plan.actions.get(self.rank, []):
             if a.kind == METADATA:
                 if a.what not in (loaded or {}):
@@ -366,15 +393,46 @@ class Executor:
                 self.spans.append(Span(plan.step, str(a), a.kind, a.module, s, e, self.rank, 0, 0, a.what, c))
                 continue
             start, cpu = time.perf_counter(), time.thread_time()
-            self._do(a)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            if cuda:
+                # Timed on the GPU's stream, never by synchronising: the host runs ahead and NCCL
+                # overlaps compute as it would in production.
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+                with self._autocast(a):
+                    self._do(a)
+                ev[1].record()
+                events.append((a, start, time.thread_time() - cpu, *ev))
+                continue
+            with self._autocast(a):
+                self._do(a)
             end = time.perf_counter()
             self.spans.append(Span(plan.step, str(a), a.kind, a.module, start - t0, end - t0,
                                    self.rank, a.microbatch, a.stage, a.what, time.thread_time() - cpu))
         for h, _ in self.state.pending:
             h.wait()
-        return self.state.loss_sum
+        if cuda:
+            self._cuda_spans(plan.step, events, t0)
+        return float(self.state.loss_sum)
+
+    def _autocast(self, a: Action):
+        """bf16 compute for modules FSDP does not hold (one rank, --no-fsdp): their weights stay fp32
+        and autocast casts per op, as torchtitan does without FSDP; FSDP's own policy does the rest."""
+        if a.kind != FORWARD or self.dtype == torch.float32 or self.fsdp.get(a.module):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _cuda_spans(self, step: int, events: list, t0: float) -> None:
+        """GPU-time spans of a step's actions: each on the stream's clock, anchored where the first
+        action was issued (the host is ahead of the GPU, so later host times say nothing of the GPU)."""
+        if not events:
+            return
+        torch.cuda.synchronize()
+        first = events[0][3]
+        base = events[0][1] - t0
+        for a, _, cpu, ev0, ev1 in events:
+            s = base + first.elapsed_time(ev0) / 1e3
+            e = base + first.elapsed_time(ev1) / 1e3
+            self.spans.append(Span(step, str(a), a.kind, a.module, s, e, self.rank, a.microbatch, a.stage, a.what, cpu))
 
     def _do(self, a: Action) -> None:
         if a.kind == FORWARD:
@@ -406,7 +464,7 @@ class Executor:
         module = a.module
         ids = self._enc_microbatch(module, a.microbatch)
         samples = [self.plan.sample(i) for i in ids] or [_dummy_sample(module)]
-        packed = pack([synthesize(s, self.spec) for s in samples]).to(self.device)
+        packed = pack([synthesize(s, self.spec, device=self.device) for s in samples]).to(self.device)
         enc = self.modules[module]
         if module == "vision":
             out = enc(packed.pixel_patches, packed.grid_thw)
@@ -444,7 +502,7 @@ class Executor:
             return self.state.packed[mb]
         lay = self.llm_layout
         ids = self.plan.assignment["llm"][data_rank(lay, self.rank)][mb]
-        samples = [synthesize(self.plan.sample(i), self.spec) for i in ids]
+        samples = [synthesize(self.plan.sample(i), self.spec, media=False) for i in ids]
         packed = pack(samples)
         chunk = None
         if lay.cp > 1:
@@ -468,6 +526,9 @@ class Executor:
         packed, chunk = self._llm_packed(mb)
         stage = self.modules["llm"]
         pos = packed.position_ids if chunk is None else packed.position_ids[chunk[0] : chunk[1]]
+        labels = None
+        if stage.last:
+            labels = packed.labels if chunk is None else packed.labels[chunk[0] : chunk[1]]
         if stage.first:
             enc_outs = []
             for module in ("vision", "audio"):
@@ -476,18 +537,18 @@ class Executor:
                     continue
                 parts = [self._embedding(module, i) for i in packed.sample_ids if self._has(i, module)]
                 enc_outs.append((positions, torch.cat(parts)))
-            out = stage(packed.input_ids, pos, packed.cu_seqlens, packed.max_seqlen, enc_outs, chunk)
+            out = stage(packed.input_ids, pos, packed.cu_seqlens, packed.max_seqlen, enc_outs, chunk, labels)
         else:
             x = self.state.act_in[mb]
             if not self.fsdp.get("llm"):  # FSDP's mixed precision casts inputs itself
                 x = x.to(next(stage.parameters()).dtype)
-            out = stage(x, pos, packed.cu_seqlens, packed.max_seqlen)
+            out = stage(x, pos, packed.cu_seqlens, packed.max_seqlen, labels=labels)
         if stage.last:
-            labels = packed.labels if chunk is None else packed.labels[chunk[0] : chunk[1]]
-            ce, _ = text_loss(out, labels)
+            ce, _ = out
             loss = ce / self.global_loss_tokens
             if self.llm_layout.coords(self.rank)["tp"] == 0:
-                self.state.loss_sum += float(loss.detach())
+                # a tensor: reading it here would stall the host until the GPU got this far
+                self.state.loss_sum = self.state.loss_sum + loss.detach()
             out = loss
         self.state.act_out[mb] = out
 
@@ -655,13 +716,19 @@ class Executor:
 
 
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    # foreach=False: the per-tensor path handles DTensor shards of every layout on CPU and GPU.
+    # CPU: the per-tensor path handles DTensor shards of every layout. CUDA: AdamW's fused kernel
+    # (one launch for all tensors, as torchtitan runs it); the per-tensor loop cost 10% of a step.
+    params = list(params)
+    cuda = bool(params) and params[0].is_cuda
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, foreach=False)
+    if cuda:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
 
 
 def _reference_name(module: str, pname: str) -> str:
+    pname = pname.replace(CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")
     if module == "llm":
         return "llm." + pname.removeprefix("llm.")
     return f"{module}.{pname}"

@@ -25,6 +25,7 @@ from workloads.sample import Batch, Sample
 
 CPU_DEFAULT_MODEL = "tiny-omni"
 CUDA_DEFAULT_MODEL = "omni-7b"
+CUDA_TOKENS_PER_GPU = 16384  # global batch per GPU on CUDA when none is given (torchtitan's default is 8K x 2)
 
 
 class RunFailed(RuntimeError):
@@ -67,6 +68,11 @@ def resolve(spec: RunSpec) -> RunSpec:
         threads=max(1, (os.cpu_count() or 1) // max(1, spec.nproc or 2)),
     )
     nproc = spec.nproc or (gpus if cuda else 2)
+    if cuda and nproc > gpus and not under_torchrun():
+        from omnibench.specs.model import SpecError
+
+        raise SpecError(f"nproc={nproc} but {gpus} CUDA device(s) are visible: NCCL runs one rank per GPU (it "
+                        f"refuses two ranks on one device); use --nproc {gpus} or fewer, or --device cpu")
     if under_torchrun():
         nproc = int(os.environ["WORLD_SIZE"])  # torchrun decided how many ranks there are
         if spec.nproc and spec.nproc != nproc:
@@ -79,7 +85,9 @@ def resolve(spec: RunSpec) -> RunSpec:
         nproc=nproc,
         # CPU: tiny samples so a step takes a fraction of a second; GPU: the workload as written.
         length_scale=spec.length_scale or (1.0 if cuda else 0.02),
-        global_batch_tokens=spec.global_batch_tokens or (65536 if cuda else 1536),
+        global_batch_tokens=spec.global_batch_tokens or (CUDA_TOKENS_PER_GPU * nproc if cuda else 1536),
+        # "auto" on CUDA is settled by the memory check (fit_to_device), which knows the device
+        recompute="none" if spec.recompute == "auto" and not cuda else spec.recompute,
         max_sample_tokens=spec.max_sample_tokens or (0 if cuda else 384),
         extra=extra,
     )
@@ -93,7 +101,7 @@ def parallel_spec(spec: RunSpec, world: int) -> ParallelSpec:
     return ParallelSpec(
         world_size=world, dp=spec.dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep,
         microbatches=spec.microbatches, encoder_tp=spec.encoder_tp, encoder_ranks=spec.encoder_ranks, fsdp=spec.fsdp, dp_shard=spec.dp_shard,
-        options=dict(spec.options),
+        recompute=spec.recompute, options=dict(spec.options),
     )
 
 

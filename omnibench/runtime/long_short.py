@@ -77,7 +77,7 @@ class LongShortRuntime:
         k, c = len(ranks), ranks.index(self.rank)
         leader = c == 0
         sample = ex.plan.sample(ids[0])
-        packed = pack([synthesize(sample, ex.spec)]).to(ex.device)
+        packed = pack([synthesize(sample, ex.spec, device=ex.device)]).to(ex.device)
         enc = ex.modules[module]
         if module == "vision":
             out = vision_forward_sp(enc, packed.pixel_patches, packed.grid_thw, group, k, c)

@@ -1,8 +1,11 @@
-"""Apply a Layout's parallelism to a module from outside: TP, then CP and EP swaps, then FSDP2.
+"""Apply a Layout's parallelism to a module from outside: TP, then CP and EP swaps, then activation
+checkpointing, then FSDP2.
 
 Order follows torchtitan's parallelize.py: tensor parallelism first (DTensor placements on the tp
 mesh), then the context-parallel attention and expert-parallel dispatch wrappers (plain module
-swaps), then FSDP2 `fully_shard` per block and at the root over the data-parallel mesh, whose
+swaps), then activation checkpointing of blocks (so FSDP's unit is the checkpointed block and its
+recompute re-gathers parameters the usual way), then FSDP2 `fully_shard` per block and at the root
+over the data-parallel mesh, whose
 gradient reduction is set to a *sum*: every rank's loss is already divided by the global
 loss-token count, so data-parallel shards add up to the single-process gradient.
 
@@ -151,6 +154,48 @@ def apply_tp(llm: nn.Module, tp_mesh) -> None:
                 }
             )
         parallelize_module(block, tp_mesh, plan)
+
+
+# ---------------------------------------------------------------------- activation checkpointing
+
+RECOMPUTE = ("none", "selective", "full")
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def apply_ac(module: nn.Module, mode: str) -> None:
+    """Activation checkpointing of `module.layers`, with the meaning `simulate --recompute` costs:
+
+    - "full": every block keeps only its input and recomputes its forward during backward;
+    - "selective": only the attention core is recomputed (Megatron's selective recomputation; with a
+      flash-style core that saves little memory and costs one more attention forward);
+    - "none": nothing.
+
+    Non-reentrant checkpointing, as torchtitan's apply_ac: it composes with FSDP2's hooks, DTensor
+    and the autograd-aware all-to-alls of Ulysses and expert parallelism.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {mode!r}")
+    if mode == "none":
+        return
+    for name, block in list(module.layers.items()):
+        if mode == "full":
+            module.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            continue
+        holder = block.attention
+        if isinstance(holder.core, UlyssesAttention):  # recompute the local attention, not the exchanges
+            holder = holder.core
+            holder.inner = checkpoint_wrapper(holder.inner, preserve_rng_state=False)
+        else:
+            holder.core = checkpoint_wrapper(holder.core, preserve_rng_state=False)
+
+
+def apply_compile(module: nn.Module) -> None:
+    """torch.compile each block on its own (torchtitan's per-block compile: one graph reused by
+    every layer of the same shape, and FSDP's hooks stay outside the compiled regions)."""
+    for name, block in list(module.layers.items()):
+        module.layers[name] = torch.compile(block, fullgraph=False)
 
 
 # ------------------------------------------------------------------------------------ FSDP

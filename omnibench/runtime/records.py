@@ -69,13 +69,16 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     summary = {
         "system": spec.system, "workload": spec.workload, "model": model.name, "world_size": world,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "steps": len(steps),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "final_loss": steps[-1]["loss"],
         "mean_step_time_s": sum(s["step_time_s"] for s in timed) / len(timed),
         "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["step_time_s"] for s in timed),
         "peak_tflops_per_gpu": peak,
         "flop_formula": "omnibench.specs.costs.batch_flops: exact matmul FLOPs per module, fwd+bwd, "
         "attention per real packed sequence",
-        "notes": sorted({n for g in gathered for n in g["notes"]}),
+        "notes": list(spec.extra.get("notes", [])) + sorted({n for g in gathered for n in g["notes"]}),
+        "recompute": spec.recompute,
+        "compile": spec.compile,
         "timed_steps": "all but the first" if len(steps) > 1 else "all",
         "torch": torch.__version__,
         "threads_per_rank": torch.get_num_threads() if device.type == "cpu" else None,

@@ -58,7 +58,8 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
     next_batch = batch_source(spec)
     # Step 0 planned in one process gives the layouts the runtime builds once.
     first = planner.plan(model, parallel, next_batch(0))
-    ex = Executor(model, first, rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer)
+    ex = Executor(model, first, rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer,
+                  recompute=spec.recompute, compile=spec.compile)
     # Systems whose loaders exchange metadata (omni) plan every step from that real exchange.
     exchange = (LoaderExchange(planner, model, parallel, first.layouts, rank, timeout)
                 if hasattr(planner, "loader_spec") else None)

@@ -425,6 +425,16 @@ def _activations(per_layer: float, n_layers: int, count: int, recompute: str, hi
     return count * n_layers * per_layer
 
 
+# Logits of one chunk of the loss are [chunk, vocab] fp32; ~1 GiB of them bounds the loss's memory
+# for any number of tokens (16K tokens over Qwen2's 152K vocabulary would be 9.3 GiB, and as much
+# again for their gradient). Here, not in models/loss.py, so the simulator counts it without torch.
+LOSS_CHUNK_BYTES = 1 << 30
+
+
+def loss_chunk_tokens(vocab: int, budget_bytes: int = LOSS_CHUNK_BYTES) -> int:
+    return max(1, budget_bytes // (4 * vocab))
+
+
 def llm_activation_bytes(
     llm: LLMSpec,
     tokens: int,
@@ -435,9 +445,11 @@ def llm_activation_bytes(
 ) -> float:
     """Activation memory held for backward by one microbatch of `tokens` tokens.
 
-    With `head`, the final norm and the fp32 log-softmax of the logits (4 bytes x vocab per token,
-    often the largest item) are included. "selective" recompute keeps the same as "none" here
-    (the flash core stores no s x s matrix to drop).
+    With `head`, the final norm and the chunked loss (omnibench.models.loss.linear_cross_entropy):
+    it keeps the hidden gradient (b x hidden per token) and an fp32 weight gradient (4 x vocab x
+    hidden) from its forward to its backward, and one chunk of fp32 logits with their bf16
+    gradient while it runs; never [tokens, vocab]. "selective" recompute keeps the same as "none"
+    here (the flash core stores no s x s matrix to drop).
     """
     _check(recompute, "causal")
     n = _layer_count(llm.layers, layers)
@@ -446,8 +458,16 @@ def llm_activation_bytes(
     if n:
         out += tokens * 8 * llm.dim_head  # fp32 RoPE cos/sin, shared by all layers
     if head:
-        out += tokens * (_rmsnorm_bytes(llm.hidden, b) + 4 * llm.vocab)
+        # the final norm's saved tensors (its output goes into the loss, which keeps the hidden
+        # gradient in its place: b x hidden either way) and the loss's fp32 weight gradient
+        out += tokens * _rmsnorm_bytes(llm.hidden, b) + 4 * llm.vocab * llm.hidden
+        out += loss_transient_bytes(llm, tokens, b)
     return out
+
+
+def loss_transient_bytes(llm: LLMSpec, tokens: int, b: int = 2) -> int:
+    """What the chunked loss holds only while it runs: one chunk's fp32 logits and bf16 gradient."""
+    return min(tokens, loss_chunk_tokens(llm.vocab)) * (4 + b) * llm.vocab
 
 
 def vision_activation_bytes(

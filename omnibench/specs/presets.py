@@ -8,6 +8,7 @@ name, an LLM name (text-only), or a TOML/YAML file with the same fields. No torc
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -186,9 +187,22 @@ def get_component(name: str) -> LLMSpec | VisionEncoderSpec | AudioEncoderSpec:
     raise SpecError(f"unknown model component {name!r}; allowed: {allowed}")
 
 
+REDUCED_DEPTH = re.compile(r"^(?P<base>.+)@(?P<layers>\d+)L$")
+
+
 def get_model(name_or_path: str | Path) -> MultimodalSpec:
-    """A preset name, or a .toml/.yaml/.yml file with MultimodalSpec's fields (validated)."""
+    """A preset name, or a .toml/.yaml/.yml file with MultimodalSpec's fields (validated).
+
+    `NAME@<n>L` is preset NAME with its LLM cut to its first n layers (encoders, widths and vocabulary
+    unchanged): the real shapes at a depth that fits one GPU, e.g. `omni-7b@4L`.
+    """
     text = str(name_or_path)
+    cut = REDUCED_DEPTH.match(text)
+    if cut:
+        base, layers = get_model(cut["base"]), int(cut["layers"])
+        if not 1 <= layers <= base.llm.layers:
+            raise SpecError(f"model {text!r}: the LLM layer count must be in [1, {base.llm.layers}], got {layers}")
+        return dataclasses.replace(base, name=text, llm=dataclasses.replace(base.llm, layers=layers))
     if text in MODEL_PRESETS:
         return MODEL_PRESETS[text]
     if text in LLM_PRESETS:
