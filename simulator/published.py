@@ -200,6 +200,7 @@ class PublishedCheck:
     mfu: float  # simulated, model FLOPs (no recomputation)
     hfu_tflops: float  # simulated TFLOP/s per GPU counting the recomputed forward
     breakdown: dict = field(default_factory=dict)
+    compute_model: str = ""
 
     @property
     def error(self) -> float:
@@ -207,7 +208,9 @@ class PublishedCheck:
         return (self.simulated_s - self.measured_s) / self.measured_s
 
 
-def check_row(row: PublishedRow, calibration=None) -> PublishedCheck:
+def check_row(row: PublishedRow, calibration=None, kernels: str | None = None) -> PublishedCheck:
+    """Simulate one row. `kernels`: a kernel profile for the row's hardware instead of its preset's
+    ("none": the datasheet roofline fallback)."""
     from simulator.engine import SimOptions, simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
@@ -215,6 +218,8 @@ def check_row(row: PublishedRow, calibration=None) -> PublishedCheck:
     from workloads.stream import WorkloadStream
 
     cluster = load_cluster(row.hardware, row.gpus)
+    if kernels is not None:
+        cluster = cluster.with_kernels("" if kernels == "none" else kernels)
     model = gpt_model(row)
     parallel = parallel_spec(row, cluster.gpus_per_node)
     parallel.validate(model)
@@ -225,4 +230,5 @@ def check_row(row: PublishedRow, calibration=None) -> PublishedCheck:
     return PublishedCheck(row=row, measured_s=row.measured_step_s, simulated_s=res.step_time, fits=res.fits,
                           fit_message=res.fit_message, peak_memory_gib=res.peak_memory / 2**30, mfu=res.mfu,
                           hfu_tflops=res.hardware_tflops_per_gpu,
-                          breakdown={"bubble": res.bubble, "exposed_comm": res.exposed_comm})
+                          breakdown={"bubble": res.bubble, "exposed_comm": res.exposed_comm},
+                          compute_model=res.compute_model)

@@ -28,8 +28,8 @@ class ParallelSpec:
     ep: int = 1
     microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
     # Interleaved 1F1B (Narayanan et al. SC'21): model chunks per pipeline rank, each rank holding
-    # `virtual_stages` non-adjacent slices of layers. 1: plain 1F1B. Simulator only for now: the
-    # runtime refuses it (`check_runtime`).
+    # `virtual_stages` non-adjacent slices of layers. 1: plain 1F1B. Not planned yet (the planners
+    # refuse > 1 with a one-line error); `check_runtime` is the runtime's refusal.
     virtual_stages: int = 1
     encoder_tp: int = 0
     encoder_sp: int = 0
@@ -94,5 +94,5 @@ class ParallelSpec:
     def check_runtime(self) -> None:
         """What only the simulator executes: refuse it before a real run starts."""
         if self.virtual_stages > 1:
-            raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is simulated only; "
+            raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is not supported by the runtime; "
                             "the runtime runs plain 1F1B (virtual_stages=1)")
