@@ -72,6 +72,45 @@ class ComputeModel:
     # maxima exceeds the largest peer's total by this fraction of it (fitted; 0 on the datasheet).
     lock_skew: float = 0.0
     _default: EfficiencyCurve | None = field(default=None, repr=False)
+    _kernel_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def kernels(self):
+        """The cluster's kernel profile (simulator/kernels.py), or None (datasheet roofline fallback)."""
+        if not self.cluster.kernels:
+            return None
+        from simulator.kernels import load_kernel_profile
+
+        return load_kernel_profile(self.cluster.kernels, self.cluster.gpu.peak_flops)
+
+    def describe(self) -> str:
+        """Which compute model answers, in words (printed with every simulation)."""
+        if self.curves:
+            return "calibrated efficiency curves (fitted from run traces)"
+        prof = self.kernels
+        if prof is not None:
+            return prof.describe() + "; encoders and MoE: datasheet roofline curve (fallback)"
+        return "datasheet roofline curve (fallback: no kernel profile for this hardware)"
+
+    def _kernel_time(self, work: Work, passes: str, recompute: str = "none") -> float | None:
+        prof = self.kernels
+        if prof is None or work.shape is None:
+            return None
+        key = (work.shape, passes, recompute)
+        got = self._kernel_cache.get(key)
+        if got is None:
+            from dataclasses import replace as _replace
+
+            from simulator.kernels import llm_attention, llm_pass
+
+            got = llm_pass(prof, work.shape, passes)
+            if passes == "bwd" and recompute == "full":
+                # Megatron / torch checkpointing re-runs each block's forward (not the head)
+                got += llm_pass(prof, _replace(work.shape, head=False), "fwd")
+            elif passes == "bwd" and recompute == "selective":
+                got += llm_attention(prof, work.shape, "fwd")
+            self._kernel_cache[key] = got
+        return got
 
     def curve(self, kind: str, module: str = "") -> EfficiencyCurve:
         if self.curves:
@@ -91,6 +130,11 @@ class ComputeModel:
         whose FLOPs `work` already holds for the run's recompute policy); `inputs`: elements of
         raw input tensors a forward prepares (flops.input_elements); `calls`: collective calls the
         action issues in line (their transfers are the collective model's)."""
+        if not self.fitted(kind, module):
+            # A calibrated curve (fitted from traces) wins; else the kernel profile; else the datasheet.
+            t = self._kernel_time(work, "fwd" if kind == "forward" else "bwd", recompute)
+            if t is not None:
+                return t
         fwd = self.curve("forward", module)
         if kind == "forward":
             return fwd.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences, inputs, calls)
@@ -115,4 +159,7 @@ class ComputeModel:
                 t += self.optimizer[2] * sharded_layers + self.optimizer[3] * plain_layers
             return t
         g = self.cluster.gpu
+        prof = self.kernels
+        if prof is not None:
+            return prof.memory_time(28.0 * params_on_rank)
         return 28.0 * params_on_rank / (g.memory_bandwidth * g.memory_efficiency)

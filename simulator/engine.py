@@ -134,6 +134,13 @@ class SimResult:
     fit_message: str = ""
     flop_formula: str = ("costs.batch_flops: exact forward + backward matmul FLOPs of every module, attention "
                           "over the real packed lengths, no recomputation")
+    # The same counter with the run's recomputation added (what the GPU executes): the numerator
+    # of hardware TFLOP/s (Megatron's "teraFLOP/s per GPU", Korthikanti et al.'s HFU).
+    hardware_flops: float = 0.0
+    recompute: str = "none"
+    compute_model: str = ""  # which compute model answered (kernel profile, calibrated, or datasheet fallback)
+    hardware_flop_formula: str = ("costs.batch_flops(recompute=<policy>).total: model FLOPs plus the "
+                                  "recomputed forward")
 
     @property
     def tokens_per_s(self) -> float:
@@ -150,6 +157,16 @@ class SimResult:
     @property
     def mfu(self) -> float:
         return self.tflops_per_gpu * 1e12 / self.peak_flops
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        """TFLOP/s per GPU counting the recomputed forward (equals tflops_per_gpu without recompute)."""
+        flops = self.hardware_flops or self.model_flops
+        return flops / self.step_time / self.world_size / 1e12 if self.step_time > 0 else 0.0
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_tflops_per_gpu * 1e12 / self.peak_flops
 
     def _mean(self, f) -> float:
         n = sum(r.members for r in self.ranks)
@@ -194,6 +211,11 @@ class SimResult:
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
             "flop_formula": self.flop_formula,
+            "recompute": self.recompute,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "hfu": self.hfu,
+            "hardware_flop_formula": self.hardware_flop_formula,
+            "compute_model": self.compute_model,
             "bubble": self.bubble,
             "exposed_comm": self.exposed_comm,
             "peak_memory_gib": self.peak_memory / GiB,
@@ -623,9 +645,17 @@ class Engine:
         self._gathered.add(key)
         return True
 
-    @staticmethod
-    def _live_activation(work: Work) -> float:
-        return work.act_bytes  # costs.py counts it under the recompute policy
+    def _live_activation(self, work: Work) -> float:
+        """costs.py counts activations for a flash-style core under the recompute policy; a kernel
+        profile with unfused attention also keeps each layer's s x s scores for the backward
+        (softmax output and dropout output in bf16, dropout mask in bytes: 5 bytes per score,
+        Korthikanti et al. 2022 eq. 1's 5as^2b term) unless recomputation drops them."""
+        out = work.act_bytes
+        prof = self.compute.kernels
+        if (prof is not None and prof.attention_kernel == "unfused" and work.shape is not None
+                and self.recompute == "none"):
+            out += 5.0 * work.shape.layers * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
+        return out
 
     def _p2p_bytes(self, module: str, rank: int, mb: int) -> float:
         key = ("p2p", module, self._data_rank(module, rank), mb)
@@ -970,6 +1000,9 @@ class Engine:
             tokens=sum(s.llm_tokens for s in plan.samples),
             samples=len(plan.samples),
             model_flops=model_train_flops(self.model, plan.samples),
+            hardware_flops=model_train_flops(self.model, plan.samples, self.recompute),
+            recompute=self.recompute,
+            compute_model=self.compute.describe(),
             peak_flops=self.cluster.gpu.peak_flops,
             memory_capacity=capacity,
             ranks=ranks,

@@ -40,6 +40,7 @@ class Work:
     tp_bytes: float = 0.0  # bytes all-reduced over tp (forward), whole stage; 2 calls per layer
     seq_bytes: float = 0.0  # bytes through the cp/sp exchange (forward), whole stage; 1 call per layer
     ep_bytes: float = 0.0  # bytes through the expert all-to-all (forward), whole stage; 2 calls per layer
+    shape: object = None  # simulator.kernels.LLMShape (dense LLM stages): what the kernel model costs
 
     @property
     def flops(self) -> float:
@@ -82,6 +83,11 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     f = costs.llm_flops(llm, seq_lens, layers=layers, embed=first, head=last, recompute=recompute)
     mlp_ops = 3 if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
     per_rank_tokens = t // cp
+    from simulator.kernels import LLMShape
+
+    shape = None if llm.moe is not None else LLMShape(
+        hidden=h, heads=llm.heads // tp, kv_heads=max(1, llm.kv_heads // tp), head_dim=d, ffn=-(-llm.ffn // tp),
+        vocab=-(-llm.vocab // tp), seq_lens=tuple(max(1, s_ // cp) for s_ in seq_lens), layers=n, head=last, tp=tp)
     act = costs.llm_activation_bytes(llm, per_rank_tokens, layers=layers, head=last, recompute=recompute) / tp
     return Work(
         **_split(f, tp * cp),
@@ -95,6 +101,7 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         tp_bytes=n * 2 * (t / cp) * h * 2 if tp > 1 else 0.0,  # two bf16 all-reduces per layer
         seq_bytes=n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp if cp > 1 else 0.0,  # K/V exchange
         ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
+        shape=shape,
     )
 
 
@@ -151,8 +158,9 @@ def input_elements(sample, model: MultimodalSpec) -> int:
     return n
 
 
-def model_train_flops(model: MultimodalSpec, samples) -> float:
-    """Useful FLOPs of one training step over a batch (forward + backward, no recomputation):
-    costs.batch_flops with each sample its own packed sequence (the MFU numerator)."""
-    per = costs.batch_flops(model, samples)
-    return sum(f.forward + f.backward for f in per.values())
+def model_train_flops(model: MultimodalSpec, samples, recompute: str = "none") -> float:
+    """FLOPs of one training step over a batch, each sample its own packed sequence
+    (costs.batch_flops). recompute "none": forward + backward, the model FLOPs of MFU; else the
+    recomputed forward is added (what the GPU executes: hardware FLOPs, HFU)."""
+    per = costs.batch_flops(model, samples, recompute=recompute)
+    return sum(f.total for f in per.values())

@@ -80,6 +80,20 @@ class ClusterSpec:
     inter: LinkSpec
     num_gpus: int = 0  # 0: not sized yet (a preset); `with_gpus` sizes it
     description: str = ""
+    # Kernel profile (simulator/kernels.py): a name in simulator/data/kernels/ or a .json path
+    # (relative paths from the repository root). "": none, compute falls back to the datasheet curve.
+    kernels: str = ""
+
+    def with_kernels(self, kernels: str) -> ClusterSpec:
+        """The same cluster with another kernel profile ("" = the datasheet roofline fallback)."""
+        if kernels:
+            from simulator.kernels import load_kernel_profile
+
+            try:
+                load_kernel_profile(kernels, self.gpu.peak_flops)
+            except ValueError as e:
+                raise HardwareError(f"kernels: {e}") from None
+        return replace(self, kernels=kernels)
 
     def with_gpus(self, num_gpus: int) -> ClusterSpec:
         if not isinstance(num_gpus, int) or num_gpus < 1:
@@ -153,6 +167,10 @@ def _build(data: dict, where: str) -> ClusterSpec:
     cluster = ClusterSpec(gpu=parts["gpu"], intra=parts["intra"], inter=parts["inter"], **kwargs)
     try:
         cluster.validate()
+        if not isinstance(cluster.kernels, str):
+            raise HardwareError(f"kernels must be a profile name or a .json path, got {cluster.kernels!r}")
+        if cluster.kernels:
+            cluster = cluster.with_kernels(cluster.kernels)
     except HardwareError as e:
         raise HardwareError(f"{where}: {e}") from None
     return cluster

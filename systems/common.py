@@ -51,6 +51,9 @@ from workloads.sample import Batch, Sample
 
 def llm_layout(parallel: ParallelSpec, ranks: Sequence[int]) -> Layout:
     """The LLM's layout over `ranks` (mesh order pp, dp, cp, tp), dp filled from what is left."""
+    if parallel.virtual_stages > 1:
+        raise PlanError(f"virtual_stages={parallel.virtual_stages}: interleaved 1F1B is not planned yet "
+                        "(the ParallelSpec field exists; the schedule does not)")
     per = parallel.tp * parallel.pp * parallel.cp
     n = len(ranks)
     if n % per:

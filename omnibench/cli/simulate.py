@@ -88,6 +88,41 @@ def _summary(results) -> dict:
     }
 
 
+def _validate_published(path: Path, kernels: str | None) -> None:
+    from simulator.published import check_row, load_published
+
+    try:
+        rows = load_published(path)
+        checks = [check_row(r, kernels=kernels) for r in rows]
+    except ValueError as e:
+        fail(str(e))
+    table = Table(title=f"simulated vs published: {path}")
+    for col in ("run", "GPUs", "tp/pp/v", "batch", "pub. s", "sim. s", "error", "MFU", "HW TF/s", "GiB"):
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+    for c in checks:
+        r = c.row
+        table.add_row(r.name, str(r.gpus), f"{r.tp}/{r.pp}/{r.vpp}", f"{r.global_batch}x{r.micro_batch}",
+                      f"{c.measured_s:.3f}", f"{c.simulated_s:.3f}", f"{c.error:+.1%}", f"{c.mfu:.1%}",
+                      f"{c.hfu_tflops:.0f}", f"{c.peak_memory_gib:.0f}" if c.fits else f"[red]{c.peak_memory_gib:.0f}[/]")
+    console.print(table)
+    for src in sorted({c.row.source for c in checks}):
+        console.print(f"source {src}: " + ", ".join(c.row.name for c in checks if c.row.source == src), highlight=False)
+    errs = [abs(c.error) for c in checks]
+    console.print(f"mean |error| {sum(errs) / len(errs):.1%}, worst {max(errs):.1%} over {len(checks)} rows "
+                  "(error = simulated / published step time - 1; negative: the simulator is optimistic)",
+                  highlight=False)
+    console.print(f"compute model: {checks[0].compute_model}", highlight=False)
+    console.print("published s: the row's step time, or its TFLOP/s/GPU turned into seconds with the publication's "
+                  "own formula (megatron-hfu: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)), counting the recomputed "
+                  "forward)", highlight=False)
+    console.print("MFU (simulated): model FLOPs (costs.batch_flops: causal attention, no recomputation) / (step x "
+                  "GPUs x peak); HW TF/s (simulated): the same counter plus the recomputed forward, per GPU; GiB: "
+                  "simulated peak memory per GPU (red: does not fit)", highlight=False)
+    bad = [c for c in checks if not c.fits]
+    for c in bad:
+        console.print(f"{c.row.name}: {c.fit_message}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def simulate(
@@ -297,8 +332,16 @@ def register(app: typer.Typer) -> None:
         hardware: str = typer.Option(None, "--hardware"),
         by_action: bool = typer.Option(False, "--by-action", help="Also break each run down by action kind: "
                                        "measured wall and CPU seconds vs simulated, per step."),
+        published: Path = typer.Option(None, "--published", help="CSV of published training results "
+                                       "(results/validation/*.csv): simulate each row, print the error."),
+        kernels: str = typer.Option(None, "--kernels", help="With --published: kernel profile for every row "
+                                    "(name or .json); 'none' = the datasheet roofline fallback."),
     ) -> None:
-        """Simulate each run's own Plan and compare with the measured step time."""
+        """Simulate each run's own Plan and compare with the measured step time (or, with --published,
+        each row of a table of published large-scale results)."""
+        if published is not None:
+            _validate_published(published, kernels)
+            return
         from simulator.calibrate import Profile
         from simulator.calibrate import validate as check
 

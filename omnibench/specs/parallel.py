@@ -27,6 +27,10 @@ class ParallelSpec:
     cp: int = 1
     ep: int = 1
     microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
+    # Interleaved 1F1B (Narayanan et al. SC'21): model chunks per pipeline rank, each rank holding
+    # `virtual_stages` non-adjacent slices of layers. 1: plain 1F1B. Not planned yet (the planners
+    # refuse > 1 with a one-line error); `check_runtime` is the runtime's refusal.
+    virtual_stages: int = 1
     encoder_tp: int = 0
     encoder_sp: int = 0
     encoder_ranks: int = 0  # noncolocated: ranks given to the encoders (the rest run the LLM)
@@ -45,6 +49,13 @@ class ParallelSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise SpecError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise SpecError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
+        if self.virtual_stages > 1 and self.pp < 2:
+            raise SpecError(f"virtual_stages={self.virtual_stages} needs pp >= 2 (interleaving splits pipeline stages)")
+        if self.virtual_stages > 1 and self.microbatches and self.microbatches % self.pp:
+            raise SpecError(f"virtual_stages={self.virtual_stages}: microbatches ({self.microbatches}) must be a "
+                            f"multiple of pp={self.pp} under the interleaved schedule")
         if self.dp < 0 or self.microbatches < 0:
             raise SpecError("dp and microbatches must be >= 0 (0 = system default)")
         if not isinstance(self.dp_shard, int) or self.dp_shard < -1:
@@ -66,8 +77,9 @@ class ParallelSpec:
             raise SpecError(f"tp={self.tp} does not divide the LLM's attention heads ({llm.heads})")
         if llm.kv_heads % self.tp:
             raise SpecError(f"tp={self.tp} does not divide the LLM's kv heads ({llm.kv_heads})")
-        if self.pp > llm.layers:
-            raise SpecError(f"pp={self.pp} is deeper than the LLM's {llm.layers} layers")
+        if self.pp * self.virtual_stages > llm.layers:
+            raise SpecError(f"pp*virtual_stages={self.pp * self.virtual_stages} is deeper than the LLM's "
+                            f"{llm.layers} layers")
         if self.ep > 1:
             if llm.moe is None:
                 raise SpecError(f"ep={self.ep} needs a mixture-of-experts LLM; {llm.name} is dense")
@@ -78,3 +90,9 @@ class ParallelSpec:
                 raise SpecError(f"encoder_tp={self.encoder_tp} does not divide {enc_name} heads ({enc.heads})")
             if self.encoder_sp and enc.heads % self.encoder_sp:
                 raise SpecError(f"encoder_sp={self.encoder_sp} does not divide {enc_name} heads ({enc.heads})")
+
+    def check_runtime(self) -> None:
+        """What only the simulator executes: refuse it before a real run starts."""
+        if self.virtual_stages > 1:
+            raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is not supported by the runtime; "
+                            "the runtime runs plain 1F1B (virtual_stages=1)")
