@@ -657,12 +657,14 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
         steps = sorted(run.step_times)
         if len(steps) > 1:
             steps = steps[1:]
+        # the run's own activation checkpointing (records from before --recompute existed ran none)
+        options = SimOptions(check_memory=False, recompute=run.run_spec.get("recompute", "none"))
         measured, simulated, tokens = [], [], []
         for s in steps:
             plan = plan_for_step(run, s)
             if plan is None:
                 continue
-            res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(check_memory=False))
+            res = simulate(plan, model, cluster, calibration=profile, options=options)
             measured.append(run.step_times[s])
             simulated.append(res.step_time)
             tokens.append(res.tokens)

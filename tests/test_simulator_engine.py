@@ -96,7 +96,9 @@ def test_simulator_imports_no_torch():
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (4, 16)])
 def test_uniform_1f1b_bubble_matches_the_formula(p, m):
-    cluster = load_cluster("h100", p)
+    # The datasheet roofline: the measured kernel profile's launch floors make the embedding and head
+    # stages slightly unequal, and the formula is for equal stages.
+    cluster = load_cluster("h100", p).with_kernels("")
     res = simulate(pipeline_plan(p, m), FLAT, cluster, options=SimOptions(communication=False))
     expected = (p - 1) / (m + p - 1)
     # Stage 0 holds the embedding, the last stage the (tiny) head: uniform to well under 1%.
