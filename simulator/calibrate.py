@@ -657,8 +657,7 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
         steps = sorted(run.step_times)
         if len(steps) > 1:
             steps = steps[1:]
-        # the run's own activation checkpointing (records from before --recompute existed ran none)
-        options = SimOptions(check_memory=False, recompute=run.run_spec.get("recompute", "none"))
+        options = SimOptions(check_memory=False, recompute=run.recompute)
         measured, simulated, tokens = [], [], []
         for s in steps:
             plan = plan_for_step(run, s)

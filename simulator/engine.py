@@ -294,6 +294,8 @@ class _Op:
     lock_n: int = 1  # distinct participants
     p2p_keys: list = field(default_factory=list)  # (key, bytes-time) sends, or keys awaited for recv
     act_delta: float = 0.0  # activation bytes added (+) or freed (-)
+    grad_delta: float = 0.0  # gradient bytes that appear with this backward (a module's first on the rank)
+    act_transient: float = 0.0  # bytes a backward holds only while it runs (a recomputed layer)
     blocking: bool = False  # a collective the rank waits for before its next action (no overlap)
     calls: int = 0  # collective calls a compute action issues in line
 
@@ -586,11 +588,19 @@ class Engine:
             if n > 1:
                 op.lock_key = ("lock", a.kind, module, a.stage, gid)
                 op.lock_n = n
-        if a.kind == FORWARD:
-            op.act_delta = self._live_activation(work)
-        else:
-            op.act_delta = -self._live_activation(work)
+        live = self._live_activation(work) + self._weight_copies(module, rank, a.stage)
+        op.act_delta = live if a.kind == FORWARD else -live
+        op.act_transient = work.act_transient if a.kind == BACKWARD else 0.0
         return op
+
+    def _weight_copies(self, module: str, rank: int, stage: int) -> float:
+        """bf16 weight copies one forward keeps for its backward where FSDP holds no bf16 parameters
+        (one rank or --no-fsdp: autocast casts the fp32 weights per forward and autograd saves the
+        casts); under full recomputation blocks save only their input, the casts are made again."""
+        lay = self.plan.layouts[module]
+        if (lay.fsdp and len(self._shard_group(module, rank)) > 1) or self.recompute == "full":
+            return 0.0
+        return 2 * self._module_params_on_rank(module, rank)
 
     def _last_backward(self, rank: int, module: str) -> int:
         key = ("last_bwd", rank, module)
@@ -649,8 +659,9 @@ class Engine:
         """costs.py counts activations for a flash-style core under the recompute policy; a kernel
         profile with unfused attention also keeps each layer's s x s scores for the backward
         (softmax output and dropout output in bf16, dropout mask in bytes: 5 bytes per score,
-        Korthikanti et al. 2022 eq. 1's 5as^2b term) unless recomputation drops them."""
-        out = work.act_bytes
+        Korthikanti et al. 2022 eq. 1's 5as^2b term) unless recomputation drops them. Less the
+        recomputed layer that exists only during the backward (`_Op.act_transient`)."""
+        out = work.act_bytes - work.act_transient
         prof = self.compute.kernels
         if (prof is not None and prof.attention_kernel == "unfused" and work.shape is not None
                 and self.recompute == "none"):
@@ -726,6 +737,12 @@ class Engine:
             elif a.kind == OPTIMIZER_STEP:
                 ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))
+        # fp32 gradients of a module's parameter shard exist from its first backward to the step's end
+        graded: set[str] = set()
+        for op in ops:
+            if op.kind == BACKWARD and op.action.module not in graded:
+                graded.add(op.action.module)
+                op.grad_delta = 4 * self._module_params_on_rank(op.action.module, rank)
         return ops
 
     def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
@@ -792,23 +809,30 @@ class Engine:
         return sharded, plain
 
     def _params_on_rank(self, rank: int) -> float:
-        total = 0.0
-        for m, lay in self.plan.layouts.items():
-            idx = self.index[m]
-            if rank not in idx.coords:
-                continue
-            stage = idx.coords[rank].get("pp", 0)
-            w = self.stage_work(m, stage)
-            shard = len(self._shard_group(m, rank)) if lay.fsdp else 1  # HSDP: the shard group only
-            dense = w.params - w.expert_params
-            total += dense / lay.tp / shard + w.expert_params / lay.tp / max(1, lay.ep) / max(1, shard // lay.ep)
-        return total
+        return sum(self._module_params_on_rank(m, rank) for m in self.plan.layouts)
+
+    def _module_params_on_rank(self, m: str, rank: int) -> float:
+        lay, idx = self.plan.layouts[m], self.index[m]
+        if rank not in idx.coords:
+            return 0.0
+        w = self.stage_work(m, idx.coords[rank].get("pp", 0))
+        shard = len(self._shard_group(m, rank)) if lay.fsdp else 1  # HSDP: the shard group only
+        dense = w.params - w.expert_params
+        return dense / lay.tp / shard + w.expert_params / lay.tp / max(1, lay.ep) / max(1, shard // lay.ep)
 
     def _static_memory(self, rank: int) -> float:
-        """Training state of the rank's parameter shard (costs.training_state_bytes, bf16 mixed
-        precision: 18 B/param) plus gathered bf16 parameters: the current and the prefetched layer
-        when FSDP reshards after forward, the whole stage when it keeps them (pipelining)."""
-        mem = RESERVED_BYTES + costs.training_state_bytes(self._params_on_rank(rank), "bf16").total
+        """What a rank holds all step: its parameter shard's fp32 master weights and AdamW state
+        (costs.training_state_bytes less the gradients, which the timeline adds at each module's
+        first backward, and less the bf16 working weights, which are FSDP's gathered layers here or
+        the per-forward copies the timeline adds) plus the gathered bf16 parameters: the current and
+        the prefetched layer when FSDP reshards after forward, the whole stage when it keeps them.
+        AdamW creates state only for parameters that get a gradient: a module the step never runs
+        backward for on this rank (no audio in the batch) holds its weights alone."""
+        trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD}
+        mem = RESERVED_BYTES
+        for m in self.plan.layouts:
+            state = costs.training_state_bytes(self._module_params_on_rank(m, rank), "fp32")
+            mem += state.params + (state.optimizer if m in trained else 0.0)
         for m, lay in self.plan.layouts.items():
             idx = self.index[m]
             if rank in idx.coords and lay.fsdp and len(self._shard_group(m, rank)) > 1:
@@ -939,6 +963,11 @@ class Engine:
                     st.comm_busy += op.comm
                     a = op.action
                     spans.append(Span(rank, "compute", a, kind, start, total))
+                    # a backward's gradients appear while its activations (and a recomputed layer)
+                    # are still held
+                    live += op.grad_delta
+                    if live + op.act_transient > peak_live:
+                        peak_live = live + op.act_transient
                     live += op.act_delta
                     if live > peak_live:
                         peak_live = live

@@ -35,6 +35,9 @@ class Work:
     tokens: int = 0  # tokens this rank processes (after cp/sp split)
     layers: int = 0
     act_bytes: float = 0.0  # activation bytes kept for backward (under the run's recompute policy)
+    # of act_bytes, what full recomputation holds only while this stage runs its backward (one
+    # layer's activations, recomputed); the rest is held from the forward to the backward
+    act_transient: float = 0.0
     params: float = 0.0  # parameters of the stage (before any sharding)
     expert_params: float = 0.0  # of `params`, those split over ep
     tp_bytes: float = 0.0  # bytes all-reduced over tp (forward), whole stage; 2 calls per layer
@@ -96,6 +99,7 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         tokens=per_rank_tokens,
         layers=n,
         act_bytes=act,
+        act_transient=_recomputed_layer(recompute, n, per_rank_tokens * costs.llm_layer_bytes(llm)) / tp,
         params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
         expert_params=llm_expert_params(llm, layers),
         tp_bytes=n * 2 * (t / cp) * h * 2 if tp > 1 else 0.0,  # two bf16 all-reduces per layer
@@ -119,10 +123,16 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
         tokens=per_rank,
         layers=v.layers,
         act_bytes=costs.vision_activation_bytes(v, per_rank, recompute=recompute) / tp,
+        act_transient=_recomputed_layer(recompute, v.layers, per_rank * costs.vision_layer_bytes(v)) / tp,
         params=float(costs.vision_params(v)),
         tp_bytes=v.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,
         seq_bytes=v.layers * 4 * (t / sp) * h * 2 / tp if sp > 1 else 0.0,  # Ulysses: q, k, v in, out back
     )
+
+
+def _recomputed_layer(recompute: str, layers: int, layer_bytes: float) -> float:
+    """The one layer's activations that full recomputation rebuilds inside a backward (costs._activations)."""
+    return layer_bytes if recompute == "full" and layers else 0.0
 
 
 def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int = 1,
@@ -138,6 +148,7 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
         tokens=per_rank,
         layers=a.layers,
         act_bytes=costs.audio_activation_bytes(a, per_rank, recompute=recompute) / tp,
+        act_transient=_recomputed_layer(recompute, a.layers, per_rank * costs.audio_layer_bytes(a)) / tp,
         params=float(costs.audio_params(a)),
         tp_bytes=a.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,
         seq_bytes=a.layers * 4 * (t / sp) * h * 2 / tp if sp > 1 else 0.0,

@@ -110,6 +110,13 @@ class RunRecord:
         return self.config.get("run", self.config)
 
     @property
+    def recompute(self) -> str:
+        """The run's activation checkpointing; records from before `--recompute` ran none, and a
+        spec never resolved by the launcher (built by hand) still says "auto": none on CPU."""
+        mode = self.run_spec.get("recompute", "none")
+        return "none" if mode == "auto" else mode
+
+    @property
     def device(self) -> str:
         return str(self.summary.get("device") or self.run_spec.get("extra", {}).get("device")
                    or self.config.get("device", "cpu"))

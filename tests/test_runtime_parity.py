@@ -81,6 +81,7 @@ _REFERENCE: dict = {}
 
 
 def run_distributed(tmp_path, system: str, model: str, batches: list[Batch], nproc: int = 4, **layout):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "batches.json"
     path.write_text(json.dumps([{"step": b.step, "samples": [s.to_dict() for s in b.samples]} for b in batches]))
     opt = optimizer_for(model)
@@ -163,3 +164,29 @@ def test_system_layout_matches_single_process(tmp_path, cell):
         _REFERENCE[model] = reference(model, batches)
     losses, params = run_distributed(tmp_path, system, model, batches, **layout)
     assert_parity(losses, params, *_REFERENCE[model])
+
+
+RECOMPUTE_CELLS = [
+    ("homogeneous", {"pp": 2}, "full"),
+    ("omni", {}, "full"),
+    ("temporal", {"cp": 2}, "selective"),
+    ("colocated", {"tp": 2}, "full"),
+    ("noncolocated", {"encoder_ranks": 2}, "full"),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "cell", [pytest.param(c, id=f"{c[0]}-{c[2]}", marks=[] if i < 2 else [pytest.mark.slow])
+             for i, c in enumerate(RECOMPUTE_CELLS)])
+def test_activation_checkpointing_keeps_the_losses_and_parameters(tmp_path, cell):
+    """--recompute trains exactly as without it: the same losses to 1e-5 as the same system and
+    layout without checkpointing, and parity with the single process."""
+    system, layout, mode = cell
+    batches = make_batches(STEPS, samples=8)
+    if "tiny-omni" not in _REFERENCE:
+        _REFERENCE["tiny-omni"] = reference("tiny-omni", batches)
+    losses, params = run_distributed(tmp_path / mode, system, "tiny-omni", batches, recompute=mode, **layout)
+    plain, _ = run_distributed(tmp_path / "none", system, "tiny-omni", batches, recompute="none", **layout)
+    assert max(abs(a - b) for a, b in zip(losses, plain, strict=True)) < 1e-5, (losses, plain)
+    assert_parity(losses, params, *_REFERENCE["tiny-omni"])

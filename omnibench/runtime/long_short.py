@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
+from torch.utils.checkpoint import checkpoint
 
 from omnibench.models.inputs import pack, synthesize
 from omnibench.models.vision import vision_cu_seqlens, vision_position_ids, vision_rope
@@ -94,15 +95,30 @@ class LongShortRuntime:
 
 
 @contextmanager
-def ulysses(enc, group, k: int):
-    cores = {name: layer.attention.core for name, layer in enc.layers.items()}
+def ulysses(layer, group, k: int):
+    """`layer`'s attention core exchanged for a Ulysses one over `group` for the duration."""
+    core = layer.attention.core
     try:
-        for name, layer in enc.layers.items():
-            layer.attention.core = UlyssesAttention(cores[name], group, k)
+        layer.attention.core = UlyssesAttention(core, group, k)
         yield
     finally:
-        for name, layer in enc.layers.items():
-            layer.attention.core = cores[name]
+        layer.attention.core = core
+
+
+def ulysses_layer(layer, args: tuple, group, k: int):
+    """One block under Ulysses. A fully checkpointed block (parallelize.apply_ac) recomputes its
+    forward in the backward, after this call returns: the exchange is set up inside the
+    checkpointed function, so the recomputation attends through the same exchange."""
+    inner = getattr(layer, "_checkpoint_wrapped_module", None)
+    if inner is None:
+        with ulysses(layer, group, k):
+            return layer(*args)
+
+    def run(*a):
+        with ulysses(inner, group, k):
+            return inner(*a)
+
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -171,9 +187,8 @@ def vision_forward_sp(enc, patches: torch.Tensor, grid_thw: torch.Tensor, group,
     cu = cu.to(patches.device)
     h = enc.patch_embed(patches[lo:hi])
     cos, sin = cos[lo:hi].to(h.device), sin[lo:hi].to(h.device)
-    with ulysses(enc, group, k):
-        for layer in enc.layers.values():
-            h = layer(h, cos, sin, cu, max_seqlen)
+    for layer in enc.layers.values():
+        h = ulysses_layer(layer, (h, cos, sin, cu, max_seqlen), group, k)
     return _gather(enc.merger(h), group)[: n // window]
 
 
@@ -211,9 +226,8 @@ def audio_forward_sp(enc, mel: torch.Tensor, mel_lens, group, k: int, c: int) ->
         cu = F.pad(torch.tensor(seqs, device=h.device).cumsum(0, dtype=torch.int32), (1, 0))
         per = (n + pad) // k
         part = h[c * per : (c + 1) * per]
-        with ulysses(enc, group, k):
-            for layer in enc.layers.values():
-                part = layer(part, cu, max(seqs))
+        for layer in enc.layers.values():
+            part = ulysses_layer(layer, (part, cu, max(seqs)), group, k)
         full = _gather(part, group)[:n]
     # Every member finishes the module (cheap) so every member's head parameters get a gradient,
     # zero except on the first rank, and grad_sync's all-reduce sees the same tensors everywhere.
