@@ -133,9 +133,11 @@ def register(app: typer.Typer) -> None:
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: LLM ranks consume what their loader holds"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
+        recompute: str = typer.Option("none", "--recompute", help="none | selective | full: for the memory estimate"),
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
-        """Print the Plan a system makes for one step: layouts, data, routes, per-rank actions."""
+        """Print the Plan a system makes for one step: layouts, data, routes, per-rank actions, and
+        each rank's estimated peak memory (the estimate `run` checks and `simulate` reports)."""
         from omnibench.plan import PlanError
         from omnibench.specs.model import SpecError
         from omnibench.specs.parallel import ParallelSpec
@@ -161,6 +163,19 @@ def register(app: typer.Typer) -> None:
             print(p.to_json())
             return
         print_plan(p)
+        try:
+            from simulator.engine import Engine, SimOptions
+            from simulator.hardware import load_cluster
+
+            res = Engine(p, spec, load_cluster("h100", nproc),
+                         options=SimOptions(recompute=recompute, check_memory=False)).run()
+        except ValueError as e:
+            fail(str(e).strip("'\""))
+        worst = max(res.ranks, key=lambda r: r.memory_bytes)
+        console.print(f"[bold]memory[/] (estimate, bf16, recompute={recompute}): peak {worst.memory_bytes / 2**30:.2f} GiB "
+                      f"on rank {worst.rank}; " + ", ".join(f"rank {r.rank}: {r.memory_bytes / 2**30:.2f}"
+                                                            for r in sorted(res.ranks, key=lambda r: r.rank)[:16]),
+                      highlight=False, soft_wrap=True)
 
 
 def print_plan(p) -> None:

@@ -3,7 +3,7 @@
 `simulate`'s `fits` column and this check are one estimate (simulator/engine.py: the training
 state of each rank's parameter shard, FSDP's gathered layers, and the activations each rank holds
 as its schedule runs, under the recompute mode), applied to the run's own Plans on a cluster of
-the local device's memory. On CUDA:
+the local device's memory (on CPU: the host's available memory shared by the ranks). On CUDA:
 
 - `--recompute auto` takes the cheapest mode that fits (none, then selective, then full);
 - the default model (none given) is the CUDA default preset at the greatest LLM depth that fits
@@ -65,18 +65,32 @@ def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None
     return worst
 
 
-def device_memory_gib() -> float:
-    import torch
+def device_memory_gib(device: str) -> float:
+    """One GPU's memory; on CPU, the host memory available now, shared by every rank of the run."""
+    if device == "cuda":
+        import torch
 
-    return torch.cuda.get_device_properties(0).total_memory / GiB
+        return torch.cuda.get_device_properties(0).total_memory / GiB
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024 / GiB
 
 
 def fit_to_device(spec: RunSpec, model_given: bool, memory_gib: float | None = None) -> tuple[RunSpec, str]:
-    """The spec with `recompute` (and, if no model was given, the model depth) settled so the estimate
-    fits; returns (spec, a note for the summary). Raises SpecError in one line when nothing fits."""
-    if spec.extra.get("device") != "cuda":
-        return spec, ""
-    cap = memory_gib or device_memory_gib()
+    """The spec with `recompute` (and, on CUDA without a given model, the model depth) settled so
+    the estimate fits; returns (spec, a note for the summary). Raises SpecError in one line when
+    nothing fits. On CPU the ranks share the host's memory: each gets an equal part of what is
+    available (a guard against a real preset on a laptop, not a precise check: CPU runs are fp32,
+    the estimate counts bf16 activations)."""
+    device = spec.extra.get("device", "cpu")
+    if device != "cuda":
+        model_given = True  # CPU defaults are the tiny presets; nothing to choose
+    try:
+        cap = memory_gib or device_memory_gib(device)
+    except (OSError, KeyError, ValueError):
+        return spec, ""  # no way to read the host's memory: no check
+    if device != "cuda" and not memory_gib:
+        cap /= max(1, spec.nproc)
     budget = HEADROOM * cap * GiB
     modes = RECOMPUTE_ORDER if spec.recompute == "auto" else (spec.recompute,)
     models = [spec.model] if model_given else _depths(spec.model)
@@ -86,13 +100,16 @@ def fit_to_device(spec: RunSpec, model_given: bool, memory_gib: float | None = N
             est = estimate(spec, name, mode, memory_gib=cap)
             first = first or est
             if est.peak_bytes <= budget:
+                if device != "cuda":
+                    return replace(spec, model=name, recompute=mode), ""
                 chosen = "" if model_given and spec.recompute != "auto" else " (chosen to fit)"
                 note = (f"memory: {name} with recompute={mode} estimated at {est.gib():.1f} GiB on rank {est.rank} "
                         f"of {cap:.1f} GiB{chosen}")
                 return replace(spec, model=name, recompute=mode), note
+    where = "the device has" if device == "cuda" else "each of its ranks has about"
     raise SpecError(
         f"{first.model} with recompute={first.recompute} needs an estimated {first.gib():.1f} GiB on rank "
-        f"{first.rank}, the device has {cap:.1f} GiB; " + _would_fit(spec, models[0], budget, cap)
+        f"{first.rank}, {where} {cap:.1f} GiB; " + _would_fit(spec, models[0], budget, cap)
     )
 
 
