@@ -311,8 +311,10 @@ class Engine:
         self.coll = collectives or CollectiveModel(cluster)
         self.coll_inline = self.coll.inline_model()  # FSDP/TP/CP/EP communication inside compute
         recompute = options.recompute if options.recompute != "none" else plan.options.get("recompute", "none")
-        if recompute not in costs.RECOMPUTE:
-            raise SimulationError(f"recompute must be one of {', '.join(costs.RECOMPUTE)}; got {recompute!r}")
+        try:
+            self.policy = costs.recompute_policy(recompute)  # per module
+        except ValueError as e:
+            raise SimulationError(str(e)) from None
         self.recompute = recompute
         self.options = options
         self.index = {m: _LayoutIndex(lay) for m, lay in plan.layouts.items()}
@@ -399,11 +401,11 @@ class Engine:
                 llm = self.model.llm
                 layers = stage_layers(llm.layers, lay.pp, stage)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.pp - 1, lay.tp, lay.cp, lay.ep,
-                               self.recompute)
+                               self.policy["llm"])
             elif module == "vision":
-                got = vision_work(self.model.vision, list(sig), lay.tp, lay.sp, self.recompute)
+                got = vision_work(self.model.vision, list(sig), lay.tp, lay.sp, self.policy["vision"])
             elif module == "audio":
-                got = audio_work(self.model.audio, list(sig), lay.tp, lay.sp, self.recompute)
+                got = audio_work(self.model.audio, list(sig), lay.tp, lay.sp, self.policy["audio"])
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
             self._work_cache[key] = got
@@ -521,7 +523,7 @@ class Engine:
         long_group = self._long_group(module, rank, a.microbatch)
         work = self.work(module, a.stage if module == "llm" else 0, self._signature(module, rank, a.microbatch),
                          len(long_group))
-        recompute = self.recompute if a.kind == BACKWARD else "none"
+        recompute = self.policy[module] if a.kind == BACKWARD else "none"
         inputs = self.input_elements(module, rank, a)
         own = self.compute.action_time(work, a.kind, recompute, module, inputs)
         op = _Op(a, a.kind, duration=own)
@@ -598,7 +600,7 @@ class Engine:
         (one rank or --no-fsdp: autocast casts the fp32 weights per forward and autograd saves the
         casts); under full recomputation blocks save only their input, the casts are made again."""
         lay = self.plan.layouts[module]
-        if (lay.fsdp and len(self._shard_group(module, rank)) > 1) or self.recompute == "full":
+        if (lay.fsdp and len(self._shard_group(module, rank)) > 1) or self.policy[module] == "full":
             return 0.0
         return 2 * self._module_params_on_rank(module, rank)
 
@@ -664,7 +666,7 @@ class Engine:
         out = work.act_bytes - work.act_transient
         prof = self.compute.kernels
         if (prof is not None and prof.attention_kernel == "unfused" and work.shape is not None
-                and self.recompute == "none"):
+                and self.policy["llm"] == "none"):
             out += 5.0 * work.shape.layers * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
         return out
 

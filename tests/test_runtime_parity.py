@@ -170,14 +170,14 @@ RECOMPUTE_CELLS = [
     ("homogeneous", {"pp": 2}, "full"),
     ("omni", {}, "full"),
     ("temporal", {"cp": 2}, "selective"),
-    ("colocated", {"tp": 2}, "full"),
+    ("colocated", {"tp": 2}, "vision=full,audio=full"),
     ("noncolocated", {"encoder_ranks": 2}, "full"),
 ]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "cell", [pytest.param(c, id=f"{c[0]}-{c[2]}", marks=[] if i < 2 else [pytest.mark.slow])
+    "cell", [pytest.param(c, id=f"{c[0]}-{c[2].replace(',', '+')}", marks=[] if i < 2 else [pytest.mark.slow])
              for i, c in enumerate(RECOMPUTE_CELLS)])
 def test_activation_checkpointing_keeps_the_losses_and_parameters(tmp_path, cell):
     """--recompute trains exactly as without it: the same losses to 1e-5 as the same system and

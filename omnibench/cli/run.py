@@ -37,8 +37,8 @@ def register(app: typer.Typer) -> None:
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
         fsdp: bool = typer.Option(True, "--fsdp/--no-fsdp", help="shard data-parallel state (FSDP2) or replicate"),
         recompute: str = typer.Option("auto", "--recompute",
-                                      help="activation checkpointing of every module: none | selective | full "
-                                           "(auto: none on CPU, full on CUDA)"),
+                                      help="activation checkpointing: none | selective | full, or per module "
+                                           "(vision=full,audio=full); auto: the cheapest the memory check admits"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block"),
         global_batch_tokens: int = typer.Option(0, "--global-batch-tokens"),
         length_scale: float = typer.Option(0.0, "--length-scale"),

@@ -142,7 +142,8 @@ def register(app: typer.Typer) -> None:
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
-        recompute: str = typer.Option("none", "--recompute", help="none | full | selective"),
+        recompute: str = typer.Option("none", "--recompute",
+                                      help="none | full | selective, or per module: vision=full,audio=full"),
         seed: int = typer.Option(0, "--seed"),
         out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
@@ -173,8 +174,12 @@ def register(app: typer.Typer) -> None:
             fail(f"steps must be a positive integer, got {steps}")
         if global_batch_tokens < 0:
             fail(f"global-batch-tokens must be >= 0 (0 = 8,192 per GPU), got {global_batch_tokens}")
-        if recompute not in ("none", "full", "selective"):
-            fail(f"recompute must be one of none, full, selective; got {recompute!r}")
+        from omnibench.specs.costs import recompute_policy
+
+        try:
+            recompute_policy(recompute)
+        except ValueError as e:
+            fail(str(e))
         registered = available_systems()
         if system == "all":
             systems = registered

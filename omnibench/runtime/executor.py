@@ -220,7 +220,9 @@ class Executor:
                  dtype: torch.dtype, seed: int, lr: float, timeout, optimizer: str = "adamw",
                  recompute: str = "none", compile: bool = False):
         self.spec = model_spec
-        self.recompute, self.compile = recompute, compile
+        from omnibench.specs.costs import recompute_policy
+
+        self.recompute, self.compile = recompute_policy(recompute), compile
         self.rank = rank
         self.device = device
         self.dtype = dtype
@@ -298,7 +300,7 @@ class Executor:
                 extra = [(m, emesh) for m in local]
             else:
                 ignored = set(self.expert_params)  # no other rank holds them, or grad_sync reduces them
-        self._ac_and_compile(llm)
+        self._ac_and_compile(llm, "llm")
         stage = LLMStage(llm, self.stage == 0, self.stage == lay.pp - 1)
         if self.fsdp["llm"]:
             mp = self.dtype if self.dtype != torch.float32 else None
@@ -333,15 +335,15 @@ class Executor:
                 self.notes.append(f"{name}: tensor parallel over tp={lay.tp} except {', '.join(replicated)} (replicated)")
         elif self.fsdp[name]:
             dp_mesh = mesh_from([dp], ("dp",), dev)
-        self._ac_and_compile(enc)
+        self._ac_and_compile(enc, name)
         if self.fsdp[name]:
             mp = self.dtype if self.dtype != torch.float32 else None
             apply_fsdp(enc, list(enc.layers.values()), dp_mesh, mp)
         self.modules[name] = enc
 
-    def _ac_and_compile(self, module: nn.Module) -> None:
+    def _ac_and_compile(self, module: nn.Module, name: str) -> None:
         """Between the TP/CP/EP swaps and FSDP, as torchtitan orders them (parallelize.py)."""
-        apply_ac(module, self.recompute)
+        apply_ac(module, self.recompute[name])
         if self.compile:
             apply_compile(module)
 

@@ -68,6 +68,26 @@ class Flops:
         self.parts[part] = self.parts.get(part, 0.0) + fwd
 
 
+RECOMPUTED_MODULES = ("llm", "vision", "audio")
+
+
+def recompute_policy(text: str) -> dict[str, str]:
+    """Activation checkpointing per module from `MODE` (every module) or `module=MODE,...` (modules
+    not named: none), e.g. "vision=full,audio=full" recomputes the encoders and not the LLM."""
+    if "=" not in text:
+        if text not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} or module=mode,...; got {text!r}")
+        return dict.fromkeys(RECOMPUTED_MODULES, text)
+    policy = dict.fromkeys(RECOMPUTED_MODULES, "none")
+    for part in text.split(","):
+        module, _, mode = part.partition("=")
+        if module.strip() not in RECOMPUTED_MODULES or mode.strip() not in RECOMPUTE:
+            raise ValueError(f"recompute: {part!r} must be module=mode with module one of "
+                             f"{', '.join(RECOMPUTED_MODULES)} and mode one of {', '.join(RECOMPUTE)}")
+        policy[module.strip()] = mode.strip()
+    return policy
+
+
 def _check(recompute: str, attention: str) -> None:
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
@@ -332,13 +352,15 @@ def sample_lengths(samples) -> dict[str, list]:
 
 
 def batch_flops(spec: MultimodalSpec, samples, recompute: str = "none") -> dict[str, Flops]:
-    """FLOPs per module for training on `samples` packed one sequence per sample (the MFU numerator)."""
+    """FLOPs per module for training on `samples` packed one sequence per sample (the MFU numerator);
+    `recompute` as `recompute_policy` reads it."""
     lens = sample_lengths(samples)
-    out = {"llm": llm_flops(spec.llm, lens["llm"], recompute=recompute)}
+    policy = recompute_policy(recompute)
+    out = {"llm": llm_flops(spec.llm, lens["llm"], recompute=policy["llm"])}
     if spec.vision is not None:
-        out["vision"] = vision_flops(spec.vision, lens["vision"], recompute=recompute)
+        out["vision"] = vision_flops(spec.vision, lens["vision"], recompute=policy["vision"])
     if spec.audio is not None:
-        out["audio"] = audio_flops(spec.audio, lens["audio"], recompute=recompute)
+        out["audio"] = audio_flops(spec.audio, lens["audio"], recompute=policy["audio"])
     return out
 
 

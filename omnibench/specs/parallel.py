@@ -40,7 +40,7 @@ class ParallelSpec:
     # a shard group spans at most 8 nodes, so nothing changes up to 64 ranks); -1: the whole FSDP
     # group (plain FSDP, whatever the cluster size).
     dp_shard: int = 0
-    recompute: str = "none"  # "none" | "full" | "selective"
+    recompute: str = "none"  # "none" | "full" | "selective", or per module "vision=full,llm=none"
     options: dict = field(default_factory=dict)  # system-specific switches (e.g. omni's ablations)
 
     def validate(self, model: MultimodalSpec) -> None:
@@ -70,8 +70,12 @@ class ParallelSpec:
         if self.dp_shard > 0 and self.ep > 1 and self.dp_shard % self.ep:
             raise SpecError(f"dp_shard={self.dp_shard} must be a multiple of ep={self.ep} "
                             "(a shard group holds whole expert groups); 0 = automatic")
-        if self.recompute not in ("none", "full", "selective"):
-            raise SpecError(f"recompute must be one of none, full, selective; got {self.recompute!r}")
+        from omnibench.specs.costs import recompute_policy
+
+        try:
+            recompute_policy(self.recompute)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
         llm = model.llm
         if llm.heads % self.tp:
             raise SpecError(f"tp={self.tp} does not divide the LLM's attention heads ({llm.heads})")

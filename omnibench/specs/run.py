@@ -9,7 +9,6 @@ from omnibench.specs.model import SpecError
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
-RECOMPUTE = ("auto", "none", "selective", "full")
 
 
 @dataclass
@@ -29,7 +28,8 @@ class RunSpec:
     encoder_tp: int = 0
     encoder_ranks: int = 0
     fsdp: bool = True
-    recompute: str = "auto"  # activation checkpointing of every module: none | selective | full; auto: what fits
+    # activation checkpointing: none | selective | full, or per module "vision=full,llm=none"; auto: what fits
+    recompute: str = "auto"
     compile: bool = False  # torch.compile each block
     dp_shard: int = 0  # HSDP shard group size (ParallelSpec.dp_shard); 0 = automatic, -1 = whole group
     device: str = "auto"
@@ -58,8 +58,13 @@ class RunSpec:
         if self.dp_shard < -1:
             raise SpecError(f"dp_shard must be -1 (whole FSDP group), 0 (automatic) or a positive divisor of dp*cp; "
                             f"got {self.dp_shard!r}")
-        if self.recompute not in RECOMPUTE:
-            raise SpecError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
+        if self.recompute != "auto":
+            from omnibench.specs.costs import recompute_policy
+
+            try:
+                recompute_policy(self.recompute)
+            except ValueError as e:
+                raise SpecError(f"{e} (or auto)") from None
         if self.device not in DEVICES:
             raise SpecError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.dtype not in DTYPES:
