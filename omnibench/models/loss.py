@@ -52,8 +52,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = g.to(hidden.dtype)
                 if need_h:
                     grad_h[s : s + chunk] = g @ weight
-                if need_w:
-                    grad_w.add_((g.t() @ h).float())
+                if need_w:  # no .float() copy: a [vocab, hidden] fp32 temporary is 2 GiB for Qwen2-7B
+                    grad_w.add_(g.t() @ h)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
