@@ -7,6 +7,7 @@ from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 err_console = Console(stderr=True)
@@ -19,5 +20,6 @@ DpShard = Annotated[int, typer.Option(
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a one-line error (naming the field and allowed values) and exit; never a traceback."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Escaped: messages quote user input and library errors, whose brackets are not rich markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)

@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16"),
         out: str = typer.Option("", "--out", help="record folder (default results/runs/<time>-<system>-<workload>)"),
         batches_file: str = typer.Option("", "--batches-file", help="replay batches from a JSON file"),
-        timeout: float = typer.Option(120.0, "--timeout", help="process-group timeout, seconds"),
+        timeout: float = typer.Option(120.0, "--timeout", help="seconds any wait may take: collectives, loaders"),
         inject_failure: str = typer.Option("", "--inject-failure", hidden=True),
         dump_params: bool = typer.Option(False, "--dump-params", hidden=True),
         no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work all before/after the LLM pipeline"),
@@ -89,10 +89,8 @@ def register(app: typer.Typer) -> None:
                 folder = launch(spec)
             else:
                 folder = _launch_with_progress(spec, launch)
-        except RunFailed as e:
-            err_console.print(f"[bold red]error:[/] rank {e.rank} failed", highlight=False)
-            err_console.print(e.text, highlight=False, markup=False)
-            raise typer.Exit(1) from None
+        except RunFailed as e:  # one line: which rank failed first and how, or which signal stopped the run
+            fail(str(e), e.exit_code)
         except FileExistsError as e:
             fail(str(e))
         wall = time.perf_counter() - start
@@ -235,8 +233,11 @@ def _ranks(ranks) -> str:
 def _launch_with_progress(spec, launch) -> str:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # Transient: a failed or interrupted run leaves its one-line error, not a bar stopped mid-way; and
+    # no bar where it cannot animate (a log file would only get rich's blank line).
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console) as bar:
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console,
+                  transient=True, disable=not err_console.is_interactive) as bar:
         task = bar.add_task(f"{spec.system} x{spec.nproc} {spec.model}", total=spec.steps, info="starting ranks")
 
         def on_progress(line: dict) -> None:

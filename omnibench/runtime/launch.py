@@ -2,12 +2,18 @@
 ranks the way torchrun does (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT), watch
 them, and turn the first failure into one error.
 
+However a run ends, no rank outlives the launcher: a failed rank, SIGINT, SIGTERM or SIGHUP make
+the launcher stop every rank (SIGTERM, SIGKILL after STOP_GRACE_S) before it returns or raises,
+and ranks ask Linux to kill them if the launcher itself is killed (worker.py). The record folder
+then keeps its `.incomplete` suffix.
+
 Inside an existing torchrun environment (`torchrun ... -m omnibench run ...`) this process *is*
 a rank: it runs its share and rank 0 completes the record folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,8 +21,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from omnibench.specs.parallel import ParallelSpec
@@ -28,10 +35,36 @@ CUDA_DEFAULT_MODEL = "omni-7b"
 CUDA_TOKENS_PER_GPU = 16384  # global batch per GPU on CUDA when none is given (torchtitan's default is 8K x 2)
 
 
+POLL_S = 0.05  # how often the launcher looks at its ranks
+STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL for a rank still alive after this
+# Signals that stop a run. Each one's default would kill the launcher and orphan the ranks (they run
+# in sessions of their own), and SIGINT arrives ignored when the launcher was started as a
+# background job of a non-interactive shell (CI scripts, `cmd &`): Python then never raises
+# KeyboardInterrupt for it.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class RunFailed(RuntimeError):
-    def __init__(self, rank: int, text: str):
-        super().__init__(f"rank {rank} failed:\n{text}")
-        self.rank, self.text = rank, text
+    """A run that ended unfinished (its record folder keeps the `.incomplete` suffix), in one line: the
+    rank that failed first, how it ended, and its traceback file if it wrote one."""
+
+    exit_code = 1
+
+    def __init__(self, rank: int, reason: str, work: str, report: str = ""):
+        where = f"traceback in {report}" if report else f"the partial record is in {work}"
+        super().__init__(f"rank {rank} {reason}; {where}")
+        self.rank, self.reason, self.work, self.report = rank, reason, work, report
+
+
+class RunInterrupted(RunFailed):
+    """The launcher got one of STOP_SIGNALS and stopped every rank; no rank failed (`rank` is None)."""
+
+    def __init__(self, signum: int, work: str):
+        reason = f"interrupted by {signal.Signals(signum).name}"
+        RuntimeError.__init__(self, f"{reason}; the partial record is in {work}")
+        self.rank, self.reason, self.work, self.report = None, reason, work, ""
+        self.signum = signum
+        self.exit_code = 128 + signum  # what a shell reports for a process this signal ended
 
 
 def _cuda_count() -> int:
@@ -158,40 +191,45 @@ def _free_port() -> int:
 
 
 def launch(spec: RunSpec, on_progress: Callable[[dict], None] | None = None) -> str:
-    """Run `spec` (already resolved); returns the completed record folder."""
+    """Run `spec` (already resolved); returns the completed record folder. Raises RunFailed naming
+    the rank that failed first, or RunInterrupted; either way every rank has ended by then."""
     from omnibench.runtime import records
 
     final = records.new_run_dir(spec.out, spec.system, spec.workload)
     if under_torchrun():
         return _as_torchrun_rank(spec, final)
     work = records.start(final)
-    env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "OMNIBENCH_LAUNCHER_PID": str(os.getpid()),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(spec.nproc), "OMP_NUM_THREADS": str(spec.extra.get("threads", 1)),
            "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH", "")]))}
     spec_json = json.dumps(spec.to_dict())
-    procs = []
-    for r in range(spec.nproc):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "omnibench.runtime.worker", spec_json, work],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
-        ))
-    seen = 0
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            seen = _report_progress(work, seen, on_progress)
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                _stop(procs)
-                raise _first_error(work, bad, [codes[r] for r in bad])
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        _stop(procs)
-        raise
-    _report_progress(work, seen, on_progress)
-    return records.complete(work)
+    ranks = _Ranks()
+    with _stop_signals_recorded() as received:
+        try:
+            for r in range(spec.nproc):
+                if received:
+                    break
+                # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the ranks in order
+                # (each rank raising KeyboardInterrupt on its own would print one traceback per rank).
+                ranks.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "omnibench.runtime.worker", spec_json, work],
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
+                ))
+            seen, failed = 0, False
+            while not received and not failed:
+                seen = _report_progress(work, seen, on_progress)
+                codes = ranks.poll()
+                failed = any(c not in (None, 0) for c in codes)
+                if not failed and all(c == 0 for c in codes):
+                    _report_progress(work, seen, on_progress)
+                    return records.complete(work)
+                time.sleep(POLL_S)
+        finally:
+            ranks.stop()  # whatever ended the watch, even an exception of our own
+    if failed:
+        raise _first_failure(work, ranks)
+    raise RunInterrupted(received[0], work)
 
 
 def _repo_root() -> str:
@@ -213,33 +251,100 @@ def _report_progress(work: str, seen: int, cb) -> int:
     return seen
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.time() + 3
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+@contextlib.contextmanager
+def _stop_signals_recorded() -> Iterator[list[int]]:
+    """While launching, STOP_SIGNALS are only recorded (in the yielded list); the watch loop acts on
+    them within POLL_S. A handler that raised instead could interrupt Popen() after its fork (a rank
+    nobody tracks) or Popen.poll() holding the lock every later wait() of that Popen blocks on."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may set handlers; launch's `finally` still stops the ranks
+        return
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
-def _first_error(work: str, bad: list[int], codes: list[int]) -> RunFailed:
+class _Ranks:
+    """The launcher's rank processes: when it saw each one end, and which ones it stopped itself."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+        self.ended: dict[int, float] = {}  # rank -> time.time() when the launcher first saw it gone
+        self.stopped: set[int] = set()
+
+    def poll(self) -> list[int | None]:
+        codes = [p.poll() for p in self.procs]
+        now = time.time()
+        for r, code in enumerate(codes):
+            if code is not None:
+                self.ended.setdefault(r, now)
+        return codes
+
+    def stop(self) -> None:
+        """End every rank still running: SIGTERM to its process group (a rank's own children, e.g.
+        compile workers, go with it), SIGKILL after STOP_GRACE_S. Returns once all have been reaped."""
+        alive = [r for r, code in enumerate(self.poll()) if code is None]
+        for r in alive:
+            self._signal(r, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for r in alive:
+            try:
+                self.procs[r].wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(r, signal.SIGKILL)
+                self.procs[r].wait()
+
+    def _signal(self, r: int, sig: int) -> None:
+        self.stopped.add(r)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[r].pid, sig)
+
+
+def _first_failure(work: str, ranks: _Ranks) -> RunFailed:
+    """The rank whose failure came first, not one that failed because of it: a rank that reports a
+    lost peer or a timed-out wait (worker.py marks those) only counts when no rank failed on its own;
+    a rank killed by a signal (not ours) or exiting without a report counts from when it was seen gone."""
+    reports = _error_reports(work)
+    found = []  # (secondary, time, rank, reason, report path)
+    for r, p in enumerate(ranks.procs):
+        code = p.returncode
+        if r in reports:
+            stamp, lost_peer, error, path = reports[r]
+            found.append((lost_peer, stamp, r, f"failed: {error}", path))
+        elif code not in (None, 0) and r not in ranks.stopped:
+            how = (f"was killed by {_signal_name(-code)}" if code < 0 else
+                   f"exited with code {code} without an error report (it failed before it could start: see its "
+                   "output above)")
+            found.append((False, ranks.ended[r], r, how, ""))
+    if not found:
+        raise RuntimeError(f"launcher: a rank failed but none can be named (no report in {work}/errors)")
+    _, _, rank, reason, path = min(found)
+    return RunFailed(rank, reason, work, path)
+
+
+def _error_reports(work: str) -> dict[int, tuple[float, bool, str, str]]:
+    """errors/rank<r>.txt as worker.main writes them: a JSON header line, then the traceback."""
     folder = os.path.join(work, "errors")
-    found = []
+    out = {}
     if os.path.isdir(folder):
         for name in os.listdir(folder):
             if name.startswith("rank") and name.endswith(".txt"):
-                with open(os.path.join(folder, name)) as f:
-                    stamp, _, text = f.read().partition("\n")
-                found.append((float(stamp), int(name[4:-4]), text))
-    if not found:
-        return RunFailed(bad[0], f"exited with code {codes[0]} without an error report (killed, or it failed "
-                                 "before it could start; see its output above)")
-    _, rank, text = min(found)
-    return RunFailed(rank, text.strip())
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    head = json.loads(f.readline())
+                out[int(name[4:-4])] = (head["time"], head["lost_peer"], head["error"], path)
+    return out
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _as_torchrun_rank(spec: RunSpec, final: str) -> str:
@@ -256,9 +361,11 @@ def _as_torchrun_rank(spec: RunSpec, final: str) -> str:
             shutil.rmtree(work)
         os.makedirs(work)
     else:
-        deadline = time.time() + spec.timeout_s
-        while not os.path.isdir(work) and time.time() < deadline:
-            time.sleep(0.05)
+        deadline = time.monotonic() + spec.timeout_s
+        while not os.path.isdir(work):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 did not create {work} within --timeout {spec.timeout_s:g} s")
+            time.sleep(POLL_S)
     run_rank(spec, get_model(spec.model), work)
     if int(os.environ["RANK"]) == 0:
         return records.complete(work)

@@ -6,8 +6,11 @@ loses its `.incomplete` suffix once everything is written (records.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import re
+import signal
 import sys
 import time
 import traceback
@@ -74,7 +77,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
         waited = 0.0  # loader time the step waited for: all of step 0's exchange, later only a shortfall
         if exchange is not None:
             wait = time.perf_counter()
-            batch, loading, loaded = prefetch.result()
+            batch, loading, loaded = prefetch.result(timeout=spec.timeout_s)
             waited = time.perf_counter() - wait
             plan = planner.plan(model, parallel, batch, loading=loading)
             if step + 1 < spec.steps:  # the next step's exchange runs while this one computes
@@ -120,8 +123,37 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
     dist.destroy_process_group()
 
 
+# How gloo and NCCL word the failures a rank sees when another rank died or stopped answering: the
+# launcher names a rank reporting one of these only when no rank failed on its own.
+_PEER_LOST = re.compile(r"gloo/transport|Connection (closed|reset) by peer|Broken pipe|Timed out waiting|"
+                        r"NCCL communicator was aborted|collective operation timeout|Socket Timeout")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """True when `e` says another rank died or stopped answering, not that this rank went wrong."""
+    if isinstance(e, (TimeoutError, concurrent.futures.TimeoutError, dist.DistError)):
+        return True
+    return bool(_PEER_LOST.search(str(e)))
+
+
+def _die_with_launcher() -> None:
+    """Ranks run in sessions of their own (launch.py), so nothing else ends them if the launcher is
+    killed outright (SIGKILL, the OOM killer, a test's timeout): ask Linux to SIGKILL this rank then."""
+    launcher = os.environ.get("OMNIBENCH_LAUNCHER_PID")
+    if os.environ.get("OMNIBENCH_LAUNCHER") != "1" or not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # it died before the request was in place
+        os._exit(1)
+
+
 def main(spec_json: str, run_dir: str) -> None:
-    """Entry of one rank process (also under torchrun); errors go to run_dir/errors/rank<r>.txt."""
+    """Entry of one rank process (also under torchrun); errors go to run_dir/errors/rank<r>.txt: a
+    JSON line {time, lost_peer, error} (what the launcher reads), then the traceback."""
+    _die_with_launcher()
     spec = RunSpec.from_dict(json.loads(spec_json))
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -131,9 +163,12 @@ def main(spec_json: str, run_dir: str) -> None:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher once
         os.makedirs(os.path.join(run_dir, "errors"), exist_ok=True)
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        head = {"time": time.time(), "lost_peer": lost_peer(e),
+                "error": f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__}
         path = os.path.join(run_dir, "errors", f"rank{rank}.txt")
         with open(path + ".tmp", "w") as f:
-            f.write(f"{time.time()}\n{text}")
+            f.write(json.dumps(head) + "\n" + text)
         os.replace(path + ".tmp", path)
         if os.environ.get("OMNIBENCH_LAUNCHER") != "1":
             print(f"[rank {rank}] {text}", file=sys.stderr)
