@@ -262,6 +262,7 @@ def _print_summary(s: dict, folder: str) -> None:
         ("bubble fraction", f"{s['bubble_fraction'] * 100:.1f}%"),
         ("exposed communication", f"{s['exposed_comm_fraction'] * 100:.1f}%"),
         ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
+        ("recompute", f"{s.get('recompute', 'none')}" + (", compiled blocks" if s.get("compile") else "")),
         ("wall time", f"{s['wall_time_s']:.1f} s"),
         ("record", folder),
     ]
