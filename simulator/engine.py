@@ -79,6 +79,9 @@ class SimOptions:
     grad_reduce_bytes: int = 4  # FSDP2 reduce_dtype fp32
     communication: bool = True  # False: free communication (the compute-bound schedule)
     check_memory: bool = True
+    # the software running the blocks (simulator/kernels.py::Stack): "eager" is this project's runtime
+    # (its modules op by op under autocast, the chunked loss); "fused" is Megatron-LM's fused kernels
+    stack: str = "eager"
 
 
 @dataclass
@@ -312,6 +315,10 @@ class Engine:
         if recompute not in costs.RECOMPUTE:
             raise SimulationError(f"recompute must be one of {', '.join(costs.RECOMPUTE)}; got {recompute!r}")
         self.recompute = recompute
+        from simulator.kernels import STACK_KINDS
+
+        if options.stack not in STACK_KINDS:
+            raise SimulationError(f"stack must be one of {', '.join(STACK_KINDS)}; got {options.stack!r}")
         self.options = options
         self.index = {m: _LayoutIndex(lay) for m, lay in plan.layouts.items()}
         self._work_cache: dict = {}
@@ -404,8 +411,25 @@ class Engine:
                 got = audio_work(self.model.audio, list(sig), lay.tp, lay.sp, self.recompute)
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
+            if got.shape is not None and self.options.stack == "eager":
+                from dataclasses import replace as _replace
+
+                got = _replace(got, shape=_replace(got.shape, stack=self._eager_stack(module, lay)))
             self._work_cache[key] = got
         return got
+
+    def _eager_stack(self, module: str, lay):
+        """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
+        its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy);
+        otherwise its weights stay fp32 under autocast, and the LLM's fp32 token embedding makes the
+        residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+        from simulator.kernels import Stack
+
+        group = lay.dp * (lay.cp if module == "llm" else 1)
+        fsdp = lay.fsdp and group > 1
+        chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
+        return Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
+                     weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
 
     def stage_work(self, module: str, stage: int) -> Work:
         """Parameters of a stage (no data): the work of an empty microbatch."""

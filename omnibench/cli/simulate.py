@@ -354,7 +354,7 @@ def register(app: typer.Typer) -> None:
             rows = check(dirs, prof, hardware)
         except ValueError as e:
             fail(str(e))
-        table = Table(title="simulated vs measured" + (" (calibrated)" if prof else " (datasheet)"))
+        table = Table(title="simulated vs measured" + (" (calibrated)" if prof else ""))
         for col in ("run", "system", "ranks", "measured s", "simulated s", "measured tok/s", "simulated tok/s",
                     "error", "host cpu/wall"):
             table.add_column(col, justify="left" if col in ("run", "system") else "right")
@@ -372,6 +372,8 @@ def register(app: typer.Typer) -> None:
         mae = sum(abs(v.error) for v in done) / len(done)
         console.print(f"mean absolute error: {mae:.1%} over {len(done)} run(s); step times are medians over "
                       "each run's steps after the first (warm-up)")
+        for model in sorted({v.compute_model for v in done if v.compute_model}):
+            console.print(f"compute model: {model}", highlight=False)
         if any(v.cpu_share is not None for v in done):
             console.print("host cpu/wall: CPU over wall time of the actions that wait for nobody; well below 1 means "
                           "other work shared the cores and the measured times are not the run's alone", highlight=False)
