@@ -402,8 +402,8 @@ class Engine:
                 lay = _replace(lay, sp=sp)
             if module == "llm":
                 llm = self.model.llm
-                layers = stage_layers(llm.layers, lay.pp, stage)
-                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.pp - 1, lay.tp, lay.cp, lay.ep,
+                layers = stage_layers(llm.layers, lay.stages, stage)
+                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp, lay.ep,
                                self.recompute)
             elif module == "vision":
                 got = vision_work(self.model.vision, list(sig), lay.tp, lay.sp, self.recompute)
@@ -432,8 +432,19 @@ class Engine:
                      weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
 
     def stage_work(self, module: str, stage: int) -> Work:
-        """Parameters of a stage (no data): the work of an empty microbatch."""
-        return self.work(module, stage, ())
+        """Parameters of what pipeline rank `stage` holds (no data): the work of an empty microbatch;
+        under interleaved 1F1B the sum over the rank's model chunks (virtual stages stage + c * pp)."""
+        lay = self.plan.layouts[module]
+        if module != "llm" or lay.vpp == 1:
+            return self.work(module, stage, ())
+        key = ("rank-stages", stage)
+        got = self._work_cache.get(key)
+        if got is None:
+            parts = [self.work(module, stage + c * lay.pp, ()) for c in range(lay.vpp)]
+            got = Work(params=sum(w.params for w in parts), expert_params=sum(w.expert_params for w in parts),
+                       layers=sum(w.layers for w in parts))
+            self._work_cache[key] = got
+        return got
 
     # -- colour refinement ---------------------------------------------------------------------
     def _lock_group(self, module: str, rank: int) -> tuple[int, ...] | None:
@@ -712,7 +723,9 @@ class Engine:
                 ops.append(op)
             elif a.kind in (SEND, RECV):
                 src, dst = (rank, a.peer) if a.kind == SEND else (a.peer, rank)
-                base = ("p2p", a.module, a.what, a.microbatch, cls.get(src, src), cls.get(dst, dst))
+                # the sending stage names the message (a rank pair carries several under interleaving)
+                sender = a.stage if a.kind == SEND else a.stage - 1 if a.what == "act" else a.stage + 1
+                base = ("p2p", a.module, a.what, a.microbatch, sender, cls.get(src, src), cls.get(dst, dst))
                 n = seen[base]
                 seen[base] += 1
                 cost = self.coll.send_recv(self._p2p_bytes(a.module, rank, a.microbatch), src, dst) if comm_on else 0.0

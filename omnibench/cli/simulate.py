@@ -140,6 +140,8 @@ def register(app: typer.Typer) -> None:
         dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
+        virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B: model chunks per "
+                                           "pipeline rank (homogeneous, colocated; simulator only)."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
         recompute: str = typer.Option("none", "--recompute", help="none | full | selective"),
@@ -208,6 +210,7 @@ def register(app: typer.Typer) -> None:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp,
                                             pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute,
+                                            virtual_stages=virtual_stages,
                                             dp_shard=dp_shard, options=options)
                     parallel.validate(spec)
                 except ValueError as e:

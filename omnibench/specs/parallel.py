@@ -28,8 +28,9 @@ class ParallelSpec:
     ep: int = 1
     microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
     # Interleaved 1F1B (Narayanan et al. SC'21): model chunks per pipeline rank, each rank holding
-    # `virtual_stages` non-adjacent slices of layers. 1: plain 1F1B. Not planned yet (the planners
-    # refuse > 1 with a one-line error); `check_runtime` is the runtime's refusal.
+    # `virtual_stages` non-adjacent slices of layers. 1: plain 1F1B. Planned by homogeneous and
+    # colocated (systems/common.py::interleaved_1f1b) and simulated; the runtime refuses it
+    # (`check_runtime`, called by omnibench/runtime/launch.py::check_layout).
     virtual_stages: int = 1
     encoder_tp: int = 0
     encoder_sp: int = 0
