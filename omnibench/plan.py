@@ -69,6 +69,8 @@ class Layout:
     # Interleaved 1F1B (LLM only): each pipeline rank holds `vpp` model chunks; virtual stage
     # c * pp + (pp coordinate) is chunk c of that rank, and an LLM action's `stage` is the virtual one.
     vpp: int = 1
+    # LLM context parallelism: "ulysses" (the runtime's) or "ring" (simulated only)
+    cp_kind: str = "ulysses"
 
     @property
     def stages(self) -> int:
@@ -177,6 +179,8 @@ class Layout:
             raise PlanError(
                 f"layout.{self.module}: mesh {shape} = {self.size} ranks but {len(self.ranks)} given"
             )
+        if self.cp_kind not in ("ulysses", "ring"):
+            raise PlanError(f"layout.{self.module}.cp_kind: must be ulysses or ring, got {self.cp_kind!r}")
         if self.vpp < 1 or (self.vpp > 1 and (self.module != "llm" or self.pp < 2)):
             raise PlanError(f"layout.{self.module}.vpp: {self.vpp} must be 1, or > 1 on the LLM with pp >= 2")
         n, dims = self.fsdp_size, "*".join(self.fsdp_dims)

@@ -404,7 +404,7 @@ class Engine:
                 llm = self.model.llm
                 layers = stage_layers(llm.layers, lay.stages, stage)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp, lay.ep,
-                               self.recompute)
+                               self.recompute, lay.cp_kind)
             elif module == "vision":
                 got = vision_work(self.model.vision, list(sig), lay.tp, lay.sp, self.recompute)
             elif module == "audio":
@@ -570,7 +570,24 @@ class Engine:
                 n_calls += calls
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
-            if work.seq_bytes and len(seq_group) > 1:
+            ring = module == "llm" and lay.cp_kind == "ring" and not long_group
+            if work.seq_bytes and len(seq_group) > 1 and ring:
+                # Ring attention: cp - 1 K/V hand-offs per layer to the next cp rank (backward: K/V again
+                # and their gradients back, twice the bytes), each hidden behind one block's attention.
+                steps = len(seq_group) - 1
+                nbytes = work.seq_bytes / work.layers / steps * (2 if a.kind == BACKWARD else 1)
+                i = seq_group.index(rank)
+                t_step = self.coll_inline.send_recv(nbytes, rank, seq_group[(i + 1) % len(seq_group)])
+                prof = self.compute.kernels
+                hide = 0.0
+                if prof is not None and work.shape is not None:
+                    from simulator.kernels import ring_step_attention
+
+                    hide = ring_step_attention(prof, work.shape, a.kind == BACKWARD)
+                comm += work.layers * steps * t_step
+                exposed += work.layers * steps * max(0.0, t_step - hide)
+                n_calls += work.layers * steps
+            elif work.seq_bytes and len(seq_group) > 1:
                 t = work.layers * self.coll_inline.cost("all_to_all", work.seq_bytes / work.layers, seq_group)
                 comm += t
                 exposed += t

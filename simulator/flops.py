@@ -76,7 +76,7 @@ def llm_expert_params(llm: LLMSpec, layers: range) -> float:
 
 
 def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
-             tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none") -> Work:
+             tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses") -> Work:
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
     n = len(layers)
@@ -86,9 +86,17 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     from simulator.kernels import BlockShape
 
     heads, kvh, ffn = llm.heads // tp, max(1, llm.kv_heads // tp), -(-llm.ffn // tp)
+    # Context parallelism is Ulysses (omnibench/runtime/parallelize.py::UlyssesAttention): each cp
+    # rank runs the GEMMs of 1/cp of the packed tokens, and attention over whole sequences with 1/cp
+    # of its heads, between all-to-alls of q, k, v (in) and the output (back).
+    # Ring (cp_kind "ring", simulated only): every rank keeps 1/cp of each sequence with all its heads
+    # and computes cp blocks of attention as K/V travel around the ring (`ring` in the shape).
+    ring = cp > 1 and cp_kind == "ring"
+    ulysses = cp if cp > 1 and not ring else 1
     shape = None if llm.moe is not None else BlockShape(
-        hidden=h, heads=heads, kv_heads=kvh, head_dim=d, ffn=ffn,
-        vocab=-(-llm.vocab // tp), seq_lens=tuple(max(1, s_ // cp) for s_ in seq_lens), layers=n, head=last, tp=tp,
+        hidden=h, heads=heads / ulysses, kv_heads=kvh / ulysses, head_dim=d, ffn=ffn,
+        vocab=-(-llm.vocab // tp), seq_lens=tuple(seq_lens), layers=n, head=last, tp=tp,
+        tokens=max(1, per_rank_tokens) if cp > 1 else 0, ring=cp if ring else 1,
         biased=(heads + 2 * kvh) * d if llm.qkv_bias else 0,
         params=float(h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * ffn), embed=first)
     act = costs.llm_activation_bytes(llm, per_rank_tokens, layers=layers, head=last, recompute=recompute) / tp
@@ -102,7 +110,10 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
         expert_params=llm_expert_params(llm, layers),
         tp_bytes=n * 2 * (t / cp) * h * 2 if tp > 1 else 0.0,  # two bf16 all-reduces per layer
-        seq_bytes=n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp if cp > 1 else 0.0,  # K/V exchange
+        # Ulysses: q, k, v in and the output back, bf16, per layer; ring: the rank's K/V block passed
+        # on cp - 1 times (point to point, overlapped with the block's attention: simulator/engine.py)
+        seq_bytes=(0.0 if cp == 1 else n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp * (cp - 1) if ring
+                   else n * (t / cp) * 2 * (llm.heads + llm.kv_heads) * d * 2 / tp),
         ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
         shape=shape,
     )

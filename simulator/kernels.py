@@ -237,8 +237,8 @@ class BlockShape:
     per rank (after tp / cp / sp)."""
 
     hidden: int
-    heads: int  # query heads per rank (after tp and Ulysses sp)
-    kv_heads: int  # per rank
+    heads: float  # query heads per rank (after tp and Ulysses sp/cp; a share where they do not divide)
+    kv_heads: float  # per rank
     head_dim: int
     ffn: int  # per rank (after tp)
     vocab: int  # per rank (after tp); 0 without a head
@@ -261,6 +261,7 @@ class BlockShape:
     extra_gemms: tuple[tuple[int, int, int, bool], ...] = ()
     extra_pointwise: float = 0.0  # bytes of element-wise work outside the blocks, forward
     stack: Stack = FUSED
+    ring: int = 1  # ring attention over this many context-parallel ranks (1: whole sequences here)
 
     @property
     def ntokens(self) -> float:
@@ -407,6 +408,8 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
             score_bytes = s.heads * L * L * 2 * (6.5 if not bwd else 7.5)
             out += s.heads * gemms + p.memory_time(score_bytes, 3)
         return out
+    if s.ring > 1:
+        return _ring_attention(p, s, bwd)
     out = 0.0
     # The profile's flash rows are causal. A full (encoder) attention of length L does the work of a
     # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
@@ -421,3 +424,32 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
         else:
             out += max(fwd_flops / p.attention_rate("fwd", d, x), p.launch_s)
     return out
+
+
+def _flash_call(p: KernelProfile, heads: int, d: int, q_len: float, kv_len: float, causal: bool, bwd: bool) -> float:
+    """One flash-attention call of q_len queries over kv_len keys (profile rows read at the length of
+    a square causal call of the same work)."""
+    flops = 4.0 * heads * q_len * kv_len * d * (0.5 if causal else 1.0)
+    x = math.sqrt(q_len * kv_len) * (1.0 if causal else FULL_ATTENTION_STRETCH)
+    if bwd:
+        t = flops * 3.5 / p.attention_rate("fwd_bwd", d, x) - flops / p.attention_rate("fwd", d, x)
+        return max(t, 2 * p.launch_s)
+    return max(flops / p.attention_rate("fwd", d, x), p.launch_s)
+
+
+def _ring_attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
+    """Ring attention, causal, load-balanced (each rank holds two opposite 1/(2 cp) chunks of every
+    sequence, as Megatron-LM's and torchtitan's context parallelism place them): per sequence one
+    causal call on the rank's own block and cp - 1 full calls of half a block against a block."""
+    out = 0.0
+    for L in s.seq_lens:
+        block = L / s.ring
+        out += _flash_call(p, s.heads, s.head_dim, block, block, s.causal, bwd)
+        out += (s.ring - 1) * _flash_call(p, s.heads, s.head_dim, block / 2 if s.causal else block, block,
+                                          False, bwd)
+    return out
+
+
+def ring_step_attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
+    """Seconds of attention a ring step has to hide its K/V transfer behind (one layer)."""
+    return _ring_attention(p, s, bwd) / max(1, s.ring)

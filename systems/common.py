@@ -71,7 +71,7 @@ def llm_layout(parallel: ParallelSpec, ranks: Sequence[int], interleaved: bool =
         raise PlanError(f"ep={parallel.ep} must divide dp*cp = {dp * parallel.cp} (experts spread over data ranks)")
     lay = Layout(
         "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp,
-        vpp=parallel.virtual_stages,
+        vpp=parallel.virtual_stages, cp_kind=parallel.cp_kind,
     )
     return with_dp_shard(lay, parallel)
 

@@ -136,6 +136,8 @@ def register(app: typer.Typer) -> None:
         tp: int = typer.Option(1, "--tp"),
         pp: int = typer.Option(1, "--pp"),
         cp: int = typer.Option(1, "--cp"),
+        cp_kind: str = typer.Option("ulysses", "--cp-kind", help="ulysses (what the runtime runs) | ring "
+                                    "(simulated only: long sequences past what the heads allow)"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
         dp_shard: DpShard = 0,
@@ -210,7 +212,7 @@ def register(app: typer.Typer) -> None:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp,
                                             pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute,
-                                            virtual_stages=virtual_stages,
+                                            virtual_stages=virtual_stages, cp_kind=cp_kind,
                                             dp_shard=dp_shard, options=options)
                     parallel.validate(spec)
                 except ValueError as e:
