@@ -59,13 +59,16 @@ class KernelProfile:
     def __post_init__(self) -> None:
         self._best = max((r[3] for r in self.gemm), default=0.0)
         self._gemm_cache: dict = {}
+        self._attention_cache: dict = {}
         self._gemm_xyz = np.array([r[:3] for r in self.gemm], dtype=float).reshape(-1, 3)
         self._gemm_log_rate = np.log(np.array([r[3] for r in self.gemm], dtype=float))
         self._gemm_smallest = min((2 ** (a + b + c) for a, b, c, _ in self.gemm), default=1.0)
 
     # -- queries ---------------------------------------------------------------------------------
     def gemm_rate(self, m: float, n: float, k: float) -> float:
-        key = (round(m), round(n), round(k))
+        # Rates are smooth in log size: shapes within 1/64 octave of each other share one lookup (a
+        # simulation meets thousands of token counts; the rate moves by far less than 0.1% inside).
+        key = (round(64 * math.log2(max(m, 1))), round(64 * math.log2(max(n, 1))), round(64 * math.log2(max(k, 1))))
         got = self._gemm_cache.get(key)
         if got is not None:
             return got
@@ -410,19 +413,25 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
         return out
     if s.ring > 1:
         return _ring_attention(p, s, bwd)
-    out = 0.0
     # The profile's flash rows are causal. A full (encoder) attention of length L does the work of a
     # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
     stretch = 1.0 if s.causal else FULL_ATTENTION_STRETCH
+    cache = p._attention_cache
+    out = 0.0
     for L in s.seq_lens:
-        fwd_flops = 4.0 * s.heads * L * L * d * (0.5 if s.causal else 1.0)
-        x = L * stretch
-        if bwd:
-            # measured fwd_bwd minus measured fwd: the backward alone
-            t = fwd_flops * 3.5 / p.attention_rate("fwd_bwd", d, x) - fwd_flops / p.attention_rate("fwd", d, x)
-            out += max(t, 2 * p.launch_s)
-        else:
-            out += max(fwd_flops / p.attention_rate("fwd", d, x), p.launch_s)
+        key = (s.heads, d, L, s.causal, bwd)
+        t = cache.get(key)
+        if t is None:
+            fwd_flops = 4.0 * s.heads * L * L * d * (0.5 if s.causal else 1.0)
+            x = L * stretch
+            if bwd:
+                # measured fwd_bwd minus measured fwd: the backward alone
+                t = fwd_flops * 3.5 / p.attention_rate("fwd_bwd", d, x) - fwd_flops / p.attention_rate("fwd", d, x)
+                t = max(t, 2 * p.launch_s)
+            else:
+                t = max(fwd_flops / p.attention_rate("fwd", d, x), p.launch_s)
+            cache[key] = t
+        out += t
     return out
 
 
