@@ -627,6 +627,13 @@ def calibrate(run_dirs: list[str], hardware: str | None = None) -> Profile:
     return prof
 
 
+def _run_recompute(run: RunRecord) -> str:
+    """The activation checkpointing a run executed. GPU launches record the mode the memory check
+    chose; "auto" stays in records of CPU launches, where it means none (omnibench/runtime/launch.py)."""
+    rec = run.run_spec.get("recompute", "none")
+    return "none" if rec == "auto" else rec
+
+
 @dataclass
 class Validation:
     run: str
@@ -661,7 +668,7 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
         if len(steps) > 1:
             steps = steps[1:]
         # the run's own activation checkpointing (records from before --recompute existed ran none)
-        options = SimOptions(check_memory=False, recompute=run.run_spec.get("recompute", "none"), stack=stack)
+        options = SimOptions(check_memory=False, recompute=_run_recompute(run), stack=stack)
         measured, simulated, tokens = [], [], []
         answered = ""
         for s in steps:
@@ -737,7 +744,7 @@ def action_breakdown(run_dir: str, profile: Profile | None = None, hardware: str
                 wall[(sp.kind, sp.module)] += sp.duration
                 cpu[(sp.kind, sp.module)] += sp.cpu or 0.0
         res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(
-            check_memory=False, recompute=run.run_spec.get("recompute", "none")))
+            check_memory=False, recompute=_run_recompute(run)))
         members = {r.rank: r.members for r in res.ranks}
         for sp in res.spans:
             kind = sp.action.kind if sp.stream != "compute" else sp.kind
