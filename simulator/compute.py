@@ -92,7 +92,7 @@ class ComputeModel:
             return "calibrated efficiency curves (fitted from run traces)"
         prof = self.kernels
         if prof is not None:
-            return prof.describe() + "; MoE layers: datasheet roofline curve (fallback)"
+            return prof.describe()
         return "datasheet roofline curve (fallback: no kernel profile for this hardware)"
 
     def _kernel_time(self, work: Work, passes: str, recompute: str = "none") -> float | None:

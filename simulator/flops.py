@@ -93,12 +93,19 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     # and computes cp blocks of attention as K/V travel around the ring (`ring` in the shape).
     ring = cp > 1 and cp_kind == "ring"
     ulysses = cp if cp > 1 and not ring else 1
-    shape = None if llm.moe is not None else BlockShape(
-        hidden=h, heads=heads / ulysses, kv_heads=kvh / ulysses, head_dim=d, ffn=ffn,
+    moe = llm.moe
+    moe_fields = {} if moe is None else dict(
+        moe_experts=max(1, moe.experts // ep), moe_router=moe.experts, moe_top_k=moe.top_k,
+        moe_ffn=-(-moe.expert_ffn // tp), moe_shared_ffn=-(-moe.shared_expert_ffn // tp))
+    mlp_params = 3 * h * ffn if moe is None else (
+        3 * h * moe_fields["moe_ffn"] * moe_fields["moe_experts"] + h * moe.experts + 3 * h * moe_fields["moe_shared_ffn"])
+    shape = BlockShape(
+        **moe_fields,
+        hidden=h, heads=heads / ulysses, kv_heads=kvh / ulysses, head_dim=d, ffn=0 if moe is not None else ffn,
         vocab=-(-llm.vocab // tp), seq_lens=tuple(seq_lens), layers=n, head=last, tp=tp,
         tokens=max(1, per_rank_tokens) if cp > 1 else 0, ring=cp if ring else 1,
         biased=(heads + 2 * kvh) * d if llm.qkv_bias else 0,
-        params=float(h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * ffn), embed=first)
+        params=float(h * (heads + 2 * kvh) * d + heads * d * h + mlp_params), embed=first)
     act = costs.llm_activation_bytes(llm, per_rank_tokens, layers=layers, head=last, recompute=recompute) / tp
     return Work(
         **_split(f, tp * cp),

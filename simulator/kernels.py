@@ -265,6 +265,13 @@ class BlockShape:
     extra_pointwise: float = 0.0  # bytes of element-wise work outside the blocks, forward
     stack: Stack = FUSED
     ring: int = 1  # ring attention over this many context-parallel ranks (1: whole sequences here)
+    # MoE MLP (omnibench/models/moe.py): experts held by this rank (E / ep), experts routed over,
+    # top-k, expert and shared-expert widths; 0 experts: the dense MLP of width `ffn`
+    moe_experts: int = 0
+    moe_router: int = 0
+    moe_top_k: int = 0
+    moe_ffn: int = 0
+    moe_shared_ffn: int = 0
 
     @property
     def ntokens(self) -> float:
@@ -281,7 +288,9 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
         return 0.0
     h, d = s.hidden, s.head_dim
     q, kv = s.heads * d, s.kv_heads * d
-    linears = [(q + 2 * kv, h), (h, q), ((2 if s.mlp == "swiglu" else 1) * s.ffn, h), (h, s.ffn)]
+    linears = [(q + 2 * kv, h), (h, q)]
+    if not s.moe_experts:
+        linears += [((2 if s.mlp == "swiglu" else 1) * s.ffn, h), (h, s.ffn)]
     bwd = passes == "bwd"
     time = 0.0
     for fan_out, fan_in in linears:
@@ -290,6 +299,8 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
         else:
             time += p.gemm_time(t, fan_out, fan_in)
     time += _attention(p, s, bwd)
+    if s.moe_experts:
+        time += _moe(p, s, t, bwd)
     nbytes, kernels = (_eager_block_bytes if s.stack.kind == "eager" else _fused_block_bytes)(s, bwd)
     time += p.memory_time(t * nbytes + _cast_bytes(s) * s.params, kernels)
     total = s.layers * time
@@ -306,6 +317,35 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
         # dense fp32 embedding gradient: zero-filled [vocab, hidden], then one row added per token
         total += p.memory_time(4.0 * s.vocab * h + 12.0 * t * h, 3)
     return total
+
+
+def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
+    """The MoE MLP of one layer: router GEMM, then one SwiGLU expert after another (moe.py loops over
+    the rank's experts: three GEMMs and two element-wise kernels each, so small experts are launch
+    bound), the token copies gathered, weighted and added back, and the shared expert. Tokens are
+    spread evenly over experts (the Plan does not know the routing): t * top_k / E per expert of
+    each rank's tokens, an expert-parallel rank receiving its experts' share of all ep ranks' tokens."""
+    h, f = s.hidden, s.moe_ffn
+    routed = t * s.moe_top_k  # token copies this rank's experts process (balanced all-to-all)
+    te = routed / s.moe_experts
+    out = 0.0
+
+    def linear(m: float, fan_out: int, fan_in: int) -> float:
+        if bwd:
+            return p.gemm_time(m, fan_in, fan_out) + p.gemm_time(fan_out, fan_in, m)
+        return p.gemm_time(m, fan_out, fan_in)
+
+    out += linear(t, s.moe_router, h)
+    out += s.moe_experts * (2 * linear(te, f, h) + linear(te, h, f))
+    if s.moe_shared_ffn:
+        out += 2 * linear(t, s.moe_shared_ffn, h) + linear(t, h, s.moe_shared_ffn) + linear(t, 1, h)
+    r = s.stack.residual_bytes if s.stack.kind == "eager" else 2
+    # per routed copy and hidden element: gather (r + r), cast for the expert GEMMs (r + 2), the
+    # concatenated outputs (4), the routing weight (4), back to the stream's dtype and index-added (3 r)
+    per = (2 * r + r + 2 + 4 + 4 + 3 * r) * h + _EAGER[("swiglu", 0)][0] * f
+    nbytes = routed * per * (2 if bwd else 1) + t * s.moe_router * 4 * 3
+    kernels = s.moe_experts * 2 + 8
+    return out + p.memory_time(nbytes, 2 * kernels if bwd else kernels)
 
 
 def _cast_bytes(s: BlockShape) -> float:

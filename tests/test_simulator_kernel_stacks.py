@@ -70,3 +70,14 @@ def test_a_head_size_between_measured_ones_gets_a_rate_between_theirs(h100):
 def test_the_measured_h100_runs_validate_within_ten_percent():
     rows = [v for v in validate([str(p) for p in H100_RUNS], None, "h100") if v.steps]
     assert rows and max(abs(v.error) for v in rows) < 0.10
+
+
+def test_moe_layers_are_costed_expert_by_expert(h100):
+    # moe.py loops over the rank's experts: many small experts are launch bound, so the same FLOPs
+    # on fewer, larger local experts (expert parallelism) run faster
+    llm = get_model("qwen3-30b-a3b").llm
+    one, eight = (replace(llm_work(llm, [8192], range(2), False, False, ep=ep).shape, stack=EAGER) for ep in (1, 8))
+    assert one.moe_experts == 128 and eight.moe_experts == 16
+    assert llm_pass(h100, eight, "fwd") < llm_pass(h100, one, "fwd")
+    dense = llm_work(get_model("qwen2-7b").llm, [8192], range(2), False, False).shape
+    assert dense.moe_experts == 0
