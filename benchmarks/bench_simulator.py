@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--virtual-stages", type=int, default=1, help="interleaved 1F1B chunks per pipeline rank")
     ap.add_argument("--tokens-per-gpu", type=int, default=4096)
     ap.add_argument("--encoder-ranks-fraction", type=float, default=0.25)
     ap.add_argument("--dp-shard", type=int, default=0,
@@ -45,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     model = get_model(args.model)
     print(f"system {args.system}, model {model.name}, workload {args.workload}, hardware {args.hardware}, "
-          f"tp {args.tp} pp {args.pp} microbatches {args.microbatches}, {args.tokens_per_gpu} tokens/GPU/step, "
+          f"tp {args.tp} pp {args.pp} (x{args.virtual_stages} virtual) microbatches {args.microbatches}, {args.tokens_per_gpu} tokens/GPU/step, "
           f"dp_shard {args.dp_shard}, recompute {args.recompute}")
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (timings scale with it)")
     print(f"{'GPUs':>6} {'batch s':>8} {'plan s':>8} {'sim s':>8} {'distinct':>9} {'step s':>8} "
@@ -56,7 +57,7 @@ def main() -> None:
         t1 = time.perf_counter()
         enc = int(n * args.encoder_ranks_fraction) if args.system == "noncolocated" else 0
         parallel = ParallelSpec(world_size=n, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                                encoder_ranks=enc, dp_shard=args.dp_shard)
+                                encoder_ranks=enc, dp_shard=args.dp_shard, virtual_stages=args.virtual_stages)
         plan = get_planner(args.system).plan(model, parallel, batch)
         shards = " ".join(f"{m}={lay.shard_size}/{lay.fsdp_size}" for m, lay in plan.layouts.items() if lay.fsdp)
         t2 = time.perf_counter()

@@ -66,6 +66,16 @@ class Layout:
     # shard group, all-reduce of the shard across the replicate group). 0: one shard group over the
     # whole FSDP group (plain FSDP), which is also what a plan written before this field means.
     dp_shard: int = 0
+    # Interleaved 1F1B (LLM only): each pipeline rank holds `vpp` model chunks; virtual stage
+    # c * pp + (pp coordinate) is chunk c of that rank, and an LLM action's `stage` is the virtual one.
+    vpp: int = 1
+    # LLM context parallelism: "ulysses" (the runtime's) or "ring" (simulated only)
+    cp_kind: str = "ulysses"
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages the LLM's layers are cut into (virtual stages under interleaving)."""
+        return self.pp * self.vpp
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
@@ -169,6 +179,10 @@ class Layout:
             raise PlanError(
                 f"layout.{self.module}: mesh {shape} = {self.size} ranks but {len(self.ranks)} given"
             )
+        if self.cp_kind not in ("ulysses", "ring"):
+            raise PlanError(f"layout.{self.module}.cp_kind: must be ulysses or ring, got {self.cp_kind!r}")
+        if self.vpp < 1 or (self.vpp > 1 and (self.module != "llm" or self.pp < 2)):
+            raise PlanError(f"layout.{self.module}.vpp: {self.vpp} must be 1, or > 1 on the LLM with pp >= 2")
         n, dims = self.fsdp_size, "*".join(self.fsdp_dims)
         if self.dp_shard < 0 or (self.dp_shard and n % self.dp_shard):
             raise PlanError(f"layout.{self.module}.dp_shard: {self.dp_shard} must be 0 (the whole FSDP group) "

@@ -641,14 +641,17 @@ class Validation:
     # compute of modules without lock-step peers): about 1 on a quiet host, lower where other work
     # took the cores (then measured times are the host's, not the run's). None without CPU times.
     cpu_share: float | None = None
+    compute_model: str = ""  # which compute model answered (SimResult.compute_model)
 
     @property
     def error(self) -> float:
         return (self.simulated_s - self.measured_s) / self.measured_s if self.measured_s > 0 else math.nan
 
 
-def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str | None = None) -> list[Validation]:
-    """Simulate each step's own Plan; compare median step times over the steps whose Plan is known."""
+def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str | None = None,
+             stack: str = "eager") -> list[Validation]:
+    """Simulate each step's own Plan; compare median step times over the steps whose Plan is known.
+    `stack`: the software the kernel model assumes (SimOptions.stack; "eager" = this project's runtime)."""
     out = []
     for d in run_dirs:
         run = read_run(d)
@@ -657,8 +660,9 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
         steps = sorted(run.step_times)
         if len(steps) > 1:
             steps = steps[1:]
-        options = SimOptions(check_memory=False, recompute=run.recompute)
+        options = SimOptions(check_memory=False, recompute=run.recompute, stack=stack)
         measured, simulated, tokens = [], [], []
+        answered = ""
         for s in steps:
             plan = plan_for_step(run, s)
             if plan is None:
@@ -667,6 +671,7 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
             measured.append(run.step_times[s])
             simulated.append(res.step_time)
             tokens.append(res.tokens)
+            answered = res.compute_model
         if not measured:
             # Left out, never guessed: say why and go on with the other runs.
             out.append(Validation(str(d), run.plans[0].system, run.plans[0].world_size, 0, math.nan, math.nan,
@@ -675,7 +680,7 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
             continue
         out.append(Validation(str(d), run.plans[0].system, run.plans[0].world_size, len(measured),
                               float(np.median(measured)), float(np.median(simulated)), float(np.mean(tokens)),
-                              "; ".join(run.notes), _cpu_share(run, steps)))
+                              "; ".join(run.notes), _cpu_share(run, steps), answered))
     return out
 
 
@@ -730,7 +735,8 @@ def action_breakdown(run_dir: str, profile: Profile | None = None, hardware: str
             if sp.step == s:
                 wall[(sp.kind, sp.module)] += sp.duration
                 cpu[(sp.kind, sp.module)] += sp.cpu or 0.0
-        res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(check_memory=False))
+        res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(
+            check_memory=False, recompute=run.recompute))
         members = {r.rank: r.members for r in res.ranks}
         for sp in res.spans:
             kind = sp.action.kind if sp.stream != "compute" else sp.kind

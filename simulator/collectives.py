@@ -32,6 +32,20 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 CHUNK_HALF_BYTES = 64 * 1024
 TREE_BANDWIDTH_FACTOR = 0.9  # trees reach a little less bus bandwidth than rings at large sizes
 
+# NCCL's protocols (the "nccl" collective model): each algorithm runs in LL (8-byte lines with a flag:
+# lowest latency, a fraction of the bandwidth), LL128 (128-byte lines, 92% of it) or Simple (full
+# bandwidth, highest latency), and NCCL picks the (algorithm, protocol) of least predicted time, which
+# is what turns bus bandwidth into a function of message size. Latencies in microseconds, read from
+# NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc, `baseLat` and `hwLat`, commit 01afd20):
+# a base latency per (algorithm, protocol) plus one hop latency per algorithm step, NVLink or network.
+PROTOCOLS = ("LL", "LL128", "Simple")
+NCCL_BASE_US = {"ring": (3.6, 10.0, 8.4), "tree": (4.4, 4.4, 0.0)}
+NCCL_HOP_US = {
+    ("intra", "ring"): (0.47, 1.9, 3.4), ("intra", "tree"): (0.52, 1.2, 28.0),
+    ("inter", "ring"): (2.7, 4.0, 9.6), ("inter", "tree"): (5.0, 8.5, 50.0),
+}
+RING_PLATEAU = 1.9  # NCCL: a multi-node Simple ring all-reduce of large messages pays 1.9x its latency
+
 
 @dataclass(frozen=True)
 class LinkCost:
@@ -118,11 +132,78 @@ class CollectiveModel:
         intra, inter = self.link("intra"), self.link("inter", p.local, p.same_rail)
         return LinkCost(max(intra.latency, inter.latency), min(intra.bandwidth, inter.bandwidth))
 
+    # -- NCCL's algorithms and protocols ("nccl" collective model) -------------------------------
+    def _nccl(self, p: Placement) -> bool:
+        """NCCL's protocol model applies: the preset says so and no calibrated figures replace it."""
+        where = "intra" if p.nodes == 1 else "inter"
+        return self.cluster.collectives == "nccl" and where not in self.fitted
+
+    def _ring_busbw(self, p: Placement) -> float:
+        """Bus bandwidth of a ring over the group (bytes/s). Inside a node: NVLink. Across nodes
+        NCCL runs one ring channel per NIC, each leaving every node once, so a node's group members
+        together drive the NICs attached to them (one per GPU on a rail-optimised node): a whole-node
+        group reaches NICs x NIC bandwidth, capped by NVLink; one member per node only its own NIC."""
+        intra = self.link("intra").bandwidth
+        if p.nodes == 1:
+            return intra
+        c = self.cluster
+        nics = max(1.0, p.local * c.inter.nics_per_node / c.gpus_per_node)
+        inter = self.link("inter", 1, p.same_rail).bandwidth * nics
+        return min(intra, inter)
+
+    def _nccl_ring(self, coll: str, nbytes: float, p: Placement) -> float:
+        n = p.n
+        steps = 2 * (n - 1) if coll == "all_reduce" else n - 1
+        inter_steps = (2 if coll == "all_reduce" else 1) * (p.nodes - 1)
+        moved = steps / n * nbytes
+        bus = self._ring_busbw(p)
+        best = math.inf
+        for i, proto in enumerate(PROTOCOLS):
+            hop_intra = NCCL_HOP_US[("intra", "ring")][i] * (1.8 if p.nodes > 1 and proto == "LL" else 1.0)
+            lat = (NCCL_BASE_US["ring"][i] + (steps - inter_steps) * hop_intra
+                   + inter_steps * NCCL_HOP_US[("inter", "ring")][i]) * 1e-6
+            if proto == "LL":
+                bw = bus / (4.0 if p.nodes > 1 or coll == "all_reduce" else 3.0)
+            elif proto == "LL128":
+                bw = bus * 0.92
+            else:
+                bw = bus
+                if coll == "all_reduce" and p.nodes > 1 and nbytes >= n / 16 * 65536:
+                    lat *= RING_PLATEAU
+            best = min(best, lat + moved / bw)
+        return best
+
+    def _nccl_tree(self, nbytes: float, p: Placement) -> float:
+        """Double binary tree all-reduce: chain inside each node, tree across nodes; reduce then
+        broadcast, so the whole buffer crosses twice at 90% of the ring's bus bandwidth."""
+        bus = self._ring_busbw(p) * TREE_BANDWIDTH_FACTOR
+        best = math.inf
+        for i, proto in enumerate(PROTOCOLS):
+            hop_intra = NCCL_HOP_US[("intra", "tree")][i] * (1.8 if p.nodes > 1 and proto == "LL" else 1.0)
+            lat = (NCCL_BASE_US["tree"][i] + 2 * ((p.local - 1) * hop_intra
+                   + math.ceil(math.log2(max(1, p.nodes))) * NCCL_HOP_US[("inter", "tree")][i])) * 1e-6
+            bw = bus / 3.8 if proto == "LL" else bus * (0.915 if p.nodes > 1 else 7 / 9) if proto == "LL128" else bus
+            best = min(best, lat + 2 * nbytes / bw)
+        return best
+
+    def _nvls(self, nbytes: float, p: Placement) -> float:
+        """NVLink SHARP all-reduce inside one node (NVSwitch reduces): Simple protocol latency, the
+        preset's NVLS bus bandwidth."""
+        busbw = self.cluster.intra.nvls_busbw_gbs * 1e9
+        lat = (NCCL_BASE_US["ring"][2] + 2 * NCCL_HOP_US[("intra", "ring")][2]) * 1e-6
+        return lat + 2 * (p.n - 1) / p.n * nbytes / busbw
+
     def all_reduce(self, nbytes: float, ranks: tuple[int, ...]) -> tuple[float, str]:
         p = self.placement(ranks)
         n = p.n
         if n <= 1 or nbytes <= 0:
             return 0.0, "none"
+        if self._nccl(p):
+            options = {"ring": self._nccl_ring("all_reduce", nbytes, p), "tree": self._nccl_tree(nbytes, p)}
+            if p.nodes == 1 and n > 2 and self.cluster.intra.nvls_busbw_gbs > 0:
+                options["nvls"] = self._nvls(nbytes, p)
+            algo = min(options, key=options.get)
+            return options[algo], algo
         link = self._bus_link(p)
         options = {"ring": self._ring(2 * (n - 1), 2 * (n - 1) / n * nbytes, link)}
         # Double binary tree across nodes, chain inside each node: latency ~ log2(nodes).
@@ -151,6 +232,8 @@ class CollectiveModel:
         p = self.placement(ranks)
         if p.n <= 1 or nbytes <= 0:
             return 0.0, "none"
+        if self._nccl(p):
+            return self._nccl_ring("all_gather", nbytes, p), "ring"
         return self._ring(p.n - 1, (p.n - 1) / p.n * nbytes, self._bus_link(p)), "ring"
 
     def reduce_scatter(self, nbytes: float, ranks: tuple[int, ...]) -> tuple[float, str]:

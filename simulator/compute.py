@@ -79,9 +79,12 @@ class ComputeModel:
         """The cluster's kernel profile (simulator/kernels.py), or None (datasheet roofline fallback)."""
         if not self.cluster.kernels:
             return None
-        from simulator.kernels import load_kernel_profile
+        got = self._kernel_cache.get("profile")
+        if got is None:
+            from simulator.kernels import load_kernel_profile
 
-        return load_kernel_profile(self.cluster.kernels, self.cluster.gpu.peak_flops)
+            got = self._kernel_cache["profile"] = load_kernel_profile(self.cluster.kernels, self.cluster.gpu.peak_flops)
+        return got
 
     def describe(self) -> str:
         """Which compute model answers, in words (printed with every simulation)."""
@@ -89,7 +92,7 @@ class ComputeModel:
             return "calibrated efficiency curves (fitted from run traces)"
         prof = self.kernels
         if prof is not None:
-            return prof.describe() + "; encoders and MoE: datasheet roofline curve (fallback)"
+            return prof.describe()
         return "datasheet roofline curve (fallback: no kernel profile for this hardware)"
 
     def _kernel_time(self, work: Work, passes: str, recompute: str = "none") -> float | None:
@@ -105,8 +108,10 @@ class ComputeModel:
 
             got = llm_pass(prof, work.shape, passes)
             if passes == "bwd" and recompute == "full":
-                # Megatron / torch checkpointing re-runs each block's forward (not the head)
-                got += llm_pass(prof, _replace(work.shape, head=False), "fwd")
+                # Megatron / torch checkpointing re-runs each block's forward (not the head, not the
+                # work outside the blocks)
+                got += llm_pass(prof, _replace(work.shape, head=False, embed=False, extra_gemms=(),
+                                               extra_pointwise=0.0), "fwd")
             elif passes == "bwd" and recompute == "selective":
                 got += llm_attention(prof, work.shape, "fwd")
             self._kernel_cache[key] = got

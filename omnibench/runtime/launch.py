@@ -180,6 +180,7 @@ def check_layout(spec: RunSpec) -> None:
     model = get_model(spec.model)
     parallel = parallel_spec(spec, spec.nproc)
     parallel.validate(model)
+    parallel.check_runtime()
     runtime_limits(model, parallel)
     get_planner(spec.system).plan(model, parallel, batch_source(spec)(0))
 

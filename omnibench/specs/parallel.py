@@ -25,11 +25,16 @@ class ParallelSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # How context parallelism splits attention: "ulysses" (all-to-all to whole sequences x 1/cp of the
+    # heads; what the runtime runs) or "ring" (each rank keeps 1/cp of every sequence, K/V blocks
+    # travel around the cp ranks; simulator only, for sequences longer than heads allow Ulysses)
+    cp_kind: str = "ulysses"
     ep: int = 1
     microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
     # Interleaved 1F1B (Narayanan et al. SC'21): model chunks per pipeline rank, each rank holding
-    # `virtual_stages` non-adjacent slices of layers. 1: plain 1F1B. Not planned yet (the planners
-    # refuse > 1 with a one-line error); `check_runtime` is the runtime's refusal.
+    # `virtual_stages` non-adjacent slices of layers. 1: plain 1F1B. Planned by homogeneous and
+    # colocated (systems/common.py::interleaved_1f1b) and simulated; the runtime refuses it
+    # (`check_runtime`, called by omnibench/runtime/launch.py::check_layout).
     virtual_stages: int = 1
     encoder_tp: int = 0
     encoder_sp: int = 0
@@ -70,6 +75,8 @@ class ParallelSpec:
         if self.dp_shard > 0 and self.ep > 1 and self.dp_shard % self.ep:
             raise SpecError(f"dp_shard={self.dp_shard} must be a multiple of ep={self.ep} "
                             "(a shard group holds whole expert groups); 0 = automatic")
+        if self.cp_kind not in ("ulysses", "ring"):
+            raise SpecError(f"cp_kind must be one of ulysses, ring; got {self.cp_kind!r}")
         from omnibench.specs.costs import recompute_policy
 
         try:
@@ -97,6 +104,9 @@ class ParallelSpec:
 
     def check_runtime(self) -> None:
         """What only the simulator executes: refuse it before a real run starts."""
+        if self.cp > 1 and self.cp_kind != "ulysses":
+            raise SpecError(f"cp_kind={self.cp_kind}: the runtime runs Ulysses context parallelism only "
+                            "(ring attention is simulated, not run)")
         if self.virtual_stages > 1:
             raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is not supported by the runtime; "
                             "the runtime runs plain 1F1B (virtual_stages=1)")
