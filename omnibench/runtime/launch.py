@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -185,10 +184,16 @@ def check_layout(spec: RunSpec) -> None:
     get_planner(spec.system).plan(model, parallel, batch_source(spec)(0))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(spec: RunSpec):
+    """The ranks' rendezvous store, hosted here as torchrun's agent hosts it. Binding port 0 in the
+    store itself is atomic: picking a free port and handing it to rank 0 to bind later raced with
+    other launches on a busy machine (EADDRINUSE seen under pytest -n 2)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, spec.nproc, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=spec.timeout_s))
 
 
 def launch(spec: RunSpec, on_progress: Callable[[dict], None] | None = None) -> str:
@@ -200,8 +205,9 @@ def launch(spec: RunSpec, on_progress: Callable[[dict], None] | None = None) -> 
     if under_torchrun():
         return _as_torchrun_rank(spec, final)
     work = records.start(final)
+    store = _rendezvous_store(spec)  # lives as long as this call: the ranks' rendezvous
     env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "OMNIBENCH_LAUNCHER_PID": str(os.getpid()),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
            "WORLD_SIZE": str(spec.nproc), "OMP_NUM_THREADS": str(spec.extra.get("threads", 1)),
            "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH", "")]))}
     spec_json = json.dumps(spec.to_dict())
