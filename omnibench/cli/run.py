@@ -17,10 +17,17 @@ def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, 
                 encoder_ranks=encoder_ranks, dp_shard=dp_shard)
 
 
+def systems_help() -> str:
+    """The registered systems, as `--system` help lists them (from the registry, so none is left out)."""
+    from systems import available_systems
+
+    return " | ".join(available_systems())
+
+
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run(
-        system: str = typer.Option(..., "--system", help="homogeneous | temporal | colocated | noncolocated"),
+        system: str = typer.Option(..., "--system", help=systems_help()),
         workload: str = typer.Option("mixed_video", "--workload"),
         nproc: int = typer.Option(0, "--nproc", help="ranks (0: 2 on CPU, every GPU on CUDA)"),
         model: str = typer.Option("", "--model", help="model preset (default: tiny-omni on CPU, omni-7b on CUDA)"),
@@ -110,7 +117,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("plan")
     def plan_cmd(
-        system: str = typer.Option(..., "--system"),
+        system: str = typer.Option(..., "--system", help=systems_help()),
         workload: str = typer.Option("mixed_video", "--workload"),
         nproc: int = typer.Option(4, "--nproc"),
         model: str = typer.Option("tiny-omni", "--model"),
