@@ -53,3 +53,14 @@ def test_run_and_plan_help_list_every_registered_system():
         assert r.exit_code == 0, r.output
         assert " | ".join(available_systems()) in r.output, r.output
     assert "omni" in available_systems()
+
+
+def test_a_tp_that_does_not_divide_the_heads_names_the_allowed_values():
+    import pytest
+
+    from omnibench.specs.model import SpecError
+    from omnibench.specs.parallel import ParallelSpec
+    from omnibench.specs.presets import get_model
+
+    with pytest.raises(SpecError, match=r"tp=3 .* allowed tp: 1, 2$"):
+        ParallelSpec(world_size=4, tp=3).validate(get_model("tiny-omni"))
