@@ -67,7 +67,7 @@ def test_a_run_record_holds_a_flat_steps_csv_equal_to_steps_jsonl(run_from_confi
     rows = list(csv.DictReader((out / "steps.csv").open()))
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [int(r["step"]) for r in rows] == [s["step"] for s in steps]
-    for r, s in zip(rows, steps):
+    for r, s in zip(rows, steps, strict=True):
         assert float(r["loss"]) == s["loss"] and float(r["tokens_per_s"]) == s["tokens_per_s"]
         assert sum(float(r[k]) for k in r if k.startswith("flops_")) == pytest.approx(s["flops"])
         assert not any(v.startswith(("{", "[")) for v in r.values())  # flat: no nested cell
