@@ -362,6 +362,10 @@ def register(app: typer.Typer) -> None:
                           f"{per_layer}; "
                           f"{_fit_text(prof.fit.get('optimizer', {}))}")
         console.print(table)
+        from simulator.calibrate import fit_warnings
+
+        for w in fit_warnings(prof):
+            console.print(f"[yellow]warning:[/] {w}", highlight=False)
         if prof.lock_skew:
             console.print(f"lock-step skew: {prof.lock_skew:.1%} of a lock-stepped action's compute", highlight=False)
         console.print(f"profile: {out}")
