@@ -11,6 +11,8 @@ import datetime as _dt
 import json
 import os
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -228,6 +230,8 @@ def register(app: typer.Typer) -> None:
         final = _free_name(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
         tmp.mkdir()
+        # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
+        sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         rows: list[dict] = []
         try:
             for n in sizes:
@@ -285,6 +289,8 @@ def register(app: typer.Typer) -> None:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
         if as_json:
             print(json.dumps({"record": str(final) if fitting else None, "missing_systems": missing,
                               "results": [{k: v for k, v in r.items() if k != "per_step"} for r in rows]}, indent=1))
