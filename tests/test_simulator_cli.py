@@ -133,6 +133,12 @@ def test_calibrate_and_validate_commands(app, tmp_path):
     r = CliRunner().invoke(app, ["calibrate", *runs, "--out", str(prof)])
     assert r.exit_code == 0, r.output
     assert prof.is_file() and "compute.forward" in r.output
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(prof.stat().st_mode) == 0o666 & ~umask
     r = CliRunner().invoke(app, ["validate", *runs, "--calibration", str(prof)])
     assert r.exit_code == 0, r.output
     assert "mean absolute error" in r.output and "in-sample" in r.output

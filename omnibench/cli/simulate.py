@@ -348,6 +348,9 @@ def register(app: typer.Typer) -> None:
         prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
                                                *(["--hardware", hardware] if hardware else [])])
         prof.save(out)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(out, 0o666 & ~umask)  # like every record file (saved through a temp file: 0600)
         table = Table(title="calibration")
         table.add_column("model")
         table.add_column("fit", justify="left")

@@ -61,6 +61,24 @@ def _systems_text(df: pd.DataFrame) -> str:
     return ", ".join(style.order_systems(df.system.unique())) or "none"
 
 
+def setup_text(sims, workload: str | None = None) -> str:
+    """What a simulated figure's title must state: model and hardware, layout, and whether the batch
+    grows with the cluster (weak scaling: tokens per GPU fixed) or not (strong scaling)."""
+    parts = []
+    for r in sims:
+        if workload is not None and r.workload != workload:
+            continue
+        c = r.config
+        layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
+            f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)
+        gbt = c.get("global_batch_tokens") or 0
+        batch = f"strong scaling, {gbt:,} tokens/step" if gbt else "weak scaling, 8,192 tokens/GPU"
+        text = f"{c.get('model')} on {c.get('hardware')}, {layout}, recompute {c.get('recompute', 'none')}, {batch}"
+        if text not in parts:
+            parts.append(text)
+    return "; ".join(parts)
+
+
 # -- 1. throughput ---------------------------------------------------------------------------------
 def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> Drawn:
     """Grouped bars per workload. Simulations: by default each workload at the largest cluster size
@@ -123,7 +141,8 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
     if src == "measured":
         src = f"measured on {', '.join(sorted(_devices(recs, df)))}"
     size = "" if many_sizes else f", {int(table.gpus.iloc[0]):,} {'ranks' if (df.source == 'run').all() else 'GPUs'}"
-    ax.set_title(f"Training throughput per system ({src}{size})")
+    setup = "" if src != "simulated" else setup_text(recs.sims)
+    ax.set_title(f"Training throughput per system ({src}{size})" + (f"\n{setup}" if setup else ""))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     fig.tight_layout()
     caption = (f"{src[0].upper() + src[1:]} training throughput (tokens/s), normalised per group to the best baseline "
@@ -204,7 +223,8 @@ def scaling(recs: Records, workload: str | None = None) -> Drawn:
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     hw = ", ".join(sorted({f"{r.config.get('model')} on {r.config.get('hardware')}" for r in recs.sims
                            if r.workload == wl}))
-    fig.suptitle(f"Scaling on {wl} ({hw}, simulated)", fontsize=9)
+    fig.suptitle(f"Scaling on {wl}, {sizes[0]:,} to {sizes[-1]:,} GPUs (simulated)\n{setup_text(recs.sims, wl)}",
+                 fontsize=9)
     fig.tight_layout()
     caption = (f"Simulated weak scaling on {wl} ({hw}): tokens/s/GPU and MFU (model FLOPs of the step, exact "
                "per-module formula, over step time x GPUs x peak) against cluster size.")
@@ -292,20 +312,25 @@ def timeline(rec, system: str | None = None, gpus: int | None = None, step: int 
     spans_drawn = 0
     for row, r in enumerate(shown):
         d = df[df["rank"] == r]
-        for (stream, module), g in d.groupby(["stream", "module"]):
+        for (stream, module, backward), g in d.groupby(["stream", "module", d.kind == "backward"]):
             off, h = lanes.get(stream, (0.8, 0.2))
             comm = stream != "compute"
+            # forward solid in the module's colour, backward the same hue lightened (and edged darker)
+            color = style.lighten(style.module_color(module), 0.5) if backward else style.module_color(module)
             ax.broken_barh(list(zip(g.start * scale, g.duration * scale, strict=True)), (row + off - 0.4, h),
-                           facecolors=style.module_color(module), alpha=0.55 if comm else 0.95,
-                           hatch="/////" if comm else None, edgecolor="white" if not comm else
-                           style.module_color(module), linewidth=0.2)
+                           facecolors=color, alpha=0.55 if comm else 0.95,
+                           hatch="/////" if comm else None, edgecolor=style.module_color(module) if comm or backward
+                           else "white", linewidth=0.2 if not backward else 0.5)
             spans_drawn += len(g)
     end = (df.start + df.duration).max() * scale
     ax.set_xlim(0, end * 1.01)
     ax.set_ylim(len(shown) - 0.4, -0.5)
     members = df.groupby("rank").members.first() if "members" in df else None
     ax.set_yticks(range(len(shown)))
-    ax.set_yticklabels([f"rank {r}" + (f" (x{int(members[r])})" if members is not None and members[r] > 1 else "")
+    # pipeline stage of each rank's LLM work (runs record it per span; 0 everywhere = no pipeline)
+    stages = df[df.module == "llm"].groupby("rank").stage.max() if "stage" in df and df.stage.max() > 0 else None
+    ax.set_yticklabels([f"rank {r}" + (f" · stage {int(stages[r])}" if stages is not None and r in stages else "")
+                        + (f" (x{int(members[r])})" if members is not None and members[r] > 1 else "")
                         for r in shown])
     ax.set_xlabel(f"time in step ({unit})")
     ax.grid(axis="y", visible=False)
@@ -313,10 +338,12 @@ def timeline(rec, system: str | None = None, gpus: int | None = None, step: int 
     idle = 1 - busy / (end / scale)
     mods = [m for m in ("vision", "audio", "llm", "all") if m in set(df.module)]
     handles = [Patch(color=style.module_color(m), label="optimizer" if m == "all" else m) for m in mods]
-    handles += [Patch(facecolor="0.93", edgecolor="0.25", label="solid: compute"),
+    handles += [Patch(facecolor="0.45", edgecolor="white", label="dark: forward"),
+                Patch(facecolor="0.85", edgecolor="0.45", label="light: backward"),
+                Patch(facecolor="0.93", edgecolor="0.25", label="solid: compute"),
                 Patch(facecolor="white", edgecolor="0.4", hatch="/////", label="hatched: communication"),
                 Patch(facecolor="white", edgecolor="white", label="blank: idle (bubble)")]
-    ax.legend(handles=handles, ncol=len(handles), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+    ax.legend(handles=handles, ncol=min(len(handles), 5), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0),
               fontsize=6)
     more = f"; {len(shown)} of them shown, evenly spaced" if len(ranks) > len(shown) else ""
     ax.set_title(f"{df.attrs['label']}: mean idle {idle.mean():.0%}{more}", pad=16)
