@@ -330,3 +330,18 @@ def test_a_timeline_tells_forward_from_backward_by_shade_and_names_pipeline_stag
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "dark: forward" in legend and "light: backward" in legend
     plt.close(d.fig)
+
+
+def test_measured_throughput_of_repeated_runs_is_their_mean_with_an_error_bar(tmp_path):
+    for system, slows in (("homogeneous", (1.0, 1.3)), ("temporal", (2.0, 2.2))):
+        for k, slow in enumerate(slows):
+            write_run(tmp_path, system, slow=slow, name=f"{system}-mixed_video" + (f"-r{k}" if k else ""))
+    d = figures.throughput(load([tmp_path]), source="run")
+    t = d.table.set_index("system")
+    assert (t.records == 2).all() and (t.tokens_per_s_std > 0).all()
+    from matplotlib.container import BarContainer
+
+    bars = [c for c in d.fig.axes[0].containers if isinstance(c, BarContainer)]
+    assert len(bars) == 2 and all(c.errorbar is not None for c in bars)
+    assert "mean over up to 2 repeated runs" in d.caption
+    plt.close(d.fig)

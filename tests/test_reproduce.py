@@ -76,3 +76,13 @@ def test_a_simulation_stopped_by_sigterm_leaves_no_folder_behind(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reproduce_repeat_runs_each_measured_run_again_under_its_own_folder(tmp_path):
+    stages = report._stages(tmp_path / "runs", tmp_path / "sims", ["homogeneous", "omni"], quick=True, repeat=3)
+    keys = [st.key for st in stages]
+    for s in ("homogeneous", "omni"):
+        assert [k for k in keys if k.startswith(f"run-{s}-mixed_video")] == [
+            f"run-{s}-mixed_video", f"run-{s}-mixed_video-r1", f"run-{s}-mixed_video-r2"]
+    outs = [st.args[st.args.index("--out") + 1] for st in stages if st.key.startswith("run-omni-mixed_video")]
+    assert len(set(outs)) == 3

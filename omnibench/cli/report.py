@@ -7,6 +7,7 @@ records can make. reproduce: re-make the committed reference figures from scratc
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -142,13 +143,17 @@ def register(app: typer.Typer) -> None:
         reuse: bool = typer.Option(False, "--reuse", help="Redraw from the data an earlier reproduce produced."),
         resume: bool = typer.Option(False, "--resume", help="Continue an interrupted reproduce: keep the stages "
                                     "it finished, redo the rest."),
+        repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
+                                   "throughput figure shows their mean with an error bar."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
         8,192 GPUs, then every figure under OUT/figures and OUT/report.html. Prints each stage (k of N, what
         it runs, time left); exits 1 if a stage failed or a figure could not be drawn."""
         if reuse and resume:
             fail("reproduce: --reuse redraws only, --resume produces what is missing; give one")
-        reproduce(out, quick, reuse, resume)
+        if repeat < 1:
+            fail(f"repeat must be a positive integer, got {repeat}")
+        reproduce(out, quick, reuse, resume, repeat)
 
 
 # -- reproduce -------------------------------------------------------------------------------------
@@ -184,7 +189,7 @@ def _omnibench(args: list[str]) -> tuple[bool, str]:
     return True, ""
 
 
-def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False) -> None:
+def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1) -> None:
     from omnibench.plots import figures, style
     from omnibench.plots.load import PlotInputError, Records, load
     from omnibench.plots.report import draw_all, write_html
@@ -197,8 +202,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False)
         if not (runs_dir.is_dir() and sims_dir.is_dir()):
             fail(f"reproduce --reuse: no earlier data under {runs_dir} and {sims_dir}; run without --reuse first")
     else:
-        _produce(runs_dir, sims_dir, systems, quick, resume, log)
-    n = len(_stages(runs_dir, sims_dir, systems, quick)) + 1
+        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat)
+    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat)) + 1
     console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
     # 3. figures, each from the records whose configs say they are its data
@@ -252,7 +257,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False)
          calibration=str(profile) if profile.is_file() else None)
     make("ablation", figures.ablation, Records(sims=scaling + ablated), workload="mixed_video")
     make("ablation_measured", figures.ablation,
-         recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name)))
+         recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name
+                      and not re.search(r"-r\d+$", p.name))))  # repeats (--repeat) are the throughput figure's
     make("workload", figures.workload, "mixed_video")
 
     # 4. the report over everything produced
@@ -284,7 +290,8 @@ def _ledger(sims_dir: Path) -> Path:
     return sims_dir / "reproduce-stages.json"
 
 
-def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str]) -> None:
+def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
+             repeat: int = 1) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
     left; the finished stages are kept in a ledger so that `--resume` skips them."""
     import json
@@ -299,7 +306,7 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         d.mkdir(parents=True, exist_ok=True)
         for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
             shutil.rmtree(part, ignore_errors=True)
-    stages = _stages(runs_dir, sims_dir, systems, quick)
+    stages = _stages(runs_dir, sims_dir, systems, quick, repeat)
     todo = [st for st in stages if st.key not in done]
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
@@ -335,17 +342,21 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool) -> list[Stage]:
+def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1) -> list[Stage]:
     stages: list[Stage] = []
     steps = "3" if quick else "5"
     run_s = 8.0 if quick else 11.0
     run_workloads = ["mixed_video"] if quick else ["mixed_video", "image_sft"]
     # 1. real runs on the CPU: 2 ranks, tiny model (the default preset on CPU)
-    for wl in run_workloads:
-        for s in systems:
-            stages.append(Stage(f"run-{s}-{wl}", f"run {s} on {wl} (2 CPU ranks, {steps} steps)",
-                                ["run", "--system", s, "--workload", wl, "--nproc", "2", "--steps", steps,
-                                 "--out", str(runs_dir / f"{s}-{wl}"), "--json"], run_s))
+    for k in range(repeat):  # repeat k > 0 writes <system>-<workload>-r<k>: the same run again
+        suffix = f"-r{k}" if k else ""
+        for wl in run_workloads:
+            for s in systems:
+                stages.append(Stage(f"run-{s}-{wl}{suffix}",
+                                    f"run {s} on {wl} (2 CPU ranks, {steps} steps)"
+                                    + (f", repeat {k + 1} of {repeat}" if repeat > 1 else ""),
+                                    ["run", "--system", s, "--workload", wl, "--nproc", "2", "--steps", steps,
+                                     "--out", str(runs_dir / f"{s}-{wl}{suffix}"), "--json"], run_s))
     if "omni" in systems:  # the ablation: one technique off at a time
         for tech in ABLATIONS[:1] if quick else ABLATIONS:
             stages.append(Stage(f"run-omni-no-{tech}", f"run omni without {tech} on mixed_video",

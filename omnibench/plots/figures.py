@@ -99,16 +99,21 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
         n_sys = df.groupby(["workload", "gpus"]).system.nunique()
         top = {wl: max(g for (w, g), n in n_sys.items() if w == wl and n >= 2) for wl, _ in n_sys[n_sys >= 2].index}
         df = df[[top.get(w) == g for w, g in zip(df.workload, df.gpus, strict=True)]] if top else df
+    # Measured runs of one system on one workload are repeats: their mean, with the spread as an error
+    # bar. Simulations of one system are layouts: the best one.
+    measured = bool((df.source == "run").all())
+    how = "mean" if measured else "max"
     agg = (df.groupby(["workload", "gpus", "system"], as_index=False)
-           .agg(tokens_per_s=("tokens_per_s", "max"), tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "max"),
-                records=("record", "count")))
+           .agg(tokens_per_s=("tokens_per_s", how), tokens_per_s_per_gpu=("tokens_per_s_per_gpu", how),
+                tokens_per_s_std=("tokens_per_s", "std"), records=("record", "count")))
+    agg["tokens_per_s_std"] = agg["tokens_per_s_std"].fillna(0.0) if measured else 0.0
     groups = []
     for (wl, gpus), g in agg.groupby(["workload", "gpus"], sort=False):
         if g.system.nunique() < 2:
             continue
         base = g[g.system.isin(BASELINES)]
         best = (base if not base.empty else g[g.system != "omni"]).tokens_per_s.max()
-        g = g.assign(speedup=g.tokens_per_s / best, best_baseline=best)
+        g = g.assign(speedup=g.tokens_per_s / best, speedup_std=g.tokens_per_s_std / best, best_baseline=best)
         groups.append(((wl, gpus), g))
     if not groups:
         raise PlotInputError(
@@ -121,15 +126,18 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
     style.apply_theme()
     fig, ax = plt.subplots(figsize=(min(style.DOUBLE_IN, max(style.COLUMN_IN, 0.3 * len(systems) * len(groups) + 1.6)),
                                     2.3))
+    repeats = int(table.records.max())
     for i, s in enumerate(systems):
-        xs, ys = [], []
+        xs, ys, errs = [], [], []
         for j, (_, g) in enumerate(groups):
             row = g[g.system == s]
             if not row.empty:
                 xs.append(j + (i - (len(systems) - 1) / 2) * width)
                 ys.append(float(row.speedup.iloc[0]))
+                errs.append(float(row.speedup_std.iloc[0]))
         bars = ax.bar(xs, ys, width=width * 0.95, color=style.system_color(s), label=s, edgecolor="white",
-                      linewidth=0.4)
+                      linewidth=0.4, yerr=errs if measured and repeats > 1 else None,
+                      error_kw={"elinewidth": 0.7, "capsize": 1.5, "ecolor": "0.2"})
         ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=5.5, padding=1, rotation=90 if len(
             systems) * len(groups) > 8 else 0)
     ax.axhline(1.0, color="0.3", linewidth=0.6, linestyle="--", zorder=0)
@@ -146,8 +154,10 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     fig.tight_layout()
     caption = (f"{src[0].upper() + src[1:]} training throughput (tokens/s), normalised per group to the best baseline "
-               f"({', '.join(b for b in BASELINES)}); labels give the speedup. Where a system has several records "
-               "(layouts) in a group, its best one is shown.")
+               f"({', '.join(b for b in BASELINES)}); labels give the speedup. "
+               + (f"Bars: mean over up to {repeats} repeated runs, error bars one standard deviation."
+                  if measured and repeats > 1 else "Measured: one run per bar (no repeats; no error bar)."
+                  if measured else "Where a system has several records (layouts) in a group, its best one is shown."))
     return Drawn("throughput", fig, table, caption + _left_out(full) + _cpu_note(recs, df))
 
 
