@@ -118,8 +118,64 @@ def register(app: typer.Typer) -> None:
                                     "in any tables); options given on the command line override it"),
     ) -> None:
         """Train for a few steps with real tensors and collectives; write a record folder."""
-        values = with_run_config(ctx, config) if config is not None else dict(ctx.params)
-        _execute(**values)
+        if config is not None and not ctx.meta.get("omnibench.config_applied"):
+            ctx.meta["omnibench.config_applied"] = True  # the call below runs with the file's values applied
+            return run(ctx, **with_run_config(ctx, config))
+        from omnibench.plan import PlanError
+        from omnibench.runtime.launch import RunFailed, check_layout, launch, resolve, under_torchrun
+        from omnibench.runtime.memory import fit_to_device
+        from omnibench.specs.model import SpecError
+        from omnibench.specs.run import RunSpec
+        from systems import SYSTEMS, available_systems
+        from systems.omni.options import options_from_flags
+
+        if not system:
+            fail(f"system: give --system (or system = \"...\" in a --config file), one of {', '.join(available_systems())}")
+        if system not in available_systems():
+            allowed = available_systems() or list(SYSTEMS)
+            fail(f"system must be one of {', '.join(allowed)}; got {system!r}")
+        spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
+                       global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
+                       out=out,
+                       batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
+                       dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
+                       options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
+                                                                  encoder_ranks, dp_shard))
+        try:
+            spec = resolve(spec)
+            spec, fit_note = fit_to_device(spec, model_given=bool(model))  # settles recompute=auto on CUDA
+            check_layout(spec)
+        except (SpecError, PlanError, ValueError, KeyError) as e:
+            fail(str(e).strip("'\""))
+        if config:
+            spec.extra["config_file"] = str(config)
+        spec.extra["argv"] = list(sys.argv)  # the record's provenance names the command as typed
+        if fit_note:
+            spec.extra["notes"] = [*spec.extra.get("notes", []), fit_note]
+        start = time.perf_counter()
+        try:
+            if as_json or under_torchrun():
+                folder = launch(spec)
+            else:
+                folder = _launch_with_progress(spec, launch)
+        except RunFailed as e:
+            err_console.print(f"[bold red]error:[/] rank {e.rank} failed", highlight=False)
+            err_console.print(e.text, highlight=False, markup=False)
+            raise typer.Exit(1) from None
+        except FileExistsError as e:
+            fail(str(e))
+        wall = time.perf_counter() - start
+        if under_torchrun() and int(os.environ["RANK"]) != 0:
+            return  # under torchrun only rank 0 reports
+
+        with open(os.path.join(folder, "summary.json")) as f:
+            summary = json.load(f)
+        summary["wall_time_s"] = wall
+        summary["record"] = folder
+        if as_json:
+            print(json.dumps(summary, indent=1))
+            return
+        _print_summary(summary, folder)
 
     @app.command("plan")
     def plan_cmd(
@@ -174,66 +230,6 @@ def register(app: typer.Typer) -> None:
             print(p.to_json())
             return
         print_plan(p)
-
-
-def _execute(*, system, workload, nproc, model, steps, seed, tp, pp, cp, ep, dp, dp_shard, microbatches, encoder_tp, encoder_ranks, fsdp, recompute, compile, global_batch_tokens, length_scale, device, dtype, out, batches_file, timeout, inject_failure, dump_params, no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option, as_json, config=None) -> None:
-    """`omnibench run` once its options are settled (command line over --config over defaults)."""
-    from omnibench.plan import PlanError
-    from omnibench.runtime.launch import RunFailed, check_layout, launch, resolve, under_torchrun
-    from omnibench.runtime.memory import fit_to_device
-    from omnibench.specs.model import SpecError
-    from omnibench.specs.run import RunSpec
-    from systems import SYSTEMS, available_systems
-    from systems.omni.options import options_from_flags
-
-    if not system:
-        fail(f"system: give --system (or system = \"...\" in a --config file), one of {', '.join(available_systems())}")
-    if system not in available_systems():
-        allowed = available_systems() or list(SYSTEMS)
-        fail(f"system must be one of {', '.join(allowed)}; got {system!r}")
-    spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
-                   global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
-                   out=out,
-                   batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
-                   dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
-                   options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
-                                                              encoder_ranks, dp_shard))
-    try:
-        spec = resolve(spec)
-        spec, fit_note = fit_to_device(spec, model_given=bool(model))  # settles recompute=auto on CUDA
-        check_layout(spec)
-    except (SpecError, PlanError, ValueError, KeyError) as e:
-        fail(str(e).strip("'\""))
-    if config:
-        spec.extra["config_file"] = str(config)
-    spec.extra["argv"] = list(sys.argv)  # the record's provenance names the command as typed
-    if fit_note:
-        spec.extra["notes"] = [*spec.extra.get("notes", []), fit_note]
-    start = time.perf_counter()
-    try:
-        if as_json or under_torchrun():
-            folder = launch(spec)
-        else:
-            folder = _launch_with_progress(spec, launch)
-    except RunFailed as e:
-        err_console.print(f"[bold red]error:[/] rank {e.rank} failed", highlight=False)
-        err_console.print(e.text, highlight=False, markup=False)
-        raise typer.Exit(1) from None
-    except FileExistsError as e:
-        fail(str(e))
-    wall = time.perf_counter() - start
-    if under_torchrun() and int(os.environ["RANK"]) != 0:
-        return  # under torchrun only rank 0 reports
-
-    with open(os.path.join(folder, "summary.json")) as f:
-        summary = json.load(f)
-    summary["wall_time_s"] = wall
-    summary["record"] = folder
-    if as_json:
-        print(json.dumps(summary, indent=1))
-        return
-    _print_summary(summary, folder)
-
 
 
 def print_plan(p) -> None:
