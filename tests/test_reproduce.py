@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _cheap_stages(bad: Path):
-    def stages(runs_dir, sims_dir, systems, quick):
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1):
         return [
             report.Stage("a", "list the workloads", ["workloads", "list"], 2.0),
             report.Stage("b", "a stage that fails until its input exists",

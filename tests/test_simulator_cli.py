@@ -41,7 +41,8 @@ def test_simulate_prints_a_row_per_size_and_system_and_writes_a_record(app, tmp_
     assert "omni" in out["missing_systems"] or "omni" in available_systems()
 
 
-def test_simulate_table_output(app, tmp_path):
+def test_simulate_table_output(app, tmp_path, monkeypatch):
+    monkeypatch.setattr(sim_cli.console, "width", 200)  # whatever width earlier tests left on the shared console
     r = CliRunner().invoke(app, ["simulate", "-w", "image_sft", "-s", "homogeneous", "--gpus", "16",
                                  "--global-batch-tokens", "65536", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
