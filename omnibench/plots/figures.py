@@ -353,10 +353,11 @@ def timeline(rec, system: str | None = None, gpus: int | None = None, step: int 
                 Patch(facecolor="0.93", edgecolor="0.25", label="solid: compute"),
                 Patch(facecolor="white", edgecolor="0.4", hatch="/////", label="hatched: communication"),
                 Patch(facecolor="white", edgecolor="white", label="blank: idle (bubble)")]
+    legend_rows = -(-len(handles) // 5)
     ax.legend(handles=handles, ncol=min(len(handles), 5), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0),
               fontsize=6)
     more = f"; {len(shown)} of them shown, evenly spaced" if len(ranks) > len(shown) else ""
-    ax.set_title(f"{df.attrs['label']}: mean idle {idle.mean():.0%}{more}", pad=16)
+    ax.set_title(f"{df.attrs['label']}: mean idle {idle.mean():.0%}{more}", pad=5 + 11 * legend_rows)  # above the legend
     fig.tight_layout()
     table = (df.groupby(["rank", "stream", "module", "kind"], as_index=False)
              .agg(spans=("duration", "size"), busy_s=("duration", "sum")))
