@@ -493,20 +493,75 @@ def _optimizer_points(runs: list[RunRecord], hardware: str | None) -> list[tuple
     return out
 
 
+OPTIMIZER_TERMS = ("overhead", "per parameter", "per sharded layer", "per plain layer")
+
+
+def _identifiable(design: np.ndarray) -> np.ndarray:
+    """Columns the data pin down: each one, in order, must add to the rank of those kept before it (a
+    column that is zero everywhere, or a multiple of earlier ones, e.g. sharded layers when no run
+    had FSDP, is not)."""
+    norm = np.maximum(np.abs(design).max(axis=0), 1e-300)
+    keep = np.zeros(design.shape[1], dtype=bool)
+    for j in range(design.shape[1]):
+        trial = keep.copy()
+        trial[j] = True
+        if np.linalg.matrix_rank(design[:, trial] / norm[trial]) == trial.sum():
+            keep = trial
+    return keep
+
+
 def fit_optimizer(points: list[tuple]) -> tuple[tuple[float, ...], dict]:
-    """time = a + b * params + c * sharded layers + d * plain layers (non-negative, robust)."""
+    """time = a + b * params + c * sharded layers + d * plain layers (non-negative, robust). A term no
+    data constrains is fixed at 0 and named in the stats' "fixed_at_zero" (fitting it would give any
+    value at all, e.g. 1e32 ms per sharded layer from runs without FSDP)."""
     a = np.array(points, dtype=float)
     y = a[:, -1]
     design = np.column_stack([np.ones_like(y), a[:, :-1]])
-    norm = np.maximum(np.abs(design).max(axis=0), 1e-30)
-    x = design / norm
+    keep = _identifiable(design)
+    d = design[:, keep]
+    norm = np.abs(d).max(axis=0)
+    x = d / norm
     lin = lsq_linear(x, y, bounds=(0, np.inf))
     res = least_squares(lambda c: (x @ c - y) / np.maximum(y, 1e-6), lin.x, bounds=(0, np.inf),
                         loss=ROBUST_LOSS, f_scale=0.1)
-    c = res.x / norm
+    c = np.zeros(design.shape[1])
+    c[keep] = res.x / norm
     pred = design @ c
-    return tuple(float(v) for v in c), {"points": len(y), "r2": _r2(y, pred),
-                                        "mape": float(np.mean(np.abs(pred - y) / y))}
+    stats = {"points": len(y), "r2": _r2(y, pred), "mape": float(np.mean(np.abs(pred - y) / y))}
+    fixed = [OPTIMIZER_TERMS[j] for j in range(design.shape[1]) if not keep[j]]
+    if fixed:
+        stats["fixed_at_zero"] = fixed
+    return tuple(float(v) for v in c), stats
+
+
+WEAK_R2 = 0.5  # a fitted curve explaining less of its points' variance than this is flagged
+WEAK_MAPE = 0.25  # ... or one whose mean |error| over its points is above this
+
+
+def fit_warnings(prof: Profile) -> list[str]:
+    """One line per fit a user should not trust as it stands: a curve that explains little (R^2 below
+    WEAK_R2 or mean |error| above WEAK_MAPE), an action kind that could not be fitted (its costs stay
+    the datasheet's), a term fixed at 0 because no run constrains it."""
+    out = []
+    for name, st in sorted(prof.fit.items()):
+        if "not_fitted" in st:
+            out.append(f"{name}: not fitted ({st['not_fitted']})")
+            continue
+        r2, mape = st.get("r2"), st.get("mape")
+        weak = []
+        # A low R^2 alone is no fault where the points barely vary and the error is small.
+        if r2 is not None and r2 < WEAK_R2 and (mape is None or mape > WEAK_MAPE / 2):
+            weak.append(f"R2 {r2:.2f} < {WEAK_R2}")
+        if mape is not None and mape > WEAK_MAPE:
+            weak.append(f"mean |error| {mape:.0%} > {WEAK_MAPE:.0%}")
+        if weak:
+            out.append(f"{name}: the fit explains little ({', '.join(weak)} over {st.get('points', '?')} points); "
+                       "more runs with varied sizes would pin it")
+        if st.get("fixed_at_zero"):
+            out.append(f"{name}: {', '.join(st['fixed_at_zero'])} fixed at 0: the runs do not vary "
+                       f"{'it' if len(st['fixed_at_zero']) == 1 else 'them'} independently (e.g. one model "
+                       "size only, or no run with FSDP)")
+    return out
 
 
 def fit_collectives(points: list[tuple], mean: bool = False) -> tuple[dict[str, tuple[float, float]], dict]:
@@ -600,6 +655,13 @@ def calibrate(run_dirs: list[str], hardware: str | None = None) -> Profile:
         for kind, pts in sorted(_compute_points(runs, hardware, prof).items()):
             # A module's own curve needs enough distinct sizes to pin its five parameters.
             if len(pts) < 7 or ("." in kind and len({p[:-1] for p in pts}) < 8):
+                why = (f"{len(pts)} traced actions, fewer than 7" if len(pts) < 7
+                       else f"{len({p[:-1] for p in pts})} distinct sizes, fewer than 8")
+                if "." in kind:  # a module's own curve: the action kind's shared curve covers it
+                    why += f"; the shared compute.{kind.split('.')[0]} curve covers it"
+                else:
+                    why += "; the simulator keeps the datasheet roofline for it"
+                fits[f"compute.{kind}"] = {"points": len(pts), "not_fitted": why}
                 continue
             curves[kind], fits[f"compute.{kind}"] = fit_compute(pts, base.gpu.peak_flops, robust=not from_cpu)
         prof.compute = curves
@@ -609,6 +671,8 @@ def calibrate(run_dirs: list[str], hardware: str | None = None) -> Profile:
     opt = _optimizer_points(runs, hardware)
     if len(opt) >= 3:
         prof.optimizer, prof.fit["optimizer"] = fit_optimizer(opt)
+    else:
+        prof.fit["optimizer"] = {"points": len(opt), "not_fitted": f"{len(opt)} traced optimizer steps, fewer than 3"}
     prof.provenance = {
         "device": sorted({r.device for r in runs}),
         "torch": sorted({str(r.summary.get("torch", r.config.get("torch_version", "not recorded"))) for r in runs}),

@@ -37,6 +37,7 @@ def write_run(root: Path, system: str, workload: str = "mixed_video", steps: int
     folder.mkdir(parents=True)
     spec = RunSpec(system=system, workload=workload, model="tiny-omni", nproc=2, steps=steps, global_batch_tokens=1536,
                    length_scale=0.02, max_sample_tokens=384, out=str(folder), options=dict(options or {}),
+                   recompute="none",  # as a CPU run's resolved spec records it
                    extra={"device": "cpu", "backend": "gloo"})
     model = get_model("tiny-omni")
     stream = WorkloadStream(workload, seed=0, global_batch_tokens=1536, length_scale=0.02, max_sample_tokens=384)
@@ -290,4 +291,57 @@ def test_validation_with_a_calibration_shows_both_cost_sets_and_says_in_sample(t
     text = " ".join(t.get_text() for t in ax.texts)
     assert "datasheet: MAE" in text and "calibrated (in-sample): MAE" in text
     assert set(d.table.costs) == {"datasheet", "calibrated"}
+    plt.close(d.fig)
+
+
+def test_modality_colours_never_reuse_a_system_colour():
+    from omnibench.plots import style
+
+    assert not set(style.MODALITY_COLORS.values()) & set(style.SYSTEM_COLORS.values())
+    assert len(set(style.MODALITY_COLORS.values())) == len(style.MODALITY_COLORS)
+
+
+def test_a_scaling_title_states_model_layout_scale_and_weak_scaling(sim):
+    d = figures.scaling(load([sim]))
+    title = d.fig._suptitle.get_text()
+    assert "8 to 16 GPUs" in title and "omni-7b on h100" in title and "tp 4 / pp 1" in title
+    assert "recompute full" in title and "weak scaling, 8,192 tokens/GPU" in title
+    plt.close(d.fig)
+
+
+def test_a_timeline_tells_forward_from_backward_by_shade_and_names_pipeline_stages(tmp_path):
+    import matplotlib.colors as mc
+
+    from omnibench.plots import style
+
+    rec = load([write_run(tmp_path, "homogeneous")]).runs[0]
+    trace = json.loads((rec.path / "trace.json").read_text())
+    for e in trace["traceEvents"]:  # as a pp 2 run records it: rank 1 holds the second LLM stage
+        if e["ph"] == "X" and e["args"]["rank"] == 1 and e["args"]["module"] == "llm":
+            e["args"]["stage"] = 1
+    (rec.path / "trace.json").write_text(json.dumps(trace))
+    d = figures.timeline(load([rec.path]).runs[0], step=1)
+    ax = d.fig.axes[0]
+    faces = {tuple(round(v, 3) for v in mc.to_rgb(c.get_facecolor()[0])) for c in ax.collections}
+    llm = style.module_color("llm")
+    assert tuple(round(v, 3) for v in mc.to_rgb(llm)) in faces  # forward
+    assert tuple(round(v, 3) for v in style.lighten(llm, 0.5)) in faces  # backward, lighter
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 · stage 0", "rank 1 · stage 1"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "dark: forward" in legend and "light: backward" in legend
+    plt.close(d.fig)
+
+
+def test_measured_throughput_of_repeated_runs_is_their_mean_with_an_error_bar(tmp_path):
+    for system, slows in (("homogeneous", (1.0, 1.3)), ("temporal", (2.0, 2.2))):
+        for k, slow in enumerate(slows):
+            write_run(tmp_path, system, slow=slow, name=f"{system}-mixed_video" + (f"-r{k}" if k else ""))
+    d = figures.throughput(load([tmp_path]), source="run")
+    t = d.table.set_index("system")
+    assert (t.records == 2).all() and (t.tokens_per_s_std > 0).all()
+    from matplotlib.container import BarContainer
+
+    bars = [c for c in d.fig.axes[0].containers if isinstance(c, BarContainer)]
+    assert len(bars) == 2 and all(c.errorbar is not None for c in bars)
+    assert "mean over up to 2 repeated runs" in d.caption
     plt.close(d.fig)

@@ -343,3 +343,32 @@ def test_profile_keeps_its_runs_when_the_folder_moves(tmp_path):
     shutil.move(str(a), str(tmp_path / "b"))
     moved = Profile.load(tmp_path / "b" / "profile.json")
     assert moved.provenance["runs"] == [str((tmp_path / "b" / "runs" / "r1").resolve())]
+
+
+def test_an_optimizer_term_no_run_constrains_is_fixed_at_zero_and_named():
+    from simulator.calibrate import fit_optimizer
+
+    # params vary, plain layers vary, no run had FSDP: sharded layers are 0 on every point
+    pts = [(p, 0, L, 0.002 + 3e-9 * p + 1e-4 * L) for p, L in ((1e6, 4), (2e6, 4), (4e6, 8), (8e6, 12), (3e6, 2))]
+    coef, stats = fit_optimizer(pts)
+    assert coef[2] == 0.0 and stats["fixed_at_zero"] == ["per sharded layer"]
+    assert coef[0] == pytest.approx(0.002, rel=1e-3) and coef[1] == pytest.approx(3e-9, rel=1e-3)
+    assert coef[3] == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_calibrate_warns_about_weak_curves_unfitted_actions_and_terms_fixed_at_zero():
+    from simulator.calibrate import Profile, fit_warnings
+
+    prof = Profile(hardware="cpu-gloo")
+    prof.fit = {
+        "compute.forward": {"points": 40, "r2": 0.99, "mape": 0.03},  # good: no warning
+        "compute.backward": {"points": 30, "r2": 0.04, "mape": 0.46},  # the weak fit
+        "compute.forward.audio": {"points": 3, "not_fitted": "3 traced actions, fewer than 7"},
+        "optimizer": {"points": 8, "r2": 0.9, "mape": 0.02, "fixed_at_zero": ["per sharded layer"]},
+        "collectives.intra": {"points": 20, "r2": -0.01, "mape": 0.02},  # flat data, small error: fine
+    }
+    lines = fit_warnings(prof)
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("compute.backward:") and "R2 0.04" in lines[0] and "46%" in lines[0]
+    assert lines[1].startswith("compute.forward.audio: not fitted (3 traced actions")
+    assert lines[2].startswith("optimizer: per sharded layer fixed at 0")

@@ -42,7 +42,7 @@ def test_simulate_prints_a_row_per_size_and_system_and_writes_a_record(app, tmp_
 
 
 def test_simulate_table_output(app, tmp_path, monkeypatch):
-    monkeypatch.setattr(sim_cli.console, "width", 200)  # a wide terminal: no column is abbreviated
+    monkeypatch.setattr(sim_cli.console, "width", 200)  # whatever width earlier tests left on the shared console
     r = CliRunner().invoke(app, ["simulate", "-w", "image_sft", "-s", "homogeneous", "--gpus", "16",
                                  "--global-batch-tokens", "65536", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
@@ -53,9 +53,55 @@ def test_a_plan_that_does_not_fit_is_reported_not_timed(app, tmp_path):
     r = CliRunner().invoke(app, ["simulate", "-w", "long_video", "-s", "homogeneous", "--gpus", "8",
                                  "--model", "vl-72b", "--global-batch-tokens", "262144", "--out", str(tmp_path),
                                  "--json"])
-    assert r.exit_code == 0, r.output
-    row = json.loads(r.output)["results"][0]
+    assert r.exit_code == 1, r.output  # nothing fits: a failure, not an empty success
+    out = json.loads(r.output)
+    row = out["results"][0]
     assert row["fits"] is False and row["fit_message"].startswith("does not fit: rank")
+    assert "tokens_per_s" not in row and "mfu" not in row and "per_step" not in row
+    assert out["record"] is None and list(tmp_path.iterdir()) == []  # no trace, no record, no temp folder
+
+
+def test_when_nothing_fits_or_plans_the_table_names_each_systems_reason_and_exits_non_zero(app, tmp_path):
+    r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "homogeneous,temporal", "--gpus", "16",
+                                 "--tp", "4", "--pp", "4", "--out", str(tmp_path)])
+    assert r.exit_code == 1, r.output
+    assert "homogeneous: does not fit: rank" in r.output
+    assert "temporal: cannot plan: pp:" in r.output
+    assert "no system fits or plans this layout" in r.output and "record:" not in r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_row_that_does_not_fit_among_rows_that_do_keeps_no_throughput_and_no_trace():
+    from types import SimpleNamespace
+
+    res = SimpleNamespace(fits=False, fit_message="does not fit: rank 3 needs 90.0 GiB of 80.0 GiB",
+                          peak_memory=90 * 2**30, memory_capacity=80 * 2**30, classes=4, sim_seconds=0.1,
+                          step_time=1.0, tokens=1000)
+    row = sim_cli._summary([res])
+    assert row["fits"] is False and row["fit_message"] == res.fit_message and row["peak_memory_gib"] == 90
+    assert not {"tokens_per_s", "tokens_per_s_per_gpu", "mfu", "tflops_per_gpu", "per_step"} & set(row)
+
+
+def test_a_simulation_record_holds_a_flat_results_csv_provenance_and_the_users_permissions(app, tmp_path):
+    import csv
+    import os
+    import stat
+
+    r = CliRunner().invoke(app, ["simulate", "-w", "image_sft", "-s", "homogeneous,temporal", "--gpus", "16",
+                                 "--global-batch-tokens", "65536", "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    rec = tmp_path / json.loads(r.output)["record"].split("/")[-1]
+    rows = list(csv.DictReader((rec / "results.csv").open()))
+    assert [(x["gpus"], x["system"]) for x in rows] == [("16", "homogeneous"), ("16", "temporal")]
+    assert all(float(x["tokens_per_s"]) > 0 and x["fits"] == "True" for x in rows)
+    prov = json.loads((rec / "config.json").read_text())["provenance"]
+    assert set(prov) >= {"commit", "dirty", "omnibench", "torch", "python", "command", "hostname", "device"}
+    assert prov["device"] == "simulated: h100" and prov["torch"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(rec.stat().st_mode) == 0o777 & ~umask
+    assert {stat.S_IMODE(f.stat().st_mode) for f in rec.iterdir()} == {0o666 & ~umask}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") or p.name.endswith(".incomplete")]
 
 
 @pytest.mark.parametrize(
@@ -88,6 +134,12 @@ def test_calibrate_and_validate_commands(app, tmp_path):
     r = CliRunner().invoke(app, ["calibrate", *runs, "--out", str(prof)])
     assert r.exit_code == 0, r.output
     assert prof.is_file() and "compute.forward" in r.output
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(prof.stat().st_mode) == 0o666 & ~umask
     r = CliRunner().invoke(app, ["validate", *runs, "--calibration", str(prof)])
     assert r.exit_code == 0, r.output
     assert "mean absolute error" in r.output and "in-sample" in r.output
@@ -97,7 +149,7 @@ def test_calibrate_and_validate_commands(app, tmp_path):
 
 def test_simulate_ablation_switches_reach_omnis_plan_and_the_record(app, tmp_path):
     r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "omni", "--gpus", "16", "--tp", "2",
-                                 "--no-long-short-sp", "--no-reorder", "--option", "reorder_group=4",
+                                 "--recompute", "full", "--no-long-short-sp", "--no-reorder", "--option", "reorder_group=4",
                                  "--out", str(tmp_path), "--json"])
     assert r.exit_code == 0, r.output
     rec = tmp_path / json.loads(r.output)["record"].split("/")[-1]

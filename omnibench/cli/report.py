@@ -7,10 +7,14 @@ records can make. reproduce: re-make the committed reference figures from scratc
 
 from __future__ import annotations
 
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -137,30 +141,55 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("results"), "--out", help="Results folder (figures/, report.html, runs/, sims/)."),
         quick: bool = typer.Option(False, "--quick", help="Fewer runs, steps and cluster sizes (a smoke test)."),
         reuse: bool = typer.Option(False, "--reuse", help="Redraw from the data an earlier reproduce produced."),
+        resume: bool = typer.Option(False, "--resume", help="Continue an interrupted reproduce: keep the stages "
+                                    "it finished, redo the rest."),
+        repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
+                                   "throughput figure shows their mean with an error bar."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
-        8,192 GPUs, then every figure under OUT/figures and OUT/report.html."""
-        reproduce(out, quick, reuse)
+        8,192 GPUs, then every figure under OUT/figures and OUT/report.html. Prints each stage (k of N, what
+        it runs, time left); exits 1 if a stage failed or a figure could not be drawn."""
+        if reuse and resume:
+            fail("reproduce: --reuse redraws only, --resume produces what is missing; give one")
+        if repeat < 1:
+            fail(f"repeat must be a positive integer, got {repeat}")
+        reproduce(out, quick, reuse, resume, repeat)
 
 
 # -- reproduce -------------------------------------------------------------------------------------
-def _omnibench(args: list[str], what: str, log: list[str]) -> None:
-    """Run an omnibench command in a fresh process: exactly the code path a user's command takes."""
-    cmd = [sys.executable, "-m", "omnibench", *args]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    dt = time.perf_counter() - t0
-    line = "omnibench " + " ".join(args)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        log.append(f"FAILED ({what}): {line}: {' | '.join(tail)}")
-        err_console.print(f"[red]failed[/] {what} ({dt:.0f} s): {' | '.join(tail)}", highlight=False)
-        return
-    console.print(f"done {what} ({dt:.0f} s)", highlight=False)
-    log.append(line)
+@dataclass
+class Stage:
+    """One command of `reproduce`'s data production. `args` may be a function: its arguments depend on
+    what earlier stages left (calibrate takes the finished runs). `estimate_s`: its time on 2 shared
+    cores (results/BENCHMARKS.md), for the progress line's time left."""
+
+    key: str
+    what: str
+    args: list[str] | Callable[[], list[str]]
+    estimate_s: float
 
 
-def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:
+def _omnibench(args: list[str]) -> tuple[bool, str]:
+    """Run an omnibench command in a fresh process (exactly the code path a user's command takes);
+    (ok, the last lines of its error output). Stopping reproduce stops the command too."""
+    proc = subprocess.Popen([sys.executable, "-m", "omnibench", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:  # Ctrl-C or SIGTERM: the child ends with us and cleans its own temp folder
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    if proc.returncode != 0:
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        return False, " | ".join(tail)
+    return True, ""
+
+
+def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1) -> None:
     from omnibench.plots import figures, style
     from omnibench.plots.load import PlotInputError, Records, load
     from omnibench.plots.report import draw_all, write_html
@@ -173,7 +202,9 @@ def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:
         if not (runs_dir.is_dir() and sims_dir.is_dir()):
             fail(f"reproduce --reuse: no earlier data under {runs_dir} and {sims_dir}; run without --reuse first")
     else:
-        _produce(runs_dir, sims_dir, systems, quick, log)
+        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat)
+    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat)) + 1
+    console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
     # 3. figures, each from the records whose configs say they are its data
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -226,13 +257,18 @@ def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:
          calibration=str(profile) if profile.is_file() else None)
     make("ablation", figures.ablation, Records(sims=scaling + ablated), workload="mixed_video")
     make("ablation_measured", figures.ablation,
-         recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name)))
+         recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name
+                      and not re.search(r"-r\d+$", p.name))))  # repeats (--repeat) are the throughput figure's
     make("workload", figures.workload, "mixed_video")
 
     # 4. the report over everything produced
-    everything = load([runs_dir, sims_dir])
-    write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None), everything,
-               out / "report.html", "omnibench reference results")
+    try:
+        everything = load([runs_dir, sims_dir])
+        write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None), everything,
+                   out / "report.html", "omnibench reference results")
+        results.append(("report.html", "written"))
+    except PlotInputError as e:
+        results.append(("report.html", f"not produced: {e}"))
     console.print("\n[bold]reference figures[/]", highlight=False)
     for name, what in results:
         console.print(f"  {name}: {what}", highlight=False)
@@ -242,48 +278,125 @@ def reproduce(out: Path, quick: bool, reuse: bool = False) -> None:
         console.print(f"{len(failed)} command(s) failed:", highlight=False)
         for line in failed:
             console.print("  " + line, highlight=False)
+    missing = [name for name, what in results if what != "written"]
+    if failed or missing:
+        hint = "`omnibench reproduce --resume` redoes what failed" if not reuse else \
+            "run `omnibench reproduce --resume` to produce the missing data"
+        fail(f"reproduce: {len(failed)} command(s) failed, {len(missing)} figure(s) not drawn"
+             f"{': ' + ', '.join(missing) if missing else ''}; {hint}", code=1)
 
 
-def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, log: list[str]) -> None:
-    for d in (runs_dir, sims_dir):  # from scratch: these two folders belong to this command alone
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
+def _ledger(sims_dir: Path) -> Path:
+    return sims_dir / "reproduce-stages.json"
+
+
+def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
+             repeat: int = 1) -> None:
+    """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
+    left; the finished stages are kept in a ledger so that `--resume` skips them."""
+    import json
+
+    done: dict[str, float] = {}
+    if resume and _ledger(sims_dir).is_file():
+        done = json.loads(_ledger(sims_dir).read_text())
+    else:
+        for d in (runs_dir, sims_dir):  # from scratch: these two folders belong to this command alone
+            shutil.rmtree(d, ignore_errors=True)
+    for d in (runs_dir, sims_dir):
+        d.mkdir(parents=True, exist_ok=True)
+        for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
+            shutil.rmtree(part, ignore_errors=True)
+    stages = _stages(runs_dir, sims_dir, systems, quick, repeat)
+    todo = [st for st in stages if st.key not in done]
+    if done:
+        console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
+    spent = estimated = 0.0  # measured and estimated seconds of the stages run so far: their ratio paces the rest
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that the running command is stopped with us
+    for st in stages:
+        k = stages.index(st) + 1
+        if st.key in done:
+            continue
+        left = sum(x.estimate_s for x in todo[todo.index(st):]) * (spent / estimated if estimated else 1.0)
+        console.print(f"[{k}/{len(stages)}] {st.what} (about {_duration(left)} left)", highlight=False)
+        args = st.args() if callable(st.args) else st.args
+        t0 = time.perf_counter()
+        ok, why = _omnibench(args)
+        dt = time.perf_counter() - t0
+        spent, estimated = spent + dt, estimated + st.estimate_s
+        line = "omnibench " + " ".join(args)
+        if ok:
+            done[st.key] = dt
+            _ledger(sims_dir).write_text(json.dumps(done, indent=1))
+            console.print(f"      done in {dt:.0f} s", highlight=False)
+            log.append(line)
+        else:
+            err_console.print(f"      [red]failed[/] ({dt:.0f} s): {why}", highlight=False)
+            log.append(f"FAILED ({st.what}): {line}: {why}")
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1) -> list[Stage]:
+    stages: list[Stage] = []
     steps = "3" if quick else "5"
+    run_s = 8.0 if quick else 11.0
     run_workloads = ["mixed_video"] if quick else ["mixed_video", "image_sft"]
     # 1. real runs on the CPU: 2 ranks, tiny model (the default preset on CPU)
-    for wl in run_workloads:
-        for s in systems:
-            _omnibench(["run", "--system", s, "--workload", wl, "--nproc", "2", "--steps", steps,
-                        "--out", str(runs_dir / f"{s}-{wl}"), "--json"], f"run {s} on {wl}", log)
+    for k in range(repeat):  # repeat k > 0 writes <system>-<workload>-r<k>: the same run again
+        suffix = f"-r{k}" if k else ""
+        for wl in run_workloads:
+            for s in systems:
+                stages.append(Stage(f"run-{s}-{wl}{suffix}",
+                                    f"run {s} on {wl} (2 CPU ranks, {steps} steps)"
+                                    + (f", repeat {k + 1} of {repeat}" if repeat > 1 else ""),
+                                    ["run", "--system", s, "--workload", wl, "--nproc", "2", "--steps", steps,
+                                     "--out", str(runs_dir / f"{s}-{wl}{suffix}"), "--json"], run_s))
     if "omni" in systems:  # the ablation: one technique off at a time
         for tech in ABLATIONS[:1] if quick else ABLATIONS:
-            _omnibench(["run", "--system", "omni", "--workload", "mixed_video", "--nproc", "2", "--steps", steps,
-                        f"--no-{tech}", "--out", str(runs_dir / f"omni-no-{tech}-mixed_video"), "--json"],
-                       f"run omni without {tech} on mixed_video", log)
+            stages.append(Stage(f"run-omni-no-{tech}", f"run omni without {tech} on mixed_video",
+                                ["run", "--system", "omni", "--workload", "mixed_video", "--nproc", "2", "--steps",
+                                 steps, f"--no-{tech}", "--out", str(runs_dir / f"omni-no-{tech}-mixed_video"),
+                                 "--json"], run_s))
     # a pipelined run: its measured timeline shows real pipeline bubbles
-    _omnibench(["run", "--system", "homogeneous", "--workload", "mixed_video", "--nproc", "2", "--pp", "2",
-                "--microbatches", "4", "--steps", steps, "--out", str(runs_dir / "homogeneous-pp2-mixed_video"),
-                "--json"], "pipelined run (homogeneous, pp 2)", log)
+    stages.append(Stage("run-homogeneous-pp2", "pipelined run (homogeneous, pp 2)",
+                        ["run", "--system", "homogeneous", "--workload", "mixed_video", "--nproc", "2", "--pp", "2",
+                         "--microbatches", "4", "--steps", steps, "--out",
+                         str(runs_dir / "homogeneous-pp2-mixed_video"), "--json"], run_s))
+
     # the simulator fitted to these runs (validation shows datasheet and calibrated costs against them)
-    finished = sorted(str(p) for p in runs_dir.iterdir() if p.is_dir() and not p.name.endswith(".incomplete"))
-    if finished:
-        _omnibench(["calibrate", *finished, "--out", str(sims_dir / "calibration.json")], "calibrate on the runs", log)
+    def calibrate_args() -> list[str]:
+        finished = sorted(str(p) for p in runs_dir.iterdir() if p.is_dir() and not p.name.endswith(".incomplete"))
+        return ["calibrate", *finished, "--out", str(sims_dir / "calibration.json")]
+
+    stages.append(Stage("calibrate", "calibrate the simulator on the runs", calibrate_args, 3.0))
     # 2. simulations: one layout for every system (TP 4 inside a node, full recomputation to fit 80 GB)
     sim_common = ["--system", ",".join(systems), "--hardware", "h100", "--model", "omni-7b", "--tp", "4",
                   "--recompute", "full", "--out", str(sims_dir), "--json"]
     sizes = "256,1024" if quick else "256,512,1024,2048,4096,8192"
-    _omnibench(["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
-               f"simulate mixed_video at {sizes} GPUs", log)
+    stages.append(Stage("sim-scaling", f"simulate mixed_video at {sizes} GPUs",
+                        ["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
+                        25.0 if quick else 300.0))
     if "omni" in systems:  # the ablation at scale: same layout as the full omni of the run above, at 1,024 GPUs
         for tech in ABLATIONS[:1] if quick else ABLATIONS:
-            _omnibench(["simulate", "--workload", "mixed_video", "--gpus", "1024", *sim_common[2:], "--system",
-                        "omni", f"--no-{tech}"], f"simulate omni without {tech} at 1,024 GPUs", log)
+            stages.append(Stage(f"sim-omni-no-{tech}", f"simulate omni without {tech} at 1,024 GPUs",
+                                ["simulate", "--workload", "mixed_video", "--gpus", "1024", *sim_common[2:],
+                                 "--system", "omni", f"--no-{tech}"], 6.0))
     for wl in ([] if quick else ["image_sft", "long_video", "omni_av"]):
-        _omnibench(["simulate", "--workload", wl, "--gpus", "1024", *sim_common], f"simulate {wl}", log)
+        stages.append(Stage(f"sim-{wl}", f"simulate {wl} at 1,024 GPUs",
+                            ["simulate", "--workload", wl, "--gpus", "1024", *sim_common], 30.0))
     # a pipelined layout (PP 4) at 256 GPUs: its traces show pipeline bubbles and what fills them
     piped = [s for s in systems if s != "temporal"]  # temporal has no pipeline
-    _omnibench(["simulate", "--workload", "mixed_video", "--gpus", "256", "--pp", "4", "--microbatches", "8",
-                *sim_common[2:], "--system", ",".join(piped)], "simulate a pipelined layout at 256 GPUs", log)
+    stages.append(Stage("sim-pipelined", "simulate a pipelined layout (pp 4) at 256 GPUs",
+                        ["simulate", "--workload", "mixed_video", "--gpus", "256", "--pp", "4", "--microbatches",
+                         "8", *sim_common[2:], "--system", ",".join(piped)], 8.0))
     # seed 14 of bursty_mix goes calm -> audio burst -> video burst within its first 16 steps
-    _omnibench(["simulate", "--workload", "bursty_mix", "--seed", "14", "--gpus", "256", "--steps",
-                "10" if quick else "16", *sim_common], "simulate bursty_mix over consecutive steps", log)
+    stages.append(Stage("sim-bursty", "simulate bursty_mix over consecutive steps at 256 GPUs",
+                        ["simulate", "--workload", "bursty_mix", "--seed", "14", "--gpus", "256", "--steps",
+                         "10" if quick else "16", *sim_common], 50.0 if quick else 80.0))
+    return stages

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import typer
 from rich.table import Table
@@ -17,10 +19,67 @@ def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, 
                 encoder_ranks=encoder_ranks, dp_shard=dp_shard)
 
 
+NOT_IN_CONFIG = ("config", "as_json")  # options a run config file cannot set
+
+
+def with_run_config(ctx, path: Path) -> dict:
+    """The run command's options with a TOML run config applied: the file's values (any tables, keys
+    named like the options, `-` or `_`) replace defaults; options given on the command line win.
+    torchtitan's job config works the same way; the resolved options are what the record stores."""
+    import tomllib
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        fail(f"config: cannot read {path}: {e.strerror}")
+    except tomllib.TOMLDecodeError as e:
+        fail(f"config: {path} is not valid TOML: {e}")
+    flat: dict[str, object] = {}
+
+    def walk(table: dict, where: str) -> None:
+        for k, v in table.items():
+            if isinstance(v, dict):
+                walk(v, f"{where}{k}.")
+                continue
+            key = k.replace("-", "_")
+            key = {"json": "as_json"}.get(key, key)
+            if key in flat:
+                fail(f"config: {where}{k} sets {key} a second time in {path}")
+            flat[key] = v
+
+    walk(doc, "")
+    values = dict(ctx.params)
+    allowed = sorted(k for k in values if k not in NOT_IN_CONFIG)
+    for key, v in flat.items():
+        if key not in allowed:
+            fail(f"config: unknown key {key!r} in {path}; allowed: {', '.join(allowed)}")
+        default = values[key]
+        want = type(default) if default is not None else str
+        ok = isinstance(v, want) and not (want is int and isinstance(v, bool))
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            v, ok = float(v), True
+        if want is list:
+            ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
+        if not ok:
+            fail(f"config: {key} in {path} must be {want.__name__}, got {v!r}")
+        if ctx.get_parameter_source(key).name != "COMMANDLINE":
+            values[key] = v
+    values["config"] = str(path)
+    return values
+
+
+def systems_help() -> str:
+    """The registered systems, as `--system` help lists them (from the registry, so none is left out)."""
+    from systems import available_systems
+
+    return " | ".join(available_systems())
+
+
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run(
-        system: str = typer.Option(..., "--system", help="homogeneous | temporal | colocated | noncolocated"),
+        ctx: typer.Context,
+        system: str = typer.Option("", "--system", help=systems_help()),
         workload: str = typer.Option("mixed_video", "--workload"),
         nproc: int = typer.Option(0, "--nproc", help="ranks (0: 2 on CPU, every GPU on CUDA)"),
         model: str = typer.Option("", "--model", help="model preset (default: tiny-omni on CPU, omni-7b on CUDA)"),
@@ -55,8 +114,13 @@ def register(app: typer.Typer) -> None:
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
         as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+        config: Path = typer.Option(None, "--config", help="a TOML run config (any of these options, by name, "
+                                    "in any tables); options given on the command line override it"),
     ) -> None:
         """Train for a few steps with real tensors and collectives; write a record folder."""
+        if config is not None and not ctx.meta.get("omnibench.config_applied"):
+            ctx.meta["omnibench.config_applied"] = True  # the call below runs with the file's values applied
+            return run(ctx, **with_run_config(ctx, config))
         from omnibench.plan import PlanError
         from omnibench.runtime.launch import RunFailed, check_layout, launch, resolve, under_torchrun
         from omnibench.runtime.memory import fit_to_device
@@ -65,6 +129,8 @@ def register(app: typer.Typer) -> None:
         from systems import SYSTEMS, available_systems
         from systems.omni.options import options_from_flags
 
+        if not system:
+            fail(f"system: give --system (or system = \"...\" in a --config file), one of {', '.join(available_systems())}")
         if system not in available_systems():
             allowed = available_systems() or list(SYSTEMS)
             fail(f"system must be one of {', '.join(allowed)}; got {system!r}")
@@ -81,6 +147,9 @@ def register(app: typer.Typer) -> None:
             check_layout(spec)
         except (SpecError, PlanError, ValueError, KeyError) as e:
             fail(str(e).strip("'\""))
+        if config:
+            spec.extra["config_file"] = str(config)
+        spec.extra["argv"] = list(sys.argv)  # the record's provenance names the command as typed
         if fit_note:
             spec.extra["notes"] = [*spec.extra.get("notes", []), fit_note]
         start = time.perf_counter()
@@ -108,7 +177,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("plan")
     def plan_cmd(
-        system: str = typer.Option(..., "--system"),
+        system: str = typer.Option(..., "--system", help=systems_help()),
         workload: str = typer.Option("mixed_video", "--workload"),
         nproc: int = typer.Option(4, "--nproc"),
         model: str = typer.Option("tiny-omni", "--model"),

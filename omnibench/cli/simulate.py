@@ -11,17 +11,34 @@ import datetime as _dt
 import json
 import os
 import shutil
-import tempfile
+import signal
+import sys
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
 from omnibench.cli.common import DpShard, console, fail
+from omnibench.provenance import provenance, publish, write_csv
 
 BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
 SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces and metrics are kept
 TRACE_RANKS = 512  # simulated ranks drawn in a record's timeline (the lowest ones; the rest are noted)
+INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a run's)
+# results.csv: results.json's rows, flat (per-step metrics stay in results.json's "per_step").
+RESULT_COLUMNS = ["gpus", "system", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
+                  "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
+                  "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
+                  "sim_seconds"]
+
+
+def _free_name(out: Path, name: str) -> Path:
+    """out/name, or out/name-2, -3, ... when a record (or one being written) already has that name."""
+    k, final = 1, out / name
+    while final.exists() or final.with_name(final.name + INCOMPLETE).exists():
+        k += 1
+        final = out / f"{name}-{k}"
+    return final
 
 
 def _ints(text: str, field: str) -> list[int]:
@@ -63,14 +80,25 @@ def _simulate_one(system, model, parallel, stream, steps, cluster, profile, reco
 
 
 def _summary(results) -> dict:
+    if not all(r.fits for r in results):
+        # A plan that does not fit in memory has no throughput: report why, and its memory, nothing else.
+        return {
+            "fits": False,
+            "fit_message": next(r.fit_message for r in results if not r.fits),
+            "steps": len(results),
+            "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
+            "memory_capacity_gib": results[0].memory_capacity / 2**30,
+            "distinct_ranks": max(r.classes for r in results),
+            "sim_seconds": sum(r.sim_seconds for r in results),
+        }
     t = sum(r.step_time for r in results)
     tokens = sum(r.tokens for r in results)
     flops = sum(r.model_flops for r in results)
     n = results[0].world_size
     first = results[0]
     return {
-        "fits": all(r.fits for r in results),
-        "fit_message": next((r.fit_message for r in results if not r.fits), ""),
+        "fits": True,
+        "fit_message": "",
         "steps": len(results),
         "step_time_s": t / len(results),
         "tokens_per_s": tokens / t if t else 0.0,
@@ -208,7 +236,11 @@ def register(app: typer.Typer) -> None:
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
+        final = _free_name(out, name)
+        tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
+        tmp.mkdir()
+        # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
+        sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         rows: list[dict] = []
         try:
             for n in sizes:
@@ -234,6 +266,8 @@ def register(app: typer.Typer) -> None:
                         continue
                     row.update(_summary(results))
                     rows.append(row)
+                    if not row["fits"]:
+                        continue  # no trace: a timeline of a step that cannot run would mislead
                     write_json_atomic(tmp / f"trace_{s}_{n}.json",
                                       perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
                     if n <= SAVE_PLANS_UP_TO:
@@ -251,17 +285,27 @@ def register(app: typer.Typer) -> None:
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "seed": seed, "date": stamp, "options": options,
                 "calibration_provenance": profile.provenance if profile else None,
+                "provenance": provenance(f"simulated: {hardware}"),
             }
-            write_json_atomic(tmp / "config.json", config)
-            write_json_atomic(tmp / "results.json", rows)
-            final = out / name
-            os.replace(tmp, final)
+            fitting = [r for r in rows if "error" not in r and r["fits"]]
+            if fitting:
+                write_json_atomic(tmp / "config.json", config)
+                write_json_atomic(tmp / "results.json", rows)
+                write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
+                publish(tmp)
+                os.replace(tmp, final)
+            else:  # nothing to plot or compare: no record, and a non-zero exit below
+                shutil.rmtree(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
         if as_json:
-            print(json.dumps({"record": str(final), "missing_systems": missing,
+            print(json.dumps({"record": str(final) if fitting else None, "missing_systems": missing,
                               "results": [{k: v for k, v in r.items() if k != "per_step"} for r in rows]}, indent=1))
+            if not fitting:
+                raise typer.Exit(1)
             return
         table = Table(title=f"{spec.name} on {hardware}, workload {workload}, {steps} step(s)")
         for col in ("GPUs", "system", "tokens/s", "tok/s/GPU", "TFLOPS/GPU", "MFU", "bubble", "exposed comm",
@@ -291,7 +335,10 @@ def register(app: typer.Typer) -> None:
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
         if formula:
             console.print(f"MFU = {formula} / (step time x GPUs x peak)", highlight=False)
-        console.print(f"record: {final}")
+        if not fitting:
+            fail("no system fits or plans this layout (the reason per system is above), so no throughput and no "
+                 "record; try --recompute full, a larger --tp or --pp, or a smaller --global-batch-tokens", code=1)
+        console.print(f"record: {final}", soft_wrap=True)
 
     @app.command()
     def calibrate(
@@ -311,6 +358,9 @@ def register(app: typer.Typer) -> None:
         prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
                                                *(["--hardware", hardware] if hardware else [])])
         prof.save(out)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(out, 0o666 & ~umask)  # like every record file (saved through a temp file: 0600)
         table = Table(title="calibration")
         table.add_column("model")
         table.add_column("fit", justify="left")
@@ -331,6 +381,10 @@ def register(app: typer.Typer) -> None:
                           f"{per_layer}; "
                           f"{_fit_text(prof.fit.get('optimizer', {}))}")
         console.print(table)
+        from simulator.calibrate import fit_warnings
+
+        for w in fit_warnings(prof):
+            console.print(f"[yellow]warning:[/] {w}", highlight=False)
         if prof.lock_skew:
             console.print(f"lock-step skew: {prof.lock_skew:.1%} of a lock-stepped action's compute", highlight=False)
         console.print(f"profile: {out}")

@@ -61,6 +61,24 @@ def _systems_text(df: pd.DataFrame) -> str:
     return ", ".join(style.order_systems(df.system.unique())) or "none"
 
 
+def setup_text(sims, workload: str | None = None) -> str:
+    """What a simulated figure's title must state: model and hardware, layout, and whether the batch
+    grows with the cluster (weak scaling: tokens per GPU fixed) or not (strong scaling)."""
+    parts = []
+    for r in sims:
+        if workload is not None and r.workload != workload:
+            continue
+        c = r.config
+        layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
+            f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)
+        gbt = c.get("global_batch_tokens") or 0
+        batch = f"strong scaling, {gbt:,} tokens/step" if gbt else "weak scaling, 8,192 tokens/GPU"
+        text = f"{c.get('model')} on {c.get('hardware')}, {layout}, recompute {c.get('recompute', 'none')}, {batch}"
+        if text not in parts:
+            parts.append(text)
+    return "; ".join(parts)
+
+
 # -- 1. throughput ---------------------------------------------------------------------------------
 def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> Drawn:
     """Grouped bars per workload. Simulations: by default each workload at the largest cluster size
@@ -81,16 +99,21 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
         n_sys = df.groupby(["workload", "gpus"]).system.nunique()
         top = {wl: max(g for (w, g), n in n_sys.items() if w == wl and n >= 2) for wl, _ in n_sys[n_sys >= 2].index}
         df = df[[top.get(w) == g for w, g in zip(df.workload, df.gpus, strict=True)]] if top else df
+    # Measured runs of one system on one workload are repeats: their mean, with the spread as an error
+    # bar. Simulations of one system are layouts: the best one.
+    measured = bool((df.source == "run").all())
+    how = "mean" if measured else "max"
     agg = (df.groupby(["workload", "gpus", "system"], as_index=False)
-           .agg(tokens_per_s=("tokens_per_s", "max"), tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "max"),
-                records=("record", "count")))
+           .agg(tokens_per_s=("tokens_per_s", how), tokens_per_s_per_gpu=("tokens_per_s_per_gpu", how),
+                tokens_per_s_std=("tokens_per_s", "std"), records=("record", "count")))
+    agg["tokens_per_s_std"] = agg["tokens_per_s_std"].fillna(0.0) if measured else 0.0
     groups = []
     for (wl, gpus), g in agg.groupby(["workload", "gpus"], sort=False):
         if g.system.nunique() < 2:
             continue
         base = g[g.system.isin(BASELINES)]
         best = (base if not base.empty else g[g.system != "omni"]).tokens_per_s.max()
-        g = g.assign(speedup=g.tokens_per_s / best, best_baseline=best)
+        g = g.assign(speedup=g.tokens_per_s / best, speedup_std=g.tokens_per_s_std / best, best_baseline=best)
         groups.append(((wl, gpus), g))
     if not groups:
         raise PlotInputError(
@@ -103,15 +126,18 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
     style.apply_theme()
     fig, ax = plt.subplots(figsize=(min(style.DOUBLE_IN, max(style.COLUMN_IN, 0.3 * len(systems) * len(groups) + 1.6)),
                                     2.3))
+    repeats = int(table.records.max())
     for i, s in enumerate(systems):
-        xs, ys = [], []
+        xs, ys, errs = [], [], []
         for j, (_, g) in enumerate(groups):
             row = g[g.system == s]
             if not row.empty:
                 xs.append(j + (i - (len(systems) - 1) / 2) * width)
                 ys.append(float(row.speedup.iloc[0]))
+                errs.append(float(row.speedup_std.iloc[0]))
         bars = ax.bar(xs, ys, width=width * 0.95, color=style.system_color(s), label=s, edgecolor="white",
-                      linewidth=0.4)
+                      linewidth=0.4, yerr=errs if measured and repeats > 1 else None,
+                      error_kw={"elinewidth": 0.7, "capsize": 1.5, "ecolor": "0.2"})
         ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=5.5, padding=1, rotation=90 if len(
             systems) * len(groups) > 8 else 0)
     ax.axhline(1.0, color="0.3", linewidth=0.6, linestyle="--", zorder=0)
@@ -123,12 +149,15 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> 
     if src == "measured":
         src = f"measured on {', '.join(sorted(_devices(recs, df)))}"
     size = "" if many_sizes else f", {int(table.gpus.iloc[0]):,} {'ranks' if (df.source == 'run').all() else 'GPUs'}"
-    ax.set_title(f"Training throughput per system ({src}{size})")
+    setup = "" if src != "simulated" else setup_text(recs.sims)
+    ax.set_title(f"Training throughput per system ({src}{size})" + (f"\n{setup}" if setup else ""))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     fig.tight_layout()
     caption = (f"{src[0].upper() + src[1:]} training throughput (tokens/s), normalised per group to the best baseline "
-               f"({', '.join(b for b in BASELINES)}); labels give the speedup. Where a system has several records "
-               "(layouts) in a group, its best one is shown.")
+               f"({', '.join(b for b in BASELINES)}); labels give the speedup. "
+               + (f"Bars: mean over up to {repeats} repeated runs, error bars one standard deviation."
+                  if measured and repeats > 1 else "Measured: one run per bar (no repeats; no error bar)."
+                  if measured else "Where a system has several records (layouts) in a group, its best one is shown."))
     return Drawn("throughput", fig, table, caption + _left_out(full) + _cpu_note(recs, df))
 
 
@@ -204,7 +233,8 @@ def scaling(recs: Records, workload: str | None = None) -> Drawn:
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     hw = ", ".join(sorted({f"{r.config.get('model')} on {r.config.get('hardware')}" for r in recs.sims
                            if r.workload == wl}))
-    fig.suptitle(f"Scaling on {wl} ({hw}, simulated)", fontsize=9)
+    fig.suptitle(f"Scaling on {wl}, {sizes[0]:,} to {sizes[-1]:,} GPUs (simulated)\n{setup_text(recs.sims, wl)}",
+                 fontsize=9)
     fig.tight_layout()
     caption = (f"Simulated weak scaling on {wl} ({hw}): tokens/s/GPU and MFU (model FLOPs of the step, exact "
                "per-module formula, over step time x GPUs x peak) against cluster size.")
@@ -292,20 +322,25 @@ def timeline(rec, system: str | None = None, gpus: int | None = None, step: int 
     spans_drawn = 0
     for row, r in enumerate(shown):
         d = df[df["rank"] == r]
-        for (stream, module), g in d.groupby(["stream", "module"]):
+        for (stream, module, backward), g in d.groupby(["stream", "module", d.kind == "backward"]):
             off, h = lanes.get(stream, (0.8, 0.2))
             comm = stream != "compute"
+            # forward solid in the module's colour, backward the same hue lightened (and edged darker)
+            color = style.lighten(style.module_color(module), 0.5) if backward else style.module_color(module)
             ax.broken_barh(list(zip(g.start * scale, g.duration * scale, strict=True)), (row + off - 0.4, h),
-                           facecolors=style.module_color(module), alpha=0.55 if comm else 0.95,
-                           hatch="/////" if comm else None, edgecolor="white" if not comm else
-                           style.module_color(module), linewidth=0.2)
+                           facecolors=color, alpha=0.55 if comm else 0.95,
+                           hatch="/////" if comm else None, edgecolor=style.module_color(module) if comm or backward
+                           else "white", linewidth=0.2 if not backward else 0.5)
             spans_drawn += len(g)
     end = (df.start + df.duration).max() * scale
     ax.set_xlim(0, end * 1.01)
     ax.set_ylim(len(shown) - 0.4, -0.5)
     members = df.groupby("rank").members.first() if "members" in df else None
     ax.set_yticks(range(len(shown)))
-    ax.set_yticklabels([f"rank {r}" + (f" (x{int(members[r])})" if members is not None and members[r] > 1 else "")
+    # pipeline stage of each rank's LLM work (runs record it per span; 0 everywhere = no pipeline)
+    stages = df[df.module == "llm"].groupby("rank").stage.max() if "stage" in df and df.stage.max() > 0 else None
+    ax.set_yticklabels([f"rank {r}" + (f" · stage {int(stages[r])}" if stages is not None and r in stages else "")
+                        + (f" (x{int(members[r])})" if members is not None and members[r] > 1 else "")
                         for r in shown])
     ax.set_xlabel(f"time in step ({unit})")
     ax.grid(axis="y", visible=False)
@@ -313,13 +348,16 @@ def timeline(rec, system: str | None = None, gpus: int | None = None, step: int 
     idle = 1 - busy / (end / scale)
     mods = [m for m in ("vision", "audio", "llm", "all") if m in set(df.module)]
     handles = [Patch(color=style.module_color(m), label="optimizer" if m == "all" else m) for m in mods]
-    handles += [Patch(facecolor="0.93", edgecolor="0.25", label="solid: compute"),
+    handles += [Patch(facecolor="0.45", edgecolor="white", label="dark: forward"),
+                Patch(facecolor="0.85", edgecolor="0.45", label="light: backward"),
+                Patch(facecolor="0.93", edgecolor="0.25", label="solid: compute"),
                 Patch(facecolor="white", edgecolor="0.4", hatch="/////", label="hatched: communication"),
                 Patch(facecolor="white", edgecolor="white", label="blank: idle (bubble)")]
-    ax.legend(handles=handles, ncol=len(handles), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+    legend_rows = -(-len(handles) // 5)
+    ax.legend(handles=handles, ncol=min(len(handles), 5), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0),
               fontsize=6)
     more = f"; {len(shown)} of them shown, evenly spaced" if len(ranks) > len(shown) else ""
-    ax.set_title(f"{df.attrs['label']}: mean idle {idle.mean():.0%}{more}", pad=16)
+    ax.set_title(f"{df.attrs['label']}: mean idle {idle.mean():.0%}{more}", pad=5 + 11 * legend_rows)  # above the legend
     fig.tight_layout()
     table = (df.groupby(["rank", "stream", "module", "kind"], as_index=False)
              .agg(spans=("duration", "size"), busy_s=("duration", "sum")))

@@ -410,6 +410,7 @@ def trace_table(rec, system: str | None = None, gpus: int | None = None, step: i
                               "send", "recv", "boundary") else "collective"),
                           "module": args.get("module", ""),
                           "microbatch": int(args.get("microbatch", m.group(1) if m else -1)),
+                          "stage": int(args.get("stage", 0)),
                           "name": ev.get("name", ""), "step": int(args.get("step", 0)),
                           "start": float(ev["ts"]) * 1e-6, "duration": float(ev["dur"]) * 1e-6})
         df = pd.DataFrame(spans)

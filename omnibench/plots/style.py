@@ -24,7 +24,8 @@ SYSTEM_COLORS = {
     "omni": _CB[3],  # the one the paper is about stands out
 }
 MODULE_COLORS = {"vision": _CB[0], "audio": _CB[2], "llm": _CB[1], "all": _CB[7]}
-MODALITY_COLORS = {"text": _CB[7], "image": _CB[0], "video": _CB[4], "audio": _CB[2]}
+# Modalities get the palette entries no system uses, so a modality is never read as a system.
+MODALITY_COLORS = {"text": _CB[5], "image": _CB[1], "video": _CB[6], "audio": _CB[8]}
 
 COLUMN_IN = 3.3
 DOUBLE_IN = 6.9

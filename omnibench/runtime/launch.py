@@ -360,8 +360,7 @@ def _as_torchrun_rank(spec: RunSpec, final: str) -> str:
     from omnibench.specs.presets import get_model
 
     if not spec.out:
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
-        final = os.path.join(os.path.dirname(final), f"{run_id}-{spec.system}-{spec.workload}")
+        final = records.torchrun_run_dir(os.path.dirname(final), spec.system, spec.workload, spec.timeout_s)
     work = final + records.INCOMPLETE
     if int(os.environ["RANK"]) == 0:
         if os.path.exists(work):

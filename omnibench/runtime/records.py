@@ -1,9 +1,11 @@
 """Record folders: written under `<dir>.incomplete`, renamed to `<dir>` only when complete.
 
 An interrupted run therefore never looks finished: its folder keeps the `.incomplete` suffix.
-Contents: config.json (the resolved RunSpec and model), plans.jsonl (every step's Plan, one
+Contents: config.json (the resolved RunSpec, the model, and provenance: git commit and dirty flag,
+versions, command line, host, device), plans.jsonl (every step's Plan, one
 `Plan.to_json` per line, in step order), plan_step0.json (the first step's Plan, for readers that
-want one file to look at), steps.jsonl (per-step metrics), summary.json, trace.json
+want one file to look at), steps.jsonl (per-step metrics), steps.csv (the
+same, flat: one row per step, one column per scalar metric), summary.json, trace.json
 (Chrome/Perfetto: one track per rank, one span per action, args {step, rank, kind, module,
 microbatch, stage, what, cpu_s}; cpu_s: the rank thread's CPU seconds in the span, which tells
 compute from waiting and from a loaded host), progress.jsonl (written while running).
@@ -17,6 +19,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 
 from omnibench.plan import METADATA
+from omnibench.provenance import provenance, write_csv
 
 INCOMPLETE = ".incomplete"
 
@@ -27,6 +30,33 @@ def new_run_dir(out: str, system: str, workload: str) -> str:
         return os.path.abspath(out)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     return os.path.abspath(os.path.join("results", "runs", f"{stamp}-{system}-{workload}"))
+
+
+def torchrun_run_dir(parent: str, system: str, workload: str, timeout_s: float) -> str:
+    """The record folder of a run under torchrun: `<UTC time>-<system>-<workload>` (then -2, -3, ... if
+    taken), unique per run however torchrun was started. Rank 0 picks the name and every rank reads it
+    from torchrun's own agent store (the TCPStore the process group joins too). Without an agent store
+    (ranks started by hand with RANK/MASTER_ADDR set) the ranks cannot agree on a time, and the folder
+    is named by the rendezvous id as before."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return os.path.join(parent, f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}-{system}-{workload}")
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(f"omnibench/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    if int(os.environ["RANK"]) == 0:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        name, k = f"{stamp}-{system}-{workload}", 1
+        while os.path.exists(os.path.join(parent, name)) or os.path.exists(os.path.join(parent, name + INCOMPLETE)):
+            k += 1
+            name = f"{stamp}-{system}-{workload}-{k}"
+        store.set("run_dir", name)
+    else:
+        name = store.get("run_dir").decode()  # waits (up to timeout_s) for rank 0
+    return os.path.join(parent, name)
 
 
 def start(final_dir: str) -> str:
@@ -65,6 +95,8 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     with open(os.path.join(work_dir, "steps.jsonl"), "w") as f:
         for s in steps:
             f.write(json.dumps(s) + "\n")
+    flat = [flat_step(s) for s in steps]
+    write_csv(os.path.join(work_dir, "steps.csv"), flat, list(dict.fromkeys(k for s in flat for k in s)))
     timed = steps[1:] or steps  # the first step pays one-time costs (allocations, warm-up)
     summary = {
         "system": spec.system, "workload": spec.workload, "model": model.name, "world_size": world,
@@ -89,13 +121,29 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     summary["mfu"] = summary["tflops_per_gpu"] / peak if peak else None
     summary["peak_memory_bytes"] = max(s["peak_memory_bytes"] for s in steps)
     _write(os.path.join(work_dir, "summary.json"), summary)
-    _write(os.path.join(work_dir, "config.json"), {"run": spec.to_dict(), "model": asdict(model)})
+    device_text = f"{summary['device_name']} ({device})" if device.type == "cuda" else f"cpu x{world} ranks"
+    _write(os.path.join(work_dir, "config.json"), {
+        "run": spec.to_dict(), "model": asdict(model),
+        "provenance": provenance(device_text, spec.extra.get("argv"))})
     with open(os.path.join(work_dir, "plan_step0.json"), "w") as f:
         f.write(plans[0].to_json())
     with open(os.path.join(work_dir, "plans.jsonl"), "w") as f:
         for p in plans:
             f.write(p.to_json(indent=None) + "\n")
     _write(os.path.join(work_dir, "trace.json"), chrome_trace(spans))
+
+
+def flat_step(step: dict) -> dict:
+    """One steps.csv row: the step's scalar metrics, per-module FLOPs as flops_<module>; the step's Plan
+    summary and other nested values stay in steps.jsonl."""
+    row = {}
+    for k, v in step.items():
+        if isinstance(v, dict):
+            if k == "flops_by_module":
+                row.update({f"flops_{m}": x for m, x in v.items() if not isinstance(x, (dict, list))})
+        elif not isinstance(v, list):
+            row[k] = v
+    return row
 
 
 LOADER_TID = 100_000  # trace thread id offset of each rank's loader track

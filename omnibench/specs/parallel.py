@@ -84,10 +84,10 @@ class ParallelSpec:
         except ValueError as e:
             raise SpecError(str(e)) from None
         llm = model.llm
-        if llm.heads % self.tp:
-            raise SpecError(f"tp={self.tp} does not divide the LLM's attention heads ({llm.heads})")
-        if llm.kv_heads % self.tp:
-            raise SpecError(f"tp={self.tp} does not divide the LLM's kv heads ({llm.kv_heads})")
+        if llm.heads % self.tp or llm.kv_heads % self.tp:
+            allowed = [t for t in range(1, llm.kv_heads + 1) if llm.heads % t == 0 and llm.kv_heads % t == 0]
+            raise SpecError(f"tp={self.tp} does not divide the LLM's attention heads ({llm.heads}) and kv heads "
+                            f"({llm.kv_heads}) of {llm.name}; allowed tp: {', '.join(map(str, allowed))}")
         if self.pp * self.virtual_stages > llm.layers:
             raise SpecError(f"pp*virtual_stages={self.pp * self.virtual_stages} is deeper than the LLM's "
                             f"{llm.layers} layers")

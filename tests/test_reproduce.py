@@ -1,0 +1,88 @@
+"""`omnibench reproduce` tells where it is (stage k of N, what it runs, time left), resumes where it
+stopped, says when something was not produced (exit 1), and leaves no temporary folder behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from omnibench.cli import report
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cheap_stages(bad: Path):
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1):
+        return [
+            report.Stage("a", "list the workloads", ["workloads", "list"], 2.0),
+            report.Stage("b", "a stage that fails until its input exists",
+                         ["plot", "throughput", str(bad), "--out", str(sims_dir)], 2.0),
+            report.Stage("c", "list the models", ["models", "list"], 2.0),
+        ]
+    return stages
+
+
+@pytest.mark.timeout(180)
+def test_reproduce_prints_each_stage_with_time_left_and_resumes_only_what_did_not_finish(tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    bad = tmp_path / "nothing-here"
+    monkeypatch.setattr(report, "_stages", _cheap_stages(bad))
+    runs, sims, log = tmp_path / "runs", tmp_path / "sims", []
+    report._produce(runs, sims, ["omni"], quick=True, resume=False, log=log)
+    out = capsys.readouterr()
+    assert "[1/3] list the workloads (about 6 s left)" in out.out
+    assert "[2/3] a stage that fails" in out.out and "[3/3] list the models" in out.out
+    assert "failed" in out.err
+    assert sorted(json.loads((sims / "reproduce-stages.json").read_text())) == ["a", "c"]
+    assert [x.startswith("FAILED") for x in log] == [False, True, False]
+
+    log = []
+    report._produce(runs, sims, ["omni"], quick=True, resume=True, log=log)
+    out = capsys.readouterr()
+    assert "resuming: 2 of 3 stages already done" in out.out
+    assert "[1/3]" not in out.out and "[2/3]" in out.out and "[3/3]" not in out.out
+    assert len(log) == 1
+
+
+def test_reproduce_reuse_without_the_data_for_a_figure_exits_1_naming_it(tmp_path, capsys):
+    for d in ("runs/reproduce", "sims/reproduce"):
+        (tmp_path / d).mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        report.reproduce(tmp_path, quick=True, reuse=True)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "figure(s) not drawn" in err and "dynamic" in err and "--resume" in err
+    assert (tmp_path / "figures" / "workload.png").is_file()  # what can be drawn still is
+
+
+@pytest.mark.timeout(120)
+def test_a_simulation_stopped_by_sigterm_leaves_no_folder_behind(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "omnibench", "simulate", "-w", "mixed_video", "--gpus",
+                             "1024,2048,4096,8192", "--tp", "4", "--recompute", "full", "--out", str(tmp_path)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not list(tmp_path.glob("*.incomplete")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()  # still simulating: the folder being written exists
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reproduce_repeat_runs_each_measured_run_again_under_its_own_folder(tmp_path):
+    stages = report._stages(tmp_path / "runs", tmp_path / "sims", ["homogeneous", "omni"], quick=True, repeat=3)
+    keys = [st.key for st in stages]
+    for s in ("homogeneous", "omni"):
+        assert [k for k in keys if k.startswith(f"run-{s}-mixed_video")] == [
+            f"run-{s}-mixed_video", f"run-{s}-mixed_video-r1", f"run-{s}-mixed_video-r2"]
+    outs = [st.args[st.args.index("--out") + 1] for st in stages if st.key.startswith("run-omni-mixed_video")]
+    assert len(set(outs)) == 3
