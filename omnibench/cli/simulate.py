@@ -151,6 +151,9 @@ def register(app: typer.Typer) -> None:
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
+        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout (`omnibench tune` "
+                                   "on the first batch; the layout flags are then ignored)."),
+        tune_budget: int = typer.Option(12, "--tune-budget", help="With --tuned: layouts simulated per system."),
     ) -> None:
         """Simulate systems at cluster sizes nobody here has; one row per (size, system).
 
@@ -214,8 +217,21 @@ def register(app: typer.Typer) -> None:
                     fail(str(e))
                 for s in systems:
                     row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
+                    sys_parallel, sys_recompute = parallel, recompute
                     try:
-                        results, plans = _simulate_one(s, spec, parallel, stream, steps, clusters[n], profile, recompute)
+                        if tuned:
+                            from omnibench.tune import tune as _tune
+
+                            res = _tune(s, spec, [stream.batch(0)], clusters[n], profile=profile, budget=tune_budget,
+                                        options=options)
+                            if res.best is None:
+                                raise ValueError(f"tune: no layout of {s} fits {n} GPUs")
+                            c = res.best.candidate
+                            sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
+                            sys_recompute = c.recompute
+                            row["layout"] = c.label()
+                        results, plans = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n], profile,
+                                                       sys_recompute)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")
@@ -239,7 +255,7 @@ def register(app: typer.Typer) -> None:
                 "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
                 "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
-                "recompute": recompute, "seed": seed, "date": stamp, "options": options,
+                "recompute": recompute, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "calibration_provenance": profile.provenance if profile else None,
             }
             write_json_atomic(tmp / "config.json", config)
@@ -276,6 +292,9 @@ def register(app: typer.Typer) -> None:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: cannot plan: {r['error']}", highlight=False)
             elif not r["fits"]:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
+        for r in rows:
+            if r.get("layout"):
+                console.print(f"{r['gpus']} GPUs, {r['system']}: tuned layout {r['layout']}", highlight=False)
         if missing:
             console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
