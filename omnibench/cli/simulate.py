@@ -150,6 +150,8 @@ def register(app: typer.Typer) -> None:
         no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
+        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
+                                               help="omni: long LLM samples stay on one data rank (no cp group)"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
         tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout (`omnibench tune` "
                                    "on the first batch; the layout flags are then ignored)."),
@@ -169,7 +171,8 @@ def register(app: typer.Typer) -> None:
 
         sizes = _ints(gpus, "gpus")
         try:
-            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option)
+            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
+                                         no_llm_long_short)
         except ValueError as e:
             fail(str(e))
         if steps < 1:
