@@ -243,6 +243,8 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     tokens, positions = _mean_loads(model, samples)
     big_tokens, big_positions = _largest(model, samples)
     m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
+    if system == "omni" and c.pp == 1 and c.cp == 1:
+        big_tokens //= 8  # its long LLM samples split over a context-parallel group (up to a node)
     per_mb = max(1, int(tokens / lay.dp / m), big_tokens)
     w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
                  c.recompute)

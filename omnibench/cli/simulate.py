@@ -49,10 +49,21 @@ def _stream(workload: str, seed: int, global_batch_tokens: int):
     return WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens)
 
 
-def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute):
+def planner_options(system: str, options: dict, hardware: str) -> dict:
+    """omni decides with the simulator's cost model of the hardware it is simulated on."""
+    if system == "omni" and "hardware" not in options and "calibration" not in options:
+        return {**options, "hardware": hardware}
+    return options
+
+
+def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware=""):
+    from dataclasses import replace
+
     from simulator.engine import SimOptions, simulate
     from systems import get_planner
 
+    if hardware and profile is None:
+        parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     planner = get_planner(system)
     results, plans = [], []
     for s in range(steps):
@@ -226,7 +237,7 @@ def register(app: typer.Typer) -> None:
                             from omnibench.tune import tune as _tune
 
                             res = _tune(s, spec, [stream.batch(0)], clusters[n], profile=profile, budget=tune_budget,
-                                        options=options)
+                                        options=planner_options(s, options, hardware) if profile is None else options)
                             if res.best is None:
                                 raise ValueError(f"tune: no layout of {s} fits {n} GPUs")
                             c = res.best.candidate
@@ -234,7 +245,7 @@ def register(app: typer.Typer) -> None:
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
                         results, plans = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n], profile,
-                                                       sys_recompute)
+                                                       sys_recompute, hardware)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")

@@ -47,6 +47,10 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     cluster = load_cluster(hardware, n)
     profile = Profile.load(calibration) if calibration else None
     batches = _batches(workload, seed, global_batch_tokens or 8192 * n, steps, start_step)
+    if profile is None:
+        from omnibench.cli.simulate import planner_options
+
+        options = planner_options(system, options or {}, hardware)
     return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log)
 
 

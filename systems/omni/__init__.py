@@ -87,9 +87,12 @@ class OmniPlanner:
     def cost_model(self, model: MultimodalSpec, opts: OmniOptions) -> CostModel:
         if self._cost_model is not None:
             return self._cost_model
-        key = (model, opts.calibration)
+        key = (model, opts.calibration, opts.hardware)
         if key not in self._cache:
-            self._cache[key] = load_cost_model(model, opts.calibration or None)
+            try:
+                self._cache[key] = load_cost_model(model, opts.calibration or None, opts.hardware)
+            except ValueError as e:
+                raise PlanError(f"options.hardware: {str(e).splitlines()[0]}") from None
         return self._cache[key]
 
     def loader_spec(self, model: MultimodalSpec, parallel: ParallelSpec, n_samples: int,

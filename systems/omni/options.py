@@ -18,7 +18,11 @@ class OmniOptions:
     long_short_sp: bool = True  # long inputs split over an encoder sequence-parallel group
     llm_long_short: bool = True  # long LLM samples over a context-parallel group of data ranks (pp 1)
     reorder_group: int = 8  # loader ranks exchanging cost metadata together (no global coordinator)
-    calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model; "" = analytic
+    calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model
+    # Without a profile: the simulator's compute model for this hardware preset, so omni decides with
+    # the costs the simulator will charge (`simulate` and `tune` pass their --hardware); "": costs.py
+    # FLOPs at a nominal 1 TFLOP/s (relative costs only; the CPU runs' default).
+    hardware: str = ""
 
     @staticmethod
     def parse(raw: dict) -> OmniOptions:
