@@ -41,7 +41,7 @@ from omnibench.specs.parallel import ParallelSpec
 RECOMPUTE_ORDER = ("none", "selective", "full")
 SYSTEMS_WITH_ENCODER_LAYOUT = ("colocated", "noncolocated", "omni")
 DEFAULT_BUDGET = 24  # simulated layouts per system in the LLM-layout phase
-ENCODER_ROUNDS = 2  # best LLM layouts whose encoder knobs are searched afterwards
+ENCODER_ROUNDS = 1  # best LLM layouts whose encoder knobs are searched afterwards
 
 
 @dataclass(frozen=True)
@@ -392,12 +392,22 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
         queue.append(default)
     done: dict[Candidate, Trial] = {}
 
+    # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
+    # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
+    # not simulated in that mode (the bound alone is loose: it misses the imbalance of a step).
+    ratio: dict[str, float] = {}
+
     def run(tr: Trial) -> Trial:
         c = tr.candidate
         while True:
             if c in done:
                 return done[c]
-            tr = replace(tr, candidate=c, note="", simulated=False)
+            est = memory_estimate(system, model, world, gpn, c, per_batch)
+            nxt = _next_recompute(system, model, world, gpn, c, per_batch)
+            if nxt is not None and est * ratio.get(c.recompute, 1.0) > capacity:
+                c = nxt
+                continue
+            tr = replace(tr, candidate=c, note="", simulated=False, estimate_gib=est / 2**30)
             try:
                 _evaluate(tr, model, world, gpn, batches, cluster, profile, options)
             except ValueError as e:  # a planner refusing a layout (e.g. interleaving not planned)
@@ -406,7 +416,8 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
             done[c] = tr
             if log:
                 log(tr)
-            nxt = _next_recompute(system, model, world, gpn, c, per_batch)
+            if tr.simulated and est > 0:
+                ratio[c.recompute] = min(ratio.get(c.recompute, float("inf")), tr.peak_gib * 2**30 / est)
             if tr.simulated and not tr.fits and nxt is not None:
                 c = nxt  # the simulator's estimate is the final word
                 continue
