@@ -23,7 +23,8 @@ each system's own space:
    datasheet's achievable rate, the 1F1B bubble (pp-1)/(m+pp-1), tp/cp exchanges over NVLink).
 3. **Simulate** the first `budget` of them, the system's default layout always among them, with
    the simulator's memory estimate as the final word (a layout that does not fit there is tried
-   again with the next recompute mode); then, around the best few, the encoder knobs.
+   again with the next recompute mode, and the smallest simulated/bound ratio seen per mode
+   scales the bound for the layouts still to come); then, around the best, the encoder knobs.
 
 No torch here (planners and the simulator only).
 """

@@ -24,7 +24,8 @@ each layout's cheapest fitting recompute mode; the survivors are ordered by an a
 (compute at the datasheet's matmul rate, the 1F1B bubble, tp/cp exchanges over NVLink) and only
 the first --budget are simulated, the system's default layout (tp 1, pp 1) always among them. The
 simulator's memory estimate is the final word: a layout it finds too big is retried with more
-recomputation."""
+recomputation, and the smallest simulated/bound ratio seen so far scales the bound for the
+layouts still to come."""
 
 
 def _batches(workload: str, seed: int, tokens: int, steps: int, start: int):
