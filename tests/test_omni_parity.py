@@ -129,3 +129,13 @@ def test_llm_long_short_shows_in_the_plan_and_switches_off():
     llm = on.layouts["llm"]
     primary = [r for r in on.routes if r.sample_id == sid and is_primary(r, llm, {sid: 0})]
     assert {r.dst_rank for r in primary} == {0}
+
+
+def test_plan_notes_say_which_techniques_acted():
+    p = _plan(long_batches(2)[1])
+    acted = p.notes["acted"]
+    assert acted["llm_long_short"] == 1 and acted["long_short_sp"]
+    assert set(acted) == {"reorder", "reshard", "long_short_sp", "llm_long_short", "joint_pipeline"}
+    off = _plan(long_batches(2)[1], llm_long_short=False, long_short_sp=False, reorder=False, reshard=False)
+    assert off.notes["acted"] == {"reorder": False, "reshard": False, "long_short_sp": {}, "llm_long_short": 0,
+                                  "joint_pipeline": off.notes["acted"]["joint_pipeline"]}

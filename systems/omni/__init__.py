@@ -346,6 +346,15 @@ class OmniPlanner:
                 "encoder_actions_by_phase": {str(r): timeline.placed[r] for r in sorted(timeline.placed)[:16]},
             },
         })
+        # Which techniques changed anything this step (a switch can be on and find nothing to do).
+        in_bubbles = sum(v["warmup"] + v["cooldown"] for v in timeline.placed.values())
+        notes["acted"] = {
+            "reorder": bool(opts.reorder and _r(max_over_mean(after)) < _r(max_over_mean(before))),
+            "reshard": bool(opts.reshard and reshard_moves),
+            "long_short_sp": {m: len(v["long_samples"]) for m, v in enc_layout_notes.items() if v["long_samples"]},
+            "llm_long_short": len(long_llm),
+            "joint_pipeline": bool(timeline is not phased and in_bubbles),
+        }
         plan = Plan(
             system=self.name, step=batch.step, world_size=world, model=model.name, samples=list(samples),
             layouts=layouts, assignment=assignment, routes=routes, actions=actions,
