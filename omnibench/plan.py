@@ -285,7 +285,11 @@ class Plan:
         for module, per_rank in self.assignment.items():
             if module != "llm":
                 continue
-            seen = sorted(i for mbs in per_rank.values() for mb in mbs for i in mb)
+            # A long LLM sample run by a context-parallel group of data ranks (omni) is listed on each.
+            shared = set(self.options.get("long_short", {}).get("llm_leaders", {}))
+            once = [i for mbs in per_rank.values() for mb in mbs for i in mb if str(i) not in shared]
+            listed = {i for mbs in per_rank.values() for mb in mbs for i in mb if str(i) in shared}
+            seen = sorted(once + list(listed))
             if seen != sorted(ids):
                 raise PlanError("assignment.llm: every sample must be assigned to exactly one LLM data rank")
         for rank, acts in self.actions.items():

@@ -407,8 +407,9 @@ class Engine:
             if module == "llm":
                 llm = self.model.llm
                 layers = stage_layers(llm.layers, lay.stages, stage)
-                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp, lay.ep,
-                               self.policy["llm"], lay.cp_kind)
+                # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
+                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp * lay.sp,
+                               lay.ep, self.policy["llm"], lay.cp_kind)
             elif module == "vision":
                 got = vision_work(self.model.vision, list(sig), lay.tp, lay.sp, self.policy["vision"])
             elif module == "audio":
@@ -667,7 +668,7 @@ class Engine:
     def _long_group(self, module: str, rank: int, mb: int) -> tuple[int, ...]:
         """omni (systems/omni, plan.options["long_short"]): the sequence-parallel group that runs this
         encoder microbatch together (its work split over the group, Ulysses all-to-alls), else ()."""
-        cfg = self.plan.options.get("long_short") if module != "llm" else None
+        cfg = self.plan.options.get("long_short")  # the LLM's too: omni's long LLM samples
         if not cfg or mb not in cfg.get("long_microbatches", {}).get(module, {}).get(str(rank), ()):
             return ()
         return next(tuple(g) for g in cfg["groups"][module] if rank in g)

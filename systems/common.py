@@ -231,9 +231,19 @@ def make_routes(
     return routes
 
 
-def is_primary(route: Route, llm: Layout) -> bool:
+def is_primary(route: Route, llm: Layout, leaders: dict[int, int] | None = None) -> bool:
+    """The route that carries the gradient back. `leaders`: sample -> the one consumer that does,
+    for samples an LLM context-parallel group of data ranks runs together (omni's long LLM samples)."""
+    if leaders and route.sample_id in leaders:
+        return route.dst_rank == leaders[route.sample_id]
     c = llm.coords(route.dst_rank)
     return c["cp"] == 0 and c["tp"] == 0
+
+
+def long_llm_leaders(options: dict) -> dict[int, int]:
+    """plan.options["long_short"]["llm_leaders"] as sample id -> leader rank ({} when absent)."""
+    raw = (options or {}).get("long_short", {}).get("llm_leaders", {})
+    return {int(k): int(v) for k, v in raw.items()}
 
 
 def _messages(routes: Iterable[Route]) -> dict[tuple[int, int, int, int], list[Route]]:
@@ -247,7 +257,7 @@ def _messages(routes: Iterable[Route]) -> dict[tuple[int, int, int, int], list[R
 class BoundaryIndex:
     """Boundary messages of a plan's routes, indexed for emitting actions in O(1) per lookup."""
 
-    def __init__(self, routes: list[Route], llm: Layout):
+    def __init__(self, routes: list[Route], llm: Layout, leaders: dict[int, int] | None = None):
         self.act_out: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
         self.act_in: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
         self.grad_out: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
@@ -259,7 +269,7 @@ class BoundaryIndex:
             for (src, smb, dst, dmb) in sorted(_messages(rs)):
                 self.act_out[(module, src, smb)].append((dst, dmb))
                 self.act_in[(module, dst, dmb)].append((src, smb))
-            for (src, smb, dst, dmb) in sorted(_messages(r for r in rs if is_primary(r, llm))):
+            for (src, smb, dst, dmb) in sorted(_messages(r for r in rs if is_primary(r, llm, leaders))):
                 self.grad_out[(module, dst, dmb)].append((src, smb))
                 self.grad_in[(module, src, smb)].append((dst, dmb))
         for d in (self.act_in, self.grad_out):

@@ -85,3 +85,34 @@ def test_bad_profile_is_refused_with_its_name(tmp_path):
         load_cost_model(MODEL, str(path))
     with pytest.raises(CostModelError, match="no such profile"):
         load_cost_model(MODEL, str(tmp_path / "missing.json"))
+
+
+def test_simulator_cost_model_prices_a_sample_like_the_simulator():
+    """omni plans with the simulator's compute model when given a hardware preset: a sample's cost is
+    what it adds to a microbatch there (within 15% of the simulator's own difference: the kernel
+    profile's small-shape efficiency is not linear + quadratic)."""
+    from omnibench.specs.cost_model import CostModel
+    from omnibench.specs.presets import get_model
+    from simulator.compute import ComputeModel
+    from simulator.flops import llm_work
+    from simulator.hardware import load_cluster
+
+    model = get_model("omni-7b")
+    cm = CostModel.from_simulator(model, "h100")
+    assert "simulator compute model" in cm.source
+    compute = ComputeModel(load_cluster("h100", 8))
+    for n in (512, 3000, 12000):
+        one, two = (llm_work(model.llm, [n] * j, range(model.llm.layers), True, True) for j in (1, 2))
+        want = sum(compute.action_time(two, k, module="llm") - compute.action_time(one, k, module="llm")
+                   for k in ("forward", "backward"))
+        assert abs(cm.llm_tokens(n) / want - 1) < 0.15, (n, cm.llm_tokens(n), want)
+    longer = cm.llm_tokens(8000) / cm.llm_tokens(4000)
+    assert longer > 2.0  # the attention term makes a long sample more than proportionally costly
+
+
+def test_simulate_plans_omni_with_the_simulators_costs(tmp_path):
+    from omnibench.cli.simulate import planner_options
+
+    assert planner_options("omni", {}, "h100") == {"hardware": "h100"}
+    assert planner_options("omni", {"calibration": "x.json"}, "h100") == {"calibration": "x.json"}
+    assert planner_options("homogeneous", {}, "h100") == {}

@@ -75,6 +75,7 @@ CASES = [
     pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups", marks=pytest.mark.slow),
     pytest.param({"reshard": False}, {}, id="no-reshard", marks=pytest.mark.slow),
     pytest.param({"long_short_sp": False}, {}, id="no-long-short-sp", marks=pytest.mark.slow),
+    pytest.param({"llm_long_short": False}, {}, id="no-llm-long-short", marks=pytest.mark.slow),
     pytest.param({}, {"pp": 2}, id="all-on-pp2"),
     pytest.param({"joint_pipeline": False}, {"pp": 2}, id="no-joint-pipeline-pp2", marks=pytest.mark.slow),
     pytest.param({}, {"tp": 2}, id="all-on-tp2", marks=pytest.mark.slow),
@@ -91,3 +92,50 @@ def test_omni_matches_single_process(tmp_path, options, layout):
         _REF["ref"] = reference("tiny-omni", batches)
     losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options=options, **layout)
     assert_parity(losses, params, *_REF["ref"])
+
+
+@pytest.mark.timeout(300)
+def test_llm_long_short_matches_homogeneous_over_five_steps(tmp_path):
+    """omni's LLM long-short split (systems/omni/llm_long_short.py): long LLM samples run on a
+    context-parallel group of two data ranks (Ulysses), the other ranks run short ones, including
+    empty microbatches that keep FSDP in step; losses match homogeneous to 1e-4 over 5 steps."""
+    batches = long_batches(5)
+    plans = [_plan(b) for b in batches]
+    assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 3
+    assert any(() in mbs for p in plans for mbs in p.assignment["llm"].values())  # an empty microbatch
+    (tmp_path / "omni").mkdir()
+    (tmp_path / "homogeneous").mkdir()
+    omni, _ = run_distributed(tmp_path / "omni", "omni", "tiny-omni", batches, options={})
+    homo, _ = run_distributed(tmp_path / "homogeneous", "homogeneous", "tiny-omni", batches)
+    assert len(omni) == len(homo) == 5
+    for step, (a, b) in enumerate(zip(omni, homo, strict=True)):
+        assert abs(a - b) < 1e-4, f"step {step}: omni {a} vs homogeneous {b}"
+
+
+def test_llm_long_short_shows_in_the_plan_and_switches_off():
+    b = long_batches(2)[1]
+    on, off = _plan(b), _plan(b, llm_long_short=False)
+    long = on.notes["llm_long_short"]["long_samples"]
+    assert long and long[0]["group"] == [0, 1]
+    leader = on.options["long_short"]["llm_leaders"]
+    sid = long[0]["sample"]
+    assert leader == {str(sid): 0}
+    assert all((sid,) in on.assignment["llm"][r] for r in (0, 1))  # listed on both members
+    assert on.options["long_short"]["long_microbatches"]["llm"] == {"0": [0], "1": [0]}
+    assert off.notes["llm_long_short"]["long_samples"] == [] and "llm" not in off.options["long_short"]["groups"]
+    # Encoder gradients go back from the leader only.
+    from systems.common import is_primary
+
+    llm = on.layouts["llm"]
+    primary = [r for r in on.routes if r.sample_id == sid and is_primary(r, llm, {sid: 0})]
+    assert {r.dst_rank for r in primary} == {0}
+
+
+def test_plan_notes_say_which_techniques_acted():
+    p = _plan(long_batches(2)[1])
+    acted = p.notes["acted"]
+    assert acted["llm_long_short"] == 1 and acted["long_short_sp"]
+    assert set(acted) == {"reorder", "reshard", "long_short_sp", "llm_long_short", "joint_pipeline"}
+    off = _plan(long_batches(2)[1], llm_long_short=False, long_short_sp=False, reorder=False, reshard=False)
+    assert off.notes["acted"] == {"reorder": False, "reshard": False, "long_short_sp": {}, "llm_long_short": 0,
+                                  "joint_pipeline": off.notes["acted"]["joint_pipeline"]}

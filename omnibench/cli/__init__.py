@@ -25,6 +25,7 @@ _COMMAND_MODULES = [
     "omnibench.cli.models",
     "omnibench.cli.run",
     "omnibench.cli.simulate",
+    "omnibench.cli.tune",
     "omnibench.cli.report",
 ]
 

@@ -66,10 +66,21 @@ def _stream(workload: str, seed: int, global_batch_tokens: int):
     return WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens)
 
 
-def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute):
+def planner_options(system: str, options: dict, hardware: str) -> dict:
+    """omni decides with the simulator's cost model of the hardware it is simulated on."""
+    if system == "omni" and "hardware" not in options and "calibration" not in options:
+        return {**options, "hardware": hardware}
+    return options
+
+
+def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware=""):
+    from dataclasses import replace
+
     from simulator.engine import SimOptions, simulate
     from systems import get_planner
 
+    if hardware and profile is None:
+        parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     planner = get_planner(system)
     results, plans = [], []
     for s in range(steps):
@@ -183,7 +194,12 @@ def register(app: typer.Typer) -> None:
         no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
+        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
+                                               help="omni: long LLM samples stay on one data rank (no cp group)"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
+        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout (`omnibench tune` "
+                                   "on the first batch; the layout flags are then ignored)."),
+        tune_budget: int = typer.Option(12, "--tune-budget", help="With --tuned: layouts simulated per system."),
     ) -> None:
         """Simulate systems at cluster sizes nobody here has; one row per (size, system).
 
@@ -199,7 +215,8 @@ def register(app: typer.Typer) -> None:
 
         sizes = _ints(gpus, "gpus")
         try:
-            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option)
+            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
+                                         no_llm_long_short)
         except ValueError as e:
             fail(str(e))
         if steps < 1:
@@ -256,8 +273,21 @@ def register(app: typer.Typer) -> None:
                     fail(str(e))
                 for s in systems:
                     row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
+                    sys_parallel, sys_recompute = parallel, recompute
                     try:
-                        results, plans = _simulate_one(s, spec, parallel, stream, steps, clusters[n], profile, recompute)
+                        if tuned:
+                            from omnibench.tune import tune as _tune
+
+                            res = _tune(s, spec, [stream.batch(0)], clusters[n], profile=profile, budget=tune_budget,
+                                        options=planner_options(s, options, hardware) if profile is None else options)
+                            if res.best is None:
+                                raise ValueError(f"tune: no layout of {s} fits {n} GPUs")
+                            c = res.best.candidate
+                            sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
+                            sys_recompute = c.recompute
+                            row["layout"] = c.label()
+                        results, plans = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n], profile,
+                                                       sys_recompute, hardware)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")
@@ -283,7 +313,7 @@ def register(app: typer.Typer) -> None:
                 "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
                 "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
-                "recompute": recompute, "seed": seed, "date": stamp, "options": options,
+                "recompute": recompute, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "calibration_provenance": profile.provenance if profile else None,
                 "provenance": provenance(f"simulated: {hardware}"),
             }
@@ -330,6 +360,9 @@ def register(app: typer.Typer) -> None:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: cannot plan: {r['error']}", highlight=False)
             elif not r["fits"]:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
+        for r in rows:
+            if r.get("layout"):
+                console.print(f"{r['gpus']} GPUs, {r['system']}: tuned layout {r['layout']}", highlight=False)
         if missing:
             console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")

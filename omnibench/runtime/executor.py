@@ -55,7 +55,7 @@ from omnibench.runtime.parallelize import (
     apply_tp,
 )
 from omnibench.specs.model import MultimodalSpec
-from systems.common import data_rank, encoder_tokens, is_primary
+from systems.common import data_rank, encoder_tokens, is_primary, long_llm_leaders
 from workloads.sample import Sample, Segment
 
 # --------------------------------------------------------------------------------- groups
@@ -379,6 +379,14 @@ class Executor:
         self.plan = plan
         self._index_routes(plan)
         self.state = StepState()
+        leaders = long_llm_leaders(plan.options)
+        if leaders:
+            # omni's long LLM samples are listed on every member of their group: the loaders' count
+            # (each data rank's assignment) holds them k times.
+            from omnibench.models.inputs import loss_token_count
+
+            k = len(plan.options["long_short"]["groups"]["llm"][0])
+            global_loss_tokens -= (k - 1) * sum(loss_token_count(plan.sample(i)) for i in leaders)
         self.global_loss_tokens = global_loss_tokens
         # FSDP reduces gradients in the last backward of each module on this rank.
         self.last_backward: dict[str, int] = {}
@@ -505,9 +513,20 @@ class Executor:
         lay = self.llm_layout
         ids = self.plan.assignment["llm"][data_rank(lay, self.rank)][mb]
         samples = [synthesize(self.plan.sample(i), self.spec, media=False) for i in ids]
-        packed = pack(samples)
+        if not samples:  # omni's long-short: an empty microbatch keeps the data-parallel group in step
+            packed = pack([synthesize(Sample(-1, "dummy", (Segment("text", 2),)), self.spec, media=False)])
+            packed = replace(packed, labels=torch.full_like(packed.labels, IGNORE_INDEX), sample_ids=[])
+        else:
+            packed = pack(samples)
         chunk = None
-        if lay.cp > 1:
+        long = self._llm_long(mb)
+        if long is not None:  # a long sample over a context-parallel group of data ranks
+            k = len(long[1])
+            packed = pad_row(packed, k)
+            n = packed.tokens // k
+            c = long[1].index(self.rank)
+            chunk = (c * n, (c + 1) * n)
+        elif lay.cp > 1:
             packed = pad_row(packed, lay.cp)
             n = packed.tokens // lay.cp
             c = lay.coords(self.rank)["cp"]
@@ -523,7 +542,23 @@ class Executor:
         cp = self.llm_layout.cp
         return -(-n // cp) if cp > 1 else n
 
+    def _llm_long(self, mb: int):
+        return self.long_short.llm_group(self.plan, mb) if self.long_short is not None else None
+
+    def _llm_cp(self, mb: int):
+        """Ulysses over the long-sample group around an LLM microbatch's forward or backward."""
+        long = self._llm_long(mb)
+        if long is None:
+            return contextlib.nullcontext()
+        from omnibench.runtime.long_short import llm_ulysses
+
+        return llm_ulysses(self.modules["llm"], long[0], len(long[1]))
+
     def _llm_forward(self, a: Action) -> None:
+        with self._llm_cp(a.microbatch):
+            self._llm_forward_inner(a)
+
+    def _llm_forward_inner(self, a: Action) -> None:
         mb = a.microbatch
         packed, chunk = self._llm_packed(mb)
         stage = self.modules["llm"]
@@ -567,6 +602,10 @@ class Executor:
         return st.emb[key]
 
     def _llm_backward(self, a: Action) -> None:
+        with self._llm_cp(a.microbatch):
+            self._llm_backward_inner(a)
+
+    def _llm_backward_inner(self, a: Action) -> None:
         mb = a.microbatch
         stage = self.modules["llm"]
         out = self.state.act_out.pop(mb)
@@ -590,9 +629,10 @@ class Executor:
             return
         grads = [self.state.emb[k].grad if self.state.emb[k].grad is not None else torch.zeros_like(self.state.emb[k])
                  for k in keys]
-        if lay.cp > 1:
+        long = self._llm_long(mb)
+        if long is not None or lay.cp > 1:
             flat = torch.cat(grads)
-            dist.all_reduce(flat, group=self.groups.get("llm", "cp")[0])
+            dist.all_reduce(flat, group=long[0] if long is not None else self.groups.get("llm", "cp")[0])
             grads = list(torch.split(flat, [g.shape[0] for g in grads]))
         for k, g in zip(keys, grads, strict=True):
             self.state.emb[k] = g  # the leaf is done with; its gradient goes back along the primary route
@@ -604,10 +644,11 @@ class Executor:
         sample-id order, whether each is its sample's primary route, and each sample's primary
         source (who takes the gradient back)."""
         llm = plan.layouts["llm"]
+        leaders = long_llm_leaders(plan.options)
         self.messages: dict[tuple, list[tuple]] = defaultdict(list)
         self.primary_src: dict[tuple[str, int], int] = {}
         for r in sorted(plan.routes, key=lambda r: r.sample_id):
-            primary = is_primary(r, llm)
+            primary = is_primary(r, llm, leaders)
             self.messages[(r.module, r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)].append((r, primary))
             if primary:
                 self.primary_src[(r.module, r.sample_id)] = r.src_rank

@@ -1,4 +1,6 @@
-"""Executing omni's long inputs: one encoder microbatch split over a sequence-parallel group.
+"""Executing omni's long inputs: one encoder microbatch split over a sequence-parallel group, and
+one long LLM sample split over a context-parallel group of data ranks (`llm_group`, `llm_ulysses`;
+the executor chunks the row, the planner's systems/omni/llm_long_short.py says which).
 
 The plan marks, per encoder and rank, which encoder microbatches are *long*
 (`plan.options["long_short"]["long_microbatches"]`); every member of the sample's fixed group
@@ -69,6 +71,16 @@ class LongShortRuntime:
             raise RuntimeError(f"step {plan.step}: {module} long-input groups changed; the runtime builds them once")
         return True
 
+    def llm_group(self, plan, microbatch: int) -> tuple[dist.ProcessGroup, tuple[int, ...]] | None:
+        """omni's long LLM sample (systems/omni/llm_long_short.py): the context-parallel group that
+        runs this LLM microbatch together, or None for a data-parallel microbatch."""
+        cfg = plan.options.get("long_short", {})
+        if microbatch not in cfg.get("long_microbatches", {}).get("llm", {}).get(str(self.rank), ()):
+            return None
+        if [tuple(g) for g in cfg.get("groups", {}).get("llm", [])] != self.layout.get("llm"):
+            raise RuntimeError(f"step {plan.step}: llm long-sample groups changed; the runtime builds them once")
+        return self.groups["llm"]
+
     def forward(self, ex, a) -> None:
         module, mb = a.module, a.microbatch
         ids = ex._enc_microbatch(module, mb)
@@ -119,6 +131,24 @@ def ulysses_layer(layer, args: tuple, group, k: int):
             return inner(*a)
 
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+@contextmanager
+def llm_ulysses(stage, group, k: int):
+    """Ulysses context parallelism for one LLM microbatch: every attention core of the stage (found
+    under any checkpoint / FSDP wrapping) wrapped for the microbatch's forward or backward (the
+    backward's recomputation, if any, must see the same exchange)."""
+    from omnibench.models.llm import Attention
+
+    swapped = [m for m in stage.modules() if isinstance(m, Attention)]
+    cores = [m.core for m in swapped]
+    try:
+        for m, core in zip(swapped, cores, strict=True):
+            m.core = UlyssesAttention(core, group, k)
+        yield
+    finally:
+        for m, core in zip(swapped, cores, strict=True):
+            m.core = core
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:

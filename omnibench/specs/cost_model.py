@@ -149,6 +149,14 @@ class CostModel:
             raise CostModelError(f"calibration: {path} has no fitted compute curves")
         return CostModel.from_curves(model, profile.compute, source=f"calibrated from {path}")
 
+    @staticmethod
+    def from_simulator(model: MultimodalSpec, hardware: str = "h100") -> CostModel:
+        """The simulator's own compute model for a hardware preset (its kernel profile where the
+        preset has one, else the datasheet curve), fitted per module to linear + quadratic +
+        per-sequence seconds over single sequences of 256 to 16,384 positions: what omni plans with
+        unless a calibration profile is given, so the planner and the simulator price work alike."""
+        return _from_simulator(model, hardware)
+
     # -- queries --------------------------------------------------------------------------------
     def encoder(self, sample: Sample, module: str) -> float:
         """Seconds of one training pass of `module` over `sample` (0 if it has no such input)."""
@@ -198,8 +206,81 @@ def _analytic(model: MultimodalSpec, flops_per_s: float) -> CostModel:
     return CostModel(model, coeffs, share, f"analytic (costs.py FLOPs at {flops_per_s:.3g} FLOP/s)")
 
 
-def load_cost_model(model: MultimodalSpec, calibration: str | None = None) -> CostModel:
-    """The cost model a planner uses: calibrated when a profile path is given, else analytic."""
+FIT_LENGTHS = (256, 1024, 4096, 16384)
+
+
+@lru_cache(maxsize=16)
+def _from_simulator(model: MultimodalSpec, hardware: str) -> CostModel:
+    from simulator.compute import ComputeModel  # torch-free
+    from simulator.flops import audio_work, llm_work, vision_work
+    from simulator.hardware import load_cluster
+
+    compute = ComputeModel(load_cluster(hardware, 8))
+    coeffs, share = {}, {}
+    for module in ["llm", *model.encoders]:
+        rows, mid = [], None
+        for n in FIT_LENGTHS:
+            # A sample's cost is what it adds to a microbatch: the time of two sequences minus one
+            # (the action's fixed cost, kernel launches of a pass, is paid once per microbatch).
+            if module == "llm":
+                works = [llm_work(model.llm, [n] * j, range(model.llm.layers), True, True) for j in (1, 2)]
+                pairs = n * (n + 1) / 2
+            elif module == "vision":
+                m = model.vision.merge
+                x = max(m, n // m // m * m)
+                works = [vision_work(model.vision, [(1, m, x)] * j) for j in (1, 2)]
+                n = m * x
+                pairs = float(n) * n
+            else:
+                n = min(n, model.audio.max_positions)
+                works = [audio_work(model.audio, [2 * n] * j) for j in (1, 2)]
+                pairs = float(n) * n
+            f, b = (compute.action_time(works[1], kind, module=module) - compute.action_time(works[0], kind, module=module)
+                    for kind in ("forward", "backward"))
+            rows.append((n, pairs, f + b))
+            if mid is None or n <= 4096:
+                mid = (f, b)
+        lin, quad, per = _least_squares(rows)
+        coeffs[module] = Coefficients(lin, quad, per)
+        share[module] = mid[0] / (mid[0] + mid[1])
+    return CostModel(model, coeffs, share, f"simulator compute model ({compute.describe()}) on {hardware}")
+
+
+def _least_squares(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Non-negative fit of t = a*n + b*pairs + c (normal equations; a negative term is dropped)."""
+    def solve(cols: list[int]) -> list[float]:
+        xs = [[(r[0], r[1], 1.0)[c] for c in cols] for r in rows]
+        ys = [r[2] for r in rows]
+        k = len(cols)
+        a = [[sum(x[i] * x[j] for x in xs) for j in range(k)] for i in range(k)]
+        v = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in range(k)]
+        for i in range(k):  # Gauss-Jordan on a tiny system
+            p = max(range(i, k), key=lambda r: abs(a[r][i]))
+            a[i], a[p], v[i], v[p] = a[p], a[i], v[p], v[i]
+            for r in range(k):
+                if r != i and a[i][i]:
+                    f = a[r][i] / a[i][i]
+                    a[r] = [x - f * y for x, y in zip(a[r], a[i], strict=True)]
+                    v[r] -= f * v[i]
+        return [v[i] / a[i][i] if a[i][i] else 0.0 for i in range(k)]
+
+    cols = [0, 1, 2]
+    while True:
+        sol = solve(cols)
+        if all(x >= 0 for x in sol) or len(cols) == 1:
+            out = [0.0, 0.0, 0.0]
+            for c, x in zip(cols, sol, strict=True):
+                out[c] = max(0.0, x)
+            return out[0], out[1], out[2]
+        worst = min(zip(sol, cols, strict=True))[1]
+        cols = [c for c in cols if c != worst]
+
+
+def load_cost_model(model: MultimodalSpec, calibration: str | None = None, hardware: str = "") -> CostModel:
+    """The cost model a planner uses: calibrated when a profile path is given, else the simulator's
+    compute model for `hardware`, else analytic."""
     if calibration:
         return CostModel.from_profile(model, calibration)
+    if hardware:
+        return CostModel.from_simulator(model, hardware)
     return CostModel.analytic(model)

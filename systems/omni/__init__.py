@@ -45,6 +45,7 @@ from systems.common import (
     step_tail,
 )
 from systems.omni.layout import build_layouts, placement_notes, sp_groups, sp_size
+from systems.omni.llm_long_short import llm_group_size, llm_groups, place_llm_long
 from systems.omni.long_short import place_long, place_short, split_long_short
 from systems.omni.options import OmniOptions
 from systems.omni.reorder import (
@@ -86,9 +87,12 @@ class OmniPlanner:
     def cost_model(self, model: MultimodalSpec, opts: OmniOptions) -> CostModel:
         if self._cost_model is not None:
             return self._cost_model
-        key = (model, opts.calibration)
+        key = (model, opts.calibration, opts.hardware)
         if key not in self._cache:
-            self._cache[key] = load_cost_model(model, opts.calibration or None)
+            try:
+                self._cache[key] = load_cost_model(model, opts.calibration or None, opts.hardware)
+            except ValueError as e:
+                raise PlanError(f"options.hardware: {str(e).splitlines()[0]}") from None
         return self._cache[key]
 
     def loader_spec(self, model: MultimodalSpec, parallel: ParallelSpec, n_samples: int,
@@ -156,24 +160,49 @@ class OmniPlanner:
                     for m in model.encoders}
         home = {i: d for d, shard in enumerate(shards) for i in shard}
 
+        # -- LLM long / short (llm_long_short.py) ------------------------------------------------------
+        k_llm, k_why = llm_group_size(model, parallel, llm) if opts.llm_long_short else (1, "switched off")
+        llm_split = split_long_short(llm_cost, dp, k_llm, k_llm > 1)
+        long_llm = list(llm_split.long)
+        on_llm_group = place_llm_long(long_llm, llm_cost, dp // k_llm, k_llm) if long_llm else []
+        long_set = set(long_llm)
+        start = [sum(llm_cost[i] for i in on_llm_group[d // k_llm]) / k_llm for d in range(dp)] if long_llm else None
+
         # -- LLM assignment (resharding) -------------------------------------------------------------
+        short_ids = [i for i in ids if i not in long_set]
         if opts.reshard:
-            llm_shards = reshard(ids, llm_cost, home, dp, floor)
+            llm_shards = reshard(short_ids, llm_cost, home, dp, 0 if long_llm else floor, start)
         else:
-            llm_shards = shards
-        m_count = min(want_mb, min(len(s) for s in llm_shards))
-        if m_count < llm.pp:
-            raise PlanError(
-                f"microbatches: only {m_count} microbatch(es) per data rank fit this batch but pp={llm.pp} needs "
-                f">= {llm.pp}; use a larger batch or fewer stages"
-            )
-        llm_mbs = [[tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count)] for shard in llm_shards]
+            llm_shards = [[i for i in shard if i not in long_set] for shard in shards]
+        if long_llm:
+            # Every data rank runs the same number of microbatches (FSDP locks them): its group's long
+            # samples, one each, then its short ones over the rest (possibly empty).
+            n_long = [len(on_llm_group[d // k_llm]) for d in range(dp)]
+            m_count = max(n_long) + want_mb
+            llm_mbs = [[(i,) for i in on_llm_group[d // k_llm]]
+                       + [tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count - n_long[d])]
+                       for d, shard in enumerate(llm_shards)]
+        else:
+            m_count = min(want_mb, min(len(s) for s in llm_shards))
+            if m_count < llm.pp:
+                raise PlanError(
+                    f"microbatches: only {m_count} microbatch(es) per data rank fit this batch but pp={llm.pp} "
+                    f"needs >= {llm.pp}; use a larger batch or fewer stages"
+                )
+            llm_mbs = [[tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count)]
+                       for shard in llm_shards]
         due = {i: j for mbs in llm_mbs for j, mb in enumerate(mbs) for i in mb}
         consumer = {i: d for d, mbs in enumerate(llm_mbs) for mb in mbs for i in mb}
+        llm_leader: dict[int, int] = {}
+        for g, sids in enumerate(on_llm_group):
+            for i in sids:
+                consumer[i] = g * k_llm
+                llm_leader[i] = llm.rank_at(pp=0, dp=g * k_llm, cp=0, tp=0)
+        llm_share = {i: k_llm for i in long_set}
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
 
         # -- encoder placement ------------------------------------------------------------------------
-        stage_cost = self._stage_costs(cm, llm, llm_mbs, by_id)
+        stage_cost = self._stage_costs(cm, llm, llm_mbs, by_id, llm_share)
         f_stage, b_stage = stage_cost
         credit = {}
         for r in range(world):
@@ -263,7 +292,7 @@ class OmniPlanner:
                     timeline, chosen, placement = joint, cand, name
         enc_assignment, routes, items, enc_layout_notes, long_notes = chosen
         assignment.update(enc_assignment)
-        index = BoundaryIndex(routes, llm)
+        index = BoundaryIndex(routes, llm, llm_leader)
         actions = to_actions(llm, timeline.orders, index, active)
         for r in actions:
             actions[r] += step_tail(["llm", *active])
@@ -271,7 +300,23 @@ class OmniPlanner:
         exchange = self._metadata_actions(spec, llm, loading, by_id)
         for r in actions:
             actions[r] = exchange[r] + actions[r]
-        llm_tokens = [sum(by_id[i].llm_tokens for mb in mbs for i in mb) for mbs in llm_mbs]
+        llm_tokens = [round(sum(by_id[i].llm_tokens / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
+        llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 else []
+        long_llm_mbs = {}
+        for grp in llm_groups_all:
+            d0 = llm.coords(grp[0])["dp"]
+            slots = list(range(len(on_llm_group[d0 // k_llm]))) if on_llm_group else []
+            if slots:
+                for r in grp:
+                    long_llm_mbs[str(r)] = slots
+        notes["llm_long_short"] = {
+            "enabled": opts.llm_long_short, "group_size": k_llm, **({"why_not": k_why} if k_why else {}),
+            "threshold_s": _r(llm_split.threshold),
+            "long_samples": [{"sample": i, "llm_tokens": by_id[i].llm_tokens, "cost_s": _r(llm_cost[i]),
+                              "group": [llm.rank_at(pp=0, dp=g * k_llm + c, cp=0, tp=0) for c in range(k_llm)]}
+                             for g, sids in enumerate(on_llm_group) for i in sids][:64],
+            "short_samples": len(short_ids), "microbatches_per_rank": m_count,
+        }
         moved = [rt for rt in routes if rt.src_rank != rt.dst_rank]
         reshard_moves = sum(1 for i in ids if consumer[i] != home[i])
         notes.update({
@@ -301,13 +346,24 @@ class OmniPlanner:
                 "encoder_actions_by_phase": {str(r): timeline.placed[r] for r in sorted(timeline.placed)[:16]},
             },
         })
+        # Which techniques changed anything this step (a switch can be on and find nothing to do).
+        in_bubbles = sum(v["warmup"] + v["cooldown"] for v in timeline.placed.values())
+        notes["acted"] = {
+            "reorder": bool(opts.reorder and _r(max_over_mean(after)) < _r(max_over_mean(before))),
+            "reshard": bool(opts.reshard and reshard_moves),
+            "long_short_sp": {m: len(v["long_samples"]) for m, v in enc_layout_notes.items() if v["long_samples"]},
+            "llm_long_short": len(long_llm),
+            "joint_pipeline": bool(timeline is not phased and in_bubbles),
+        }
         plan = Plan(
             system=self.name, step=batch.step, world_size=world, model=model.name, samples=list(samples),
             layouts=layouts, assignment=assignment, routes=routes, actions=actions,
             options={"microbatches": m_count, "encoder_tp": layouts[next(iter(model.encoders))].tp if model.encoders else 1,
                      **opts.to_dict(),
-                     "long_short": {"groups": {m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
-                                    "long_microbatches": long_notes}},
+                     "long_short": {"groups": {**{m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
+                                               **({"llm": [list(g) for g in llm_groups_all]} if llm_groups_all else {})},
+                                    "long_microbatches": {**long_notes, **({"llm": long_llm_mbs} if long_llm_mbs else {})},
+                                    **({"llm_leaders": {str(i): r for i, r in llm_leader.items()}} if llm_leader else {})}},
             notes=notes,
         )
         plan = finish(plan)
@@ -329,12 +385,14 @@ class OmniPlanner:
         return {r: list(head) for r in llm.ranks}
 
     @staticmethod
-    def _stage_costs(cm: CostModel, llm, llm_mbs, by_id) -> tuple[list[float], list[float]]:
+    def _stage_costs(cm: CostModel, llm, llm_mbs, by_id, share: dict[int, int] | None = None
+                     ) -> tuple[list[float], list[float]]:
         m = len(llm_mbs[0])
         split = llm.pp * llm.tp * llm.cp
+        share = share or {}
         f, b = [], []
         for j in range(m):
-            worst = max(sum(cm.llm(by_id[i]) for i in mbs[j]) for mbs in llm_mbs) / split
+            worst = max(sum(cm.llm(by_id[i]) / share.get(i, 1) for i in mbs[j]) for mbs in llm_mbs) / split
             f.append(cm.forward("llm", worst))
             b.append(worst - cm.forward("llm", worst))
         return f, b

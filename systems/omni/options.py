@@ -1,5 +1,5 @@
 """omni's switches, read once from `ParallelSpec.options` (CLI: --no-joint-pipeline, --no-reorder,
---no-reshard, --no-long-short-sp, --option key=value) and validated here."""
+--no-reshard, --no-long-short-sp, --no-llm-long-short, --option key=value) and validated here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from omnibench.plan import PlanError
 
-BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp")
+BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp", "llm_long_short")
 
 
 @dataclass(frozen=True)
@@ -16,8 +16,13 @@ class OmniOptions:
     reorder: bool = True  # decentralized grouped reordering in the data loaders
     reshard: bool = True  # adaptive resharding of encoder outputs to LLM data ranks
     long_short_sp: bool = True  # long inputs split over an encoder sequence-parallel group
+    llm_long_short: bool = True  # long LLM samples over a context-parallel group of data ranks (pp 1)
     reorder_group: int = 8  # loader ranks exchanging cost metadata together (no global coordinator)
-    calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model; "" = analytic
+    calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model
+    # Without a profile: the simulator's compute model for this hardware preset, so omni decides with
+    # the costs the simulator will charge (`simulate` and `tune` pass their --hardware); "": costs.py
+    # FLOPs at a nominal 1 TFLOP/s (relative costs only; the CPU runs' default).
+    hardware: str = ""
 
     @staticmethod
     def parse(raw: dict) -> OmniOptions:
@@ -57,7 +62,8 @@ def _bool(key: str, value) -> bool:
 
 
 def options_from_flags(no_joint_pipeline: bool = False, no_reorder: bool = False, no_reshard: bool = False,
-                       no_long_short_sp: bool = False, option: list[str] | None = None) -> dict:
+                       no_long_short_sp: bool = False, option: list[str] | None = None,
+                       no_llm_long_short: bool = False) -> dict:
     """ParallelSpec.options from the CLI's ablation flags and repeatable `--option key=value`."""
     out: dict = {}
     for item in option or []:
@@ -66,7 +72,7 @@ def options_from_flags(no_joint_pipeline: bool = False, no_reorder: bool = False
             raise PlanError(f"--option must look like key=value, got {item!r}")
         out[key.strip().replace("-", "_")] = value.strip()
     for flag, key in ((no_joint_pipeline, "joint_pipeline"), (no_reorder, "reorder"), (no_reshard, "reshard"),
-                      (no_long_short_sp, "long_short_sp")):
+                      (no_long_short_sp, "long_short_sp"), (no_llm_long_short, "llm_long_short")):
         if flag:
             out[key] = False
     return out

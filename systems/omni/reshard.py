@@ -20,15 +20,17 @@ SLACK = 0.02  # of a balanced per-rank share: how much imbalance locality may bu
 
 
 def reshard(sample_ids: Sequence[int], cost: dict[int, float], home: dict[int, int], dp: int,
-            floor: int) -> list[list[int]]:
+            floor: int, start: Sequence[float] | None = None) -> list[list[int]]:
+    """`start`: load each data rank already carries (omni's long LLM samples, llm_long_short.py)."""
     order = sorted(sample_ids, key=lambda i: (-cost[i], i))
     if floor * dp > len(order):
         floor = len(order) // dp
-    tol = SLACK * sum(cost[i] for i in order) / dp
-    loads = [0.0] * dp
+    tol = SLACK * (sum(cost[i] for i in order) + sum(start or ())) / dp
+    loads = list(start) if start is not None else [0.0] * dp
     counts = [0] * dp
     out: list[list[int]] = [[] for _ in range(dp)]
-    heap = [(0.0, b) for b in range(dp)]
+    heap = [(loads[b], b) for b in range(dp)]
+    heapq.heapify(heap)
     left, deficit = len(order), floor * dp
     for i in order:
         if left <= deficit:

@@ -1,0 +1,73 @@
+"""Long-short split on the LLM side: long samples over a context-parallel group, short ones data-parallel.
+
+Without pipelining the step is set by the LLM data rank that holds the longest sample: no
+assignment can split one sample's LLM sequence, so resharding cannot help once a sample's LLM
+cost exceeds the balanced per-rank share (NOTES.md 2d). omni therefore treats such a sample as
+*long*, the LLM analogue of the encoders' long-short split (long_short.py): it runs on a fixed
+group of `k` consecutive LLM data ranks with Ulysses context parallelism (each member holds a
+contiguous 1/k of the packed row with all heads; two all-to-alls per layer give every member the
+whole row for 1/k of the heads; omnibench.runtime.parallelize.UlyssesAttention), and everything
+else stays data-parallel.
+
+Plan shape (so both executors see it without a new action kind):
+- every data rank runs the same number of LLM microbatches (FSDP locks a module's forward and
+  backward calls across the data-parallel group): a member of group g runs its group's long
+  samples first, one microbatch each, at the same index on every member, then its short samples
+  balanced over the remaining microbatches (which may be empty: the runtime then runs a
+  loss-free one-token row so the collectives stay in step);
+- `Plan.assignment["llm"]` lists a long sample on every member of its group (the only samples
+  allowed on more than one data rank); `plan.options["long_short"]` names the groups (module
+  "llm", one group per tp coordinate), each rank's long microbatches, and each long sample's
+  *leader* (the group's first data rank), the only consumer whose boundary route carries the
+  encoder gradient back (the members' embedding gradients are summed over the group first).
+
+Only without pipelining and without the layout's own cp (pp = cp = 1): with stages, the pipeline
+already splits a sample's LLM work and the joint schedule fills what is left.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from omnibench.plan import Layout
+from omnibench.specs.model import MultimodalSpec
+from omnibench.specs.parallel import ParallelSpec
+
+
+def llm_group_size(model: MultimodalSpec, parallel: ParallelSpec, llm: Layout) -> tuple[int, str]:
+    """(k, why k is 1): data ranks a long LLM sample is split over, the largest that divides the
+    LLM's data ranks and the heads and kv heads each tp rank holds (Ulysses splits heads) and
+    keeps the group (k x tp ranks) inside a node."""
+    if llm.pp > 1:
+        return 1, "pp > 1: pipeline stages already split a sample's LLM work"
+    if llm.cp > 1:
+        return 1, "the layout's own cp > 1 already splits every sequence"
+    heads, kv = model.llm.heads // llm.tp, model.llm.kv_heads // llm.tp
+    limit = min(llm.dp, max(1, parallel.gpus_per_node // llm.tp))
+    k = max(x for x in range(1, limit + 1) if heads % x == 0 and kv % x == 0 and llm.dp % x == 0)
+    if k == 1:
+        return 1, (f"no group size > 1 divides the {heads} heads / {kv} kv heads per tp rank and dp={llm.dp} "
+                   f"within a node of {parallel.gpus_per_node}")
+    return k, ""
+
+
+def llm_groups(llm: Layout, k: int) -> list[tuple[int, ...]]:
+    """The context-parallel groups: k consecutive data indices, one group per tp coordinate."""
+    out = []
+    for g in range(llm.dp // k):
+        for t in range(llm.tp):
+            out.append(tuple(llm.rank_at(pp=0, dp=g * k + c, cp=0, tp=t) for c in range(k)))
+    return out
+
+
+def place_llm_long(long: Sequence[int], cost: dict[int, float], groups: int, k: int) -> list[list[int]]:
+    """Long samples onto groups, longest first onto the least loaded (by count, then load: every
+    long sample adds one microbatch to all ranks, so the most loaded group sets the count)."""
+    heap = [(0, 0.0, g) for g in range(groups)]
+    out: list[list[int]] = [[] for _ in range(groups)]
+    for i in long:
+        n, load, g = heapq.heappop(heap)
+        out[g].append(i)
+        heapq.heappush(heap, (n + 1, load + cost[i] / k, g))
+    return out
