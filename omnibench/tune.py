@@ -250,9 +250,13 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
                  c.recompute)
     expert = w.expert_params / c.tp / max(1, c.ep)
-    state = costs.training_state_bytes(int((w.params - w.expert_params) / c.tp + expert), "bf16", shard).total
+    # As the simulator's timeline holds them at the LLM's first backward: fp32 weights, AdamW state and
+    # gradients (16 B/param), the activations in flight less a recomputed layer (held only inside a
+    # backward); FSDP's gathered bf16 layers are left out of this lower bound.
+    state = costs.training_state_bytes(int((w.params - w.expert_params) / c.tp + expert), "fp32", shard).total
     in_flight = min(c.pp, m)
-    llm_side = RESERVED_BYTES + state + in_flight * w.act_bytes
+    llm_side = RESERVED_BYTES + state + in_flight * (w.act_bytes - w.act_transient)
+    enc_grads = 0.0
     enc_state = enc_act = 0.0
     n_enc_ranks = world - n_llm if system == "noncolocated" else (n_llm // c.pp if system in ("homogeneous", "temporal") else world)
     enc_tp = c.tp if system == "homogeneous" else (c.encoder_tp or 1)
@@ -268,13 +272,17 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
             ew = audio_work(enc, [max(2, int(2 * per_rank))], enc_tp, 1, c.recompute)
         enc_shard = 1 if system == "omni" else max(1, n_enc_ranks // enc_tp)
         enc_shard = min(enc_shard, max(64, 8 * gpus_per_node) // enc_tp)
-        enc_state += costs.training_state_bytes(int(ew.params / enc_tp), "bf16", enc_shard).total
+        enc = costs.training_state_bytes(int(ew.params / enc_tp), "fp32", enc_shard)
+        enc_state += enc.params + enc.optimizer  # its gradients appear only at its own backward
+        enc_grads += enc.grads
         # Colocated encodes the whole batch before the LLM: all of it stays live; the others hold
         # what the microbatches in flight need.
-        enc_act += ew.act_bytes * (1.0 if system in ("colocated", "noncolocated") else in_flight / m)
+        enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if system in ("colocated", "noncolocated") else in_flight / m)
     if system == "noncolocated":
-        return max(llm_side, RESERVED_BYTES + enc_state + enc_act)
-    return llm_side + enc_state + enc_act
+        return max(llm_side, RESERVED_BYTES + enc_state + enc_grads + enc_act)
+    # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
+    return max(llm_side + enc_state + enc_act, llm_side - in_flight * (w.act_bytes - w.act_transient)
+               + enc_state + enc_grads)
 
 
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
