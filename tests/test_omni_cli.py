@@ -26,11 +26,12 @@ def test_plan_shows_long_short_reorder_reshard_and_schedule():
 @pytest.mark.timeout(60)
 def test_ablation_flags_reach_the_plan():
     res = omnibench("plan", "--system", "omni", "--nproc", "4", "--pp", "2", "--no-joint-pipeline", "--no-reorder",
-                    "--no-reshard", "--no-long-short-sp", "--option", "reorder_group=2", "--json")
+                    "--no-reshard", "--no-long-short-sp", "--no-llm-long-short", "--option", "reorder_group=2", "--json")
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     opts = plan["options"]
-    assert (opts["joint_pipeline"], opts["reorder"], opts["reshard"], opts["long_short_sp"]) == (False,) * 4
+    assert (opts["joint_pipeline"], opts["reorder"], opts["reshard"], opts["long_short_sp"],
+            opts["llm_long_short"]) == (False,) * 5
     assert opts["reorder_group"] == 2
     assert plan["notes"]["schedule"]["order"] == "all_ahead"
     assert plan["notes"]["reshard"]["samples_moved_off_loader"] == 0

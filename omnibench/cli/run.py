@@ -112,6 +112,8 @@ def register(app: typer.Typer) -> None:
         no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: LLM ranks consume what their loader holds"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
+        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
+                                               help="omni: long LLM samples stay data-parallel (no context-parallel group)"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
         as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
         config: Path = typer.Option(None, "--config", help="a TOML run config (any of these options, by name, "
@@ -139,7 +141,8 @@ def register(app: typer.Typer) -> None:
                        out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
                        dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
-                       options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
+                       options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
+                                                  no_llm_long_short), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
         try:
             spec = resolve(spec)
@@ -199,6 +202,8 @@ def register(app: typer.Typer) -> None:
         no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: LLM ranks consume what their loader holds"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
+        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
+                                               help="omni: long LLM samples stay data-parallel (no context-parallel group)"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
         recompute: str = typer.Option("none", "--recompute", help="none | selective | full: for the memory estimate"),
         as_json: bool = typer.Option(False, "--json"),
@@ -220,7 +225,7 @@ def register(app: typer.Typer) -> None:
             parallel = ParallelSpec(world_size=nproc, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                        encoder_ranks, dp_shard),
                                     options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
-                                                               no_long_short_sp, option))
+                                                               no_long_short_sp, option, no_llm_long_short))
             stream = WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens,
                                     length_scale=length_scale, max_sample_tokens=max_sample_tokens or None)
             p = get_planner(system).plan(spec, parallel, stream.batch(step))
