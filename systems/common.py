@@ -374,27 +374,15 @@ def llm_stage_actions(
 ) -> list[Action]:
     """1F1B actions of one LLM rank with its pipeline sends/recvs; hooks add per-microbatch
     actions around stage 0's compute (encoder work, boundary transfers)."""
-    if llm.vpp > 1:
-        return _interleaved_stage_actions(llm, rank, microbatches, before_forward, after_backward)
-    s, prev, nxt = pipeline_neighbours(llm, rank)
+    if llm.vpp > 1:  # interleaved: each step of the order names the virtual stage (chunk) it runs
+        neighbours = [pipeline_neighbours(llm, rank, c) for c in range(llm.vpp)]
+        order = ((kind, j, neighbours[chunk]) for kind, j, chunk
+                 in interleaved_1f1b(llm.coords(rank)["pp"], llm.pp, llm.vpp, microbatches))
+    else:
+        mine = pipeline_neighbours(llm, rank)
+        order = ((kind, j, mine) for kind, j in one_f_one_b(mine[0], llm.pp, microbatches))
     out: list[Action] = []
-    for kind, j in one_f_one_b(s, llm.pp, microbatches):
-        if kind == "F":
-            if before_forward is not None and s == 0:
-                out += before_forward(j)
-            out += llm_forward_actions(j, s, prev, nxt)
-        else:
-            out += llm_backward_actions(j, s, prev, nxt)
-            if after_backward is not None and s == 0:
-                out += after_backward(j)
-    return out
-
-
-def _interleaved_stage_actions(llm: Layout, rank: int, microbatches: int, before_forward, after_backward) -> list[Action]:
-    neighbours = [pipeline_neighbours(llm, rank, c) for c in range(llm.vpp)]
-    out: list[Action] = []
-    for kind, j, chunk in interleaved_1f1b(llm.coords(rank)["pp"], llm.pp, llm.vpp, microbatches):
-        s, prev, nxt = neighbours[chunk]
+    for kind, j, (s, prev, nxt) in order:
         if kind == "F":
             if before_forward is not None and s == 0:
                 out += before_forward(j)
