@@ -430,8 +430,7 @@ class Engine:
         residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
         from simulator.kernels import Stack
 
-        group = lay.dp * (lay.cp if module == "llm" else 1)
-        fsdp = lay.fsdp and group > 1
+        fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
         chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
         return Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
                      weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)

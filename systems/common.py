@@ -223,12 +223,20 @@ def make_routes(
                 if i not in where:
                     continue
                 src, src_mb = where[i]
-                producers = enc.group(src, "tp")
+                producers = output_holders(enc, src)
                 for dst in dsts:
                     primary = dst == dsts[0]
                     s = dst if (dst in producers and not primary) else src
                     routes.append(Route(module, i, s, src_mb, dst, j, encoder_tokens(by_id[i], module)))
     return routes
+
+
+def output_holders(enc: Layout, src: int) -> list[int]:
+    """Ranks that hold an encoder microbatch's whole output after its forward: the data rank's tp
+    peers (they compute together) and, under Ulysses sequence parallelism, its sp peers (each
+    embeds 1/sp of the positions, then the outputs are all-gathered)."""
+    d = enc.coords(src)["dp"]
+    return [enc.rank_at(dp=d, sp=s, tp=t) for s in range(enc.sp) for t in range(enc.tp)]
 
 
 def is_primary(route: Route, llm: Layout, leaders: dict[int, int] | None = None) -> bool:
@@ -457,14 +465,18 @@ def active_encoders(model: MultimodalSpec, batch: Batch) -> list[str]:
 
 
 def plan_encoders_in_stage0(
-    system: str, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, encoder_tp: int
+    system: str, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, encoder_tp: int,
+    encoder_sp: int = 1,
 ) -> Plan:
     """Encoders run on the LLM's pipeline-stage-0 ranks, per LLM microbatch, just before it.
 
-    Each LLM data group's microbatch j is encoded by the group's stage-0 ranks: split over its
+    Each LLM data group's microbatch j is encoded by the group's stage-0 ranks. Without encoder
+    sequence parallelism (homogeneous: encoder_tp = LLM tp) its samples are split over the group's
     cp (and, when encoder_tp < LLM tp, tp) ranks as extra encoder data parallelism, encoder tp
-    peers computing together. Shared by homogeneous (encoder_tp = LLM tp) and temporal
-    (encoder_tp = 1, pp = 1).
+    peers computing together. With `encoder_sp` = the LLM's cp (temporal, VeOmni's one Ulysses
+    degree for every module) the encoder's sp group *is* the LLM's cp group: the microbatch's
+    samples are split over the tp ranks only, and each cp group encodes its share together with
+    Ulysses (every member embeds 1/sp of the positions and ends with the whole output).
     """
     resolve_common(model, parallel, batch)
     world = parallel.world_size
@@ -473,14 +485,28 @@ def plan_encoders_in_stage0(
         raise PlanError(f"encoder_tp={encoder_tp} must divide the LLM's tp={llm.tp} when encoders share its ranks")
     llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp)
     m = len(llm_mbs[0])
-    stage0 = [llm.rank_at(pp=0, dp=d, cp=c, tp=t) for d in range(llm.dp) for c in range(llm.cp) for t in range(llm.tp)]
-    split = llm.cp * (llm.tp // encoder_tp)  # encoder data ranks per LLM data group
+    if encoder_sp > 1:
+        if encoder_sp != llm.cp or encoder_tp != 1:
+            raise PlanError(f"encoder_sp={encoder_sp}: encoders share the LLM's cp group as their sp group here, so "
+                            f"encoder_sp must equal cp={llm.cp} with encoder_tp=1")
+        for module, enc_spec in model.encoders.items():
+            if enc_spec.heads % encoder_sp:
+                raise PlanError(f"cp: {module} runs Ulysses over the LLM's cp group and cp={encoder_sp} does not "
+                                f"divide its {enc_spec.heads} heads")
+        # Mesh order (dp, sp, tp=1) over (LLM dp, tp) x cp: sp groups are the LLM's cp groups.
+        stage0 = [llm.rank_at(pp=0, dp=d, cp=c, tp=t)
+                  for d in range(llm.dp) for t in range(llm.tp) for c in range(llm.cp)]
+        split = llm.tp  # encoder data ranks per LLM data group
+    else:
+        stage0 = [llm.rank_at(pp=0, dp=d, cp=c, tp=t)
+                  for d in range(llm.dp) for c in range(llm.cp) for t in range(llm.tp)]
+        split = llm.cp * (llm.tp // encoder_tp)  # encoder data ranks per LLM data group
     layouts = {"llm": llm}
     assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
     routes: list[Route] = []
     by_id = {s.sample_id: s for s in batch.samples}
     for module in model.encoders:
-        enc = with_dp_shard(encoder_layout(module, stage0, tp=encoder_tp, fsdp=parallel.fsdp), parallel)
+        enc = with_dp_shard(encoder_layout(module, stage0, tp=encoder_tp, sp=encoder_sp, fsdp=parallel.fsdp), parallel)
         layouts[module] = enc
         enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
         for d, mbs in enumerate(llm_mbs):
@@ -526,7 +552,7 @@ def plan_encoders_in_stage0(
         assignment=assignment,
         routes=routes,
         actions=actions,
-        options={"microbatches": m, "encoder_tp": encoder_tp},
+        options={"microbatches": m, "encoder_tp": encoder_tp, **({"encoder_sp": encoder_sp} if encoder_sp > 1 else {})},
     )
 
 

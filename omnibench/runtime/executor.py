@@ -76,11 +76,16 @@ class Groups:
                     for ranks in ranks_list:
                         self._new(("llm", key), ranks)
             else:
-                for dim in ("dp", "tp"):
-                    for ranks in lay.groups(dim):
-                        self._new((name, dim), ranks)
+                # "dp": the gradient (FSDP) group, dp x sp; "sp": Ulysses groups (temporal's encoders).
+                for ranks in lay.fsdp_groups():
+                    self._new((name, "dp"), ranks)
+                for ranks in lay.groups("tp"):
+                    self._new((name, "tp"), ranks)
+                if lay.sp > 1:
+                    for ranks in lay.groups("sp"):
+                        self._new((name, "sp"), ranks)
                 if lay.hsdp:
-                    for key, ranks_list in self._hsdp_groups(lay, [tuple(g) for g in lay.groups("dp")]).items():
+                    for key, ranks_list in self._hsdp_groups(lay, lay.fsdp_groups()).items():
                         for ranks in ranks_list:
                             self._new((name, key), ranks)
 
@@ -314,8 +319,8 @@ class Executor:
         dp = self.groups.get(name, "dp")
         self.fsdp[name] = lay.fsdp and len(dp[1]) > 1
         dp_mesh = None
+        rows = [[lay.rank_at(dp=d, sp=s, tp=t) for t in range(lay.tp)] for d in range(lay.dp) for s in range(lay.sp)]
         if lay.hsdp and self.fsdp[name]:
-            rows = [[lay.rank_at(dp=d, sp=0, tp=t) for t in range(lay.tp)] for d in range(lay.dp)]
             dp_mesh, tp_mesh = self._hsdp_meshes(name, lay, rows, dev)
             if tp_mesh is not None:
                 replicated = apply_encoder_tp(enc, tp_mesh)
@@ -325,8 +330,7 @@ class Executor:
         elif lay.tp > 1:
             tp = self.groups.get(name, "tp")
             if self.fsdp[name]:
-                grid = [[lay.rank_at(dp=d, sp=0, tp=t) for t in range(lay.tp)] for d in range(lay.dp)]
-                mesh = mesh_from([dp, tp], ("dp", "tp"), dev, grid)
+                mesh = mesh_from([dp, tp], ("dp", "tp"), dev, rows)
                 dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
             else:
                 tp_mesh = mesh_from([tp], ("tp",), dev)
@@ -335,6 +339,10 @@ class Executor:
                 self.notes.append(f"{name}: tensor parallel over tp={lay.tp} except {', '.join(replicated)} (replicated)")
         elif self.fsdp[name]:
             dp_mesh = mesh_from([dp], ("dp",), dev)
+        if lay.sp > 1:
+            # Ulysses for every block of this encoder, for good (temporal: every microbatch runs over
+            # the sp group), before checkpointing and FSDP as the LLM's cp swap is.
+            apply_cp(enc, self.groups.get(name, "sp")[0], lay.sp)
         self._ac_and_compile(enc, name)
         if self.fsdp[name]:
             mp = self.dtype if self.dtype != torch.float32 else None
@@ -473,6 +481,13 @@ class Executor:
             return
         module = a.module
         ids = self._enc_microbatch(module, a.microbatch)
+        lay = self.layouts[module]
+        if lay.sp > 1:  # the whole microbatch over the sp group (omnibench/runtime/long_short.py)
+            from omnibench.runtime.long_short import encode_over_group
+
+            group, ranks = self.groups.get(module, "sp")
+            encode_over_group(self, module, a.microbatch, ids, group, ranks, swap_cores=False, outputs_on_all=True)
+            return
         samples = [self.plan.sample(i) for i in ids] or [_dummy_sample(module)]
         packed = pack([synthesize(s, self.spec, device=self.device) for s in samples]).to(self.device)
         enc = self.modules[module]
@@ -496,7 +511,9 @@ class Executor:
             if self.rank == data_rank(lay, self.rank):
                 grad = torch.cat([self.state.enc_grad.pop((module, i)) for i in ids]).to(out.dtype)
             else:
-                grad = torch.empty_like(out)
+                # tp peers: overwritten by the broadcast below; sp peers hold the gathered output too
+                # and take zeros (the gather's backward hands every member its chunk of the leader's).
+                grad = torch.zeros_like(out)
             if lay.tp > 1:
                 g, ranks = self.groups.get(module, "tp")
                 dist.broadcast(grad, src=ranks[0], group=g)

@@ -33,7 +33,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_gather
 from torch.utils.checkpoint import checkpoint
 
 from omnibench.models.inputs import pack, synthesize
@@ -87,23 +86,54 @@ class LongShortRuntime:
         if len(ids) != 1:
             raise RuntimeError(f"{module} long microbatch {mb} on rank {self.rank} holds {len(ids)} samples, not 1")
         group, ranks = self.groups[module]
-        k, c = len(ranks), ranks.index(self.rank)
-        leader = c == 0
-        sample = ex.plan.sample(ids[0])
-        packed = pack([synthesize(sample, ex.spec, device=ex.device)]).to(ex.device)
-        enc = ex.modules[module]
-        if module == "vision":
-            out = vision_forward_sp(enc, packed.pixel_patches, packed.grid_thw, group, k, c)
-        else:
-            out = audio_forward_sp(enc, packed.mel, packed.mel_lens, group, k, c)
-        if leader:
-            tokens = encoder_tokens(sample, module)
-            if out.shape[0] != tokens:
-                raise RuntimeError(f"{module} sample {ids[0]}: {out.shape[0]} output tokens, plan expects {tokens}")
-            ex.state.enc_out[(module, mb)] = (out, [ids[0]], [tokens])
-            ex.state.emb[(module, ids[0], "local")] = out
-        else:
-            ex.state.enc_out[(module, mb)] = (out, [], [])  # backward: zeros through the same collectives
+        encode_over_group(ex, module, mb, ids, group, ranks, swap_cores=True, outputs_on_all=False)
+
+
+def call_as_forward(module, fn, *args):
+    """`fn(*args)` run as `module`'s forward, through `module.__call__`, so the hooks on the module
+    fire: under FSDP2 (temporal's encoders) the root's pre-forward gathers the parameters outside the
+    blocks (patch embedding, merger, projector) and its backward hooks reduce their gradients."""
+    module.forward = fn  # an instance attribute shadows the class's forward for this call
+    try:
+        return module(*args)
+    finally:
+        del module.forward
+
+
+def encode_over_group(ex, module: str, mb: int, ids, group, ranks: tuple[int, ...], *, swap_cores: bool,
+                      outputs_on_all: bool) -> None:
+    """One encoder microbatch (its samples packed into one row) over a sequence-parallel group.
+
+    omni's long inputs (`swap_cores=True`, `outputs_on_all=False`): one sample, the cores swapped for
+    Ulysses per call (or no exchange where whole sequences split evenly); only the group's first rank
+    keeps the outputs (the route source). temporal (`swap_cores=False`, `outputs_on_all=True`): the
+    blocks' cores are Ulysses for good (executor `_build_encoder`), every member keeps the outputs
+    for the LLM rows of its cp rank. Either way the other members' encoder backward gets zeros."""
+    from omnibench.runtime.executor import _dummy_sample
+
+    k, c = len(ranks), ranks.index(ex.rank)
+    samples = [ex.plan.sample(i) for i in ids] or [_dummy_sample(module)]
+    packed = pack([synthesize(s, ex.spec, device=ex.device) for s in samples]).to(ex.device)
+    enc = ex.modules[module]
+    if module == "vision":
+        def run(patches, grid):
+            return vision_forward_sp(enc, patches, grid, group, k, c, swap_cores=swap_cores)
+
+        out = call_as_forward(enc, run, packed.pixel_patches, packed.grid_thw)
+    else:
+        def run(mel, mel_lens):
+            return audio_forward_sp(enc, mel, mel_lens, group, k, c, swap_cores=swap_cores)
+
+        out = call_as_forward(enc, run, packed.mel, packed.mel_lens)
+    tokens = [encoder_tokens(s, module) for s in samples] if ids else []
+    if ids and out.shape[0] != sum(tokens):
+        raise RuntimeError(f"{module} samples {list(ids)}: {out.shape[0]} output tokens, plan expects {sum(tokens)}")
+    if ids and (outputs_on_all or c == 0):
+        ex.state.enc_out[(module, mb)] = (out, list(ids), tokens)
+        for i, piece in zip(ids, torch.split(out, tokens), strict=True):
+            ex.state.emb[(module, i, "local")] = piece
+    else:
+        ex.state.enc_out[(module, mb)] = (out, [], [])  # backward: zeros through the same collectives
 
 
 @contextmanager
@@ -151,8 +181,34 @@ def llm_ulysses(stage, group, k: int):
             m.core = core
 
 
+class _GatherChunks(torch.autograd.Function):
+    """All-gather of equal chunks along dim 0; backward hands each member the sum over members of
+    its chunk's gradient. Written here because torch.distributed.nn.functional.all_gather's backward
+    on gloo scatters from *group* ranks as if they were global ones (fails for a group not holding
+    ranks 0..k-1)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, ctx.n = group, x.shape[0]
+        ctx.me = dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if grad.is_cuda:
+            out = grad.new_empty(ctx.n, *grad.shape[1:])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)  # gloo has no reduce_scatter
+        return total[ctx.me * ctx.n : (ctx.me + 1) * ctx.n], None
+
+
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
-    return torch.cat(all_gather(x.contiguous(), group=group))
+    return _GatherChunks.apply(x, group)
 
 
 def split_whole_sequences(lengths: list[int], k: int, slack: float = 1.25) -> list[tuple[int, int]] | None:
@@ -179,11 +235,19 @@ def _gather_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """All-gather rows of unequal counts (padded to the largest), in member order."""
     most = max(sizes)
     padded = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])]) if x.shape[0] < most else x
-    parts = all_gather(padded.contiguous(), group=group)
+    parts = torch.split(_gather(padded, group), most)
     return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
 
-def vision_forward_sp(enc, patches: torch.Tensor, grid_thw: torch.Tensor, group, k: int, c: int) -> torch.Tensor:
+def _block(layer, args: tuple, group, k: int, swap_cores: bool):
+    return ulysses_layer(layer, args, group, k) if swap_cores else layer(*args)
+
+
+def vision_forward_sp(enc, patches: torch.Tensor, grid_thw: torch.Tensor, group, k: int, c: int,
+                      swap_cores: bool = True) -> torch.Tensor:
+    """The vision encoder over a group of k ranks, this one holding chunk c. `swap_cores`: the blocks'
+    attention cores are plain (wrapped in Ulysses per call here, or left alone where whole frame
+    groups split evenly); False: they are Ulysses already, so the positions always split evenly."""
     spec = enc.spec
     window = spec.merge**2
     grid = grid_thw.long()
@@ -191,7 +255,7 @@ def vision_forward_sp(enc, patches: torch.Tensor, grid_thw: torch.Tensor, group,
     cu, max_seqlen = vision_cu_seqlens(grid)
     n = patches.shape[0]
     lengths = [h * w for t, h, w in grid.tolist() for _ in range(t)]
-    runs = split_whole_sequences(lengths, k)
+    runs = split_whole_sequences(lengths, k) if swap_cores else None
     if runs is not None:
         # The frame groups split evenly: each member attends over whole groups of its own, with no
         # exchange inside the blocks (attention never crosses a group).
@@ -218,11 +282,12 @@ def vision_forward_sp(enc, patches: torch.Tensor, grid_thw: torch.Tensor, group,
     h = enc.patch_embed(patches[lo:hi])
     cos, sin = cos[lo:hi].to(h.device), sin[lo:hi].to(h.device)
     for layer in enc.layers.values():
-        h = ulysses_layer(layer, (h, cos, sin, cu, max_seqlen), group, k)
+        h = _block(layer, (h, cos, sin, cu, max_seqlen), group, k, swap_cores)
     return _gather(enc.merger(h), group)[: n // window]
 
 
-def audio_forward_sp(enc, mel: torch.Tensor, mel_lens, group, k: int, c: int) -> torch.Tensor:
+def audio_forward_sp(enc, mel: torch.Tensor, mel_lens, group, k: int, c: int, swap_cores: bool = True) -> torch.Tensor:
+    """The audio encoder over a group of k ranks (`swap_cores` as in vision_forward_sp)."""
     spec = enc.spec
     lens = [int(x) for x in (mel_lens.tolist() if torch.is_tensor(mel_lens) else mel_lens)]
     x = mel.to(enc.conv1.weight.dtype)
@@ -239,7 +304,7 @@ def audio_forward_sp(enc, mel: torch.Tensor, mel_lens, group, k: int, c: int) ->
     table = _sinusoids(spec.max_positions, spec.hidden, h.device).to(h.dtype)
     h = h + table[torch.cat([torch.arange(w, device=h.device) for w in windows])]
     n = h.shape[0]
-    runs = split_whole_sequences(windows, k)
+    runs = split_whole_sequences(windows, k) if swap_cores else None
     if runs is not None:  # whole 30 s windows per member: no exchange inside the blocks
         offsets = [0, *torch.tensor(windows).cumsum(0).tolist()]
         mine = windows[runs[c][0] : runs[c][1]]
@@ -257,7 +322,7 @@ def audio_forward_sp(enc, mel: torch.Tensor, mel_lens, group, k: int, c: int) ->
         per = (n + pad) // k
         part = h[c * per : (c + 1) * per]
         for layer in enc.layers.values():
-            part = ulysses_layer(layer, (part, cu, max(seqs)), group, k)
+            part = _block(layer, (part, cu, max(seqs)), group, k, swap_cores)
         full = _gather(part, group)[:n]
     # Every member finishes the module (cheap) so every member's head parameters get a gradient,
     # zero except on the first rank, and grad_sync's all-reduce sees the same tensors everywhere.

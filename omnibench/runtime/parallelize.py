@@ -59,8 +59,9 @@ class UlyssesAttention(nn.Module):
         return self._heads_to_seq(out)
 
 
-def apply_cp(llm: nn.Module, group: dist.ProcessGroup, cp: int) -> None:
-    for block in llm.layers.values():
+def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int) -> None:
+    """Ulysses around every block's attention core of `module` (the LLM's cp, temporal's encoder sp)."""
+    for block in module.layers.values():
         block.attention.core = UlyssesAttention(block.attention.core, group, cp)
 
 
