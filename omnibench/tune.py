@@ -146,9 +146,16 @@ def llm_ranks(system: str, model: MultimodalSpec, world: int, c: Candidate, gpus
     return world - split_ranks(model, c.parallel(world, gpus_per_node))
 
 
-def default_candidate(system: str) -> Candidate:
-    """The layout `simulate` uses when given no layout flags (tp 1, pp 1, system defaults)."""
-    return Candidate(system)
+def default_candidate(system: str, model: MultimodalSpec | None = None, world: int = 0, gpus_per_node: int = 8,
+                      samples=(), memory_bytes: float = 0.0) -> Candidate:
+    """The layout `simulate` uses when given no layout flags: the system's default layout, its
+    anchor's usual one (systems/defaults.py); tp 1, pp 1 when no model and world size are given."""
+    if model is None or not world:
+        return Candidate(system)
+    from systems.defaults import DEVICE_BYTES, default_layout
+
+    d = default_layout(system, model, world, gpus_per_node, samples, memory_bytes or DEVICE_BYTES)
+    return Candidate(system, tp=d.tp, pp=d.pp, cp=d.cp)
 
 
 def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: int = 8) -> list[Candidate]:
@@ -158,12 +165,19 @@ def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: 
     out: list[Candidate] = []
     tps = [t for t in _divisors(gpus_per_node, gpus_per_node) if llm.heads % t == 0 and llm.kv_heads % t == 0]
     pps = [1] if system == "temporal" else [p for p in _pow2(llm.layers) if p <= llm.layers]
+    if system == "temporal":
+        # VeOmni's space: FSDP over all ranks with no tensor parallelism; cp is the one Ulysses degree
+        # of encoders and LLM, so it must divide every encoder's heads too.
+        tps = [1]
+    enc_heads = [e.heads for e in model.encoders.values()] if system == "temporal" else []
     eps = [1]
     if llm.moe is not None:
         eps = [e for e in _pow2(llm.moe.experts) if llm.moe.experts % e == 0 and e <= 64]
     for tp in tps:
         for cp in _pow2(llm.kv_heads // tp):
             if (llm.kv_heads // tp) % cp or (llm.heads // tp) % cp or tp * cp > gpus_per_node:
+                continue
+            if any(h % cp for h in enc_heads):
                 continue
             for pp in pps:
                 for ep in eps:
@@ -395,7 +409,8 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
             refused += 1
             notes.append(why)
     keep.sort(key=lambda tr: (tr.estimate_s, tr.candidate.label()))
-    default = settle(default_candidate(system))[0] or Trial(replace(default_candidate(system), recompute="full"))
+    start = default_candidate(system, model, world, gpn, per_batch, capacity)
+    default = settle(start)[0] or Trial(replace(start, recompute="full"))
     queue = keep[:budget]
     if all(tr.candidate != default.candidate for tr in queue):
         queue.append(default)

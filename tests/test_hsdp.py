@@ -226,10 +226,10 @@ def test_cli_dp_shard_reaches_the_plan_and_bad_values_fail_in_one_line(tmp_path)
     from omnibench.cli import app
 
     runner = CliRunner()
-    ok = runner.invoke(app, ["plan", "--system", "homogeneous", "--nproc", "4", "--dp-shard", "2", "--json"])
+    ok = runner.invoke(app, ["plan", "--system", "homogeneous", "--nproc", "4", "--tp", "1", "--dp-shard", "2", "--json"])
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output)["layouts"]["llm"]["dp_shard"] == 2
-    bad = runner.invoke(app, ["plan", "--system", "homogeneous", "--nproc", "4", "--dp", "4", "--dp-shard", "3"])
+    bad = runner.invoke(app, ["plan", "--system", "homogeneous", "--nproc", "4", "--tp", "1", "--dp", "4", "--dp-shard", "3"])
     assert bad.exit_code == 2
     assert "dp_shard=3 must divide dp*cp = 4" in bad.output and len(bad.output.strip().splitlines()) == 1
     sim = runner.invoke(app, ["simulate", "-w", "text_only", "-s", "homogeneous", "--gpus", "16", "--dp-shard", "4",

@@ -85,13 +85,13 @@ def test_run_omni_records_the_loaders_metadata_exchange(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_plan_shows_the_llm_long_short_split_and_its_switch():
-    res = omnibench("plan", "--system", "omni", "--workload", "long_video", "--nproc", "4", "--json")
+    res = omnibench("plan", "--system", "omni", "--workload", "long_video", "--nproc", "4", "--tp", "1", "--json")
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     notes = plan["notes"]["llm_long_short"]
     assert notes["group_size"] == 2 and notes["long_samples"] and plan["notes"]["acted"]["llm_long_short"] > 0
     assert plan["options"]["long_short"]["llm_leaders"]
-    res = omnibench("plan", "--system", "omni", "--workload", "long_video", "--nproc", "4", "--json",
+    res = omnibench("plan", "--system", "omni", "--workload", "long_video", "--nproc", "4", "--tp", "1", "--json",
                     "--option", "llm_long_short=false")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["notes"]["llm_long_short"]["long_samples"] == []

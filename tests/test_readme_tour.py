@@ -78,7 +78,10 @@ def _expect(cmd: str, out: str, work: Path) -> None:
     elif cmd.startswith("omnibench models list"):
         assert "omni-7b" in out and "tiny-omni" in out
     elif cmd.startswith("omnibench plan"):
-        assert "colocated" in out and "layouts" in out and "rank 0" in out
+        system = cmd.split("--system ")[1].split()[0]
+        assert f"{system} plan" in out and "layouts" in out and "rank 0" in out
+        if not any(f in cmd for f in ("--tp", "--pp", "--cp")):  # the system's own default layout, said so
+            assert f"({system}'s default: " in out
     elif cmd.startswith("omnibench run"):
         runs = list((work / "results" / "runs").iterdir())
         assert len(runs) == 1 and not runs[0].name.endswith(".incomplete")

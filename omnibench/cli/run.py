@@ -19,6 +19,12 @@ def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, 
                 encoder_ranks=encoder_ranks, dp_shard=dp_shard)
 
 
+# The help of --tp/--pp/--cp on run and plan (simulate's says the same).
+LAYOUT_HELP = ("0 (--tp, --pp and --cp all 0): the system's default layout, its anchor's usual one: homogeneous, "
+               "colocated, noncolocated, omni Megatron-style (tp: the largest inside a node dividing the heads, pp only "
+               "where the model state needs it); temporal VeOmni's (tp 1, pp 1, FSDP over all ranks, cp = Ulysses sp for "
+               "encoders and LLM: the smallest that splits the longest sample into one rank's share of the batch). "
+               "Any of them given: the others are 1.")
 NOT_IN_CONFIG = ("config", "as_json")  # options a run config file cannot set
 
 
@@ -85,9 +91,9 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("", "--model", help="model preset (default: tiny-omni on CPU, omni-7b on CUDA)"),
         steps: int = typer.Option(5, "--steps"),
         seed: int = typer.Option(0, "--seed"),
-        tp: int = typer.Option(1, "--tp"),
-        pp: int = typer.Option(1, "--pp"),
-        cp: int = typer.Option(1, "--cp"),
+        tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
+        pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
+        cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: what is left"),
         dp_shard: DpShard = 0,
@@ -186,9 +192,9 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("tiny-omni", "--model"),
         step: int = typer.Option(0, "--step"),
         seed: int = typer.Option(0, "--seed"),
-        tp: int = typer.Option(1, "--tp"),
-        pp: int = typer.Option(1, "--pp"),
-        cp: int = typer.Option(1, "--cp"),
+        tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
+        pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
+        cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp"),
         dp_shard: DpShard = 0,
@@ -222,18 +228,28 @@ def register(app: typer.Typer) -> None:
             spec = get_model(model)
             from systems.omni.options import options_from_flags
 
-            parallel = ParallelSpec(world_size=nproc, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
-                                                                       encoder_ranks, dp_shard),
+            parallel = ParallelSpec(world_size=nproc, **_parallel_opts(tp or 1, pp or 1, cp or 1, ep, dp, microbatches,
+                                                                       encoder_tp, encoder_ranks, dp_shard),
                                     options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
                                                                no_long_short_sp, option, no_llm_long_short))
             stream = WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens,
                                     length_scale=length_scale, max_sample_tokens=max_sample_tokens or None)
-            p = get_planner(system).plan(spec, parallel, stream.batch(step))
+            batch = stream.batch(step)
+            layout_note = "given: " + ", ".join(f"{k} {v or 1}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp)))
+            if (tp, pp, cp) == (0, 0, 0):
+                from simulator.hardware import load_cluster
+                from systems.defaults import with_default_layout
+
+                parallel, layout_note = with_default_layout(system, spec, parallel, batch,
+                                                            load_cluster("h100", nproc).gpu.memory_bytes)
+            p = get_planner(system).plan(spec, parallel, batch)
         except (SpecError, PlanError, ValueError, KeyError) as e:
             fail(str(e).strip("'\""))
         if as_json:
             print(p.to_json())
             return
+        console.print(f"[bold]layout[/]: tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp} ({layout_note})",
+                      highlight=False, soft_wrap=True)
         print_plan(p)
         try:
             from simulator.engine import Engine, SimOptions

@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 
 from omnibench.cli.common import DpShard, console, fail
+from omnibench.cli.run import LAYOUT_HELP
 from omnibench.provenance import provenance, publish, write_csv
 
 BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
@@ -26,7 +27,7 @@ SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces 
 TRACE_RANKS = 512  # simulated ranks drawn in a record's timeline (the lowest ones; the rest are noted)
 INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a run's)
 # results.csv: results.json's rows, flat (per-step metrics stay in results.json's "per_step").
-RESULT_COLUMNS = ["gpus", "system", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
+RESULT_COLUMNS = ["gpus", "system", "layout", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
                   "sim_seconds"]
@@ -172,9 +173,9 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
         steps: int = typer.Option(1, "--steps", help="Steps to simulate (batches 0..N-1 of the stream)."),
         calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
-        tp: int = typer.Option(1, "--tp"),
-        pp: int = typer.Option(1, "--pp"),
-        cp: int = typer.Option(1, "--cp"),
+        tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
+        pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
+        cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
         cp_kind: str = typer.Option("ulysses", "--cp-kind", help="ulysses (what the runtime runs) | ring "
                                     "(simulated only: long sequences past what the heads allow)"),
         ep: int = typer.Option(1, "--ep"),
@@ -264,8 +265,8 @@ def register(app: typer.Typer) -> None:
                 gbt = global_batch_tokens or 8192 * n
                 try:
                     stream = _stream(workload, seed, gbt)
-                    parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp,
-                                            pp=pp, cp=cp, ep=ep, microbatches=microbatches, recompute=recompute,
+                    parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp or 1,
+                                            pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches, recompute=recompute,
                                             virtual_stages=virtual_stages, cp_kind=cp_kind,
                                             dp_shard=dp_shard, options=options)
                     parallel.validate(spec)
@@ -286,6 +287,13 @@ def register(app: typer.Typer) -> None:
                             sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
+                        elif (tp, pp, cp) == (0, 0, 0):
+                            from systems.defaults import with_default_layout
+
+                            sys_parallel, note = with_default_layout(s, spec, parallel, stream.batch(0),
+                                                                     clusters[n].gpu.memory_bytes)
+                            row["layout"] = f"tp{sys_parallel.tp} pp{sys_parallel.pp} cp{sys_parallel.cp}"
+                            row["layout_note"] = note
                         results, plans = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n], profile,
                                                        sys_recompute, hardware)
                     except ValueError as e:
@@ -362,7 +370,9 @@ def register(app: typer.Typer) -> None:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
         for r in rows:
             if r.get("layout"):
-                console.print(f"{r['gpus']} GPUs, {r['system']}: tuned layout {r['layout']}", highlight=False)
+                how = "tuned" if tuned else "default"
+                console.print(f"{r['gpus']} GPUs, {r['system']}: {how} layout {r['layout']}"
+                              + (f" ({r['layout_note']})" if r.get("layout_note") else ""), highlight=False)
         if missing:
             console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")

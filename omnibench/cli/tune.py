@@ -11,8 +11,9 @@ from omnibench.cli.common import console, fail
 
 TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print the fastest few.
 
-Space: LLM tp (dividing heads and kv heads, inside a node), pp (temporal: 1), cp (tp*cp dividing
-the kv heads), ep (MoE only), microbatches ({1, 2} at pp 1, {pp, 2pp, 4pp} with pipelining),
+Space: LLM tp (dividing heads and kv heads, inside a node), pp, cp (tp*cp dividing the kv heads),
+ep (MoE only); temporal searches VeOmni's space: tp 1, pp 1, cp (its one Ulysses degree for
+encoders and LLM, dividing the encoders' heads too) and FSDP over all ranks; microbatches ({1, 2} at pp 1, {pp, 2pp, 4pp} with pipelining),
 virtual stages 2 (where pp divides the depth; refused while a planner cannot interleave), then
 around the best layouts the encoder knobs: encoder tp (colocated, noncolocated, omni), encoder sp
 (omni), the encoders' share of ranks (noncolocated).
@@ -22,7 +23,9 @@ training state under the planners' HSDP groups + activations of the microbatches
 flight, at least the batch's largest sample) drops layouts over the device's memory and settles
 each layout's cheapest fitting recompute mode; the survivors are ordered by an analytic step time
 (compute at the datasheet's matmul rate, the 1F1B bubble, tp/cp exchanges over NVLink) and only
-the first --budget are simulated, the system's default layout (tp 1, pp 1) always among them. The
+the first --budget are simulated, the system's default layout (its anchor's usual one, as `omnibench
+plan` prints it: Megatron-style tp inside a node for homogeneous, colocated, noncolocated and omni;
+VeOmni's tp 1 / pp 1 / Ulysses cp for temporal) always among them. The
 simulator's memory estimate is the final word: a layout it finds too big is retried with more
 recomputation, and the smallest simulated/bound ratio seen so far scales the bound for the
 layouts still to come."""

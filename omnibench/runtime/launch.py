@@ -111,7 +111,7 @@ def resolve(spec: RunSpec) -> RunSpec:
             from omnibench.specs.model import SpecError
 
             raise SpecError(f"nproc={spec.nproc} but torchrun started WORLD_SIZE={nproc} ranks")
-    return replace(
+    out = replace(
         spec,
         model=model,
         nproc=nproc,
@@ -123,6 +123,34 @@ def resolve(spec: RunSpec) -> RunSpec:
         max_sample_tokens=spec.max_sample_tokens or (0 if cuda else 384),
         extra=extra,
     )
+    return resolve_layout(out, _device_bytes() if cuda else None)
+
+
+def resolve_layout(spec: RunSpec, memory_bytes: float | None = None) -> RunSpec:
+    """tp, pp, cp all 0: the system's default layout for this model, world size and the run's first
+    batch (systems/defaults.py; a note in the record says which and why); some 0: those are 1."""
+    if (spec.tp, spec.pp, spec.cp) != (0, 0, 0):
+        return replace(spec, tp=spec.tp or 1, pp=spec.pp or 1, cp=spec.cp or 1)
+    from omnibench.specs.presets import get_model
+    from systems.defaults import DEVICE_BYTES, with_default_layout
+
+    model = get_model(spec.model)
+    plain = replace(spec, tp=1, pp=1, cp=1)
+    parallel, note = with_default_layout(spec.system, model, parallel_spec(plain, spec.nproc), batch_source(plain)(0),
+                                         memory_bytes or DEVICE_BYTES, check=_runtime_check)
+    extra = {**spec.extra, "notes": [*spec.extra.get("notes", []), note]}
+    return replace(spec, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, extra=extra)
+
+
+def _runtime_check(model, parallel: ParallelSpec) -> None:
+    parallel.check_runtime()
+    runtime_limits(model, parallel)
+
+
+def _device_bytes() -> float:
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory)
 
 
 def _cuda_default(names: list[str]) -> str:

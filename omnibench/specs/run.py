@@ -20,6 +20,8 @@ class RunSpec:
     steps: int = 5
     seed: int = 0
     dp: int = 0
+    # tp, pp, cp all 0: the system's default layout (systems/defaults.py, settled by launch.resolve);
+    # some 0 and others given: the 0s are 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -48,10 +50,14 @@ class RunSpec:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        for name in ("steps", "tp", "pp", "cp", "ep"):
+        for name in ("steps", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise SpecError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("tp", "pp", "cp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise SpecError(f"{name} must be a positive integer (0: the system's default layout), got {v!r}")
         for name in ("nproc", "dp", "microbatches", "encoder_tp", "encoder_ranks", "global_batch_tokens"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{name} must be >= 0 (0 = default), got {getattr(self, name)!r}")
