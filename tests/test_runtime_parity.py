@@ -170,6 +170,7 @@ RECOMPUTE_CELLS = [
     ("homogeneous", {"pp": 2}, "full"),
     ("omni", {}, "full"),
     ("temporal", {"cp": 2}, "selective"),
+    ("temporal", {"cp": 2}, "full"),  # encoders: Ulysses cores inside checkpointed, FSDP-sharded blocks
     ("colocated", {"tp": 2}, "vision=full,audio=full"),
     ("noncolocated", {"encoder_ranks": 2}, "full"),
 ]

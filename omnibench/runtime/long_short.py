@@ -283,7 +283,10 @@ def vision_forward_sp(enc, patches: torch.Tensor, grid_thw: torch.Tensor, group,
     cos, sin = cos[lo:hi].to(h.device), sin[lo:hi].to(h.device)
     for layer in enc.layers.values():
         h = _block(layer, (h, cos, sin, cu, max_seqlen), group, k, swap_cores)
-    return _gather(enc.merger(h), group)[: n // window]
+    out = _gather(enc.merger(h), group)
+    # Padded: drop the extra sequence's outputs, as a copy (a view returned through an FSDP module's
+    # forward is one an in-place op could cut off from FSDP's backward hook; torch warns about it).
+    return out[: n // window].clone() if pad else out
 
 
 def audio_forward_sp(enc, mel: torch.Tensor, mel_lens, group, k: int, c: int, swap_cores: bool = True) -> torch.Tensor:
