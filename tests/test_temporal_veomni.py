@@ -124,6 +124,19 @@ def test_a_default_that_does_not_plan_falls_back_with_a_note():
                     "runtime); fell back to tp 1, pp 1, cp 1")
 
 
+def test_tune_starts_from_each_systems_default_layout():
+    from omnibench.tune import Candidate, default_candidate, search_space
+
+    model = get_model("omni-7b")
+    batch = _batch(64)
+    hom = default_candidate("homogeneous", model, 64, 8, batch.samples)
+    tem = default_candidate("temporal", model, 64, 8, batch.samples)
+    assert (hom.tp, hom.pp, hom.cp) == (4, 1, 1)
+    assert (tem.tp, tem.pp) == (1, 1) and tem.cp == default_layout("temporal", model, 64, 8, batch.samples).cp > 1
+    assert tem in search_space("temporal", model, 64, 8)
+    assert default_candidate("temporal") == Candidate("temporal")  # no model given: tp 1, pp 1
+
+
 # -------------------------------------------------------------------------------------- CLI
 
 

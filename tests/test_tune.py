@@ -33,8 +33,8 @@ def test_search_space_respects_the_layout_rules(system):
     for c in space:
         assert llm.heads % c.tp == 0 and llm.kv_heads % (c.tp * c.cp) == 0 and c.tp * c.cp <= 8
         assert c.pp <= llm.layers and c.ep == 1  # dense model: no expert parallelism
-        if system == "temporal":
-            assert c.pp == 1
+        if system == "temporal":  # VeOmni's space: no tp, no pp; cp is every module's Ulysses degree
+            assert c.pp == 1 and c.tp == 1 and all(e.heads % c.cp == 0 for e in model.encoders.values())
         if c.pp > 1:
             assert c.microbatches % c.pp == 0 and c.microbatches >= c.pp
         if c.virtual_stages > 1:
