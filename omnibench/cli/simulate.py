@@ -29,10 +29,10 @@ INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a ru
 RESULT_COLUMNS = ["gpus", "system", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
-                  "sim_seconds", "layout", "tuned_at_step", "tune_seconds"]
+                  "sim_seconds", "layout", "tuned_at_step", "tune_seconds", "steps_failed"]
 # steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
-STEP_COLUMNS = ["gpus", "system", "step", "layout", "tokens", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
-                "mfu", "bubble", "peak_memory_gib"]
+STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "step_time_s", "tokens_per_s",
+                "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
 
 
 def _free_name(out: Path, name: str) -> Path:
@@ -92,12 +92,23 @@ def _simulate_one(system, model, parallel, stream, steps, cluster, profile, reco
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     planner = get_planner(system)
-    results, plans = [], []
+    results, plans, failed = [], [], []
     for s in step_indices(steps, stride):
-        plan = planner.plan(model, parallel, stream.batch(s))
-        results.append(simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute)))
+        try:
+            plan = planner.plan(model, parallel, stream.batch(s))
+            res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute))
+        except ValueError as e:
+            if steps == 1:
+                raise
+            # Over many steps at a kept layout a later batch may not plan (fewer samples than data
+            # ranks, ...): that step is recorded as failed, the others still run.
+            failed.append({"step": s, "fits": False, "error": str(e).splitlines()[0]})
+            continue
+        results.append(res)
         plans.append(plan)
-    return results, plans
+    if not results:
+        raise ValueError(f"step {failed[0]['step']}: {failed[0]['error']}")
+    return results, plans, failed
 
 
 TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "global_batch_tokens", "budget",
@@ -142,10 +153,12 @@ def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, optio
 
 def _summary(results) -> dict:
     if not all(r.fits for r in results):
-        # A plan that does not fit in memory has no throughput: report why, and its memory, nothing else.
+        # A plan that does not fit in memory has no throughput: report why, and its memory, nothing else
+        # (and each step's own metrics, so that a figure can show which steps a kept layout could run).
         return {
             "fits": False,
             "fit_message": next(r.fit_message for r in results if not r.fits),
+            "per_step": [r.metrics() for r in results],
             "steps": len(results),
             "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
             "memory_capacity_gib": results[0].memory_capacity / 2**30,
@@ -177,12 +190,17 @@ def _summary(results) -> dict:
     }
 
 
-def _step_rows(row: dict, steps: list[int]) -> list[dict]:
+def _step_rows(row: dict) -> list[dict]:
     """steps.csv's rows of one (gpus, system) result."""
-    return [{"gpus": row["gpus"], "system": row["system"], "step": k, "layout": row.get("layout", ""),
-             "tokens": m["tokens"], "step_time_s": m["step_time_s"], "tokens_per_s": m["tokens_per_s"],
-             "tokens_per_s_per_gpu": m["tokens_per_s_per_gpu"], "mfu": m["mfu"], "bubble": m["bubble"],
-             "peak_memory_gib": m["peak_memory_gib"]} for k, m in zip(steps, row.get("per_step", []), strict=True)]
+    out = []
+    for m in row.get("per_step", []):
+        ran = m["fits"]  # a step that does not fit or cannot plan has no throughput, only why
+        out.append({"gpus": row["gpus"], "system": row["system"], "step": m["step"], "layout": row.get("layout", ""),
+                    "fits": m["fits"], "why": m.get("error") or m.get("fit_message") or "",
+                    **{k: m.get(k) if ran else None for k in ("tokens", "step_time_s", "tokens_per_s",
+                                                             "tokens_per_s_per_gpu", "mfu", "bubble")},
+                    "peak_memory_gib": m.get("peak_memory_gib")})
+    return out
 
 
 def _validate_published(path: Path, kernels: str | None) -> None:
@@ -358,8 +376,8 @@ def register(app: typer.Typer) -> None:
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
                             row["tuned_at_step"] = 0
-                        results, plans = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n], profile,
-                                                       sys_recompute, hardware, step_stride)
+                        results, plans, failed = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n],
+                                                               profile, sys_recompute, hardware, step_stride)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")
@@ -367,11 +385,23 @@ def register(app: typer.Typer) -> None:
                         rows.append(row)
                         continue
                     row.update(_summary(results))
-                    for k, m in zip(step_indices(steps, step_stride), row.get("per_step", []), strict=True):
-                        m["step"] = k  # the stream's batch index (with --step-stride, not the position)
+                    for p, m in zip(plans, row["per_step"], strict=True):
+                        m["step"] = p.step  # the stream's batch index (with --step-stride, not the position)
+                    row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
+                    for m in row["per_step"]:
                         m["layout"] = row.get("layout", "")
+                    row["steps"] = len(row["per_step"])
+                    bad = [m for m in row["per_step"] if not m["fits"]]
+                    row["steps_failed"] = len(bad)
+                    if bad:  # a layout that cannot run every step has no throughput (as a whole)
+                        first = bad[0]
+                        row["fits"] = False if "fit_message" in first else row["fits"]
+                        if "error" in first:
+                            row["error"] = f"step {first['step']}: {first['error']}"
+                        else:
+                            row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
                     rows.append(row)
-                    if not row["fits"]:
+                    if "error" in row or not row["fits"]:
                         continue  # no trace: a timeline of a step that cannot run would mislead
                     write_json_atomic(tmp / f"trace_{s}_{n}.json",
                                       perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
@@ -396,12 +426,13 @@ def register(app: typer.Typer) -> None:
                 "provenance": provenance(f"simulated: {hardware}"),
             }
             fitting = [r for r in rows if "error" not in r and r["fits"]]
+            # Over many steps a record is worth keeping when some system ran some step (the rest say why).
+            fitting = fitting or [r for r in rows if any(m["fits"] for m in r.get("per_step", []))]
             if fitting:
                 write_json_atomic(tmp / "config.json", config)
                 write_json_atomic(tmp / "results.json", rows)
                 write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
-                write_csv(tmp / "steps.csv", [x for r in fitting for x in _step_rows(r, step_indices(steps, step_stride))],
-                          STEP_COLUMNS)
+                write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
                 publish(tmp)
                 os.replace(tmp, final)
             else:  # nothing to plot or compare: no record, and a non-zero exit below
