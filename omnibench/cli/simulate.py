@@ -153,12 +153,10 @@ def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, optio
 
 def _summary(results) -> dict:
     if not all(r.fits for r in results):
-        # A plan that does not fit in memory has no throughput: report why, and its memory, nothing else
-        # (and each step's own metrics, so that a figure can show which steps a kept layout could run).
+        # A plan that does not fit in memory has no throughput: report why, and its memory, nothing else.
         return {
             "fits": False,
             "fit_message": next(r.fit_message for r in results if not r.fits),
-            "per_step": [r.metrics() for r in results],
             "steps": len(results),
             "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
             "memory_capacity_gib": results[0].memory_capacity / 2**30,
@@ -385,6 +383,8 @@ def register(app: typer.Typer) -> None:
                         rows.append(row)
                         continue
                     row.update(_summary(results))
+                    # each step's own metrics (a step that did not fit says so: a figure shows which ran)
+                    row.setdefault("per_step", [r.metrics() for r in results])
                     for p, m in zip(plans, row["per_step"], strict=True):
                         m["step"] = p.step  # the stream's batch index (with --step-stride, not the position)
                     row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
@@ -393,7 +393,7 @@ def register(app: typer.Typer) -> None:
                     row["steps"] = len(row["per_step"])
                     bad = [m for m in row["per_step"] if not m["fits"]]
                     row["steps_failed"] = len(bad)
-                    if bad:  # a layout that cannot run every step has no throughput (as a whole)
+                    if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
                         first = bad[0]
                         row["fits"] = False if "fit_message" in first else row["fits"]
                         if "error" in first:
