@@ -159,6 +159,9 @@ def register(app: typer.Typer) -> None:
                                     "it finished, redo the rest."),
         repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
                                    "throughput figure shows their mean with an error bar."),
+        tune_budget: int = typer.Option(0, "--tune-budget", help=f"Layouts `tune` simulates per system for the "
+                                        f"tuned figures; 0: {TUNE_BUDGET} ({TUNE_BUDGET_QUICK} with --quick). More "
+                                        "finds faster layouts and takes longer (results/BENCHMARKS.md)."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
         8,192 GPUs, then every figure under OUT/figures and OUT/report.html. Prints each stage (k of N, what
@@ -167,7 +170,9 @@ def register(app: typer.Typer) -> None:
             fail("reproduce: --reuse redraws only, --resume produces what is missing; give one")
         if repeat < 1:
             fail(f"repeat must be a positive integer, got {repeat}")
-        reproduce(out, quick, reuse, resume, repeat)
+        if tune_budget < 0:
+            fail(f"tune-budget must be >= 0 (0: the default), got {tune_budget}")
+        reproduce(out, quick, reuse, resume, repeat, tune_budget)
 
 
 # -- reproduce -------------------------------------------------------------------------------------
@@ -203,7 +208,8 @@ def _omnibench(args: list[str]) -> tuple[bool, str]:
     return True, ""
 
 
-def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1) -> None:
+def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1,
+              tune_budget: int = 0) -> None:
     from omnibench.plots import figures, style
     from omnibench.plots.load import PlotInputError, Records, load
     from omnibench.plots.report import draw_all, write_html
@@ -216,8 +222,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         if not (runs_dir.is_dir() and sims_dir.is_dir()):
             fail(f"reproduce --reuse: no earlier data under {runs_dir} and {sims_dir}; run without --reuse first")
     else:
-        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat)
-    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat)) + 1
+        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat, tune_budget)
+    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget)) + 1
     console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
     # 3. figures, each from the records whose configs say they are its data
@@ -310,7 +316,7 @@ def _ledger(sims_dir: Path) -> Path:
 
 
 def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
-             repeat: int = 1) -> None:
+             repeat: int = 1, tune_budget: int = 0) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
     left; the finished stages are kept in a ledger so that `--resume` skips them."""
     import json
@@ -325,7 +331,7 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         d.mkdir(parents=True, exist_ok=True)
         for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
             shutil.rmtree(part, ignore_errors=True)
-    stages = _stages(runs_dir, sims_dir, systems, quick, repeat)
+    stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget)
     todo = [st for st in stages if st.key not in done]
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
@@ -361,7 +367,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1) -> list[Stage]:
+def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1,
+            tune_budget: int = 0) -> list[Stage]:
     stages: list[Stage] = []
     steps = "3" if quick else "5"
     run_s = 8.0 if quick else 11.0
@@ -408,7 +415,7 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                          "8", *sim_common[2:], "--system", ",".join(piped)], 8.0))
     # 3. the tuned comparison: every system at its own layout (tuned once on step 0's batch, kept for
     # every step), each tune done once and kept in tuned-layouts.json for the stages after it (and --resume)
-    budget = TUNE_BUDGET_QUICK if quick else TUNE_BUDGET
+    budget = tune_budget or (TUNE_BUDGET_QUICK if quick else TUNE_BUDGET)
     gpus = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
     at = ",".join(str(n) for n in gpus)
     tuned_common = ["--hardware", "h100", "--model", "omni-7b", "--tuned", "--tune-budget", str(budget),
@@ -419,18 +426,18 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     step_s = {n: (0.4 if quick else 3.0 if n <= 1024 else 12.0) for n in gpus}
     workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
     for wl in workloads:
-        stages.append(Stage(f"tuned-{wl}", f"tune every system on {wl} at {at} GPUs, simulate it there",
+        stages.append(Stage(f"tuned-{wl}-b{budget}", f"tune every system on {wl} at {at} GPUs, simulate it there",
                             ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at, *tuned_common],
                             sum(len(systems) * (tune_s[n] + step_s[n]) for n in gpus)))
     for wl, extra in (DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS).items():
         n_steps = int(extra[extra.index("--steps") + 1])
-        stages.append(Stage(f"tuned-{wl}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned at step 0 "
+        stages.append(Stage(f"tuned-{wl}-b{budget}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned at step 0 "
                             "and kept", ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at,
                                          *extra, *tuned_common],
                             sum(len(systems) * (tune_s[n] + n_steps * step_s[n]) for n in gpus)))
     if "omni" in systems:  # the ablation at omni's own tuned layout (from the cache: no tune again)
         for tech in SIM_ABLATIONS[:1] if quick else SIM_ABLATIONS:
-            stages.append(Stage(f"tuned-omni-no-{tech}", f"simulate omni without {tech} at its tuned layout, "
+            stages.append(Stage(f"tuned-omni-no-{tech}-b{budget}", f"simulate omni without {tech} at its tuned layout, "
                                 f"{gpus[0]:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
                                                       "--gpus", str(gpus[0]), f"--no-{tech}", *tuned_common],
                                 step_s[gpus[0]] * 2))
