@@ -164,8 +164,12 @@ def register(app: typer.Typer) -> None:
                                         "finds faster layouts and takes longer (results/BENCHMARKS.md)."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
-        8,192 GPUs, then every figure under OUT/figures and OUT/report.html. Prints each stage (k of N, what
-        it runs, time left); exits 1 if a stage failed or a figure could not be drawn."""
+        8,192 GPUs at one layout (scaling, timelines), the tuned comparison at 1,024 and 4,096 GPUs (each
+        system at its own layout, tuned once on step 0's batch and kept for every step: throughput,
+        speedup per workload, bursty_mix and drifting_video over training, omni's ablation), then every
+        figure under OUT/figures and OUT/report.html. Each tune is kept in OUT/sims/reproduce/tuned-layouts.json
+        and reused by later stages and --resume. Prints each stage (k of N, what it runs, time left); exits 1
+        if a stage failed or a figure could not be drawn."""
         if reuse and resume:
             fail("reproduce: --reuse redraws only, --resume produces what is missing; give one")
         if repeat < 1:

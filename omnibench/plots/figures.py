@@ -600,7 +600,7 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
     variants = variants.set_index("variant").loc[order].reset_index()
     base = df[(df.workload == wl) & (df.gpus == gpus) & df.system.isin(BASELINES)]
     style.apply_theme()
-    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 0.7 + 0.32 * len(variants)))
+    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 1.3 + 0.32 * len(variants)))
     colors = [style.system_color("omni") if v == "omni" else style.lighten(style.system_color("omni"))
               for v in variants.variant]
     bars = ax.barh(range(len(variants)), variants.relative, color=colors, edgecolor="0.3", linewidth=0.4)
@@ -613,7 +613,7 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
         ax.axvline(b.max() / ref, color=style.system_color(b.idxmax()), linestyle="--", linewidth=1,
                    label=f"best baseline ({b.idxmax()})")
         # Below the axes: inside, it would cover the bars' labels.
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.32), fontsize=6, frameon=False)
+        fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), fontsize=6, frameon=False)
         variants["best_baseline_relative"] = b.max() / ref
     ax.set_xlabel("throughput rel. to full omni (tokens/s)")
     ax.set_xlim(0, max(variants.relative.max(), variants.get("best_baseline_relative", pd.Series([0])).max()) * 1.18)
@@ -623,7 +623,7 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
     tuned = [r.config for r in recs.sims if r.workload == wl and r.config.get("tuned")
              and gpus in r.config.get("gpus", [])] if src == "simulated" else []
     ax.set_title(f"omni ablation: {wl}, {scale} ({src})" + (f"\n{tuned_text(tuned[0])}" if tuned else ""), fontsize=7.5)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07 if not base.empty else 0, 1, 1))
     caption = (f"omni with one technique switched off at a time ({src}, {wl}, {scale}), throughput relative "
                "to omni with every technique on."
                + (" Every variant runs at omni's own tuned layout (tuned with every technique on, at step 0); the "
