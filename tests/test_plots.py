@@ -223,6 +223,7 @@ def test_a_step_the_layout_cannot_run_is_recorded_and_drawn_as_such_while_the_ot
     assert all(len(line.get_xdata()) == 10 for line in ax.get_lines() if line.get_marker() == "o")
     t = d.table.set_index("system")
     assert (t.steps_failed == 1).all() and (t.steps == 10).all() and t.mean_tokens_per_s.gt(0).all()
+    assert t.rel_best_baseline.isna().all()  # no ratio from a mean over the steps a layout survived
     assert "homogeneous at 16: 1 of 10, first step 9: batch: 12 samples" in d.caption
     plt.close(d.fig)
 

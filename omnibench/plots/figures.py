@@ -276,7 +276,8 @@ def dynamic_summary(g: pd.DataFrame) -> pd.DataFrame:
         if base.empty:
             continue
         best = base.loc[base.mean_tokens_per_s.idxmax()]
-        out.loc[d.index, "rel_best_baseline"] = d.mean_tokens_per_s / best.mean_tokens_per_s
+        ran_all = d[d.steps_failed == 0]  # a mean over only the steps a layout survived compares nothing
+        out.loc[ran_all.index, "rel_best_baseline"] = ran_all.mean_tokens_per_s / best.mean_tokens_per_s
         out.loc[d.index, "best_baseline"] = best.system
     order = {s: i for i, s in enumerate(style.order_systems(out.system.unique()))}
     return out.sort_values(["gpus", "system"], key=lambda c: c.map(order) if c.name == "system" else c,
@@ -383,7 +384,8 @@ def dynamic(recs: Records, workload: str | None = None, gpus: int | None = None)
     caption = (f"Per-step {kind} throughput per system on {wl} at {', '.join(f'{n:,}' for n in sizes)} "
                f"{'ranks' if src == 'run' else 'GPUs'}, above the share of each step's LLM tokens per modality "
                f"(recomputed from the same sample stream, at {sizes[0]:,}).{kept} Table: per system the mean, "
-               "minimum and 10th percentile of tokens/s over the steps, and its mean relative to the best baseline's.")
+               "minimum and 10th percentile of tokens/s over the steps it ran, and (if it ran every step) its mean relative "
+               "to the best baseline's that ran every step.")
     return Drawn("dynamic", fig, table, caption)
 
 
