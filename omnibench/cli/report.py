@@ -426,8 +426,8 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                     "--tune-cache", str(sims_dir / "tuned-layouts.json"), "--out", str(sims_dir), "--json"]
     # seconds on the 2 shared cores (results/BENCHMARKS.md): a tune of one system at 1,024 / 4,096 GPUs
     # and the simulation of one of its steps
-    tune_s = {n: (1.0 if quick else 40.0 if n <= 1024 else 180.0) for n in gpus}
-    step_s = {n: (0.4 if quick else 3.0 if n <= 1024 else 12.0) for n in gpus}
+    tune_s = {n: (1.0 if quick else 20.0 if n <= 1024 else 50.0) for n in gpus}
+    step_s = {n: (0.4 if quick else 3.0 if n <= 1024 else 10.0) for n in gpus}
     workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
     for wl in workloads:
         stages.append(Stage(f"tuned-{wl}-b{budget}", f"tune every system on {wl} at {at} GPUs, simulate it there",
