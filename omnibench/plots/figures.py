@@ -296,11 +296,13 @@ def dynamic(recs: Records, workload: str | None = None, gpus: int | None = None)
         n_steps = g[g.ran].groupby("system").step.nunique().max()
         if n_steps >= 2:
             keys[(src, int(n))] = (g.system.nunique(), n_steps)
+    if gpus is not None and keys and not any(k[1] == gpus for k in keys):
+        raise PlotInputError(f"dynamic: no records with at least two steps on {wl} at {gpus:,} GPUs; sizes that have "
+                             f"them: {', '.join(f'{n:,}' for n in sorted({k[1] for k in keys}))}")
     if gpus is not None:
         keys = {k: v for k, v in keys.items() if k[1] == gpus}
     if not keys:
-        at = f" at {gpus:,} GPUs" if gpus is not None else ""
-        raise PlotInputError(f"dynamic needs records with at least two steps on {wl}{at}; every record holds one "
+        raise PlotInputError(f"dynamic needs records with at least two steps on {wl}; every record holds one "
                              "step (simulate with --steps N, run with --steps N)")
     # One source; within it every cluster size that has as many systems as the best one.
     src = max(keys, key=lambda k: (keys[k], k[0] == "sim"))[0]
