@@ -3,7 +3,8 @@
 Collapsing. Ranks are grouped into classes by colour refinement: a rank's first colour is its action
 list with the cost-relevant data of each action (sequence lengths, not sample ids); then, until
 stable, a rank's colour also takes the colours of its send/recv peers, its boundary peers and the
-groups it synchronises with. TP peers and replicas that got identically-shaped data end in one
+groups it synchronises with (gradient groups, and omni's loader groups for the metadata all-gathers:
+left out, two ranks of different loader groups could share a class whose lock then waits forever). TP peers and replicas that got identically-shaped data end in one
 class and are simulated once; DP replicas that got different data stay distinct. Classes are
 exact under a symmetric cluster placement: a class is simulated with its lowest rank's placement.
 
@@ -529,6 +530,12 @@ class Engine:
                 for a in plan.actions[r]:
                     if a.kind in (SEND, RECV, BOUNDARY):
                         sig.append(colour.get(a.peer, -1))
+                    elif a.kind == METADATA:  # the loaders' all-gathers lock their group as grad_sync does
+                        g = self._loader_group(r, a.what)
+                        got = group_colour.get(g)
+                        if got is None:
+                            got = group_colour[g] = hash(frozenset(colour[x] for x in g if x in colour))
+                        sig.append(got)
                 for m in plan.layouts:
                     if r in self.index[m].coords:
                         groups = [self._grad_group(m, r)]

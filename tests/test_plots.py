@@ -146,14 +146,94 @@ def test_scaling_draws_one_line_per_system_in_both_panels(sim):
     plt.close(d.fig)
 
 
-def test_dynamic_shows_per_step_throughput_over_the_modality_mix(sim):
+def test_dynamic_shows_per_step_throughput_per_cluster_size_over_the_modality_mix(sim):
     d = figures.dynamic(load([sim]))
-    top, mix = d.fig.axes[:2]
-    assert len(top.get_lines()) == len(SIM_SYSTEMS)
-    assert all(len(line.get_xdata()) == 3 for line in top.get_lines())
+    at8, at16, mix = d.fig.axes[:3]  # a panel per cluster size, then the mix
+    for ax in (at8, at16):
+        assert len(ax.get_lines()) == len(SIM_SYSTEMS)
+        assert all(len(line.get_xdata()) == 3 for line in ax.get_lines())
+    assert "8 GPUs" in at8.get_title(loc="left") and "16 GPUs" in at16.get_title(loc="left")
     assert len(mix.collections) >= 2  # one stacked band per modality present
-    assert {"share_text", "share_image"} <= set(d.table.columns)
+    t = d.table
+    assert len(t) == 2 * len(SIM_SYSTEMS) and set(t.steps) == {3}
+    assert (t.min_tokens_per_s <= t.p10_tokens_per_s).all() and (t.p10_tokens_per_s <= t.mean_tokens_per_s).all()
+    for _, g in t.groupby("gpus"):  # the best baseline is 1.0 of itself, omni is measured against it
+        base = g[g.system != "omni"]
+        assert base.rel_best_baseline.max() == pytest.approx(1.0)
+        assert set(g.best_baseline) == {base.loc[base.mean_tokens_per_s.idxmax()].system}
     plt.close(d.fig)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> Path:
+    """Tuned simulations (homogeneous and omni, budget 2): mixed_video at 8 and 16 GPUs, one step;
+    drifting_video over two steps 300 batches apart."""
+    out = tmp_path_factory.mktemp("tuned")
+    common = ["--system", "homogeneous,omni", "--gpus", "8,16", "--global-batch-tokens", "131072", "--tuned",
+              "--tune-budget", "2", "--tune-cache", str(out / "layouts.json"), "--out", str(out), "--json"]
+    for extra in (["--workload", "mixed_video"], ["--workload", "drifting_video", "--steps", "2", "--step-stride",
+                                                  "300"]):
+        r = runner.invoke(app, ["simulate", *extra, *common])
+        assert r.exit_code == 0, r.output
+    return out
+
+
+def test_speedup_is_omni_over_the_best_baseline_per_workload_and_cluster_size(tuned):
+    recs = load([tuned])
+    d = figures.speedup(recs)
+    t = d.table.set_index(["workload", "gpus"])
+    assert set(t.index) == {(w, n) for w in ("mixed_video", "drifting_video") for n in (8, 16)}
+    rows = figures.throughput_table(recs).set_index(["workload", "gpus", "system"]).tokens_per_s
+    for (wl, n), r in t.iterrows():
+        assert r.best_baseline == "homogeneous"
+        assert r.speedup == pytest.approx(rows[(wl, n, "omni")] / rows[(wl, n, "homogeneous")])
+        assert r.omni_layout and r.best_baseline_layout  # the tuned layouts, named
+    assert t.loc[("drifting_video", 16)].steps == 2
+    ax = d.fig.axes[0]
+    assert len(ax.texts) == 4 and all("x\nvs homogeneous" in x.get_text() for x in ax.texts)
+    assert "tuned layouts (tune budget 2, at step 0)" in ax.get_title()
+    plt.close(d.fig)
+
+
+def test_dynamic_of_tuned_records_says_each_layout_was_tuned_at_step_0_and_kept(tuned):
+    d = figures.dynamic(load([tuned]), workload="drifting_video")
+    assert "tuned layouts (tune budget 2, at step 0)" in d.fig._suptitle.get_text()
+    assert "tuned once on step 0's batch and kept" in d.caption
+    assert d.fig.axes[-1].get_xlabel() == "training step (every 300th batch)"
+    assert all(d.table.layout.str.startswith("tp"))  # one layout per system and size: never re-tuned
+    plt.close(d.fig)
+
+
+def test_a_step_the_layout_cannot_run_is_recorded_and_drawn_as_such_while_the_others_run(tmp_path):
+    # bursty_mix seed 14 bursts into long videos at step 9: 12 samples for 16 data-parallel ranks
+    r = runner.invoke(app, ["simulate", "--workload", "bursty_mix", "--seed", "14", "--steps", "10", "--gpus", "16",
+                            "--global-batch-tokens", "131072", "--system", "homogeneous,omni", "--recompute", "full",
+                            "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output[r.output.index("{"):])
+    for row in out["results"]:
+        assert row["error"].startswith("step 9: batch: 12 samples cannot feed") and row["steps_failed"] == 1
+    record = Path(out["record"])
+    steps = (record / "steps.csv").read_text().splitlines()
+    assert len(steps) == 1 + 2 * 10 and sum(",False," in x for x in steps) == 2
+    d = figures.dynamic(load([record]))
+    ax = d.fig.axes[0]
+    crosses = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    assert len(crosses) == 2 and all(abs(c.get_xdata()[0] - 9) < 0.5 for c in crosses)
+    assert all(len(line.get_xdata()) == 10 for line in ax.get_lines() if line.get_marker() == "o")
+    t = d.table.set_index("system")
+    assert (t.steps_failed == 1).all() and (t.steps == 10).all() and t.mean_tokens_per_s.gt(0).all()
+    assert t.rel_best_baseline.isna().all()  # no ratio from a mean over the steps a layout survived
+    assert "homogeneous at 16: 1 of 10, first step 9: batch: 12 samples" in d.caption
+    plt.close(d.fig)
+
+
+def test_speedup_without_omni_and_a_baseline_in_one_cell_says_what_is_missing(sim, tmp_path):
+    r = runner.invoke(app, ["simulate", "--workload", "mixed_video", "--gpus", "8", "--tp", "4", "--recompute",
+                            "full", "--system", "omni", "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    with pytest.raises(PlotInputError, match="needs omni and at least one baseline"):
+        figures.speedup(load([tmp_path]))
 
 
 def test_timeline_of_a_run_draws_every_span_of_the_chosen_step(runs):

@@ -125,7 +125,8 @@ def test_the_tours_reproduce_in_its_small_form_makes_the_figures_and_the_report(
     work, sh = scratch
     res = sh("omnibench reproduce --quick", timeout=1700)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for fig in ("throughput", "scaling", "dynamic", "timeline", "validation", "ablation", "workload"):
+    for fig in ("throughput", "speedup", "scaling", "dynamic", "dynamic_drifting", "timeline", "validation", "ablation",
+                "workload"):
         assert (work / "results" / "figures" / f"{fig}.png").is_file(), fig
     assert (work / "results" / "report.html").is_file()
     assert not [p for p in work.rglob(".*")]  # no hidden temporary folder or file left behind

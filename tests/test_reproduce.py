@@ -15,11 +15,13 @@ import pytest
 
 from omnibench.cli import report
 
+SYSTEMS = ["homogeneous", "temporal", "colocated", "noncolocated", "omni"]
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _cheap_stages(bad: Path):
-    def stages(runs_dir, sims_dir, systems, quick, repeat=1):
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=0):
         return [
             report.Stage("a", "list the workloads", ["workloads", "list"], 2.0),
             report.Stage("b", "a stage that fails until its input exists",
@@ -86,3 +88,32 @@ def test_reproduce_repeat_runs_each_measured_run_again_under_its_own_folder(tmp_
             f"run-{s}-mixed_video", f"run-{s}-mixed_video-r1", f"run-{s}-mixed_video-r2"]
     outs = [st.args[st.args.index("--out") + 1] for st in stages if st.key.startswith("run-omni-mixed_video")]
     assert len(set(outs)) == 3
+
+
+def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_for_the_dynamic_and_ablation():
+    from pathlib import Path as P
+
+    sims = P("/x/sims")
+    stages = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False)
+    tuned = [st for st in stages if st.key.startswith("tuned-")]
+    cache = str(sims / "tuned-layouts.json")
+    for st in tuned:
+        a = st.args
+        assert "--tuned" in a and a[a.index("--tune-budget") + 1] == str(report.TUNE_BUDGET)
+        assert a[a.index("--tune-cache") + 1] == cache  # one cache: a layout is tuned once, then read
+    sweep = {st.args[st.args.index("--workload") + 1]: st for st in tuned if "omni-no" not in st.key}
+    assert set(sweep) == {*report.STATIC_WORKLOADS, "bursty_mix", "drifting_video"}
+    for st in sweep.values():
+        assert st.args[st.args.index("--gpus") + 1] == "1024,4096"
+        assert st.args[st.args.index("--system") + 1] == ",".join(SYSTEMS)
+    assert sweep["bursty_mix"].args[sweep["bursty_mix"].args.index("--steps") + 1] == "16"
+    assert "--step-stride" in sweep["drifting_video"].args
+    ablation = [st for st in tuned if "omni-no" in st.key]
+    assert [st.args[st.args.index("--system") + 1] for st in ablation] == ["omni"] * len(report.SIM_ABLATIONS)
+    assert {a for st in ablation for a in st.args if a.startswith("--no-")} == {f"--no-{t}" for t in
+                                                                               report.SIM_ABLATIONS}
+    # after the sweep of mixed_video, at its first size: omni's layout is already in the cache
+    assert all(stages.index(st) > stages.index(sweep["mixed_video"]) for st in ablation)
+    assert all(st.args[st.args.index("--gpus") + 1] == "1024" for st in ablation)
+    small = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=9)
+    assert all(st.args[st.args.index("--tune-budget") + 1] == "9" for st in small if st.key.startswith("tuned-"))

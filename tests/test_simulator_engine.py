@@ -309,3 +309,25 @@ def test_omni_loader_exchanges_are_costed_collectives_overlapping_the_step():
     assert {s.action.what for s in simulate(off, model, cluster).spans if s.kind == "metadata"} == {"plan"}
     free = simulate(on, model, cluster, options=SimOptions(communication=False))
     assert all(s.duration == 0 for s in free.spans if s.kind == "metadata")
+
+
+def test_ranks_of_different_loader_groups_never_share_a_class_whose_metadata_lock_cannot_fill():
+    # omni at cp 4: the loaders' all-gathers run per (cp, tp, pp) coordinate. Before the loader groups
+    # took part in the colour refinement, ranks of different such groups merged into one class and the
+    # step deadlocked (mixed_video, 64 GPUs, 131,072 tokens; bursty_mix's video burst at 1,024).
+    from omnibench.plan import METADATA
+    from workloads.stream import WorkloadStream
+
+    model = get_model("omni-7b")
+    batch = WorkloadStream("mixed_video", seed=0, global_batch_tokens=131072).batch(0)
+    plan = get_planner("omni").plan(model, ParallelSpec(world_size=64, cp=4, microbatches=2, recompute="full",
+                                                        options={"hardware": "h100"}), batch)
+    engine = Engine(plan, model, load_cluster("h100", 64), options=SimOptions(recompute="full"))
+    cls = engine.classes()
+    for r, rep in cls.items():
+        for a in plan.actions[r]:
+            if a.kind == METADATA:  # a rank's class representative sits in a group of the same classes
+                mine = {cls[x] for x in engine._loader_group(r, a.what)}
+                assert mine == {cls[x] for x in engine._loader_group(rep, a.what)}
+    res = simulate(plan, model, load_cluster("h100", 64), options=SimOptions(recompute="full"))
+    assert res.step_time > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import typer
@@ -106,3 +107,75 @@ def test_simulate_tuned_puts_each_system_at_its_own_layout(tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)["results"]
     assert all(x.get("layout") and x["fits"] for x in rows), rows
+
+
+def _simulate(args):
+    from omnibench.cli import simulate as sim_cli
+
+    app = typer.Typer()
+    sim_cli.register(app)
+    return CliRunner().invoke(app, ["simulate", *args])
+
+
+def test_simulate_tuned_over_many_steps_tunes_once_on_step_0_and_keeps_that_layout(tmp_path, monkeypatch):
+    import omnibench.tune as tune_mod
+
+    calls, original = [], tune_mod.tune
+
+    def counting(system, model, batches, cluster, **kw):
+        calls.append((system, [b.step for b in batches]))
+        return original(system, model, batches, cluster, **kw)
+
+    monkeypatch.setattr(tune_mod, "tune", counting)
+    cache = tmp_path / "tuned.json"
+    r = _simulate(["--workload", "drifting_video", "--system", "homogeneous", "--gpus", "16", "--global-batch-tokens",
+                   "131072", "--tuned", "--tune-budget", "2", "--steps", "3", "--step-stride", "300",
+                   "--tune-cache", str(cache), "--out", str(tmp_path / "a"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert calls == [("homogeneous", [0])]  # step 0's batch only, never again for steps 300 and 600
+    record = Path(json.loads(r.output)["record"])
+    row = json.loads((record / "results.json").read_text())[0]
+    assert [m["step"] for m in row["per_step"]] == [0, 300, 600]
+    assert {m["layout"] for m in row["per_step"]} == {row["layout"]}
+    config = json.loads((record / "config.json").read_text())
+    assert config["tuned_at_step"] == 0 and config["layout_kept"] and config["steps_simulated"] == [0, 300, 600]
+    tuned = next(iter(json.loads(cache.read_text()).values()))["candidate"]
+    for k in (0, 300, 600):
+        llm = json.loads((record / f"plan_homogeneous_16_step{k}.json").read_text())["layouts"]["llm"]
+        assert (llm["tp"], llm["pp"], llm["cp"]) == (tuned["tp"], tuned["pp"], tuned["cp"])
+
+    # A layout in the cache is used as it is for every step (a re-tune would not find this one: it is
+    # not the best), and nothing is tuned again.
+    (key, entry), = json.loads(cache.read_text()).items()
+    other = {**entry["candidate"], "tp": 4, "cp": 1, "recompute": "full"}
+    cache.write_text(json.dumps({key: {**entry, "candidate": other}}))
+    calls.clear()
+    r = _simulate(["--workload", "drifting_video", "--system", "homogeneous", "--gpus", "16", "--global-batch-tokens",
+                   "131072", "--tuned", "--tune-budget", "2", "--steps", "2", "--step-stride", "300",
+                   "--tune-cache", str(cache), "--out", str(tmp_path / "b"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert calls == []
+    record = Path(json.loads(r.output)["record"])
+    for k in (0, 300):
+        llm = json.loads((record / f"plan_homogeneous_16_step{k}.json").read_text())["layouts"]["llm"]
+        assert (llm["tp"], llm["cp"]) == (4, 1)
+    steps = (record / "steps.csv").read_text().splitlines()
+    assert steps[0].startswith("gpus,system,step,layout") and len(steps) == 3 and "tp4 pp1" in steps[1]
+
+
+def test_simulate_tuned_ablation_keeps_omnis_own_tuned_layout(tmp_path, monkeypatch):
+    import omnibench.tune as tune_mod
+
+    seen, original = [], tune_mod.tune
+
+    def recording(system, model, batches, cluster, **kw):
+        seen.append(dict(kw["options"]))
+        return original(system, model, batches, cluster, **kw)
+
+    monkeypatch.setattr(tune_mod, "tune", recording)
+    r = _simulate(["--workload", "mixed_video", "--system", "omni", "--gpus", "16", "--global-batch-tokens", "131072",
+                   "--tuned", "--tune-budget", "2", "--no-reorder", "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(seen) == 1 and "reorder" not in seen[0]  # tuned with every technique on
+    record = Path(json.loads(r.output)["record"])
+    assert json.loads((record / "plan_omni_16_step0.json").read_text())["options"]["reorder"] is False

@@ -207,6 +207,20 @@ def test_bursty_schedule_switches_regimes_deterministically_from_seed():
     assert [c.mix(s).phase for s in range(1000)] != phases
 
 
+
+def test_drifting_video_raises_the_long_video_share_steadily_over_training():
+    st = WorkloadStream("drifting_video", seed=3, global_batch_tokens=1 << 21)
+
+    def long_share(steps):
+        samples = [x for s in steps for x in st.batch(s).samples]
+        by_tokens = sum(x.llm_tokens for x in samples if x.source == "long_video") / sum(x.llm_tokens for x in samples)
+        return sum(x.source == "long_video" for x in samples) / len(samples), by_tokens
+
+    early, middle, late = long_share(range(0, 8)), long_share(range(496, 504)), long_share(range(992, 1000))
+    assert early[0] < 0.08 and late[0] > 0.2  # samples: 5% -> 25% by the schedule
+    assert early[1] < middle[1] < late[1] and late[1] > early[1] + 0.25  # tokens: long videos come to dominate
+    assert st.mix(0).phase.endswith(" 0%") and st.mix(999).phase.endswith("100%")  # a drift, never a jump
+
 def _spec_dict():
     return {
         "name": "tiny",

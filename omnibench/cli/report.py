@@ -22,7 +22,19 @@ import typer
 from omnibench.cli.common import console, err_console, fail
 
 ABLATIONS = ("joint-pipeline", "reorder", "reshard", "long-short-sp")  # omni's switches (`omnibench run --no-X`)
-KINDS = ("throughput", "scaling", "dynamic", "timeline", "validation", "ablation", "workload")
+SIM_ABLATIONS = (*ABLATIONS, "llm-long-short")  # and the one only a cluster shows (long LLM samples over a cp group)
+# The tuned comparison of `reproduce`: each system at its own layout, tuned on step 0's batch with this
+# budget and kept for every step, at these sizes (--quick: the small ones).
+TUNE_BUDGET, TUNE_BUDGET_QUICK = 4, 2
+SWEEP_GPUS, SWEEP_GPUS_QUICK = (1024, 4096), (64, 128)
+STATIC_WORKLOADS = ("mixed_video", "long_video", "image_sft", "omni_av")
+# bursty_mix seed 14: calm -> audio burst -> video burst in its first 16 steps; drifting_video: 12 steps
+# spread over its 1,000 (every 90th batch).
+DYNAMIC_RUNS = {"bursty_mix": ("--seed", "14", "--steps", "16"),
+                "drifting_video": ("--steps", "12", "--step-stride", "90")}
+DYNAMIC_RUNS_QUICK = {"bursty_mix": ("--seed", "14", "--steps", "10"),
+                      "drifting_video": ("--steps", "4", "--step-stride", "300")}
+KINDS = ("throughput", "scaling", "dynamic", "speedup", "timeline", "validation", "ablation", "workload")
 
 _PLOT_EXAMPLES = """
 Examples:
@@ -78,7 +90,9 @@ def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, sy
         if kind == "scaling":
             return figures.scaling(recs, workload)
         if kind == "dynamic":
-            return figures.dynamic(recs, workload)
+            return figures.dynamic(recs, workload, gpus)
+        if kind == "speedup":
+            return figures.speedup(recs)
         if kind == "timeline":
             if len(recs.all) > 1 and system is None:
                 fail(f"plot timeline draws one record; got {len(recs.all)}: give one folder or pick with --system")
@@ -100,7 +114,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("."), "--out", help="Folder for <KIND>.png and <KIND>.pdf."),
         workload: str = typer.Option(None, "--workload", "-w", help="Workload to draw (records with several)."),
         system: str = typer.Option(None, "--system", "-s", help="timeline: the system whose trace to draw."),
-        gpus: int = typer.Option(None, "--gpus", help="timeline/throughput: cluster size of a simulation."),
+        gpus: int = typer.Option(None, "--gpus", help="timeline/throughput/dynamic: cluster size of a simulation."),
         step: int = typer.Option(None, "--step", help="timeline: step of a run's trace (default: the second)."),
         calibration: str = typer.Option(None, "--calibration", help="validation: profile from `omnibench calibrate`."),
         name: str = typer.Option(None, "--name", help="File name without suffix (default: KIND)."),
@@ -145,15 +159,24 @@ def register(app: typer.Typer) -> None:
                                     "it finished, redo the rest."),
         repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
                                    "throughput figure shows their mean with an error bar."),
+        tune_budget: int = typer.Option(0, "--tune-budget", help=f"Layouts `tune` simulates per system for the "
+                                        f"tuned figures; 0: {TUNE_BUDGET} ({TUNE_BUDGET_QUICK} with --quick). More "
+                                        "finds faster layouts and takes longer (results/BENCHMARKS.md)."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
-        8,192 GPUs, then every figure under OUT/figures and OUT/report.html. Prints each stage (k of N, what
-        it runs, time left); exits 1 if a stage failed or a figure could not be drawn."""
+        8,192 GPUs at one layout (scaling, timelines), the tuned comparison at 1,024 and 4,096 GPUs (each
+        system at its own layout, tuned once on step 0's batch and kept for every step: throughput,
+        speedup per workload, bursty_mix and drifting_video over training, omni's ablation), then every
+        figure under OUT/figures and OUT/report.html. Each tune is kept in OUT/sims/reproduce/tuned-layouts.json
+        and reused by later stages and --resume. Prints each stage (k of N, what it runs, time left); exits 1
+        if a stage failed or a figure could not be drawn."""
         if reuse and resume:
             fail("reproduce: --reuse redraws only, --resume produces what is missing; give one")
         if repeat < 1:
             fail(f"repeat must be a positive integer, got {repeat}")
-        reproduce(out, quick, reuse, resume, repeat)
+        if tune_budget < 0:
+            fail(f"tune-budget must be >= 0 (0: the default), got {tune_budget}")
+        reproduce(out, quick, reuse, resume, repeat, tune_budget)
 
 
 # -- reproduce -------------------------------------------------------------------------------------
@@ -189,7 +212,8 @@ def _omnibench(args: list[str]) -> tuple[bool, str]:
     return True, ""
 
 
-def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1) -> None:
+def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1,
+              tune_budget: int = 0) -> None:
     from omnibench.plots import figures, style
     from omnibench.plots.load import PlotInputError, Records, load
     from omnibench.plots.report import draw_all, write_html
@@ -202,8 +226,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         if not (runs_dir.is_dir() and sims_dir.is_dir()):
             fail(f"reproduce --reuse: no earlier data under {runs_dir} and {sims_dir}; run without --reuse first")
     else:
-        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat)
-    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat)) + 1
+        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat, tune_budget)
+    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget)) + 1
     console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
     # 3. figures, each from the records whose configs say they are its data
@@ -230,18 +254,22 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         return load(paths) if paths else Records()
 
     sims = load([sims_dir]).sims if any(sims_dir.iterdir()) else []
-    scaling = [r for r in sims if r.workload == "mixed_video" and len(r.config.get("gpus", [])) > 1]
-    dynamic = [r for r in sims if r.workload == "bursty_mix"]
+    tuned = [r for r in sims if r.config.get("tuned")]
+    untuned = [r for r in sims if r not in tuned]
+    ablated = [r for r in tuned if any(v is False for v in (r.config.get("options") or {}).values())]
+    sweep = [r for r in tuned if r not in ablated]  # every system at its own tuned layout
+    scaling = [r for r in untuned if r.workload == "mixed_video" and len(r.config.get("gpus", [])) > 1]
     real = recs_of(pick(lambda p: "pp2" not in p.name and "-no-" not in p.name))
     pp2 = pick(lambda p: "pp2" in p.name)
-    pipelined = [r for r in sims if r.config.get("pp", 1) > 1]
-    ablated = [r for r in sims if any(v is False for v in (r.config.get("options") or {}).values())]
+    pipelined = [r for r in untuned if r.config.get("pp", 1) > 1]
+    sizes = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
     # One cluster size for every workload, so the bars compare like with like.
-    make("throughput", figures.throughput, Records(sims=[r for r in sims if r not in dynamic + pipelined + ablated]),
-         source="sim", gpus=1024)
+    make("throughput", figures.throughput, Records(sims=sweep), source="sim", gpus=sizes[0])
+    make("speedup", figures.speedup, Records(sims=sweep))
     make("throughput_measured", figures.throughput, real, source="run")
     make("scaling", figures.scaling, Records(sims=scaling))
-    make("dynamic", figures.dynamic, Records(sims=dynamic))
+    make("dynamic", figures.dynamic, Records(sims=[r for r in sweep if r.workload == "bursty_mix"]))
+    make("dynamic_drifting", figures.dynamic, Records(sims=[r for r in sweep if r.workload == "drifting_video"]))
     if pipelined:
         if "omni" in systems:
             make("timeline", figures.timeline, pipelined[0], system="omni")
@@ -255,7 +283,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     profile = sims_dir / "calibration.json"  # fitted by `omnibench calibrate` on these runs
     make("validation", figures.validation, recs_of(pick(lambda p: True)),
          calibration=str(profile) if profile.is_file() else None)
-    make("ablation", figures.ablation, Records(sims=scaling + ablated), workload="mixed_video")
+    make("ablation", figures.ablation, Records(sims=[r for r in sweep if r.workload == "mixed_video"] + ablated),
+         workload="mixed_video")
     make("ablation_measured", figures.ablation,
          recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name
                       and not re.search(r"-r\d+$", p.name))))  # repeats (--repeat) are the throughput figure's
@@ -291,7 +320,7 @@ def _ledger(sims_dir: Path) -> Path:
 
 
 def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
-             repeat: int = 1) -> None:
+             repeat: int = 1, tune_budget: int = 0) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
     left; the finished stages are kept in a ledger so that `--resume` skips them."""
     import json
@@ -306,7 +335,7 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         d.mkdir(parents=True, exist_ok=True)
         for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
             shutil.rmtree(part, ignore_errors=True)
-    stages = _stages(runs_dir, sims_dir, systems, quick, repeat)
+    stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget)
     todo = [st for st in stages if st.key not in done]
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
@@ -342,7 +371,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1) -> list[Stage]:
+def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1,
+            tune_budget: int = 0) -> list[Stage]:
     stages: list[Stage] = []
     steps = "3" if quick else "5"
     run_s = 8.0 if quick else 11.0
@@ -382,21 +412,37 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     stages.append(Stage("sim-scaling", f"simulate mixed_video at {sizes} GPUs",
                         ["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
                         25.0 if quick else 300.0))
-    if "omni" in systems:  # the ablation at scale: same layout as the full omni of the run above, at 1,024 GPUs
-        for tech in ABLATIONS[:1] if quick else ABLATIONS:
-            stages.append(Stage(f"sim-omni-no-{tech}", f"simulate omni without {tech} at 1,024 GPUs",
-                                ["simulate", "--workload", "mixed_video", "--gpus", "1024", *sim_common[2:],
-                                 "--system", "omni", f"--no-{tech}"], 6.0))
-    for wl in ([] if quick else ["image_sft", "long_video", "omni_av"]):
-        stages.append(Stage(f"sim-{wl}", f"simulate {wl} at 1,024 GPUs",
-                            ["simulate", "--workload", wl, "--gpus", "1024", *sim_common], 30.0))
     # a pipelined layout (PP 4) at 256 GPUs: its traces show pipeline bubbles and what fills them
     piped = [s for s in systems if s != "temporal"]  # temporal has no pipeline
     stages.append(Stage("sim-pipelined", "simulate a pipelined layout (pp 4) at 256 GPUs",
                         ["simulate", "--workload", "mixed_video", "--gpus", "256", "--pp", "4", "--microbatches",
                          "8", *sim_common[2:], "--system", ",".join(piped)], 8.0))
-    # seed 14 of bursty_mix goes calm -> audio burst -> video burst within its first 16 steps
-    stages.append(Stage("sim-bursty", "simulate bursty_mix over consecutive steps at 256 GPUs",
-                        ["simulate", "--workload", "bursty_mix", "--seed", "14", "--gpus", "256", "--steps",
-                         "10" if quick else "16", *sim_common], 50.0 if quick else 80.0))
+    # 3. the tuned comparison: every system at its own layout (tuned once on step 0's batch, kept for
+    # every step), each tune done once and kept in tuned-layouts.json for the stages after it (and --resume)
+    budget = tune_budget or (TUNE_BUDGET_QUICK if quick else TUNE_BUDGET)
+    gpus = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
+    at = ",".join(str(n) for n in gpus)
+    tuned_common = ["--hardware", "h100", "--model", "omni-7b", "--tuned", "--tune-budget", str(budget),
+                    "--tune-cache", str(sims_dir / "tuned-layouts.json"), "--out", str(sims_dir), "--json"]
+    # seconds on the 2 shared cores (results/BENCHMARKS.md): a tune of one system at 1,024 / 4,096 GPUs
+    # and the simulation of one of its steps
+    tune_s = {n: (1.0 if quick else 20.0 if n <= 1024 else 50.0) for n in gpus}
+    step_s = {n: (0.4 if quick else 3.0 if n <= 1024 else 10.0) for n in gpus}
+    workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
+    for wl in workloads:
+        stages.append(Stage(f"tuned-{wl}-b{budget}", f"tune every system on {wl} at {at} GPUs, simulate it there",
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at, *tuned_common],
+                            sum(len(systems) * (tune_s[n] + step_s[n]) for n in gpus)))
+    for wl, extra in (DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS).items():
+        n_steps = int(extra[extra.index("--steps") + 1])
+        stages.append(Stage(f"tuned-{wl}-b{budget}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned at step 0 "
+                            "and kept", ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at,
+                                         *extra, *tuned_common],
+                            sum(len(systems) * (tune_s[n] + n_steps * step_s[n]) for n in gpus)))
+    if "omni" in systems:  # the ablation at omni's own tuned layout (from the cache: no tune again)
+        for tech in SIM_ABLATIONS[:1] if quick else SIM_ABLATIONS:
+            stages.append(Stage(f"tuned-omni-no-{tech}-b{budget}", f"simulate omni without {tech} at its tuned layout, "
+                                f"{gpus[0]:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
+                                                      "--gpus", str(gpus[0]), f"--no-{tech}", *tuned_common],
+                                step_s[gpus[0]] * 2))
     return stages

@@ -30,7 +30,10 @@ INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a ru
 RESULT_COLUMNS = ["gpus", "system", "layout", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
-                  "sim_seconds"]
+                  "sim_seconds", "tuned_at_step", "tune_seconds", "steps_failed"]
+# steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
+STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "step_time_s", "tokens_per_s",
+                "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
 
 
 def _free_name(out: Path, name: str) -> Path:
@@ -74,7 +77,14 @@ def planner_options(system: str, options: dict, hardware: str) -> dict:
     return options
 
 
-def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware=""):
+def step_indices(steps: int, stride: int = 1) -> list[int]:
+    """The batches of the stream a simulation covers: 0, stride, 2*stride, ... (steps of them)."""
+    return [k * stride for k in range(steps)]
+
+
+def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1):
+    """Plan and simulate `system` at one fixed layout (`parallel`, `recompute`) on each of the
+    batches `step_indices(steps, stride)`: the layout is never revisited between steps."""
     from dataclasses import replace
 
     from simulator.engine import SimOptions, simulate
@@ -83,12 +93,63 @@ def _simulate_one(system, model, parallel, stream, steps, cluster, profile, reco
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     planner = get_planner(system)
-    results, plans = [], []
-    for s in range(steps):
-        plan = planner.plan(model, parallel, stream.batch(s))
-        results.append(simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute)))
+    results, plans, failed = [], [], []
+    for s in step_indices(steps, stride):
+        try:
+            plan = planner.plan(model, parallel, stream.batch(s))
+            res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute))
+        except ValueError as e:
+            if steps == 1:
+                raise
+            # Over many steps at a kept layout a later batch may not plan (fewer samples than data
+            # ranks, ...): that step is recorded as failed, the others still run.
+            failed.append({"step": s, "fits": False, "error": str(e).splitlines()[0]})
+            continue
+        results.append(res)
         plans.append(plan)
-    return results, plans
+    if not results:
+        raise ValueError(f"step {failed[0]['step']}: {failed[0]['error']}")
+    return results, plans, failed
+
+
+TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "global_batch_tokens", "budget",
+                   "calibration")
+
+
+def _tune_key(**fields) -> str:
+    return "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS)
+
+
+def read_tune_cache(path: Path | None) -> dict:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"tune-cache: cannot read {path} ({type(e).__name__}: {e}); delete it to tune again")
+    return got if isinstance(got, dict) else {}
+
+
+def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, options: dict, hardware: str,
+                 cache: dict, key: str):
+    """(Candidate, seconds spent tuning) for `system`: `omnibench tune` on step 0's batch `batch0`
+    with every omni technique on (the ablation keeps the full system's layout), or the layout
+    `cache[key]` holds from an earlier tune with the same inputs (0 s)."""
+    from omnibench.tune import Candidate
+    from omnibench.tune import tune as _tune
+
+    if key in cache:
+        return Candidate(**cache[key]["candidate"]), 0.0
+    full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
+    res = _tune(system, spec, [batch0], cluster, profile=profile, budget=budget,
+                options=planner_options(system, full, hardware) if profile is None else full)
+    if res.best is None:
+        raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
+    from dataclasses import asdict
+
+    cache[key] = {"candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
+                  "tune_seconds": res.seconds, "simulated": res.simulated}
+    return res.best.candidate, res.seconds
 
 
 def _summary(results) -> dict:
@@ -126,6 +187,19 @@ def _summary(results) -> dict:
         "sim_seconds": sum(r.sim_seconds for r in results),
         "per_step": [r.metrics() for r in results],
     }
+
+
+def _step_rows(row: dict) -> list[dict]:
+    """steps.csv's rows of one (gpus, system) result."""
+    out = []
+    for m in row.get("per_step", []):
+        ran = m["fits"]  # a step that does not fit or cannot plan has no throughput, only why
+        out.append({"gpus": row["gpus"], "system": row["system"], "step": m["step"], "layout": row.get("layout", ""),
+                    "fits": m["fits"], "why": m.get("error") or m.get("fit_message") or "",
+                    **{k: m.get(k) if ran else None for k in ("tokens", "step_time_s", "tokens_per_s",
+                                                             "tokens_per_s_per_gpu", "mfu", "bubble")},
+                    "peak_memory_gib": m.get("peak_memory_gib")})
+    return out
 
 
 def _validate_published(path: Path, kernels: str | None) -> None:
@@ -171,7 +245,10 @@ def register(app: typer.Typer) -> None:
         gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
         hardware: str = typer.Option("h100", "--hardware", help="Preset (h100, h200, a100-80g, cpu-gloo) or file."),
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
-        steps: int = typer.Option(1, "--steps", help="Steps to simulate (batches 0..N-1 of the stream)."),
+        steps: int = typer.Option(1, "--steps", help="Steps to simulate (batches 0..N-1 of the stream, or every "
+                                  "--step-stride-th batch)."),
+        step_stride: int = typer.Option(1, "--step-stride", help="With --steps N: simulate batches 0, K, 2K, ... "
+                                        "(N-1)K, steps spread over training (a drifting mix)."),
         calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
         tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
         pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
@@ -198,9 +275,14 @@ def register(app: typer.Typer) -> None:
         no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
                                                help="omni: long LLM samples stay on one data rank (no cp group)"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
-        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout (`omnibench tune` "
-                                   "on the first batch; the layout flags are then ignored)."),
+        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout: `omnibench tune` "
+                                   "on step 0's batch only, that layout then kept for every step (a static "
+                                   "deployment: tuned at step 0, never re-tuned); the layout flags are ignored. "
+                                   "With --no-* switches omni keeps its own tuned layout (every technique on)."),
         tune_budget: int = typer.Option(12, "--tune-budget", help="With --tuned: layouts simulated per system."),
+        tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts per "
+                                        "(system, workload, gpus, model, hardware, seed, batch, budget); a layout "
+                                        "found there is used as is, a new one is added."),
     ) -> None:
         """Simulate systems at cluster sizes nobody here has; one row per (size, system).
 
@@ -222,6 +304,11 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         if steps < 1:
             fail(f"steps must be a positive integer, got {steps}")
+        if step_stride < 1:
+            fail(f"step-stride must be a positive integer, got {step_stride}")
+        if tune_budget < 1:
+            fail(f"tune-budget must be a positive integer, got {tune_budget}")
+        cache = read_tune_cache(tune_cache) if tuned else {}
         if global_batch_tokens < 0:
             fail(f"global-batch-tokens must be >= 0 (0 = 8,192 per GPU), got {global_batch_tokens}")
         from omnibench.specs.costs import recompute_policy
@@ -277,16 +364,17 @@ def register(app: typer.Typer) -> None:
                     sys_parallel, sys_recompute = parallel, recompute
                     try:
                         if tuned:
-                            from omnibench.tune import tune as _tune
-
-                            res = _tune(s, spec, [stream.batch(0)], clusters[n], profile=profile, budget=tune_budget,
-                                        options=planner_options(s, options, hardware) if profile is None else options)
-                            if res.best is None:
-                                raise ValueError(f"tune: no layout of {s} fits {n} GPUs")
-                            c = res.best.candidate
+                            key = _tune_key(system=s, workload=workload, gpus=n, model=spec.name, hardware=hardware,
+                                            seed=seed, global_batch_tokens=gbt, budget=tune_budget,
+                                            calibration=calibration)
+                            c, row["tune_seconds"] = tuned_layout(s, spec, stream.batch(0), clusters[n], profile,
+                                                                  tune_budget, options, hardware, cache, key)
+                            if tune_cache is not None:
+                                write_json_atomic(tune_cache, cache)
                             sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
+                            row["tuned_at_step"] = 0
                         elif (tp, pp, cp) == (0, 0, 0):
                             from systems.defaults import with_default_layout
 
@@ -294,8 +382,8 @@ def register(app: typer.Typer) -> None:
                                                                      clusters[n].gpu.memory_bytes)
                             row["layout"] = f"tp{sys_parallel.tp} pp{sys_parallel.pp} cp{sys_parallel.cp}"
                             row["layout_note"] = note
-                        results, plans = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n], profile,
-                                                       sys_recompute, hardware)
+                        results, plans, failed = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n],
+                                                               profile, sys_recompute, hardware, step_stride)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")
@@ -303,8 +391,25 @@ def register(app: typer.Typer) -> None:
                         rows.append(row)
                         continue
                     row.update(_summary(results))
+                    # each step's own metrics (a step that did not fit says so: a figure shows which ran)
+                    row.setdefault("per_step", [r.metrics() for r in results])
+                    for p, m in zip(plans, row["per_step"], strict=True):
+                        m["step"] = p.step  # the stream's batch index (with --step-stride, not the position)
+                    row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
+                    for m in row["per_step"]:
+                        m["layout"] = row.get("layout", "")
+                    row["steps"] = len(row["per_step"])
+                    bad = [m for m in row["per_step"] if not m["fits"]]
+                    row["steps_failed"] = len(bad)
+                    if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
+                        first = bad[0]
+                        row["fits"] = False if "fit_message" in first else row["fits"]
+                        if "error" in first:
+                            row["error"] = f"step {first['step']}: {first['error']}"
+                        else:
+                            row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
                     rows.append(row)
-                    if not row["fits"]:
+                    if "error" in row or not row["fits"]:
                         continue  # no trace: a timeline of a step that cannot run would mislead
                     write_json_atomic(tmp / f"trace_{s}_{n}.json",
                                       perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
@@ -322,14 +427,20 @@ def register(app: typer.Typer) -> None:
                 "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
+                "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
+                # a static deployment: each system's layout tuned once on step 0's batch, kept for every step
+                **({"tune_budget": tune_budget, "tuned_at_step": 0, "layout_kept": True} if tuned else {}),
                 "calibration_provenance": profile.provenance if profile else None,
                 "provenance": provenance(f"simulated: {hardware}"),
             }
             fitting = [r for r in rows if "error" not in r and r["fits"]]
+            # Over many steps a record is worth keeping when some system ran some step (the rest say why).
+            fitting = fitting or [r for r in rows if any(m["fits"] for m in r.get("per_step", []))]
             if fitting:
                 write_json_atomic(tmp / "config.json", config)
                 write_json_atomic(tmp / "results.json", rows)
                 write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
+                write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
                 publish(tmp)
                 os.replace(tmp, final)
             else:  # nothing to plot or compare: no record, and a non-zero exit below
@@ -370,9 +481,14 @@ def register(app: typer.Typer) -> None:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
         for r in rows:
             if r.get("layout"):
-                how = "tuned" if tuned else "default"
-                console.print(f"{r['gpus']} GPUs, {r['system']}: {how} layout {r['layout']}"
-                              + (f" ({r['layout_note']})" if r.get("layout_note") else ""), highlight=False)
+                if tuned:
+                    kept = f", kept for all {steps} steps" if steps > 1 else ""
+                    spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
+                    console.print(f"{r['gpus']} GPUs, {r['system']}: tuned layout {r['layout']} (budget {tune_budget}, "
+                                  f"tuned at step 0{kept}{spent})", highlight=False)
+                else:
+                    console.print(f"{r['gpus']} GPUs, {r['system']}: default layout {r['layout']}"
+                                  + (f" ({r['layout_note']})" if r.get("layout_note") else ""), highlight=False)
         if missing:
             console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")

@@ -69,14 +69,23 @@ def setup_text(sims, workload: str | None = None) -> str:
         if workload is not None and r.workload != workload:
             continue
         c = r.config
-        layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
-            f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)
         gbt = c.get("global_batch_tokens") or 0
         batch = f"strong scaling, {gbt:,} tokens/step" if gbt else "weak scaling, 8,192 tokens/GPU"
-        text = f"{c.get('model')} on {c.get('hardware')}, {layout}, recompute {c.get('recompute', 'none')}, {batch}"
+        if c.get("tuned"):
+            text = f"{c.get('model')} on {c.get('hardware')}, {tuned_text(c)}, {batch}"
+        else:
+            layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
+                f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)
+            text = f"{c.get('model')} on {c.get('hardware')}, {layout}, recompute {c.get('recompute', 'none')}, {batch}"
         if text not in parts:
             parts.append(text)
     return "; ".join(parts)
+
+
+def tuned_text(config: dict) -> str:
+    """How a tuned simulation chose its layouts, as a figure's title says it."""
+    budget = config.get("tune_budget")
+    return f"tuned layouts (tune budget {budget}, at step 0)" if budget else "tuned layouts (at step 0)"
 
 
 # -- 1. throughput ---------------------------------------------------------------------------------
@@ -242,68 +251,201 @@ def scaling(recs: Records, workload: str | None = None) -> Drawn:
 
 
 # -- 3. dynamic ------------------------------------------------------------------------------------
-def dynamic(recs: Records, workload: str | None = None) -> Drawn:
+def dynamic_summary(g: pd.DataFrame) -> pd.DataFrame:
+    """Per (cluster size, system) over the steps of `g` (a steps_table slice): steps, mean, min and
+    10th percentile of tokens/s, and each system's mean relative to the best baseline's mean."""
+    rows = []
+    for (gpus, system), d in g.groupby(["gpus", "system"]):
+        ok = d[d.ran]
+        tps = ok.groupby("step").tokens_per_s.mean()
+        bad = d[~d.ran].drop_duplicates("step")
+        layouts = sorted({x for x in d.layout.dropna() if x})
+        rows.append({"gpus": int(gpus), "system": system, "steps": d.step.nunique(), "steps_failed": len(bad),
+                     "first_failure": f"step {int(bad.step.iloc[0])}: {bad.why.iloc[0]}" if len(bad) else "",
+                     "layout": ", ".join(layouts),
+                     "mean_tokens_per_s": float(tps.mean()) if len(tps) else np.nan,
+                     "min_tokens_per_s": float(tps.min()) if len(tps) else np.nan,
+                     "p10_tokens_per_s": float(np.percentile(tps, 10)) if len(tps) else np.nan,
+                     "mean_tokens_per_s_per_gpu": float(tps.mean()) / int(gpus) if len(tps) else np.nan})
+    out = pd.DataFrame(rows)
+    out["rel_best_baseline"] = np.nan
+    out["best_baseline"] = ""
+    for _gpus, d in out.groupby("gpus"):
+        # the best baseline among those that ran every step (a deployment that stops has no mean)
+        base = d[d.system.isin(BASELINES) & (d.steps_failed == 0)]
+        if base.empty:
+            continue
+        best = base.loc[base.mean_tokens_per_s.idxmax()]
+        ran_all = d[d.steps_failed == 0]  # a mean over only the steps a layout survived compares nothing
+        out.loc[ran_all.index, "rel_best_baseline"] = ran_all.mean_tokens_per_s / best.mean_tokens_per_s
+        out.loc[d.index, "best_baseline"] = best.system
+    order = {s: i for i, s in enumerate(style.order_systems(out.system.unique()))}
+    return out.sort_values(["gpus", "system"], key=lambda c: c.map(order) if c.name == "system" else c,
+                           ignore_index=True)
+
+
+def dynamic(recs: Records, workload: str | None = None, gpus: int | None = None) -> Drawn:
+    """Throughput per step over training, one panel per cluster size (the sizes with the most systems
+    over at least two steps, or `gpus`), above the modality mix of each step."""
     st = steps_table(recs)
     if st.empty:
         raise PlotInputError("dynamic: no per-step results in the records")
     st, wl = _one_workload(st, workload, "dynamic")
-    # The most systems over the most steps, from one source and cluster size.
-    best, best_key = None, (-1, -1)
-    for (src, gpus), g in st.groupby(["source", "gpus"]):
-        n_steps = g.groupby("system").step.nunique().min()
-        key = (g.system.nunique(), n_steps)
-        if n_steps >= 2 and key > best_key:
-            best, best_key = (src, gpus, g), key
-    if best is None:
-        raise PlotInputError(f"dynamic needs records with at least two steps on {wl}; every record holds one step "
-                             "(simulate with --steps N, run with --steps N)")
-    src, gpus, g = best
-    rec = next(r for r in (recs.runs if src == "run" else recs.sims) if str(r.path) == g.record.iloc[0])
+    keys = {}
+    for (src, n), g in st.groupby(["source", "gpus"]):
+        n_steps = g[g.ran].groupby("system").step.nunique().max()
+        if n_steps >= 2:
+            keys[(src, int(n))] = (g.system.nunique(), n_steps)
+    if gpus is not None and keys and not any(k[1] == gpus for k in keys):
+        raise PlotInputError(f"dynamic: no records with at least two steps on {wl} at {gpus:,} GPUs; sizes that have "
+                             f"them: {', '.join(f'{n:,}' for n in sorted({k[1] for k in keys}))}")
+    if gpus is not None:
+        keys = {k: v for k, v in keys.items() if k[1] == gpus}
+    if not keys:
+        raise PlotInputError(f"dynamic needs records with at least two steps on {wl}; every record holds one "
+                             "step (simulate with --steps N, run with --steps N)")
+    # One source; within it every cluster size that has as many systems as the best one.
+    src = max(keys, key=lambda k: (keys[k], k[0] == "sim"))[0]
+    most = max(v[0] for k, v in keys.items() if k[0] == src)
+    sizes = sorted(n for (s, n), v in keys.items() if s == src and v[0] == most)
+    g = st[(st.source == src) & st.gpus.isin(sizes)]
     steps = sorted(g.step.unique())
-    mix = mix_table(rec, steps, gpus if src == "sim" else None)
+    recs_of = recs.runs if src == "run" else recs.sims
+    rec = next(r for r in recs_of if str(r.path) == g[g.gpus == sizes[0]].record.iloc[0])
+    mix = mix_table(rec, steps, sizes[0] if src == "sim" else None)
     style.apply_theme()
-    fig, (ax, axm) = plt.subplots(2, 1, figsize=(5.2, 3.6), sharex=True, gridspec_kw={"height_ratios": [1.6, 1]})
-    for s in style.order_systems(g.system.unique()):
-        d = g[g.system == s].groupby("step", as_index=False).tokens_per_s.mean()
-        ax.plot(d.step, d.tokens_per_s / gpus, color=style.system_color(s), label=s, linewidth=1.2, marker="o",
-                markersize=2 if len(steps) > 30 else 3)
-    if src == "run":
-        ax.axvspan(steps[0] - 0.5, steps[0] + 0.5, color="0.9", zorder=0)
-        ax.text(steps[0], ax.get_ylim()[1], " warm-up", fontsize=6, va="top", color="0.4")
-    ax.set_ylabel("throughput\n(tokens/s/GPU)")
-    ax.yaxis.set_major_formatter(FuncFormatter(_si))
-    ax.set_ylim(bottom=0)
-    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="system")
+    fig, axes = plt.subplots(len(sizes) + 1, 1, figsize=(5.6, 1.0 + 1.5 * len(sizes) + 1.1), sharex=True,
+                             gridspec_kw={"height_ratios": [1.5] * len(sizes) + [1]})
+    axm = axes[-1]
+    markers = 2 if len(steps) > 30 else 3
+    for i, (ax, n) in enumerate(zip(axes[:-1], sizes, strict=True)):
+        gn = g[g.gpus == n]
+        failed_any = False
+        order = style.order_systems(gn.system.unique())
+        nudge = 0.06 * (steps[1] - steps[0])  # the crosses of systems failing one step side by side
+        for j, s in enumerate(order):
+            d = gn[gn.system == s].groupby("step", as_index=False).agg(tokens_per_s=("tokens_per_s", "mean"),
+                                                                        ran=("ran", "all"))
+            ys = (d.tokens_per_s / n).where(d.ran)  # a gap where the kept layout cannot run the step
+            ax.plot(d.step, ys, color=style.system_color(s), label=s, linewidth=1.2, marker="o", markersize=markers)
+            if (~d.ran).any():
+                failed_any = True
+                ax.plot(d.step[~d.ran] + (j - (len(order) - 1) / 2) * nudge, [0] * int((~d.ran).sum()),
+                        linestyle="none", marker="x", markersize=5,
+                        markeredgewidth=1.2, color=style.system_color(s), clip_on=False, zorder=5)
+        if src == "run":
+            ax.axvspan(steps[0] - 0.5, steps[0] + 0.5, color="0.9", zorder=0)
+            ax.text(steps[0], ax.get_ylim()[1], " warm-up", fontsize=6, va="top", color="0.4")
+        ax.set_ylabel("tokens/s/GPU")
+        ax.yaxis.set_major_formatter(FuncFormatter(_si))
+        ax.set_ylim(bottom=0)
+        unit = "ranks" if src == "run" else "GPUs"
+        ax.set_title(f"({chr(97 + i)}) {n:,} {unit}", fontsize=7.5, loc="left")
+        if failed_any:
+            ax.text(1.01, 0.0, "x on the axis: cannot run\nthis step (out of memory\nor no plan)", transform=ax.transAxes,
+                    fontsize=5.5, va="bottom", color="0.3")
+        if i == 0:
+            ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="system")
     wide = mix.pivot(index="step", columns="modality", values="share")
     mods = [m for m in style.MODALITY_COLORS if m in wide.columns and wide[m].sum() > 0]
-    # steps, not slopes: each training step has one mix (its band spans step - 0.5 .. step + 0.5)
+    # steps, not slopes: each training step has one mix (its band spans the step's neighbourhood)
     axm.stackplot(wide.index, [wide[m] for m in mods], labels=mods, colors=[style.MODALITY_COLORS[m] for m in mods],
                   alpha=0.85, linewidth=0, step="mid")
     axm.set_ylim(0, 1)
     phases = mix.drop_duplicates("step").set_index("step").phase
     runs_ = (phases != phases.shift()).cumsum()
-    if 1 < runs_.iloc[-1] <= 6:  # a staged or bursty schedule: name each stretch and mark where it changes
+    drifting = phases.str.contains("->").any()  # a changing schedule: every step is its own blend
+    if 1 < runs_.iloc[-1] <= 6 and not drifting:  # staged or bursty: name each stretch, mark where it changes
         for _, seg in phases.groupby(runs_):
             lo, hi = seg.index[0], seg.index[-1]
             if lo != steps[0]:
-                for a in (ax, axm):
+                for a in axes:
                     a.axvline(lo - 0.5, color="0.2", linewidth=0.6, linestyle=":")
             axm.text((lo + hi) / 2, 0.97, seg.iloc[0], ha="center", va="top", fontsize=5.5, color="white",
                      fontweight="bold", clip_on=True)
     axm.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     axm.set_ylabel("LLM tokens\nper modality")
-    axm.set_xlabel("training step")
-    axm.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    axm.set_xlabel("training step" + (f" (every {steps[1] - steps[0]:,}th batch)" if steps[1] - steps[0] > 1 else ""))
+    pad = 0.5 * (steps[1] - steps[0])
+    axm.set_xlim(steps[0] - pad, steps[-1] + pad)
     axm.xaxis.set_major_locator(MaxNLocator(integer=True))
     axm.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="modality")
     kind = "measured" if src == "run" else "simulated"
-    ax.set_title(f"Throughput under a changing mix: {wl}, {gpus:,} GPUs ({kind})")
+    tuned = [r.config for r in recs.sims if r.workload == wl and r.config.get("tuned")] if src == "sim" else []
+    how = f"\n{recs.sims and setup_text([r for r in recs.sims if str(r.path) in set(g.record)], wl)}" if src == "sim" else ""
+    fig.suptitle(f"Throughput under a changing mix: {wl} ({kind})" + how, fontsize=8.5)
     fig.tight_layout()
-    table = g.merge(mix.pivot(index="step", columns="modality", values="share").add_prefix("share_").reset_index(),
-                    on="step")
-    caption = (f"Per-step {kind} throughput per system on {wl} ({gpus:,} GPUs) above the share of each step's LLM "
-               "tokens per modality (recomputed from the same sample stream).")
-    return Drawn("dynamic", fig, table.drop(columns=["record"]), caption)
+    table = dynamic_summary(g)
+    kept = (" Each system's layout was tuned once on step 0's batch and kept for every step (a static deployment)."
+            if tuned else "")
+    failed = table[table.steps_failed > 0]
+    if len(failed):
+        kept += " Steps a kept layout cannot run (x): " + "; ".join(
+            f"{r.system} at {r.gpus:,}: {r.steps_failed} of {r.steps}, first {r.first_failure}"
+            for r in failed.itertuples()) + "."
+    caption = (f"Per-step {kind} throughput per system on {wl} at {', '.join(f'{n:,}' for n in sizes)} "
+               f"{'ranks' if src == 'run' else 'GPUs'}, above the share of each step's LLM tokens per modality "
+               f"(recomputed from the same sample stream, at {sizes[0]:,}).{kept} Table: per system the mean, "
+               "minimum and 10th percentile of tokens/s over the steps it ran, and (if it ran every step) its mean relative "
+               "to the best baseline's that ran every step.")
+    return Drawn("dynamic", fig, table, caption)
+
+
+# -- 3b. speedup sweep -----------------------------------------------------------------------------
+def speedup(recs: Records) -> Drawn:
+    """omni over the best baseline per workload x cluster size (simulations; per system its best
+    record in a cell), as a heatmap with the speedup and the best baseline written in each cell."""
+    if not recs.sims:
+        raise PlotInputError("speedup needs simulation records (omnibench simulate --system all ...); got only runs")
+    full = throughput_table(Records(sims=recs.sims))
+    df = full[full.variant == full.system]
+    rows = []
+    for (wl, n), g in df.groupby(["workload", "gpus"], sort=False):
+        best = g.loc[g.groupby("system").tokens_per_s.idxmax()]
+        omni, base = best[best.system == "omni"], best[best.system.isin(BASELINES)]
+        if omni.empty or base.empty:
+            continue
+        o, b = omni.iloc[0], base.loc[base.tokens_per_s.idxmax()]
+        rows.append({"workload": wl, "gpus": int(n), "omni_tokens_per_s": o.tokens_per_s, "omni_layout": o.layout,
+                     "best_baseline": b.system, "best_baseline_tokens_per_s": b.tokens_per_s,
+                     "best_baseline_layout": b.layout, "speedup": o.tokens_per_s / b.tokens_per_s,
+                     "steps": int(max(o.steps, b.steps))})
+    if not rows:
+        raise PlotInputError("speedup needs omni and at least one baseline on the same workload and cluster size; got "
+                             f"{_systems_text(df) if not df.empty else 'nothing that ran'}" + _left_out(full))
+    table = pd.DataFrame(rows)
+    wls = list(dict.fromkeys(table.workload))
+    sizes = sorted(table.gpus.unique())
+    grid = np.full((len(wls), len(sizes)), np.nan)
+    for r in table.itertuples():
+        grid[wls.index(r.workload), sizes.index(r.gpus)] = r.speedup
+    from matplotlib.colors import TwoSlopeNorm
+
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(min(style.DOUBLE_IN, 1.9 + 1.25 * len(sizes)), 0.9 + 0.36 * len(wls)))
+    lo, hi = np.nanmin(grid), np.nanmax(grid)
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01))
+    im = ax.imshow(grid, cmap="RdBu", norm=norm, aspect="auto")
+    for r in table.itertuples():
+        i, j = wls.index(r.workload), sizes.index(r.gpus)
+        dark = abs(norm(r.speedup) - 0.5) > 0.35
+        ax.text(j, i, f"{r.speedup:.2f}x\nvs {r.best_baseline}", ha="center", va="center", fontsize=6,
+                color="white" if dark else "0.1")
+    ax.set_xticks(range(len(sizes)))
+    ax.set_xticklabels([f"{n:,} GPUs" for n in sizes])
+    ax.set_yticks(range(len(wls)))
+    ax.set_yticklabels(wls)
+    ax.grid(False)
+    fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03).set_label("omni / best baseline", fontsize=7)
+    ax.set_title(f"omni speedup over the best baseline (simulated)\n{setup_text(recs.sims)}", fontsize=8)
+    fig.tight_layout()
+    multi = sorted({r.workload for r in table.itertuples() if r.steps > 1})
+    caption = ("Simulated throughput of omni divided by that of the fastest baseline "
+               f"({', '.join(BASELINES)}) per workload and cluster size; each system at the layout its record holds "
+               "(with --tuned: its own, tuned on step 0's batch)."
+               + (f" Over several steps ({', '.join(multi)}): total tokens over total time." if multi else "")
+               + _left_out(full))
+    return Drawn("speedup", fig, table, caption)
 
 
 # -- 4. timeline -----------------------------------------------------------------------------------
@@ -462,7 +604,7 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
     variants = variants.set_index("variant").loc[order].reset_index()
     base = df[(df.workload == wl) & (df.gpus == gpus) & df.system.isin(BASELINES)]
     style.apply_theme()
-    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 0.7 + 0.32 * len(variants)))
+    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 1.3 + 0.32 * len(variants)))
     colors = [style.system_color("omni") if v == "omni" else style.lighten(style.system_color("omni"))
               for v in variants.variant]
     bars = ax.barh(range(len(variants)), variants.relative, color=colors, edgecolor="0.3", linewidth=0.4)
@@ -475,17 +617,21 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
         ax.axvline(b.max() / ref, color=style.system_color(b.idxmax()), linestyle="--", linewidth=1,
                    label=f"best baseline ({b.idxmax()})")
         # Below the axes: inside, it would cover the bars' labels.
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.32), fontsize=6, frameon=False)
+        fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), fontsize=6, frameon=False)
         variants["best_baseline_relative"] = b.max() / ref
     ax.set_xlabel("throughput rel. to full omni (tokens/s)")
     ax.set_xlim(0, max(variants.relative.max(), variants.get("best_baseline_relative", pd.Series([0])).max()) * 1.18)
     src = "measured" if (df.source == "run").all() else "simulated"
     # Measured runs here are ranks of whatever device ran them (CPU processes on the dev machine).
     scale = f"{gpus:,} {'ranks' if src == 'measured' else 'GPUs'}"
-    ax.set_title(f"omni ablation: {wl}, {scale} ({src})")
-    fig.tight_layout()
+    tuned = [r.config for r in recs.sims if r.workload == wl and r.config.get("tuned")
+             and gpus in r.config.get("gpus", [])] if src == "simulated" else []
+    ax.set_title(f"omni ablation: {wl}, {scale} ({src})" + (f"\n{tuned_text(tuned[0])}" if tuned else ""), fontsize=7.5)
+    fig.tight_layout(rect=(0, 0.07 if not base.empty else 0, 1, 1))
     caption = (f"omni with one technique switched off at a time ({src}, {wl}, {scale}), throughput relative "
-               "to omni with every technique on." + _cpu_note(recs, omni))
+               "to omni with every technique on."
+               + (" Every variant runs at omni's own tuned layout (tuned with every technique on, at step 0); the "
+                  "dashed line is the best baseline at its own tuned layout." if tuned else "") + _cpu_note(recs, omni))
     return Drawn("ablation", fig, variants, caption)
 
 
@@ -567,5 +713,6 @@ def record_of(recs: Records, system: str | None):
     raise PlotInputError(f"timeline: no record of system {system!r}; records hold {', '.join(have) or 'none'}")
 
 
-__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "throughput_table", "dynamic", "record_of", "scaling", "throughput",
+__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "throughput_table", "dynamic", "record_of", "scaling",
+           "speedup", "throughput",
            "timeline", "validation", "workload"]

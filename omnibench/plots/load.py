@@ -14,7 +14,9 @@ Two kinds of record folder exist:
 - a *simulation* (`omnibench simulate`, omnibench/cli/simulate.py): `config.json` with
   "command": "simulate" (workload, systems, gpus, hardware, model, steps, tp, pp, ...),
   `results.json` (one row per (gpus, system): tokens_per_s(_per_gpu), mfu, bubble, exposed_comm,
-  step_time_s, fits / error, per_step = one metrics dict per simulated step),
+  step_time_s, fits / error, per_step = one metrics dict per simulated step (with its batch index
+  `step` and `layout` in newer records), layout = the tuned layout's label with --tuned),
+  `steps.csv` (the per-step rows, flat; newer records),
   `trace_<system>_<gpus>.json` (Chrome format: pid = rank class, tid = stream index into
   ("compute", "collective", "p2p"), args = {kind, module, microbatch, rank}) and
   `plan_<system>_<gpus>_step<k>.json` (clusters up to 256 GPUs). A simulation still being written
@@ -324,8 +326,9 @@ def throughput_table(recs: Records) -> pd.DataFrame:
                 "tflops_per_gpu": row.get("tflops_per_gpu"), "mfu": row.get("mfu"),
                 "step_time_s": row.get("step_time_s"), "bubble": row.get("bubble"),
                 "exposed_comm": row.get("exposed_comm"), "record": str(rec.path), "options": technique_flags(opts),
+                "layout": row.get("layout", ""), "steps": int(row.get("steps", 1)),
             })
-    df = pd.DataFrame(rows, columns=[*THROUGHPUT_COLUMNS, "options"])
+    df = pd.DataFrame(rows, columns=[*THROUGHPUT_COLUMNS, "options", "layout", "steps"])
     df.attrs["left_out"] = left_out
     return df
 
@@ -338,18 +341,20 @@ def steps_table(recs: Records) -> pd.DataFrame:
             rows.append({"source": "run", "workload": r.workload, "system": r.system, "gpus": r.world_size,
                          "step": int(s.get("step", i)), "tokens": s.get("tokens"), "step_time_s": s["step_time_s"],
                          "tokens_per_s": s.get("tokens_per_s", (s.get("tokens") or 0) / s["step_time_s"]),
-                         "record": str(r.path)})
+                         "record": str(r.path), "layout": "", "ran": True, "why": ""})
     for rec in recs.sims:
         for row in rec.rows:
-            if "error" in row or not row.get("fits", False):
-                continue
             for i, s in enumerate(row.get("per_step", [])):
+                # A step that did not fit or could not plan at the record's layout: no throughput, and why.
+                ran = bool(s.get("fits", True)) and "error" not in s
                 rows.append({"source": "sim", "workload": rec.workload, "system": row["system"],
                              "gpus": int(row["gpus"]), "step": int(s.get("step", i)), "tokens": s.get("tokens"),
-                             "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"],
-                             "record": str(rec.path)})
+                             "step_time_s": s.get("step_time_s") if ran else None,
+                             "tokens_per_s": s.get("tokens_per_s") if ran else None,
+                             "record": str(rec.path), "layout": s.get("layout") or row.get("layout", ""),
+                             "ran": ran, "why": "" if ran else (s.get("error") or s.get("fit_message") or "")})
     return pd.DataFrame(rows, columns=["source", "workload", "system", "gpus", "step", "tokens", "step_time_s",
-                                       "tokens_per_s", "record"])
+                                       "tokens_per_s", "record", "layout", "ran", "why"])
 
 
 def stream_of(rec, gpus: int | None = None):

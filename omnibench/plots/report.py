@@ -49,6 +49,8 @@ def draw_all(recs: Records, calibration: str | None = None) -> list[Section]:
     multi = [wl for wl in recs.workloads() if any(r.workload == wl and _steps(r) >= 2 for r in recs.all)]
     out += [_try(f"Throughput over training ({wl})", figures.dynamic, recs, workload=wl) for wl in multi] or [
         Section("Throughput over training", None, "needs records with at least two steps (--steps N)")]
+    if has_sims:
+        out.append(_try("omni speedup over the best baseline", figures.speedup, recs))
     timeline_recs = [(r, r.system) for r in {r.system: r for r in reversed(recs.runs)}.values()]
     if not timeline_recs:
         seen = set()
