@@ -208,6 +208,7 @@ def test_a_step_the_layout_cannot_run_is_recorded_and_drawn_as_such_while_the_ot
     # bursty_mix seed 14 bursts into long videos at step 9: 12 samples for 16 data-parallel ranks
     r = runner.invoke(app, ["simulate", "--workload", "bursty_mix", "--seed", "14", "--steps", "10", "--gpus", "16",
                             "--global-batch-tokens", "131072", "--system", "homogeneous,omni", "--recompute", "full",
+                            "--tp", "1",
                             "--out", str(tmp_path), "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output[r.output.index("{"):])

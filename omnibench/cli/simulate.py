@@ -424,7 +424,9 @@ def register(app: typer.Typer) -> None:
             config = {
                 "command": "simulate", "workload": workload, "systems": systems, "systems_missing": missing,
                 "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
-                "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
+                "model": spec.name, "steps": steps, "calibration": calibration,
+                # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
+                **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),

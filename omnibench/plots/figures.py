@@ -73,6 +73,9 @@ def setup_text(sims, workload: str | None = None) -> str:
         batch = f"strong scaling, {gbt:,} tokens/step" if gbt else "weak scaling, 8,192 tokens/GPU"
         if c.get("tuned"):
             text = f"{c.get('model')} on {c.get('hardware')}, {tuned_text(c)}, {batch}"
+        elif c.get("default_layouts"):
+            text = (f"{c.get('model')} on {c.get('hardware')}, each system's default layout, "
+                    f"recompute {c.get('recompute', 'none')}, {batch}")
         else:
             layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
                 f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)

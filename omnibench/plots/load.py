@@ -45,8 +45,9 @@ _RUN_FLAGS = ("workload", "model", "nproc", "steps", "seed", "tp", "pp", "cp", "
               "encoder_tp", "encoder_ranks", "dp_shard", "global_batch_tokens", "length_scale", "batches_file")
 _SIM_FLAGS = ("hardware", "model", "steps", "calibration", "tp", "pp", "cp", "ep", "dp", "dp_shard", "microbatches",
               "global_batch_tokens", "recompute", "seed")
-_SIM_DEFAULTS = {"hardware": "h100", "model": "omni-7b", "steps": 1, "calibration": None, "tp": 1, "pp": 1,
-                 "cp": 1, "ep": 1, "dp": 0, "dp_shard": 0, "microbatches": 0, "global_batch_tokens": 0, "recompute": "none",
+# tp/pp/cp 0: the CLI's "each system's default layout" (a record with an explicit layout stores all three)
+_SIM_DEFAULTS = {"hardware": "h100", "model": "omni-7b", "steps": 1, "calibration": None, "tp": 0, "pp": 0,
+                 "cp": 0, "ep": 1, "dp": 0, "dp_shard": 0, "microbatches": 0, "global_batch_tokens": 0, "recompute": "none",
                  "seed": 0}
 _MB = re.compile(r"\bmb(\d+)")
 
