@@ -73,7 +73,7 @@ def planner_options(system: str, options: dict, hardware: str) -> dict:
     return options
 
 
-def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware=""):
+def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", chunk_tokens=0):
     from dataclasses import replace
 
     from simulator.engine import SimOptions, simulate
@@ -85,7 +85,8 @@ def _simulate_one(system, model, parallel, stream, steps, cluster, profile, reco
     results, plans = [], []
     for s in range(steps):
         plan = planner.plan(model, parallel, stream.batch(s))
-        results.append(simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute)))
+        results.append(simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute,
+                                                                                encoder_chunk_tokens=chunk_tokens)))
         plans.append(plan)
     return results, plans
 
@@ -187,6 +188,9 @@ def register(app: typer.Typer) -> None:
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
         recompute: str = typer.Option("none", "--recompute",
                                       help="none | full | selective, or per module: vision=full,audio=full"),
+        encoder_chunk_tokens: int = typer.Option(
+            0, "--encoder-chunk-tokens", help="Encoder microbatches in chunks (recomputed in the backward) of at most N encoder "
+                                              "tokens (patches, audio positions); 0: off."),
         seed: int = typer.Option(0, "--seed"),
         out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
@@ -221,6 +225,8 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         if steps < 1:
             fail(f"steps must be a positive integer, got {steps}")
+        if encoder_chunk_tokens < 0:
+            fail(f"encoder-chunk-tokens must be a token budget N >= 1 or 0 (off), got {encoder_chunk_tokens}")
         if global_batch_tokens < 0:
             fail(f"global-batch-tokens must be >= 0 (0 = 8,192 per GPU), got {global_batch_tokens}")
         from omnibench.specs.costs import recompute_policy
@@ -287,7 +293,7 @@ def register(app: typer.Typer) -> None:
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
                         results, plans = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n], profile,
-                                                       sys_recompute, hardware)
+                                                       sys_recompute, hardware, encoder_chunk_tokens)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")
@@ -313,7 +319,7 @@ def register(app: typer.Typer) -> None:
                 "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
                 "model": spec.name, "steps": steps, "calibration": calibration, "tp": tp, "pp": pp, "cp": cp,
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
-                "recompute": recompute, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
+                "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "calibration_provenance": profile.provenance if profile else None,
                 "provenance": provenance(f"simulated: {hardware}"),
             }

@@ -232,7 +232,7 @@ class Executor:
         from omnibench.runtime.long_short import LongShortRuntime
 
         self.long_short = LongShortRuntime.create(first_plan, rank, timeout)
-        # encoder microbatches in checkpointed chunks of a token budget (omnibench/runtime/encoder_chunks.py)
+        # encoder microbatches in chunks of a token budget, recomputed in the backward (omnibench/runtime/encoder_chunks.py)
         from omnibench.runtime.encoder_chunks import EncoderChunks
 
         self.enc_chunks = EncoderChunks.create(encoder_chunk_tokens)

@@ -31,7 +31,7 @@ class RunSpec:
     # activation checkpointing: none | selective | full, or per module "vision=full,llm=none"; auto: what fits
     recompute: str = "auto"
     compile: bool = False  # torch.compile each block
-    # encoder microbatches in checkpointed chunks of at most this many encoder tokens (patches, audio
+    # encoder microbatches in chunks (recomputed in the backward) of at most this many encoder tokens (patches, audio
     # positions; omnibench/runtime/encoder_chunks.py): 0 off, -1 auto (CUDA: chunk when it must to fit)
     encoder_chunk_tokens: int = -1
     dp_shard: int = 0  # HSDP shard group size (ParallelSpec.dp_shard); 0 = automatic, -1 = whole group
