@@ -138,7 +138,10 @@ def _chunked_memory(module: str, enc, inputs: list, per_rank: int, chunk_tokens:
     """(act_bytes, act_transient, chunks) of an encoder microbatch run in chunks
     (omnibench/runtime/encoder_chunks.py): held from forward to backward, its inputs in the compute
     dtype and the output; while a chunk's backward runs, that chunk's activations under the recompute
-    mode (the largest chunk sets the peak)."""
+    mode (the largest chunk sets the peak) and the working set of one block's backward, counted as one
+    block's activations again (their gradients). MemTracker measures that working set at 0.6-0.7 of
+    a block's activations for the Qwen2-VL ViT (tests/test_memory_tracker.py); unchunked encoders do
+    not count it yet, a small share of their larger peak."""
     sizes = costs.encoder_chunk_sizes(module, inputs, chunk_tokens)
     largest = max(sizes)
     out_width = enc.out_hidden or enc.hidden
@@ -146,10 +149,12 @@ def _chunked_memory(module: str, enc, inputs: list, per_rank: int, chunk_tokens:
         held = per_rank * b * enc.in_channels * enc.temporal_patch * enc.patch_size**2
         held += per_rank // enc.merge**2 * out_width * b
         transient = costs.vision_activation_bytes(enc, largest, patch_embed=False, recompute=recompute)
+        transient += largest * costs.vision_layer_bytes(enc, b)
     else:
         held = 2 * per_rank * enc.n_mels * b
         held += per_rank // enc.pool * out_width * b
         transient = costs.audio_activation_bytes(enc, largest, recompute=recompute)
+        transient += largest * costs.audio_layer_bytes(enc, b)
     return held + transient, transient, len(sizes)
 
 
