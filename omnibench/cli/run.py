@@ -368,7 +368,8 @@ def _print_summary(s: dict, folder: str) -> None:
         ("bubble fraction", f"{s['bubble_fraction'] * 100:.1f}%"),
         ("exposed communication", f"{s['exposed_comm_fraction'] * 100:.1f}%"),
         ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
-        ("recompute", f"{s.get('recompute', 'none')}" + (", compiled blocks" if s.get("compile") else "")),
+        ("recompute", f"{s.get('recompute', 'none')}" + (", compiled blocks" if s.get("compile") else "")
+         + (f", encoder chunks of {s['encoder_chunk_tokens']} tokens" if s.get("encoder_chunk_tokens") else "")),
         ("wall time", f"{s['wall_time_s']:.1f} s"),
         ("record", folder),
     ]

@@ -163,7 +163,8 @@ def _would_fit(spec: RunSpec, model: str, budget: float, cap: float) -> str:
     """The single changes that would fit: recompute modes, tp / pp within the ranks, shallower models."""
     tries = [dict(recompute=m) for m in RECOMPUTE_ORDER if m != spec.recompute]
     if spec.encoder_chunk_tokens <= 0:
-        tries.append(dict(encoder_chunk_tokens=auto_chunk_tokens(model, "full", cap), recompute="full"))
+        mode = spec.recompute if spec.recompute != "auto" else "none"
+        tries.append(dict(encoder_chunk_tokens=auto_chunk_tokens(model, mode, cap), recompute=mode))
     n = spec.nproc
     tries += [dict(tp=t) for t in (2, 4, 8) if t != spec.tp and n % t == 0 and t <= n]
     tries += [dict(pp=p) for p in (2, 4, 8) if p != spec.pp and n % p == 0 and p <= n]
