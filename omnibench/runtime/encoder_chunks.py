@@ -97,7 +97,9 @@ class EncoderChunks:
         if budget < 1:
             raise ValueError(f"encoder_chunk_tokens must be >= 1 to chunk, got {budget}")
         self.budget = budget
-        self.held: dict[tuple[str, int], list[tuple[torch.Tensor, bool]]] = {}
+        # (module, microbatch) -> ([(chunk input, grid rows / mel lengths, real?)], output rows per real
+        # chunk, (autocast on?, autocast dtype) of the forward)
+        self.held: dict[tuple[str, int], tuple[list, list[int], tuple]] = {}
         self._dummy: dict[str, tuple] = {}
 
     @staticmethod
