@@ -565,9 +565,9 @@ class Engine:
                          len(long_group))
         recompute = self.policy[module] if a.kind == BACKWARD else "none"
         inputs = self.input_elements(module, rank, a)
-        own = self.compute.action_time(work, a.kind, recompute, module, inputs)
-        if work.chunks and a.kind == BACKWARD:  # each chunk runs its forward again
-            own += self.compute.action_time(work, FORWARD, "none", module)
+        # chunked encoders: each chunk runs its forward again inside the backward action
+        again = self.compute.action_time(work, FORWARD, "none", module) if work.chunks and a.kind == BACKWARD else 0.0
+        own = self.compute.action_time(work, a.kind, recompute, module, inputs) + again
         op = _Op(a, a.kind, duration=own)
         if self.options.communication:
             comm = exposed = 0.0
@@ -642,7 +642,7 @@ class Engine:
             op.comm, op.exposed, op.calls = comm, exposed, n_calls
             if n_calls:
                 # The rank's own work around each call (hooks, copies) runs on its compute stream.
-                op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls)
+                op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls) + again
         lock = self._lock_group(module, rank)
         if lock is not None and self.compute.lock_skew:
             op.duration *= 1.0 + self.compute.lock_skew
