@@ -10,6 +10,12 @@ refuses (noncolocated needs 2 ranks, i.e. 2 GPUs) is listed with its one-line re
 Writes DIR/gpu_figures.json, DIR/gpu_figures.md, the record folders under DIR/runs/, and, when at
 least 4 runs trained, DIR/calibration.json (fitted on the text_only runs and half the others) with
 `omnibench validate`'s held-out table in DIR/validate.txt.
+
+Then (skip with `--no-chunk-runs`) encoder chunking (omnibench/runtime/encoder_chunks.py) on
+mixed_video and long_video, homogeneous at `omni-7b@4L`: the ViT bounded by block recomputation
+(today's default), by chunks of 4,096 patches without block recomputation, and by chunks of 16,384
+under block recomputation; each row's step time and measured peak against the estimate, in
+DIR/gpu_figures.md's second table.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,13 +32,23 @@ SYSTEMS = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
 MODELS = {"text_only": "llm-7b@4L", "mixed_video": ""}
 
 
-def run(system: str, workload: str, steps: int, out: str, extra: list[str]) -> dict:
+CHUNK_MODEL = "omni-7b@4L"
+CHUNK_RUNS = {  # variant -> `omnibench run` flags
+    "vit-block-recompute": ["--recompute", "vision=full,audio=full", "--encoder-chunk-tokens", "0"],
+    "chunks-4096": ["--recompute", "none", "--encoder-chunk-tokens", "4096"],
+    "chunks-16384+block-recompute": ["--recompute", "vision=full,audio=full", "--encoder-chunk-tokens", "16384"],
+}
+
+
+def run(system: str, workload: str, steps: int, out: str, extra: list[str], variant: str = "") -> dict:
     cmd = [sys.executable, "-m", "omnibench", "run", "--system", system, "--workload", workload,
            "--steps", str(steps), "--out", out, "--json", *extra]
-    if MODELS.get(workload):
+    if variant:
+        cmd += ["--model", CHUNK_MODEL, *CHUNK_RUNS[variant]]
+    elif MODELS.get(workload):
         cmd += ["--model", MODELS[workload]]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    row = {"system": system, "workload": workload, "command": " ".join(cmd[1:])}
+    row = {"system": system, "workload": workload, "variant": variant, "command": " ".join(cmd[1:])}
     if done.returncode:
         lines = [x for x in (done.stderr or done.stdout).strip().splitlines() if x.strip()]
         row["error"] = next((x for x in lines if x.startswith("error")), lines[-1] if lines else "failed")
@@ -40,6 +57,9 @@ def run(system: str, workload: str, steps: int, out: str, extra: list[str]) -> d
     row.update({k: s[k] for k in ("model", "world_size", "mean_step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
                                   "tflops_per_gpu", "mfu", "peak_memory_bytes", "recompute", "final_loss",
                                   "bubble_fraction", "notes")})
+    # the memory check's note: "memory: <model> with recompute=... estimated at X GiB on rank r of Y GiB"
+    found = [re.search(r"estimated at ([0-9.]+) GiB", n) for n in s.get("notes") or [] if "estimated at" in n]
+    row["estimate_gib"] = float(found[0].group(1)) if found else None
     row["record"] = out
     return row
 
@@ -51,41 +71,60 @@ def main() -> None:
     ap.add_argument("--systems", default="all")
     ap.add_argument("--workloads", default="text_only,mixed_video")
     ap.add_argument("--extra", default="", help="more `omnibench run` flags, space separated")
+    ap.add_argument("--no-chunk-runs", action="store_true", help="skip the encoder-chunking runs")
     a = ap.parse_args()
     systems = SYSTEMS if a.systems == "all" else tuple(a.systems.split(","))
     table = os.path.join(a.out, "gpu_figures.json")
     done = {}
     if os.path.exists(table):  # resume: keep the runs an earlier call finished
         with open(table) as f:
-            done = {(r["system"], r["workload"]): r for r in json.load(f)}
+            done = {(r["system"], r["workload"], r.get("variant", "")): r for r in json.load(f)}
     rows = []
-    for workload in a.workloads.split(","):
-        for system in systems:
-            folder = os.path.join(a.out, "runs", f"{system}-{workload}")
-            if (system, workload) in done and ("error" in done[(system, workload)] or os.path.isdir(folder)):
-                rows.append(done[(system, workload)])
-                continue
-            shutil.rmtree(folder + ".incomplete", ignore_errors=True)
-            rows.append(run(system, workload, a.steps, folder, a.extra.split()))
-            r = rows[-1]
-            print(f"{system:13s} {workload:12s} " + (r["error"] if "error" in r else
-                  f"{r['model']:14s} {r['mean_step_time_s'] * 1e3:8.1f} ms {r['tokens_per_s_per_gpu']:8.0f} tok/s/GPU "
-                  f"{r['tflops_per_gpu']:6.1f} TFLOP/s {r['mfu']:6.1%} MFU {r['peak_memory_bytes'] / 2**30:5.1f} GiB "
-                  f"recompute={r['recompute']}"), flush=True)
-            with open(table, "w") as f:  # after every run: a cut-off call keeps what it measured
-                json.dump(rows + [v for k, v in done.items() if k not in {(x["system"], x["workload"]) for x in rows}],
-                          f, indent=1)
+    cells = [(system, workload, "") for workload in a.workloads.split(",") for system in systems]
+    if not a.no_chunk_runs:
+        cells += [("homogeneous", w, v) for w in ("mixed_video", "long_video") for v in CHUNK_RUNS]
+    for system, workload, variant in cells:
+        key = (system, workload, variant)
+        folder = os.path.join(a.out, "runs", "-".join(x for x in key if x))
+        if key in done and ("error" in done[key] or os.path.isdir(folder)):
+            rows.append(done[key])
+            continue
+        shutil.rmtree(folder + ".incomplete", ignore_errors=True)
+        rows.append(run(system, workload, a.steps, folder, a.extra.split(), variant))
+        r = rows[-1]
+        print(f"{system:13s} {workload:12s} {variant} " + (r["error"] if "error" in r else
+              f"{r['model']:14s} {r['mean_step_time_s'] * 1e3:8.1f} ms {r['tokens_per_s_per_gpu']:8.0f} tok/s/GPU "
+              f"{r['tflops_per_gpu']:6.1f} TFLOP/s {r['mfu']:6.1%} MFU {r['peak_memory_bytes'] / 2**30:5.1f} GiB "
+              f"recompute={r['recompute']}"), flush=True)
+        with open(table, "w") as f:  # after every run: a cut-off call keeps what it measured
+            mine = {(x["system"], x["workload"], x.get("variant", "")) for x in rows}
+            json.dump(rows + [v for k, v in done.items() if k not in mine], f, indent=1)
     with open(os.path.join(a.out, "gpu_figures.md"), "w") as f:
         f.write("| system | workload | model | recompute | step ms | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |\n")
         f.write("|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
+            if r.get("variant"):
+                continue
             if "error" in r:
                 f.write(f"| {r['system']} | {r['workload']} | - | - | refused: {r['error']} | | | | |\n")
                 continue
             f.write(f"| {r['system']} | {r['workload']} | {r['model']} | {r['recompute']} | "
                     f"{r['mean_step_time_s'] * 1e3:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']:.1f} | "
                     f"{r['mfu']:.1%} | {r['peak_memory_bytes'] / 2**30:.1f} |\n")
-    ok = [r for r in rows if "error" not in r]
+        chunked = [r for r in rows if r.get("variant")]
+        if chunked:
+            f.write(f"\nEncoder chunking, homogeneous, {CHUNK_MODEL}:\n\n")
+            f.write("| workload | encoder memory bound | step ms | tokens/s/GPU | MFU | peak GiB | estimate GiB |\n")
+            f.write("|---|---|---|---|---|---|---|\n")
+            for r in chunked:
+                if "error" in r:
+                    f.write(f"| {r['workload']} | {r['variant']} | refused: {r['error']} | | | | |\n")
+                    continue
+                est = f"{r['estimate_gib']:.1f}" if r.get("estimate_gib") else "-"
+                f.write(f"| {r['workload']} | {r['variant']} | {r['mean_step_time_s'] * 1e3:.0f} | "
+                        f"{r['tokens_per_s_per_gpu']:.0f} | {r['mfu']:.1%} | {r['peak_memory_bytes'] / 2**30:.1f} | "
+                        f"{est} |\n")
+    ok = [r for r in rows if "error" not in r and not r.get("variant")]
     if len(ok) < 4:
         return
     # Fit on every text_only run and every other mixed run; the rest are held out.

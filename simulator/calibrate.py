@@ -724,7 +724,8 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
         steps = sorted(run.step_times)
         if len(steps) > 1:
             steps = steps[1:]
-        options = SimOptions(check_memory=False, recompute=run.recompute, stack=stack)
+        options = SimOptions(check_memory=False, recompute=run.recompute, stack=stack,
+                             encoder_chunk_tokens=run.encoder_chunk_tokens)
         measured, simulated, tokens = [], [], []
         answered = ""
         for s in steps:
@@ -800,7 +801,7 @@ def action_breakdown(run_dir: str, profile: Profile | None = None, hardware: str
                 wall[(sp.kind, sp.module)] += sp.duration
                 cpu[(sp.kind, sp.module)] += sp.cpu or 0.0
         res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(
-            check_memory=False, recompute=run.recompute))
+            check_memory=False, recompute=run.recompute, encoder_chunk_tokens=run.encoder_chunk_tokens))
         members = {r.rank: r.members for r in res.ranks}
         for sp in res.spans:
             kind = sp.action.kind if sp.stream != "compute" else sp.kind

@@ -83,6 +83,9 @@ class SimOptions:
     # the software running the blocks (simulator/kernels.py::Stack): "eager" is this project's runtime
     # (its modules op by op under autocast, the chunked loss); "fused" is Megatron-LM's fused kernels
     stack: str = "eager"
+    # encoder microbatches in chunks of at most this many encoder tokens (patches, audio positions),
+    # each recomputed in the backward, as omnibench/runtime/encoder_chunks.py runs them; 0: not chunked
+    encoder_chunk_tokens: int = 0
 
 
 @dataclass
@@ -411,10 +414,11 @@ class Engine:
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp * lay.sp,
                                lay.ep, self.policy["llm"], lay.cp_kind)
-            elif module == "vision":
-                got = vision_work(self.model.vision, list(sig), lay.tp, lay.sp, self.policy["vision"])
-            elif module == "audio":
-                got = audio_work(self.model.audio, list(sig), lay.tp, lay.sp, self.policy["audio"])
+            elif module in ("vision", "audio"):
+                # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
+                chunk = self.options.encoder_chunk_tokens if not sp and lay.sp == 1 else 0
+                make = vision_work if module == "vision" else audio_work
+                got = make(getattr(self.model, module), list(sig), lay.tp, lay.sp, self.policy[module], chunk)
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
             if got.shape is not None and self.options.stack == "eager":
@@ -567,7 +571,9 @@ class Engine:
                          len(long_group))
         recompute = self.policy[module] if a.kind == BACKWARD else "none"
         inputs = self.input_elements(module, rank, a)
-        own = self.compute.action_time(work, a.kind, recompute, module, inputs)
+        # chunked encoders: each chunk runs its forward again inside the backward action
+        again = self.compute.action_time(work, FORWARD, "none", module) if work.chunks and a.kind == BACKWARD else 0.0
+        own = self.compute.action_time(work, a.kind, recompute, module, inputs) + again
         op = _Op(a, a.kind, duration=own)
         if self.options.communication:
             comm = exposed = 0.0
@@ -631,16 +637,18 @@ class Engine:
                 if work.expert_params:
                     edp = self._expert_group(rank, shard, lay.ep)
                     g += self.coll_inline.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / calls, edp)
-                comm += calls * g
-                n_calls += calls
+                # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
+                reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
+                comm += reps * calls * g
+                n_calls += reps * calls
                 if self.coll.inline_overlap:
-                    exposed += g + (n - 1) * max(0.0, g - own / n)
+                    exposed += reps * g + (reps * n - reps) * max(0.0, g - own / (reps * n))
                 else:
-                    exposed += calls * g
+                    exposed += reps * calls * g
             op.comm, op.exposed, op.calls = comm, exposed, n_calls
             if n_calls:
                 # The rank's own work around each call (hooks, copies) runs on its compute stream.
-                op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls)
+                op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls) + again
         lock = self._lock_group(module, rank)
         if lock is not None and self.compute.lock_skew:
             op.duration *= 1.0 + self.compute.lock_skew
@@ -649,9 +657,12 @@ class Engine:
             if n > 1:
                 op.lock_key = ("lock", a.kind, module, a.stage, gid)
                 op.lock_n = n
-        live = self._live_activation(work) + self._weight_copies(module, rank, a.stage)
+        copies = self._weight_copies(module, rank, a.stage)
+        # chunked encoders keep no autocast weight casts from forward to backward; a chunk's
+        # recomputed forward casts them again while its backward runs
+        live = self._live_activation(work) + (0.0 if work.chunks else copies)
         op.act_delta = live if a.kind == FORWARD else -live
-        op.act_transient = work.act_transient if a.kind == BACKWARD else 0.0
+        op.act_transient = work.act_transient + (copies if work.chunks else 0.0) if a.kind == BACKWARD else 0.0
         return op
 
     def _weight_copies(self, module: str, rank: int, stage: int) -> float:

@@ -44,6 +44,9 @@ class Work:
     seq_bytes: float = 0.0  # bytes through the cp/sp exchange (forward), whole stage; 1 call per layer
     ep_bytes: float = 0.0  # bytes through the expert all-to-all (forward), whole stage; 2 calls per layer
     shape: object = None  # simulator.kernels.BlockShape (dense stages): what the kernel model costs
+    # encoders run in chunks, each recomputed in the backward (omnibench/runtime/encoder_chunks.py):
+    # how many; 0 = not chunked
+    chunks: int = 0
 
     @property
     def flops(self) -> float:
@@ -130,8 +133,33 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     )
 
 
+def _chunked_memory(module: str, enc, inputs: list, per_rank: int, chunk_tokens: int, recompute: str,
+                    b: int = 2) -> tuple[float, float, int]:
+    """(act_bytes, act_transient, chunks) of an encoder microbatch run in chunks
+    (omnibench/runtime/encoder_chunks.py): held from forward to backward, its inputs in the compute
+    dtype and the output; while a chunk's backward runs, that chunk's activations under the recompute
+    mode (the largest chunk sets the peak) and the working set of one block's backward, counted as one
+    block's activations again (their gradients). MemTracker measures that working set at 0.6-0.7 of
+    a block's activations for the Qwen2-VL ViT (tests/test_memory_tracker.py); unchunked encoders do
+    not count it yet, a small share of their larger peak."""
+    sizes = costs.encoder_chunk_sizes(module, inputs, chunk_tokens)
+    largest = max(sizes)
+    out_width = enc.out_hidden or enc.hidden
+    if module == "vision":
+        held = per_rank * b * enc.in_channels * enc.temporal_patch * enc.patch_size**2
+        held += per_rank // enc.merge**2 * out_width * b
+        transient = costs.vision_activation_bytes(enc, largest, patch_embed=False, recompute=recompute)
+        transient += largest * costs.vision_layer_bytes(enc, b)
+    else:
+        held = 2 * per_rank * enc.n_mels * b
+        held += per_rank // enc.pool * out_width * b
+        transient = costs.audio_activation_bytes(enc, largest, recompute=recompute)
+        transient += largest * costs.audio_layer_bytes(enc, b)
+    return held + transient, transient, len(sizes)
+
+
 def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int = 1, sp: int = 1,
-                recompute: str = "none") -> Work:
+                recompute: str = "none", chunk_tokens: int = 0) -> Work:
     h = v.hidden
     t = sum(a * b * c for a, b, c in grids)
     f = costs.vision_flops(v, grids, recompute=recompute)
@@ -154,6 +182,11 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
         # fp32 patches cast for the patch embedding, the merger's norm and GELU
         extra_pointwise=float(per_rank) * (6 * d_in + 20 * h + 4 * h),
     ) if t else None
+    if chunk_tokens and t and sp == 1:
+        act, transient, chunks = _chunked_memory("vision", v, grids, per_rank, chunk_tokens, recompute)
+    else:
+        act = costs.vision_activation_bytes(v, per_rank, recompute=recompute)
+        transient, chunks = _recomputed_layer(recompute, v.layers, per_rank * costs.vision_layer_bytes(v)), 0
     return Work(
         **_split(f, tp * sp),
         shape=shape,
@@ -161,8 +194,9 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
         sequences=v.layers * len(costs.vision_groups(grids)),
         tokens=per_rank,
         layers=v.layers,
-        act_bytes=costs.vision_activation_bytes(v, per_rank, recompute=recompute) / tp,
-        act_transient=_recomputed_layer(recompute, v.layers, per_rank * costs.vision_layer_bytes(v)) / tp,
+        act_bytes=act / tp,
+        act_transient=transient / tp,
+        chunks=chunks,
         params=float(costs.vision_params(v)),
         tp_bytes=v.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,
         seq_bytes=v.layers * 4 * (t / sp) * h * 2 / tp if sp > 1 else 0.0,  # Ulysses: q, k, v in, out back
@@ -175,7 +209,7 @@ def _recomputed_layer(recompute: str, layers: int, layer_bytes: float) -> float:
 
 
 def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int = 1,
-               recompute: str = "none") -> Work:
+               recompute: str = "none", chunk_tokens: int = 0) -> Work:
     h = a.hidden
     t = sum(m // 2 for m in mel_frames)
     f = costs.audio_flops(a, mel_frames, recompute=recompute)
@@ -197,6 +231,11 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
         # GELU after both convs, positions added, the final norm and the pooling
         extra_pointwise=float(per_rank) * h * (3 * 4 + 6 + 20 + 4),
     ) if t else None
+    if chunk_tokens and t and sp == 1:
+        act, transient, chunks = _chunked_memory("audio", a, mel_frames, per_rank, chunk_tokens, recompute)
+    else:
+        act = costs.audio_activation_bytes(a, per_rank, recompute=recompute)
+        transient, chunks = _recomputed_layer(recompute, a.layers, per_rank * costs.audio_layer_bytes(a)), 0
     return Work(
         **_split(f, tp * sp),
         shape=shape,
@@ -204,8 +243,9 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
         sequences=a.layers * len(costs.audio_windows(mel_frames, a.max_positions)),
         tokens=per_rank,
         layers=a.layers,
-        act_bytes=costs.audio_activation_bytes(a, per_rank, recompute=recompute) / tp,
-        act_transient=_recomputed_layer(recompute, a.layers, per_rank * costs.audio_layer_bytes(a)) / tp,
+        act_bytes=act / tp,
+        act_transient=transient / tp,
+        chunks=chunks,
         params=float(costs.audio_params(a)),
         tp_bytes=a.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,
         seq_bytes=a.layers * 4 * (t / sp) * h * 2 / tp if sp > 1 else 0.0,

@@ -117,6 +117,12 @@ class RunRecord:
         return "none" if mode == "auto" else mode
 
     @property
+    def encoder_chunk_tokens(self) -> int:
+        """The run's encoder chunk budget (omnibench/runtime/encoder_chunks.py); 0 for records from
+        before it, and for "auto" (-1) never settled by a launcher."""
+        return max(0, int(self.run_spec.get("encoder_chunk_tokens", 0) or 0))
+
+    @property
     def device(self) -> str:
         return str(self.summary.get("device") or self.run_spec.get("extra", {}).get("device")
                    or self.config.get("device", "cpu"))

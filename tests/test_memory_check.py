@@ -62,3 +62,27 @@ def test_run_refuses_a_model_too_large_for_the_host_before_any_rank_starts(tmp_p
     lines = [x for x in done.stderr.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and "omni-72b with recompute=none needs an estimated" in lines[0], done.stderr
     assert not out.exists() and not (tmp_path / "run.incomplete").exists()
+
+
+def test_auto_chunks_the_encoders_when_a_long_video_would_not_fit_otherwise():
+    """long_video at omni-7b@4L on one 80 GB GPU with recompute=none: unchunked the ViT's activations
+    of the longest video do not fit; `--encoder-chunk-tokens auto` (the default) chunks them."""
+    spec = _cuda_spec(workload="long_video", model="omni-7b@4L", recompute="none")
+    with pytest.raises(SpecError, match="would fit: .*--encoder-chunk-tokens"):
+        fit_to_device(replace(spec, encoder_chunk_tokens=0), model_given=True, memory_gib=80.0)
+    fitted, note = fit_to_device(spec, model_given=True, memory_gib=80.0)
+    assert fitted.encoder_chunk_tokens > 0 and fitted.recompute == "none"
+    assert f"encoder chunks of {fitted.encoder_chunk_tokens} tokens" in note and "chosen to fit" in note
+    chunked = estimate(fitted, memory_gib=80.0)
+    plain = estimate(replace(fitted, encoder_chunk_tokens=0), memory_gib=80.0)
+    assert chunked.peak_bytes <= HEADROOM * 80 * 2**30 < plain.peak_bytes
+
+
+def test_auto_leaves_encoders_unchunked_when_they_fit():
+    fitted, _ = fit_to_device(_cuda_spec(model="omni-7b@2L", recompute="full"), model_given=True, memory_gib=141.0)
+    assert fitted.encoder_chunk_tokens == 0
+
+
+def test_bad_chunk_budget_is_refused_naming_the_field():
+    with pytest.raises(SpecError, match="encoder_chunk_tokens must be"):
+        RunSpec(system="omni", encoder_chunk_tokens=-3).validate()

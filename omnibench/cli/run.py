@@ -105,6 +105,10 @@ def register(app: typer.Typer) -> None:
                                       help="activation checkpointing: none | selective | full, or per module "
                                            "(vision=full,audio=full); auto: the cheapest the memory check admits"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block"),
+        encoder_chunk_tokens: str = typer.Option(
+            "auto", "--encoder-chunk-tokens",
+            help="run each encoder microbatch in chunks (recomputed in the backward) of at most N encoder tokens (patches, audio "
+                 "positions); 0: off; auto: chunk only where the memory check needs it (CUDA)"),
         global_batch_tokens: int = typer.Option(0, "--global-batch-tokens"),
         length_scale: float = typer.Option(0.0, "--length-scale"),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
@@ -142,11 +146,16 @@ def register(app: typer.Typer) -> None:
         if system not in available_systems():
             allowed = available_systems() or list(SYSTEMS)
             fail(f"system must be one of {', '.join(allowed)}; got {system!r}")
+        try:
+            chunk = chunk_tokens_option(encoder_chunk_tokens, allow_auto=True)
+        except SpecError as e:
+            fail(str(e))
         spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
                        global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
                        out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
                        dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
+                       encoder_chunk_tokens=chunk,
                        options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
                                                   no_llm_long_short), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
@@ -212,6 +221,9 @@ def register(app: typer.Typer) -> None:
                                                help="omni: long LLM samples stay data-parallel (no context-parallel group)"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
         recompute: str = typer.Option("none", "--recompute", help="none | selective | full: for the memory estimate"),
+        encoder_chunk_tokens: str = typer.Option(
+            "0", "--encoder-chunk-tokens", help="encoders in chunks (recomputed in the backward) of at most N tokens, for the memory "
+                                                "estimate; 0: off"),
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
         """Print the Plan a system makes for one step: layouts, data, routes, per-rank actions, and
@@ -243,6 +255,7 @@ def register(app: typer.Typer) -> None:
                 parallel, layout_note = with_default_layout(system, spec, parallel, batch,
                                                             load_cluster("h100", nproc).gpu.memory_bytes)
             p = get_planner(system).plan(spec, parallel, batch)
+            chunk = chunk_tokens_option(encoder_chunk_tokens)
         except (SpecError, PlanError, ValueError, KeyError) as e:
             fail(str(e).strip("'\""))
         if as_json:
@@ -256,14 +269,33 @@ def register(app: typer.Typer) -> None:
             from simulator.hardware import load_cluster
 
             res = Engine(p, spec, load_cluster("h100", nproc),
-                         options=SimOptions(recompute=recompute, check_memory=False)).run()
+                         options=SimOptions(recompute=recompute, check_memory=False,
+                                            encoder_chunk_tokens=chunk)).run()
         except ValueError as e:
             fail(str(e).strip("'\""))
         worst = max(res.ranks, key=lambda r: r.memory_bytes)
-        console.print(f"[bold]memory[/] (estimate, bf16, recompute={recompute}): peak {worst.memory_bytes / 2**30:.2f} GiB "
+        chunked = f", encoder chunks of {chunk} tokens" if chunk else ""
+        console.print(f"[bold]memory[/] (estimate, bf16, recompute={recompute}{chunked}): peak {worst.memory_bytes / 2**30:.2f} GiB "
                       f"on rank {worst.rank}; " + ", ".join(f"rank {r.rank}: {r.memory_bytes / 2**30:.2f}"
                                                             for r in sorted(res.ranks, key=lambda r: r.rank)[:16]),
                       highlight=False, soft_wrap=True)
+
+
+def chunk_tokens_option(text: str, allow_auto: bool = False) -> int:
+    """--encoder-chunk-tokens: a token budget, 0 (off) or, where allowed, auto (-1 in RunSpec)."""
+    from omnibench.specs.model import SpecError
+
+    text = str(text).strip()
+    if allow_auto and text == "auto":
+        return -1
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        allowed = "a token budget N >= 1, 0 (off)" + (" or auto" if allow_auto else "")
+        raise SpecError(f"encoder_chunk_tokens must be {allowed}; got {text!r}")
+    return n
 
 
 def print_plan(p) -> None:
@@ -352,7 +384,8 @@ def _print_summary(s: dict, folder: str) -> None:
         ("bubble fraction", f"{s['bubble_fraction'] * 100:.1f}%"),
         ("exposed communication", f"{s['exposed_comm_fraction'] * 100:.1f}%"),
         ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
-        ("recompute", f"{s.get('recompute', 'none')}" + (", compiled blocks" if s.get("compile") else "")),
+        ("recompute", f"{s.get('recompute', 'none')}" + (", compiled blocks" if s.get("compile") else "")
+         + (f", encoder chunks of {s['encoder_chunk_tokens']} tokens" if s.get("encoder_chunk_tokens") else "")),
         ("wall time", f"{s['wall_time_s']:.1f} s"),
         ("record", folder),
     ]

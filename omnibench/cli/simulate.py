@@ -82,7 +82,8 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
     return [k * stride for k in range(steps)]
 
 
-def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1):
+def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
+                  chunk_tokens=0):
     """Plan and simulate `system` at one fixed layout (`parallel`, `recompute`) on each of the
     batches `step_indices(steps, stride)`: the layout is never revisited between steps."""
     from dataclasses import replace
@@ -94,10 +95,11 @@ def _simulate_one(system, model, parallel, stream, steps, cluster, profile, reco
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     planner = get_planner(system)
     results, plans, failed = [], [], []
+    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens)
     for s in step_indices(steps, stride):
         try:
             plan = planner.plan(model, parallel, stream.batch(s))
-            res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=recompute))
+            res = simulate(plan, model, cluster, calibration=profile, options=sim_options)
         except ValueError as e:
             if steps == 1:
                 raise
@@ -265,6 +267,9 @@ def register(app: typer.Typer) -> None:
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
         recompute: str = typer.Option("none", "--recompute",
                                       help="none | full | selective, or per module: vision=full,audio=full"),
+        encoder_chunk_tokens: int = typer.Option(
+            0, "--encoder-chunk-tokens", help="Encoder microbatches in chunks (recomputed in the backward) of at most N encoder "
+                                              "tokens (patches, audio positions); 0: off."),
         seed: int = typer.Option(0, "--seed"),
         out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
@@ -309,6 +314,8 @@ def register(app: typer.Typer) -> None:
         if tune_budget < 1:
             fail(f"tune-budget must be a positive integer, got {tune_budget}")
         cache = read_tune_cache(tune_cache) if tuned else {}
+        if encoder_chunk_tokens < 0:
+            fail(f"encoder-chunk-tokens must be a token budget N >= 1 or 0 (off), got {encoder_chunk_tokens}")
         if global_batch_tokens < 0:
             fail(f"global-batch-tokens must be >= 0 (0 = 8,192 per GPU), got {global_batch_tokens}")
         from omnibench.specs.costs import recompute_policy
@@ -383,7 +390,8 @@ def register(app: typer.Typer) -> None:
                             row["layout"] = f"tp{sys_parallel.tp} pp{sys_parallel.pp} cp{sys_parallel.cp}"
                             row["layout_note"] = note
                         results, plans, failed = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n],
-                                                               profile, sys_recompute, hardware, step_stride)
+                                                               profile, sys_recompute, hardware, step_stride,
+                                                               encoder_chunk_tokens)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")
@@ -428,7 +436,7 @@ def register(app: typer.Typer) -> None:
                 # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
                 **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
-                "recompute": recompute, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
+                "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
                 # a static deployment: each system's layout tuned once on step 0's batch, kept for every step
                 **({"tune_budget": tune_budget, "tuned_at_step": 0, "layout_kept": True} if tuned else {}),

@@ -223,7 +223,7 @@ class StepState:
 class Executor:
     def __init__(self, model_spec: MultimodalSpec, first_plan: Plan, rank: int, device: torch.device,
                  dtype: torch.dtype, seed: int, lr: float, timeout, optimizer: str = "adamw",
-                 recompute: str = "none", compile: bool = False):
+                 recompute: str = "none", compile: bool = False, encoder_chunk_tokens: int = 0):
         self.spec = model_spec
         from omnibench.specs.costs import recompute_policy
 
@@ -237,6 +237,10 @@ class Executor:
         from omnibench.runtime.long_short import LongShortRuntime
 
         self.long_short = LongShortRuntime.create(first_plan, rank, timeout)
+        # encoder microbatches in chunks of a token budget, recomputed in the backward (omnibench/runtime/encoder_chunks.py)
+        from omnibench.runtime.encoder_chunks import EncoderChunks
+
+        self.enc_chunks = EncoderChunks.create(encoder_chunk_tokens)
         self.modules: dict[str, nn.Module] = {}
         self.fsdp: dict[str, bool] = {}
         self.notes: list[str] = []
@@ -491,7 +495,9 @@ class Executor:
         samples = [self.plan.sample(i) for i in ids] or [_dummy_sample(module)]
         packed = pack([synthesize(s, self.spec, device=self.device) for s in samples]).to(self.device)
         enc = self.modules[module]
-        if module == "vision":
+        if self.enc_chunks is not None and self.enc_chunks.applies(self, module):
+            out = self.enc_chunks.forward(self, module, a.microbatch, samples, packed, _dummy_sample(module))
+        elif module == "vision":
             out = enc(packed.pixel_patches, packed.grid_thw)
         else:
             out = enc(packed.mel, packed.mel_lens)
@@ -519,8 +525,12 @@ class Executor:
                 dist.broadcast(grad, src=ranks[0], group=g)
         else:
             grad = torch.zeros_like(out)  # dummy forward: zero gradient, collectives still run
-        if self.fsdp.get(module):
-            enc.set_requires_gradient_sync(a.microbatch == self.last_backward[module])
+        sync = a.microbatch == self.last_backward[module] if self.fsdp.get(module) else None
+        if self.enc_chunks is not None and self.enc_chunks.holds(module, a.microbatch):
+            self.enc_chunks.backward(module, a.microbatch, grad, enc, sync)
+            return
+        if sync is not None:
+            enc.set_requires_gradient_sync(sync)
         torch.autograd.backward(out, grad)
 
     # -- LLM --------------------------------------------------------------------------------

@@ -120,6 +120,7 @@ def resolve(spec: RunSpec) -> RunSpec:
         global_batch_tokens=spec.global_batch_tokens or (CUDA_TOKENS_PER_GPU * nproc if cuda else 1536),
         # "auto" on CUDA is settled by the memory check (fit_to_device), which knows the device
         recompute="none" if spec.recompute == "auto" and not cuda else spec.recompute,
+        encoder_chunk_tokens=0 if spec.encoder_chunk_tokens == -1 and not cuda else spec.encoder_chunk_tokens,
         max_sample_tokens=spec.max_sample_tokens or (0 if cuda else 384),
         extra=extra,
     )

@@ -6,6 +6,9 @@ as its schedule runs, under the recompute mode), applied to the run's own Plans 
 the local device's memory (on CPU: the host's available memory shared by the ranks). On CUDA:
 
 - `--recompute auto` takes the cheapest mode that fits (none, then selective, then full);
+- `--encoder-chunk-tokens auto` (the default) tries each mode first unchunked, then with encoder
+  microbatches in chunks recomputed in the backward (`auto_chunk_tokens`: the largest power of two whose chunk
+  activations take at most 1/8 of the device), so a long video that would not fit is chunked;
 - the default model (none given) is the CUDA default preset at the greatest LLM depth that fits
   (`omni-7b`, then `omni-7b@16L`, `@8L`, `@4L`, `@2L`): the real shapes at a depth one GPU holds;
 - a run that still cannot fit is refused in one line with the estimate, the device's memory and
@@ -28,19 +31,42 @@ DEPTHS = (0, 16, 8, 4, 2)  # 0: the preset's own depth
 ESTIMATE_STEPS = 4  # batches looked at: the largest sample of a few steps sets the peak
 
 
+CHUNK_SHARE = 8  # auto chunk budget: one chunk's encoder activations at most 1/8 of the device
+
+
 @dataclass(frozen=True)
 class Estimate:
     peak_bytes: float
     rank: int
     model: str
     recompute: str
+    encoder_chunk_tokens: int = 0
 
     def gib(self) -> float:
         return self.peak_bytes / GiB
 
 
+def auto_chunk_tokens(model_name: str, recompute: str, memory_gib: float) -> int:
+    """The encoder chunk budget `auto` picks: the largest power of two (at least 256) whose chunk
+    activations, under each encoder's recompute mode, take at most 1/CHUNK_SHARE of the device."""
+    from omnibench.specs import costs
+    from omnibench.specs.presets import get_model
+
+    model = get_model(model_name)
+    policy = costs.recompute_policy(recompute)
+    per_token = 1.0
+    if model.vision is not None:
+        per_token = max(per_token, costs.vision_activation_bytes(model.vision, 1024, patch_embed=False,
+                                                                 recompute=policy["vision"]) / 1024)
+    if model.audio is not None:
+        per_token = max(per_token, costs.audio_activation_bytes(model.audio, 1024, recompute=policy["audio"]) / 1024)
+    n = int(memory_gib * GiB / CHUNK_SHARE / per_token)
+    return max(256, 1 << max(0, n.bit_length() - 1))
+
+
 def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None = None,
-             tp: int | None = None, pp: int | None = None, memory_gib: float = 80.0) -> Estimate:
+             tp: int | None = None, pp: int | None = None, memory_gib: float = 80.0,
+             encoder_chunk_tokens: int | None = None) -> Estimate:
     """Peak bytes of the most loaded rank over the run's first batches, as `simulate` counts them."""
     from omnibench.runtime.launch import batch_source, parallel_spec
     from omnibench.specs.presets import get_model
@@ -50,6 +76,7 @@ def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None
 
     name = model_name or spec.model
     mode = recompute or spec.recompute
+    chunk = max(0, spec.encoder_chunk_tokens if encoder_chunk_tokens is None else encoder_chunk_tokens)
     trial = replace(spec, model=name, recompute=mode, tp=tp or spec.tp, pp=pp or spec.pp)
     model = get_model(name)
     parallel = parallel_spec(trial, trial.nproc)
@@ -57,13 +84,14 @@ def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None
     cluster = load_cluster("h100", trial.nproc)
     cluster = replace(cluster, gpu=replace(cluster.gpu, memory_gib=memory_gib))
     planner, batches = get_planner(trial.system), batch_source(trial)
-    worst = Estimate(0.0, 0, name, mode)
+    worst = Estimate(0.0, 0, name, mode, chunk)
+    options = SimOptions(recompute=mode, check_memory=False, encoder_chunk_tokens=chunk)
     for step in range(min(trial.steps, ESTIMATE_STEPS)):
         plan = planner.plan(model, parallel, batches(step))
-        result = Engine(plan, model, cluster, options=SimOptions(recompute=mode, check_memory=False)).run()
+        result = Engine(plan, model, cluster, options=options).run()
         top = max(result.ranks, key=lambda r: r.memory_bytes)
         if top.memory_bytes > worst.peak_bytes:
-            worst = Estimate(top.memory_bytes, top.rank, name, mode)
+            worst = Estimate(top.memory_bytes, top.rank, name, mode, chunk)
     return worst
 
 
@@ -96,21 +124,30 @@ def fit_to_device(spec: RunSpec, model_given: bool, memory_gib: float | None = N
     budget = HEADROOM * cap * GiB
     modes = RECOMPUTE_ORDER if spec.recompute == "auto" else (spec.recompute,)
     models = [spec.model] if model_given else _depths(spec.model)
+    # auto chunking only where a device is measured against: CPU runs never chunk unasked
+    auto_chunk = spec.encoder_chunk_tokens == -1 and device == "cuda"
+    chunk_fixed = max(0, spec.encoder_chunk_tokens)
     first = None
     for name in models:
         for mode in modes:
-            est = estimate(spec, name, mode, memory_gib=cap)
-            first = first or est
-            if est.peak_bytes <= budget:
-                if device != "cuda":
-                    return replace(spec, model=name, recompute=mode), ""
-                chosen = "" if model_given and spec.recompute != "auto" else " (chosen to fit)"
-                note = (f"memory: {name} with recompute={mode} estimated at {est.gib():.1f} GiB on rank {est.rank} "
-                        f"of {cap:.1f} GiB{chosen}")
-                return replace(spec, model=name, recompute=mode), note
+            chunks = (0, auto_chunk_tokens(name, mode, cap)) if auto_chunk else (chunk_fixed,)
+            for chunk in chunks:
+                est = estimate(spec, name, mode, memory_gib=cap, encoder_chunk_tokens=chunk)
+                first = first or est
+                if est.peak_bytes <= budget:
+                    fitted = replace(spec, model=name, recompute=mode, encoder_chunk_tokens=chunk)
+                    if device != "cuda":
+                        return fitted, ""
+                    chosen = ("" if model_given and spec.recompute != "auto" and spec.encoder_chunk_tokens != -1
+                              else " (chosen to fit)")
+                    chunked = f", encoder chunks of {chunk} tokens" if chunk else ""
+                    note = (f"memory: {name} with recompute={mode}{chunked} estimated at {est.gib():.1f} GiB on "
+                            f"rank {est.rank} of {cap:.1f} GiB{chosen}")
+                    return fitted, note
     where = "the device has" if device == "cuda" else "each of its ranks has about"
+    chunked = f" and encoder chunks of {first.encoder_chunk_tokens} tokens" if first.encoder_chunk_tokens else ""
     raise SpecError(
-        f"{first.model} with recompute={first.recompute} needs an estimated {first.gib():.1f} GiB on rank "
+        f"{first.model} with recompute={first.recompute}{chunked} needs an estimated {first.gib():.1f} GiB on rank "
         f"{first.rank}, {where} {cap:.1f} GiB; " + _would_fit(spec, models[0], budget, cap)
     )
 
@@ -125,6 +162,9 @@ def _depths(name: str) -> list[str]:
 def _would_fit(spec: RunSpec, model: str, budget: float, cap: float) -> str:
     """The single changes that would fit: recompute modes, tp / pp within the ranks, shallower models."""
     tries = [dict(recompute=m) for m in RECOMPUTE_ORDER if m != spec.recompute]
+    if spec.encoder_chunk_tokens <= 0:
+        mode = spec.recompute if spec.recompute != "auto" else "none"
+        tries.append(dict(encoder_chunk_tokens=auto_chunk_tokens(model, mode, cap), recompute=mode))
     n = spec.nproc
     tries += [dict(tp=t) for t in (2, 4, 8) if t != spec.tp and n % t == 0 and t <= n]
     tries += [dict(pp=p) for p in (2, 4, 8) if p != spec.pp and n % p == 0 and p <= n]
@@ -136,7 +176,7 @@ def _would_fit(spec: RunSpec, model: str, budget: float, cap: float) -> str:
         except (SpecError, ValueError):
             continue  # a layout this model or rank count does not allow
         if est.peak_bytes <= budget:
-            key, value = next(iter(kw.items()))
-            flag = "--model" if key == "model_name" else f"--{key}"
-            fits.append(f"{flag} {value} ({est.gib():.1f} GiB)")
+            flags = " ".join(f"--model {v}" if k == "model_name" else f"--{k.replace('_', '-')} {v}"
+                             for k, v in kw.items())
+            fits.append(f"{flags} ({est.gib():.1f} GiB)")
     return "would fit: " + ", ".join(fits) if fits else "nothing tried fits (recompute, tp, pp, a shallower model)"

@@ -111,6 +111,7 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
         "notes": list(spec.extra.get("notes", [])) + sorted({n for g in gathered for n in g["notes"]}),
         "recompute": spec.recompute,
         "compile": spec.compile,
+        "encoder_chunk_tokens": max(0, spec.encoder_chunk_tokens),
         "timed_steps": "all but the first" if len(steps) > 1 else "all",
         "torch": torch.__version__,
         "threads_per_rank": torch.get_num_threads() if device.type == "cpu" else None,

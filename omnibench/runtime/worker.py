@@ -62,7 +62,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
     # Step 0 planned in one process gives the layouts the runtime builds once.
     first = planner.plan(model, parallel, next_batch(0))
     ex = Executor(model, first, rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer,
-                  recompute=spec.recompute, compile=spec.compile)
+                  recompute=spec.recompute, compile=spec.compile, encoder_chunk_tokens=max(0, spec.encoder_chunk_tokens))  # -1: auto, settled before launch
     # Systems whose loaders exchange metadata (omni) plan every step from that real exchange.
     exchange = (LoaderExchange(planner, model, parallel, first.layouts, rank, timeout)
                 if hasattr(planner, "loader_spec") else None)

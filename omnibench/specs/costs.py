@@ -364,6 +364,46 @@ def batch_flops(spec: MultimodalSpec, samples, recompute: str = "none") -> dict[
     return out
 
 
+# --- encoder chunks -------------------------------------------------------------------------------
+
+
+def chunk_units(units: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive attention units (vision frame groups, audio segments: attention never crosses
+    one) grouped greedily into chunks of at most `budget` encoder tokens; a unit over the budget is a
+    chunk of its own. Returns [start, end) index ranges over `units`; `budget` 0: one chunk of all."""
+    if budget < 0:
+        raise ValueError(f"encoder_chunk_tokens must be >= 0 (0 = off), got {budget}")
+    if not units:
+        return []
+    if budget == 0:
+        return [(0, len(units))]
+    out, start, size = [], 0, 0
+    for i, u in enumerate(units):
+        if i > start and u and size + u > budget:  # an empty unit joins the chunk before it
+            out.append((start, i))
+            start, size = i, 0
+        size += u
+    out.append((start, len(units)))
+    return out
+
+
+def encoder_units(module: str, inputs: Sequence) -> list[int]:
+    """A module's chunkable units in encoder tokens: vision, each temporal group of each grid
+    (h*w patches); audio, each segment (mel_frames // 2 positions: its conv front-end sees the whole
+    segment, so a segment is never cut)."""
+    if module == "vision":
+        return vision_groups(inputs)
+    if module == "audio":
+        return [int(m) // 2 for m in inputs]
+    raise ValueError(f"module must be vision or audio; got {module!r}")
+
+
+def encoder_chunk_sizes(module: str, inputs: Sequence, budget: int) -> list[int]:
+    """Encoder tokens of each chunk one microbatch runs in (`inputs`: vision grids or audio mel frames)."""
+    units = encoder_units(module, inputs)
+    return [sum(units[a:b]) for a, b in chunk_units(units, budget)]
+
+
 # --- memory ---------------------------------------------------------------------------------------
 
 PRECISIONS = ("bf16", "fp32")

@@ -33,6 +33,9 @@ class RunSpec:
     # activation checkpointing: none | selective | full, or per module "vision=full,llm=none"; auto: what fits
     recompute: str = "auto"
     compile: bool = False  # torch.compile each block
+    # encoder microbatches in chunks (recomputed in the backward) of at most this many encoder tokens (patches, audio
+    # positions; omnibench/runtime/encoder_chunks.py): 0 off, -1 auto (CUDA: chunk when it must to fit)
+    encoder_chunk_tokens: int = -1
     dp_shard: int = 0  # HSDP shard group size (ParallelSpec.dp_shard); 0 = automatic, -1 = whole group
     device: str = "auto"
     dtype: str = "auto"
@@ -61,6 +64,9 @@ class RunSpec:
         for name in ("nproc", "dp", "microbatches", "encoder_tp", "encoder_ranks", "global_batch_tokens"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{name} must be >= 0 (0 = default), got {getattr(self, name)!r}")
+        if not isinstance(self.encoder_chunk_tokens, int) or self.encoder_chunk_tokens < -1:
+            raise SpecError(f"encoder_chunk_tokens must be a positive token budget, 0 (off) or -1 (auto); "
+                            f"got {self.encoder_chunk_tokens!r}")
         if self.dp_shard < -1:
             raise SpecError(f"dp_shard must be -1 (whole FSDP group), 0 (automatic) or a positive divisor of dp*cp; "
                             f"got {self.dp_shard!r}")
