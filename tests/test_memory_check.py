@@ -66,8 +66,9 @@ def test_run_refuses_a_model_too_large_for_the_host_before_any_rank_starts(tmp_p
 
 def test_auto_chunks_the_encoders_when_a_long_video_would_not_fit_otherwise():
     """long_video at omni-7b@4L on one 80 GB GPU with recompute=none: unchunked the ViT's activations
-    of the longest video do not fit; `--encoder-chunk-tokens auto` (the default) chunks them."""
-    spec = _cuda_spec(workload="long_video", model="omni-7b@4L", recompute="none")
+    of the longest video do not fit; `--encoder-chunk-tokens auto` chunks them (off, the default, refuses
+    naming the chunk budget that would fit)."""
+    spec = _cuda_spec(workload="long_video", model="omni-7b@4L", recompute="none", encoder_chunk_tokens=-1)
     with pytest.raises(SpecError, match="would fit: .*--encoder-chunk-tokens"):
         fit_to_device(replace(spec, encoder_chunk_tokens=0), model_given=True, memory_gib=80.0)
     fitted, note = fit_to_device(spec, model_given=True, memory_gib=80.0)
@@ -79,7 +80,8 @@ def test_auto_chunks_the_encoders_when_a_long_video_would_not_fit_otherwise():
 
 
 def test_auto_leaves_encoders_unchunked_when_they_fit():
-    fitted, _ = fit_to_device(_cuda_spec(model="omni-7b@2L", recompute="full"), model_given=True, memory_gib=141.0)
+    fitted, _ = fit_to_device(_cuda_spec(model="omni-7b@2L", recompute="full", encoder_chunk_tokens=-1),
+                              model_given=True, memory_gib=141.0)
     assert fitted.encoder_chunk_tokens == 0
 
 

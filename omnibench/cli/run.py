@@ -106,9 +106,10 @@ def register(app: typer.Typer) -> None:
                                            "(vision=full,audio=full); auto: the cheapest the memory check admits"),
         compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block"),
         encoder_chunk_tokens: str = typer.Option(
-            "auto", "--encoder-chunk-tokens",
+            "0", "--encoder-chunk-tokens",
             help="run each encoder microbatch in chunks (recomputed in the backward) of at most N encoder tokens (patches, audio "
-                 "positions); 0: off; auto: chunk only where the memory check needs it (CUDA)"),
+                 "positions); 0: off (the default until chunked runs are measured on a GPU); auto: chunk only where the "
+                 "memory check needs it (CUDA)"),
         global_batch_tokens: int = typer.Option(0, "--global-batch-tokens"),
         length_scale: float = typer.Option(0.0, "--length-scale"),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),

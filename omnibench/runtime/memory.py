@@ -6,7 +6,7 @@ as its schedule runs, under the recompute mode), applied to the run's own Plans 
 the local device's memory (on CPU: the host's available memory shared by the ranks). On CUDA:
 
 - `--recompute auto` takes the cheapest mode that fits (none, then selective, then full);
-- `--encoder-chunk-tokens auto` (the default) tries each mode first unchunked, then with encoder
+- `--encoder-chunk-tokens auto` (opt-in; the default is 0, off, until chunked runs are measured on a GPU) tries each mode first unchunked, then with encoder
   microbatches in chunks recomputed in the backward (`auto_chunk_tokens`: the largest power of two whose chunk
   activations take at most 1/8 of the device), so a long video that would not fit is chunked;
 - the default model (none given) is the CUDA default preset at the greatest LLM depth that fits

@@ -34,8 +34,9 @@ class RunSpec:
     recompute: str = "auto"
     compile: bool = False  # torch.compile each block
     # encoder microbatches in chunks (recomputed in the backward) of at most this many encoder tokens (patches, audio
-    # positions; omnibench/runtime/encoder_chunks.py): 0 off, -1 auto (CUDA: chunk when it must to fit)
-    encoder_chunk_tokens: int = -1
+    # positions; omnibench/runtime/encoder_chunks.py): 0 off, -1 auto (CUDA: chunk when it must to fit). Off by
+    # default: chunked runs are exact and their memory checked on CPU (FakeTensorMode), never timed on a GPU yet.
+    encoder_chunk_tokens: int = 0
     dp_shard: int = 0  # HSDP shard group size (ParallelSpec.dp_shard); 0 = automatic, -1 = whole group
     device: str = "auto"
     dtype: str = "auto"
