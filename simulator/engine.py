@@ -334,6 +334,7 @@ class Engine:
         self._member_cache: dict = {}
         self._loader_groups: dict[tuple, tuple[int, ...]] = {}
         self._edp_cache: dict = {}
+        self._sp_group_of: dict[str, dict[int, tuple[int, ...]]] = {}
         self._member_ids: dict = {}
         self._sig_cache: dict = {}
         self._data_rank_cache: dict = {}
@@ -688,7 +689,10 @@ class Engine:
         cfg = self.plan.options.get("long_short")  # the LLM's too: omni's long LLM samples
         if not cfg or mb not in cfg.get("long_microbatches", {}).get(module, {}).get(str(rank), ()):
             return ()
-        return next(tuple(g) for g in cfg["groups"][module] if rank in g)
+        of_rank = self._sp_group_of.get(module)
+        if of_rank is None:  # rank -> its group, once per module (a scan per call was O(world))
+            of_rank = self._sp_group_of[module] = {r: tuple(g) for g in cfg["groups"][module] for r in g}
+        return of_rank[rank]
 
     def _expert_group(self, rank: int, shard: tuple[int, ...], ep: int) -> tuple[int, ...]:
         """Ranks holding the same experts: every ep-th rank of the shard group (cached, shared tuple)."""
