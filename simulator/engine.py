@@ -527,7 +527,9 @@ class Engine:
         colour = dict(base)
         n_classes = len(set(colour.values()))
         for _ in range(8):
-            group_colour: dict[tuple, int] = {}
+            # keyed by the groups' identity: they are the layout index's shared tuples (kept alive
+            # there), and hashing a tuple of thousands of ranks per lookup was quadratic at scale
+            group_colour: dict[int, int] = {}
             intern = {}
             new = {}
             for r in ranks:
@@ -537,9 +539,9 @@ class Engine:
                         sig.append(colour.get(a.peer, -1))
                     elif a.kind == METADATA:  # the loaders' all-gathers lock their group as grad_sync does
                         g = self._loader_group(r, a.what)
-                        got = group_colour.get(g)
+                        got = group_colour.get(id(g))
                         if got is None:
-                            got = group_colour[g] = hash(frozenset(colour[x] for x in g if x in colour))
+                            got = group_colour[id(g)] = hash(frozenset(colour[x] for x in g if x in colour))
                         sig.append(got)
                 for m in plan.layouts:
                     if r in self.index[m].coords:
@@ -547,9 +549,9 @@ class Engine:
                         if plan.layouts[m].hsdp:  # FSDP locks the shard group layer by layer
                             groups.append(self._shard_group(m, r))
                         for g in groups:
-                            got = group_colour.get(g)
+                            got = group_colour.get(id(g))
                             if got is None:
-                                got = group_colour[g] = hash(frozenset(colour[x] for x in g if x in colour))
+                                got = group_colour[id(g)] = hash(frozenset(colour[x] for x in g if x in colour))
                             sig.append(got)
                 new[r] = intern.setdefault(tuple(sig), len(intern))
             colour = new
