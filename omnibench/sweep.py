@@ -7,8 +7,9 @@ first, so a sweep gives the same answer serial, pooled or on Ray: each simulatio
 and nothing a worker computes depends on what another computed.
 
 - `workers=1`: in this process (no pickling; what tests and small sweeps use).
-- `workers=N` / `None` (all cores): a process pool. Forked when torch is not loaded (fast start);
-  spawned otherwise (a forked process inherits torch's thread pools in an undefined state).
+- `workers=N` / `None` (all cores): a process pool, forked where the OS can (fast start; simulation
+  workers run no torch kernels, so torch's thread pools inherited in an undefined state are never
+  used; spawning instead re-imports `__main__`, which fails under runners such as pytest-xdist).
 - `ray_address="auto" | "local" | "ray://host:port"`: Ray tasks (`pip install omnibench[ray]`);
   "local" starts a private Ray instance on this machine and stops it afterwards.
 
@@ -77,7 +78,7 @@ def map_ordered(fn: Callable[[Any], Any], items: Sequence, *, workers: int | Non
                 out.append(fn(x))
                 _advance(bar)
             return out
-        ctx = mp.get_context("spawn" if "torch" in sys.modules else "fork")
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         results: list = [None] * len(items)
         with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
             futures = {pool.submit(fn, x): i for i, x in enumerate(items)}
