@@ -53,7 +53,8 @@ def test_ray_gives_the_serial_results():
     pytest.importorskip("ray")
     jobs = _jobs()[:2]
     serial = _summary(map_ordered(cache.run_job, jobs, workers=1))
-    assert _summary(map_ordered(cache.run_job, jobs, ray_address="local")) == serial
+    on_ray = _summary(map_ordered(cache.run_job, jobs, ray_address="local"))
+    assert on_ray == serial, f"ray {on_ray} != serial {serial}"
 
 
 def _plan_and_specs(seed: int = 0):
