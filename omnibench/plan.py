@@ -158,9 +158,17 @@ class Layout:
         return self.ranks[sum(strides[d] * v for d, v in coords.items())]
 
     def group(self, rank: int, dim: str) -> tuple[int, ...]:
-        """The ranks sharing every coordinate with `rank` except `dim` (its `dim` group)."""
-        c = self.coords(rank)
-        return tuple(self.rank_at(**{**c, dim: i}) for i in range(getattr(self, dim)))
+        """The ranks sharing every coordinate with `rank` except `dim` (its `dim` group). All of a
+        dim's groups are built once per layout: per-rank construction made planning and simulating
+        quadratic in the world size (every rank asking for its group of ~world/k ranks)."""
+        by_dim = self.__dict__.get("_groups")
+        if by_dim is None:
+            by_dim = {}
+            object.__setattr__(self, "_groups", by_dim)
+        index = by_dim.get(dim)
+        if index is None:
+            index = by_dim[dim] = {r: g for g in self.groups(dim) for r in g}
+        return index[rank]
 
     def groups(self, dim: str) -> list[tuple[int, ...]]:
         """All `dim` groups of this layout (every rank in exactly one)."""

@@ -84,9 +84,11 @@ class CollectiveModel:
         return CollectiveModel(self.cluster, fitted={**self.fitted, **own}, inline_overlap=self.inline_overlap)
 
     def placement(self, ranks: tuple[int, ...]) -> Placement:
-        got = self._placement_cache.get(ranks)
-        if got is not None:
-            return got
+        # by identity, as `cost`: a tuple's hash is not cached, and hashing a data-parallel group of
+        # thousands of ranks on every cost miss made a step quadratic in the world size
+        got = self._placement_cache.get(id(ranks))
+        if got is not None and got[1] is ranks:
+            return got[0]
         gpn = self.cluster.gpus_per_node
         per_node: dict[int, int] = {}
         rails = set()
@@ -94,7 +96,7 @@ class CollectiveModel:
             per_node[r // gpn] = per_node.get(r // gpn, 0) + 1
             rails.add(r % gpn)
         p = Placement(len(ranks), len(per_node), max(per_node.values()), len(rails) == 1)
-        self._placement_cache[ranks] = p
+        self._placement_cache[id(ranks)] = (p, ranks)
         return p
 
     def link(self, where: str, local: int = 1, same_rail: bool = True) -> LinkCost:

@@ -334,6 +334,7 @@ class Engine:
         self._member_cache: dict = {}
         self._loader_groups: dict[tuple, tuple[int, ...]] = {}
         self._edp_cache: dict = {}
+        self._sp_group_of: dict[str, dict[int, tuple[int, ...]]] = {}
         self._member_ids: dict = {}
         self._sig_cache: dict = {}
         self._data_rank_cache: dict = {}
@@ -526,7 +527,9 @@ class Engine:
         colour = dict(base)
         n_classes = len(set(colour.values()))
         for _ in range(8):
-            group_colour: dict[tuple, int] = {}
+            # keyed by the groups' identity: they are the layout index's shared tuples (kept alive
+            # there), and hashing a tuple of thousands of ranks per lookup was quadratic at scale
+            group_colour: dict[int, int] = {}
             intern = {}
             new = {}
             for r in ranks:
@@ -536,9 +539,9 @@ class Engine:
                         sig.append(colour.get(a.peer, -1))
                     elif a.kind == METADATA:  # the loaders' all-gathers lock their group as grad_sync does
                         g = self._loader_group(r, a.what)
-                        got = group_colour.get(g)
+                        got = group_colour.get(id(g))
                         if got is None:
-                            got = group_colour[g] = hash(frozenset(colour[x] for x in g if x in colour))
+                            got = group_colour[id(g)] = hash(frozenset(colour[x] for x in g if x in colour))
                         sig.append(got)
                 for m in plan.layouts:
                     if r in self.index[m].coords:
@@ -546,9 +549,9 @@ class Engine:
                         if plan.layouts[m].hsdp:  # FSDP locks the shard group layer by layer
                             groups.append(self._shard_group(m, r))
                         for g in groups:
-                            got = group_colour.get(g)
+                            got = group_colour.get(id(g))
                             if got is None:
-                                got = group_colour[g] = hash(frozenset(colour[x] for x in g if x in colour))
+                                got = group_colour[id(g)] = hash(frozenset(colour[x] for x in g if x in colour))
                             sig.append(got)
                 new[r] = intern.setdefault(tuple(sig), len(intern))
             colour = new
@@ -688,7 +691,10 @@ class Engine:
         cfg = self.plan.options.get("long_short")  # the LLM's too: omni's long LLM samples
         if not cfg or mb not in cfg.get("long_microbatches", {}).get(module, {}).get(str(rank), ()):
             return ()
-        return next(tuple(g) for g in cfg["groups"][module] if rank in g)
+        of_rank = self._sp_group_of.get(module)
+        if of_rank is None:  # rank -> its group, once per module (a scan per call was O(world))
+            of_rank = self._sp_group_of[module] = {r: tuple(g) for g in cfg["groups"][module] for r in g}
+        return of_rank[rank]
 
     def _expert_group(self, rank: int, shard: tuple[int, ...], ep: int) -> tuple[int, ...]:
         """Ranks holding the same experts: every ep-th rank of the shard group (cached, shared tuple)."""

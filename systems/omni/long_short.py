@@ -34,7 +34,8 @@ def split_long_short(cost: dict[int, float], ranks: int, sp: int, enabled: bool)
     if not enabled or sp <= 1:
         return LongShortSplit(share, (), tuple(sorted(cost)))
     long = tuple(i for i, c in sorted(cost.items(), key=lambda x: (-x[1], x[0])) if c > share)
-    return LongShortSplit(share, long, tuple(sorted(i for i in cost if i not in set(long))))
+    on_long = set(long)
+    return LongShortSplit(share, long, tuple(sorted(i for i in cost if i not in on_long)))
 
 
 def place_long(long: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
