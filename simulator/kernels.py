@@ -68,11 +68,14 @@ class KernelProfile:
     def gemm_rate(self, m: float, n: float, k: float) -> float:
         # Rates are smooth in log size: shapes within 1/64 octave of each other share one lookup (a
         # simulation meets thousands of token counts; the rate moves by far less than 0.1% inside).
+        # The rate is the bucket centre's, so it never depends on which shape asked first (a rate
+        # of the first query made results depend on what the process had simulated before).
         key = (round(64 * math.log2(max(m, 1))), round(64 * math.log2(max(n, 1))), round(64 * math.log2(max(k, 1))))
         got = self._gemm_cache.get(key)
         if got is not None:
             return got
-        q = np.array((math.log2(max(m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1))))
+        q = np.array(key, dtype=float) / 64.0
+        m, n, k = (2.0 ** x for x in q)
         d2 = ((self._gemm_xyz - q) ** 2).sum(axis=1)
         # the 4 nearest measured shapes; ties (a grid has many) go to the slower shape
         cand = np.argpartition(d2, 15)[:16] if len(d2) > 16 else np.arange(len(d2))
