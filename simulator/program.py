@@ -1,0 +1,312 @@
+"""The program of one simulated rank: its Plan actions turned into timed ops on three streams.
+
+Streams. Each simulated rank has a compute stream (its process: forward/backward run in order),
+a collective stream (grad_sync: FSDP reduce-scatter / all-reduce, overlapping later compute) and
+a p2p stream (pipeline sends and boundary exchanges, overlapping compute). A compute action
+expands its module's intra-module communication from the layout: TP all-reduces, CP/SP and EP
+all-to-alls are on the critical path; FSDP all-gathers are prefetched one layer ahead, so only the
+part a layer's compute does not hide is exposed. FSDP and EP also lock data-parallel peers together
+layer by layer: such an action starts when all (distinct) peers have arrived and lasts as long as
+the slowest peer's. Without overlap (`CollectiveModel.inline_overlap` False: a CPU rank is one
+thread) every FSDP gather and every gradient reduction blocks the rank in line, one call per layer
+plus the root.
+
+HSDP (`Layout.dp_shard`): gathers, reduce-scatters and the layer-by-layer lock run over the shard
+group only; grad_sync adds one all-reduce of the gradient shard across the replicate group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from omnibench.plan import (
+    BACKWARD,
+    BOUNDARY,
+    FORWARD,
+    GRAD_SYNC,
+    METADATA,
+    OPTIMIZER_STEP,
+    RECV,
+    SEND,
+    Action,
+)
+from simulator.flops import (
+    Work,
+)
+
+
+@dataclass
+class _Op:
+    action: Action
+    kind: str
+    duration: float = 0.0  # own compute (compute ops) or transfer time (comm ops)
+    exposed: float = 0.0  # inline communication on the compute stream
+    comm: float = 0.0  # inline communication total (for comm-stream busy time)
+    lock_key: tuple | None = None  # lock-step / collective rendezvous key
+    lock_n: int = 1  # distinct participants
+    p2p_keys: list = field(default_factory=list)  # (key, bytes-time) sends, or keys awaited for recv
+    act_delta: float = 0.0  # activation bytes added (+) or freed (-)
+    grad_delta: float = 0.0  # gradient bytes that appear with this backward (a module's first on the rank)
+    act_transient: float = 0.0  # bytes a backward holds only while it runs (a recomputed layer)
+    blocking: bool = False  # a collective the rank waits for before its next action (no overlap)
+    calls: int = 0  # collective calls a compute action issues in line
+
+
+class ProgramMixin:
+    """The Engine's action-to-op expansion (needs WorkMixin, GroupsMixin and MemoryMixin)."""
+
+    def _compute_op(self, rank: int, a: Action, cls: dict[int, int]) -> _Op:
+        module = a.module
+        lay = self.plan.layouts[module]
+        idx = self.index[module]
+        long_group = self._long_group(module, rank, a.microbatch)
+        work = self.work(module, a.stage if module == "llm" else 0, self._signature(module, rank, a.microbatch),
+                         len(long_group))
+        recompute = self.policy[module] if a.kind == BACKWARD else "none"
+        inputs = self.input_elements(module, rank, a)
+        # chunked encoders: each chunk runs its forward again inside the backward action
+        again = self.compute.action_time(work, FORWARD, "none", module) if work.chunks and a.kind == BACKWARD else 0.0
+        own = self.compute.action_time(work, a.kind, recompute, module, inputs) + again
+        op = _Op(a, a.kind, duration=own)
+        if self.options.communication:
+            comm = exposed = 0.0
+            n_calls = 0  # collective calls issued in line (their CPU side is compute: see below)
+            calls = 2 * work.layers
+            tp_group = idx.group(rank, ("tp",))
+            if work.tp_bytes and len(tp_group) > 1:
+                t = calls * self.coll_inline.cost("all_reduce", work.tp_bytes / calls, tp_group)
+                comm += t
+                exposed += t
+                n_calls += calls
+            seq_dim = ("cp",) if module == "llm" else ("sp",)
+            seq_group = long_group or idx.group(rank, seq_dim)
+            ring = module == "llm" and lay.cp_kind == "ring" and not long_group
+            if work.seq_bytes and len(seq_group) > 1 and ring:
+                # Ring attention: cp - 1 K/V hand-offs per layer to the next cp rank (backward: K/V again
+                # and their gradients back, twice the bytes), each hidden behind one block's attention.
+                steps = len(seq_group) - 1
+                nbytes = work.seq_bytes / work.layers / steps * (2 if a.kind == BACKWARD else 1)
+                i = seq_group.index(rank)
+                t_step = self.coll_inline.send_recv(nbytes, rank, seq_group[(i + 1) % len(seq_group)])
+                prof = self.compute.kernels
+                hide = 0.0
+                if prof is not None and work.shape is not None:
+                    from simulator.kernels import ring_step_attention
+
+                    hide = ring_step_attention(prof, work.shape, a.kind == BACKWARD)
+                comm += work.layers * steps * t_step
+                exposed += work.layers * steps * max(0.0, t_step - hide)
+                n_calls += work.layers * steps
+            elif work.seq_bytes and len(seq_group) > 1:
+                t = work.layers * self.coll_inline.cost("all_to_all", work.seq_bytes / work.layers, seq_group)
+                comm += t
+                exposed += t
+                n_calls += work.layers
+            shard = self._grad_group(module, rank)
+            if work.ep_bytes and lay.ep > 1:
+                i = shard.index(rank)
+                ep_group = shard[i - i % lay.ep: i - i % lay.ep + lay.ep]
+                t = calls * self.coll_inline.cost("all_to_all", work.ep_bytes / calls, ep_group)
+                comm += t
+                exposed += t
+                n_calls += calls
+            if (not self.coll.inline_overlap and a.kind == BACKWARD and lay.fsdp and len(shard) > 1
+                    and a.microbatch == self._last_backward(rank, module)):
+                n_calls += max(1, work.layers) + 1  # the reduce-scatters (the grad_sync op holds their wait)
+                if lay.hsdp:
+                    n_calls += max(1, work.layers) + 1  # HSDP: each followed by the replicas' all-reduce
+            # HSDP gathers inside the shard group only (the FSDP group itself without HSDP).
+            shard = self._shard_group(module, rank) if lay.hsdp else shard
+            if lay.fsdp and len(shard) > 1 and self._gathers(rank, module, a):
+                # bf16 all-gather of each layer's shard. With overlap (GPU) it is prefetched one
+                # layer ahead: the first is exposed, later ones only where a layer's compute is
+                # shorter than its gather. Without (one CPU thread per rank) FSDP2's gathers of
+                # every layer and then the root each block the rank: the same bytes in n + 1 calls.
+                # Experts are split over ep first; FSDP shards them over the rest (dp*cp/ep).
+                dense = (work.params - work.expert_params) / lay.tp
+                n = max(1, work.layers)
+                calls = n if self.coll.inline_overlap else n + 1
+                g = self.coll_inline.cost("all_gather", 2 * dense / calls, shard)
+                if work.expert_params:
+                    edp = self._expert_group(rank, shard, lay.ep)
+                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / calls, edp)
+                # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
+                reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
+                comm += reps * calls * g
+                n_calls += reps * calls
+                if self.coll.inline_overlap:
+                    exposed += reps * g + (reps * n - reps) * max(0.0, g - own / (reps * n))
+                else:
+                    exposed += reps * calls * g
+            op.comm, op.exposed, op.calls = comm, exposed, n_calls
+            if n_calls:
+                # The rank's own work around each call (hooks, copies) runs on its compute stream.
+                op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls) + again
+        lock = self._lock_group(module, rank)
+        if lock is not None and self.compute.lock_skew:
+            op.duration *= 1.0 + self.compute.lock_skew
+        if lock is not None:
+            gid, n = self._members(lock, cls)
+            if n > 1:
+                op.lock_key = ("lock", a.kind, module, a.stage, gid)
+                op.lock_n = n
+        copies = self._weight_copies(module, rank, a.stage)
+        # chunked encoders keep no autocast weight casts from forward to backward; a chunk's
+        # recomputed forward casts them again while its backward runs
+        live = self._live_activation(work) + (0.0 if work.chunks else copies)
+        op.act_delta = live if a.kind == FORWARD else -live
+        op.act_transient = work.act_transient + (copies if work.chunks else 0.0) if a.kind == BACKWARD else 0.0
+        return op
+
+    def _last_backward(self, rank: int, module: str) -> int:
+        key = ("last_bwd", rank, module)
+        got = self._sig_cache.get(key)
+        if got is None:
+            mbs = [a.microbatch for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD and a.module == module]
+            got = self._sig_cache[key] = max(mbs) if mbs else -1
+        return got
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Under pipelining, FSDP keeps parameters gathered between microbatches (torchtitan sets
+        reshard_after_forward=False with pp > 1); a plan may say otherwise in its options."""
+        default = self.plan.layouts["llm"].pp == 1 if "llm" in self.plan.layouts else True
+        return bool(self.plan.options.get("reshard_after_forward", default))
+
+    def _gathers(self, rank: int, module: str, a: Action) -> bool:
+        """Whether this compute action all-gathers its FSDP parameters: every action when FSDP
+        reshards after forward, else only the first forward and the first backward of a stage."""
+        if self.reshard_after_forward:
+            return True
+        key = (rank, module, a.stage, a.kind)
+        if key in self._gathered:
+            return False
+        self._gathered.add(key)
+        return True
+
+    def program(self, rank: int, cls: dict[int, int]) -> list[_Op]:
+        ops: list[_Op] = []
+        seen: dict[tuple, int] = defaultdict(int)
+        comm_on = self.options.communication
+        hidden = self.model.llm.hidden
+        for a in self.plan.actions[rank]:
+            if a.kind in (FORWARD, BACKWARD):
+                op = self._compute_op(rank, a, cls)
+                if op.lock_key is not None:
+                    n = seen[op.lock_key]
+                    seen[op.lock_key] += 1
+                    op.lock_key = (*op.lock_key, n)
+                ops.append(op)
+            elif a.kind in (SEND, RECV):
+                src, dst = (rank, a.peer) if a.kind == SEND else (a.peer, rank)
+                # the sending stage names the message (a rank pair carries several under interleaving)
+                sender = a.stage if a.kind == SEND else a.stage - 1 if a.what == "act" else a.stage + 1
+                base = ("p2p", a.module, a.what, a.microbatch, sender, cls.get(src, src), cls.get(dst, dst))
+                n = seen[base]
+                seen[base] += 1
+                cost = self.coll.send_recv(self._p2p_bytes(a.module, rank, a.microbatch), src, dst) if comm_on else 0.0
+                ops.append(_Op(a, a.kind, duration=cost, p2p_keys=[(*base, n)]))
+            elif a.kind == BOUNDARY:
+                key = self._boundary_key(rank, a, cls)
+                if a.direction == "send":
+                    nbytes = self._boundary_tokens(rank, a) * hidden * 2
+                    cost = self.coll.send_recv(nbytes, rank, a.peer) if comm_on else 0.0
+                    ops.append(_Op(a, "boundary_send", duration=cost, p2p_keys=[key]))
+                else:
+                    ops.append(_Op(a, "boundary_recv", p2p_keys=[key]))
+            elif a.kind == GRAD_SYNC:
+                module = a.module
+                group = self._grad_group(module, rank)
+                stage = self._stage(module, rank, a)
+                cost = self.grad_sync_cost(module, rank, stage) if comm_on else 0.0
+                gid, n_members = self._members(group, cls)
+                key = ("coll", module, stage, gid)
+                n = seen[key]
+                seen[key] += 1
+                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
+                               blocking=not self.coll.inline_overlap))
+            elif a.kind == METADATA:
+                # The loaders' all-gather (padded to the largest contribution, which the planner put
+                # on every member). Loaders prefetch: the next step's exchange runs on the loader's
+                # own thread while this step computes, so it holds the collective stream, not compute.
+                group = self._loader_group(rank, a.what)
+                cost = self.coll.cost("all_gather", a.nbytes * len(group), group) if comm_on else 0.0
+                gid, n_members = self._members(group, cls)
+                key = ("meta", a.what, gid)
+                n = seen[key]
+                seen[key] += 1
+                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members))
+            elif a.kind == OPTIMIZER_STEP:
+                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
+                                                                               *self.layers_on_rank(rank))))
+        # fp32 gradients of a module's parameter shard exist from its first backward to the step's end
+        graded: set[str] = set()
+        for op in ops:
+            if op.kind == BACKWARD and op.action.module not in graded:
+                graded.add(op.action.module)
+                op.grad_delta = 4 * self._module_params_on_rank(op.action.module, rank)
+        return ops
+
+    def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
+        """Seconds of a module's data-parallel gradient reduction on `rank` (0 without peers).
+
+        GPU: one reduce-scatter (FSDP) or all-reduce of the stage's gradients. Without overlap
+        (`inline_overlap` False, a CPU rank) FSDP2's reduce-scatters go one per layer plus the root,
+        in line; a plain all-reduce stays one flat (bucketed) call, as the runtime issues it."""
+        lay = self.plan.layouts[module]
+        group = self._grad_group(module, rank)
+        if len(group) < 2:
+            return 0.0
+        w = self.stage_work(module, stage)
+        nbytes = self.options.grad_reduce_bytes * w.params / lay.tp
+        calls = 1 if self.coll.inline_overlap or not lay.fsdp else max(1, w.layers) + 1
+        op_name = "reduce_scatter" if lay.fsdp else "all_reduce"
+        # FSDP2 reduce-scatters from inside the backward (per layer): communication inside compute
+        coll = self.coll_inline if lay.fsdp else self.coll
+        dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
+        if lay.hsdp:
+            return self._hsdp_grad_sync_cost(module, rank, w, nbytes, dense, calls)
+        cost = calls * coll.cost(op_name, dense / calls, group)
+        if w.expert_params and lay.ep > 1:
+            # Experts are split over ep; their grads reduce over the remaining replicas.
+            cost += calls * coll.cost(op_name, (nbytes - dense) / lay.ep / calls,
+                                      self._expert_group(rank, group, lay.ep))
+        elif w.expert_params:
+            cost += calls * coll.cost(op_name, (nbytes - dense) / calls, group)
+        return cost
+
+    def _hsdp_grad_sync_cost(self, module: str, rank: int, w: Work, nbytes: float, dense: float,
+                             calls: int) -> float:
+        """HSDP: reduce-scatter inside the shard group, then one all-reduce of the resulting shard
+        over the replicate group (FSDP2 issues both per layer from the backward)."""
+        lay = self.plan.layouts[module]
+        coll = self.coll_inline
+        shard, rep = self._shard_group(module, rank), self._replicate_group(module, rank)
+        cost = calls * (coll.cost("reduce_scatter", dense / calls, shard)
+                        + coll.cost("all_reduce", dense / len(shard) / calls, rep))
+        experts = nbytes - dense
+        if w.expert_params:
+            # Experts split over ep first, then sharded over the shard group's ranks holding them.
+            eshard = self._expert_group(rank, shard, lay.ep) if lay.ep > 1 else shard
+            per = experts / max(1, lay.ep)
+            cost += calls * (coll.cost("reduce_scatter", per / calls, eshard)
+                             + coll.cost("all_reduce", per / len(eshard) / calls, rep))
+        return cost
+
+    def layers_on_rank(self, rank: int) -> tuple[float, float]:
+        """(FSDP-sharded, unsharded) layers of the modules this rank trains in the step (runs a
+        backward of), each module's root (embeddings, head, patch/conv stems) counted as one more:
+        what an optimizer step walks (AdamW skips parameters that got no gradient)."""
+        sharded = plain = 0.0
+        trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD}
+        for m, lay in self.plan.layouts.items():
+            idx = self.index[m]
+            if rank not in idx.coords or m not in trained:
+                continue
+            w = self.stage_work(m, idx.coords[rank].get("pp", 0))
+            if lay.fsdp and len(self._grad_group(m, rank)) > 1:
+                sharded += w.layers + 1
+            else:
+                plain += w.layers + 1
+        return sharded, plain

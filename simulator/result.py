@@ -1,0 +1,160 @@
+"""What one simulated step yields: spans per stream, statistics per simulated rank class, and the
+step's metrics (throughput, MFU/HFU with their FLOP formulas, bubble, exposed communication, peak
+memory)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from omnibench.plan import (
+    BACKWARD,
+    FORWARD,
+    Action,
+)
+from simulator.hardware import GiB
+
+
+@dataclass
+class Span:
+    rank: int  # representative rank of the class
+    stream: str  # "compute" | "collective" | "p2p"
+    action: Action
+    kind: str
+    start: float
+    duration: float
+
+    @property
+    def name(self) -> str:
+        return str(self.action)
+
+    @property
+    def module(self) -> str:
+        return self.action.module
+
+    @property
+    def microbatch(self) -> int:
+        return self.action.microbatch
+
+
+@dataclass
+class RankStats:
+    rank: int
+    members: int  # ranks this class stands for
+    finish: float = 0.0
+    compute: float = 0.0  # own compute time (sum of its actions' costs)
+    exposed_comm: float = 0.0  # compute stream blocked on communication
+    optimizer: float = 0.0
+    comm_busy: float = 0.0  # time the collective and p2p streams were busy
+    memory_bytes: float = 0.0
+    memory_static: float = 0.0
+
+
+@dataclass
+class SimResult:
+    system: str
+    world_size: int
+    step_time: float
+    tokens: int
+    samples: int
+    model_flops: float  # useful FLOPs of the step (fwd + bwd, no recomputation), stated below
+    peak_flops: float  # per GPU
+    memory_capacity: float
+    ranks: list[RankStats]
+    spans: list[Span]
+    classes: int
+    sim_seconds: float
+    fits: bool = True
+    fit_message: str = ""
+    flop_formula: str = ("costs.batch_flops: exact forward + backward matmul FLOPs of every module, attention "
+                          "over the real packed lengths, no recomputation")
+    # The same counter with the run's recomputation added (what the GPU executes): the numerator
+    # of hardware TFLOP/s (Megatron's "teraFLOP/s per GPU", Korthikanti et al.'s HFU).
+    hardware_flops: float = 0.0
+    recompute: str = "none"
+    compute_model: str = ""  # which compute model answered (kernel profile, calibrated, or datasheet fallback)
+    hardware_flop_formula: str = ("costs.batch_flops(recompute=<policy>).total: model FLOPs plus the "
+                                  "recomputed forward")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.world_size
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_time / self.world_size / 1e12 if self.step_time > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu * 1e12 / self.peak_flops
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        """TFLOP/s per GPU counting the recomputed forward (equals tflops_per_gpu without recompute)."""
+        flops = self.hardware_flops or self.model_flops
+        return flops / self.step_time / self.world_size / 1e12 if self.step_time > 0 else 0.0
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_tflops_per_gpu * 1e12 / self.peak_flops
+
+    def _mean(self, f) -> float:
+        n = sum(r.members for r in self.ranks)
+        return sum(f(r) * r.members for r in self.ranks) / n if n else 0.0
+
+    @property
+    def bubble(self) -> float:
+        """Mean fraction of the step a rank's compute stream is idle (not computing, not blocked on comm)."""
+        if self.step_time <= 0:
+            return 0.0
+        return self._mean(lambda r: max(0.0, 1 - (r.compute + r.exposed_comm + r.optimizer) / self.step_time))
+
+    @property
+    def exposed_comm(self) -> float:
+        return self._mean(lambda r: r.exposed_comm / self.step_time) if self.step_time > 0 else 0.0
+
+    def compute_by_module(self) -> dict[str, float]:
+        """Mean seconds per rank each module's forward/backward occupied the compute stream."""
+        n = sum(r.members for r in self.ranks) or 1
+        weight = {r.rank: r.members for r in self.ranks}
+        out: dict[str, float] = defaultdict(float)
+        for sp in self.spans:
+            if sp.stream == "compute" and sp.kind in (FORWARD, BACKWARD):
+                out[sp.module] += sp.duration * weight[sp.rank] / n
+        return dict(out)
+
+    @property
+    def peak_memory(self) -> float:
+        return max((r.memory_bytes for r in self.ranks), default=0.0)
+
+    def metrics(self) -> dict:
+        return {
+            "system": self.system,
+            "world_size": self.world_size,
+            "fits": self.fits,
+            "fit_message": self.fit_message,
+            "step_time_s": self.step_time,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "flop_formula": self.flop_formula,
+            "recompute": self.recompute,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "hfu": self.hfu,
+            "hardware_flop_formula": self.hardware_flop_formula,
+            "compute_model": self.compute_model,
+            "bubble": self.bubble,
+            "exposed_comm": self.exposed_comm,
+            "peak_memory_gib": self.peak_memory / GiB,
+            "memory_capacity_gib": self.memory_capacity / GiB,
+            "compute_s_by_module": self.compute_by_module(),
+            "distinct_ranks": self.classes,
+            "sim_seconds": self.sim_seconds,
+        }

@@ -1,0 +1,154 @@
+"""What each action of a Plan costs in work: the microbatch behind an action, its signature (the
+cost-relevant sequence lengths), and the `Work` of a module stage on it under the layout (tp, cp,
+sp, ep), the recompute policy and the software stack that runs it."""
+
+from __future__ import annotations
+
+from omnibench.plan import (
+    FORWARD,
+    GRAD_SYNC,
+    Action,
+)
+from omnibench.specs import costs
+from simulator.flops import (
+    Work,
+    audio_work,
+    input_elements,
+    llm_work,
+    stage_layers,
+    vision_work,
+)
+from simulator.options import SimulationError
+
+
+class WorkMixin:
+    """The Engine's data lookups (needs `plan`, `model`, `policy`, `options`, `index` and caches)."""
+
+    def _data_rank(self, module: str, rank: int) -> int:
+        """The rank whose assignment feeds `rank` (planners may list only one rank per data group)."""
+        key = (module, rank)
+        got = self._data_rank_cache.get(key)
+        if got is not None:
+            return got
+        per = self.plan.assignment.get(module, {})
+        found = rank
+        if rank not in per and module in self.index:
+            idx = self.index[module]
+            c = idx.coords.get(rank)
+            if c is not None:
+                for r in idx.group(rank, tuple(d for d in idx.layout.mesh_dims if d != "dp")):
+                    if r in per:
+                        found = r
+                        break
+        self._data_rank_cache[key] = found
+        return found
+
+    def _microbatch(self, module: str, rank: int, mb: int) -> tuple[int, ...]:
+        mbs = self.plan.assignment.get(module, {}).get(self._data_rank(module, rank), [])
+        if mb >= len(mbs):
+            raise SimulationError(f"rank {rank}: {module} microbatch {mb} has no assignment in the plan")
+        return mbs[mb]
+
+    def _signature(self, module: str, rank: int, mb: int) -> tuple:
+        key = (module, self._data_rank(module, rank), mb)
+        got = self._sig_cache.get(key)
+        if got is None:
+            ids = self._microbatch(module, rank, mb)
+            sample = self.plan.sample
+            if module == "llm":
+                got = tuple(sample(i).llm_tokens for i in ids)
+            elif module == "vision":
+                got = tuple(s.grid_thw for i in ids for s in sample(i).segments if s.encoder == "vision")
+            else:
+                got = tuple(s.mel_frames for i in ids for s in sample(i).segments if s.encoder == "audio")
+            self._sig_cache[key] = got
+        return got
+
+    def input_elements(self, module: str, rank: int, a: Action) -> float:
+        """Raw input elements a forward prepares: encoders and the LLM's first stage take raw
+        samples (the runtime draws all of each sample's inputs there); 0 for other actions."""
+        if a.kind != FORWARD or (module == "llm" and a.stage != 0):
+            return 0.0
+        key = ("inputs", module, self._data_rank(module, rank), a.microbatch)
+        got = self._sig_cache.get(key)
+        if got is None:
+            ids = self._microbatch(module, rank, a.microbatch)
+            got = self._sig_cache[key] = float(sum(input_elements(self.plan.sample(i), self.model) for i in ids))
+        return got
+
+    def _stage(self, module: str, rank: int, action: Action) -> int:
+        if module == "llm":
+            return self.index["llm"].coords[rank]["pp"] if action.kind == GRAD_SYNC else action.stage
+        return 0
+
+    def work(self, module: str, stage: int, sig: tuple, sp: int = 0) -> Work:
+        key = (module, stage, sig, sp)
+        got = self._work_cache.get(key)
+        if got is None:
+            lay = self.plan.layouts[module]
+            if sp:  # omni's long input: one encoder microbatch split over a sequence-parallel group
+                from dataclasses import replace as _replace
+
+                lay = _replace(lay, sp=sp)
+            if module == "llm":
+                llm = self.model.llm
+                layers = stage_layers(llm.layers, lay.stages, stage)
+                # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
+                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp * lay.sp,
+                               lay.ep, self.policy["llm"], lay.cp_kind)
+            elif module in ("vision", "audio"):
+                # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
+                chunk = self.options.encoder_chunk_tokens if not sp and lay.sp == 1 else 0
+                make = vision_work if module == "vision" else audio_work
+                got = make(getattr(self.model, module), list(sig), lay.tp, lay.sp, self.policy[module], chunk)
+            else:
+                raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
+            if got.shape is not None and self.options.stack == "eager":
+                from dataclasses import replace as _replace
+
+                got = _replace(got, shape=_replace(got.shape, stack=self._eager_stack(module, lay)))
+            self._work_cache[key] = got
+        return got
+
+    def _eager_stack(self, module: str, lay):
+        """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
+        its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy);
+        otherwise its weights stay fp32 under autocast, and the LLM's fp32 token embedding makes the
+        residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+        from simulator.kernels import Stack
+
+        fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
+        chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
+        return Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
+                     weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
+
+    def stage_work(self, module: str, stage: int) -> Work:
+        """Parameters of what pipeline rank `stage` holds (no data): the work of an empty microbatch;
+        under interleaved 1F1B the sum over the rank's model chunks (virtual stages stage + c * pp)."""
+        lay = self.plan.layouts[module]
+        if module != "llm" or lay.vpp == 1:
+            return self.work(module, stage, ())
+        key = ("rank-stages", stage)
+        got = self._work_cache.get(key)
+        if got is None:
+            parts = [self.work(module, stage + c * lay.pp, ()) for c in range(lay.vpp)]
+            got = Work(params=sum(w.params for w in parts), expert_params=sum(w.expert_params for w in parts),
+                       layers=sum(w.layers for w in parts))
+            self._work_cache[key] = got
+        return got
+
+    def _p2p_bytes(self, module: str, rank: int, mb: int) -> float:
+        key = ("p2p", module, self._data_rank(module, rank), mb)
+        got = self._sig_cache.get(key)
+        if got is None:
+            got = self._sig_cache[key] = self._p2p_bytes_of(module, rank, mb)
+        return got
+
+    def _p2p_bytes_of(self, module: str, rank: int, mb: int) -> float:
+        sig = self._signature(module, rank, mb)
+        lay = self.plan.layouts[module]
+        if module == "llm":
+            return sum(sig) / lay.cp * self.model.llm.hidden * 2
+        enc = self.model.encoders[module]
+        w = self.work(module, 0, sig)
+        return w.tokens * enc.hidden * 2
