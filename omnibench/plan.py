@@ -60,7 +60,14 @@ class Layout:
     cp: int = 1
     ep: int = 1  # experts split over ep ranks drawn from dp*cp (MoE only)
     sp: int = 1  # Ulysses sequence parallel (encoders)
-    fsdp: bool = True  # dp shards parameters (FSDP2) rather than replicating them
+    fsdp: bool = True  # dp shards parameters (FSDP2, ZeRO-3) rather than replicating them
+    # Without FSDP, the ZeRO stage that shards the training state over the data-parallel group
+    # (`fsdp_dims`) while every rank keeps whole bf16 weights: 0 none (DDP: gradients all-reduced,
+    # every rank steps the whole optimizer), 1 the fp32 master weights and optimizer state (Megatron's
+    # distributed optimizer, DeepSpeed ZeRO-1: gradients reduce-scattered, updated weights
+    # all-gathered after the step), 2 also the gradients (ZeRO-2: a rank keeps only its shard's).
+    # The forward never waits for peers, unlike FSDP's layer-by-layer gathers.
+    zero: int = 0
     # HSDP: FSDP shards parameters within groups of `dp_shard` consecutive ranks of each FSDP group
     # (`fsdp_groups`) and replicates them across those groups (gradients: reduce-scatter inside the
     # shard group, all-reduce of the shard across the replicate group). 0: one shard group over the
@@ -99,6 +106,13 @@ class Layout:
     @property
     def hsdp(self) -> bool:
         return self.fsdp and self.shard_size < self.fsdp_size
+
+    @property
+    def dp_mode(self) -> str:
+        """How data parallelism holds the training state: ddp, zero1, zero2, fsdp or hsdp."""
+        if self.fsdp:
+            return "hsdp" if self.hsdp else "fsdp"
+        return ("ddp", "zero1", "zero2")[self.zero]
 
     def fsdp_groups(self) -> list[tuple[int, ...]]:
         """Every FSDP group (one per coordinate of the other dims), members in mesh order."""
@@ -187,6 +201,9 @@ class Layout:
             raise PlanError(
                 f"layout.{self.module}: mesh {shape} = {self.size} ranks but {len(self.ranks)} given"
             )
+        if self.zero not in (0, 1, 2) or (self.zero and self.fsdp):
+            raise PlanError(f"layout.{self.module}.zero: {self.zero} must be 0, 1 or 2, and 0 under fsdp "
+                            "(FSDP already shards everything)")
         if self.cp_kind not in ("ulysses", "ring"):
             raise PlanError(f"layout.{self.module}.cp_kind: must be ulysses or ring, got {self.cp_kind!r}")
         if self.vpp < 1 or (self.vpp > 1 and (self.module != "llm" or self.pp < 2)):

@@ -51,7 +51,7 @@ class ColocatedPlanner:
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
         routes: list[Route] = []
         for module in model.encoders:
-            enc = with_dp_shard(encoder_layout(module, range(world), tp=enc_tp, fsdp=parallel.fsdp), parallel)
+            enc = with_dp_shard(encoder_layout(module, range(world), tp=enc_tp, fsdp=parallel.fsdp, zero=parallel.zero), parallel)
             layouts[module] = enc
             work = [(s.sample_id, encoder_cost(s, module)) for s in batch.samples if s.encoder_seq_lens(module)]
             # One encoder microbatch per rank: the whole batch's encoder work in one forward.

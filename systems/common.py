@@ -71,7 +71,7 @@ def llm_layout(parallel: ParallelSpec, ranks: Sequence[int], interleaved: bool =
         raise PlanError(f"ep={parallel.ep} must divide dp*cp = {dp * parallel.cp} (experts spread over data ranks)")
     lay = Layout(
         "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp,
-        vpp=parallel.virtual_stages, cp_kind=parallel.cp_kind,
+        zero=0 if parallel.fsdp else parallel.zero, vpp=parallel.virtual_stages, cp_kind=parallel.cp_kind,
     )
     return with_dp_shard(lay, parallel)
 
@@ -137,11 +137,12 @@ def consumers(layout: Layout, dp_index: int) -> list[int]:
     return [layout.rank_at(pp=0, dp=dp_index, cp=c, tp=t) for c in range(layout.cp) for t in range(layout.tp)]
 
 
-def encoder_layout(module: str, ranks: Sequence[int], tp: int = 1, sp: int = 1, fsdp: bool = True) -> Layout:
+def encoder_layout(module: str, ranks: Sequence[int], tp: int = 1, sp: int = 1, fsdp: bool = True,
+                   zero: int = 0) -> Layout:
     n = len(ranks)
     if n % (tp * sp):
         raise PlanError(f"encoder_tp*encoder_sp = {tp * sp} does not divide the {n} ranks {module} gets")
-    return Layout(module, tuple(ranks), dp=n // (tp * sp), tp=tp, sp=sp, fsdp=fsdp)
+    return Layout(module, tuple(ranks), dp=n // (tp * sp), tp=tp, sp=sp, fsdp=fsdp, zero=0 if fsdp else zero)
 
 
 # ---------------------------------------------------------------------------- data assignment
@@ -506,7 +507,8 @@ def plan_encoders_in_stage0(
     routes: list[Route] = []
     by_id = {s.sample_id: s for s in batch.samples}
     for module in model.encoders:
-        enc = with_dp_shard(encoder_layout(module, stage0, tp=encoder_tp, sp=encoder_sp, fsdp=parallel.fsdp), parallel)
+        enc = with_dp_shard(encoder_layout(module, stage0, tp=encoder_tp, sp=encoder_sp, fsdp=parallel.fsdp,
+                                            zero=parallel.zero), parallel)
         layouts[module] = enc
         enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
         for d, mbs in enumerate(llm_mbs):

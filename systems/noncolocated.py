@@ -106,7 +106,7 @@ class NoncolocatedPlanner:
         routes: list[Route] = []
         by_id = {s.sample_id: s for s in batch.samples}
         for module in model.encoders:
-            enc = with_dp_shard(encoder_layout(module, range(n_enc), tp=enc_tp, fsdp=parallel.fsdp), parallel)
+            enc = with_dp_shard(encoder_layout(module, range(n_enc), tp=enc_tp, fsdp=parallel.fsdp, zero=parallel.zero), parallel)
             layouts[module] = enc
             enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
             for j in range(m):

@@ -9,6 +9,23 @@ from dataclasses import dataclass, field
 
 from omnibench.specs.model import MultimodalSpec, SpecError
 
+# How data parallelism holds the training state, as a user names it (`--dp-mode`), and the
+# ParallelSpec fields each name sets: fsdp, zero, and dp_shard (-1 plain FSDP, 0 automatic HSDP).
+DP_MODES = {
+    "ddp": dict(fsdp=False, zero=0, dp_shard=-1),
+    "zero1": dict(fsdp=False, zero=1, dp_shard=-1),
+    "zero2": dict(fsdp=False, zero=2, dp_shard=-1),
+    "fsdp": dict(fsdp=True, zero=0, dp_shard=-1),
+    "hsdp": dict(fsdp=True, zero=0, dp_shard=0),
+}
+
+
+def dp_mode_fields(mode: str) -> dict:
+    """ParallelSpec fields of a `--dp-mode` name; one line naming the allowed values otherwise."""
+    if mode not in DP_MODES:
+        raise SpecError(f"dp_mode must be one of {', '.join(DP_MODES)}; got {mode!r}")
+    return dict(DP_MODES[mode])
+
 
 @dataclass(frozen=True)
 class ParallelSpec:
@@ -40,6 +57,9 @@ class ParallelSpec:
     encoder_sp: int = 0
     encoder_ranks: int = 0  # noncolocated: ranks given to the encoders (the rest run the LLM)
     fsdp: bool = True
+    # Without fsdp: the ZeRO stage over the data-parallel group (Layout.zero): 0 DDP, 1 optimizer
+    # state and master weights sharded (Megatron's distributed optimizer), 2 also the gradients.
+    zero: int = 0
     # HSDP: ranks one copy of a module's parameters is sharded over, out of its FSDP group (the LLM:
     # dp*cp); replicated across the groups. 0: automatic (systems/common.py::resolve_dp_shard:
     # a shard group spans at most 8 nodes, so nothing changes up to 64 ranks); -1: the whole FSDP
@@ -66,6 +86,11 @@ class ParallelSpec:
         if not isinstance(self.dp_shard, int) or self.dp_shard < -1:
             raise SpecError(f"dp_shard must be -1 (whole FSDP group), 0 (automatic) or a positive divisor of dp*cp; "
                             f"got {self.dp_shard!r}")
+        if self.zero not in (0, 1, 2):
+            raise SpecError(f"zero must be 0 (DDP), 1 (ZeRO-1) or 2 (ZeRO-2); got {self.zero!r}")
+        if self.zero and self.fsdp:
+            raise SpecError(f"zero={self.zero} needs fsdp off (FSDP already shards parameters, gradients and "
+                            "optimizer state)")
         if self.dp_shard > 0 and not self.fsdp:
             raise SpecError(f"dp_shard={self.dp_shard} needs fsdp (without it parameters are replicated, not sharded)")
         if self.dp_shard > 0 and self.dp and (self.dp * self.cp) % self.dp_shard:
@@ -101,6 +126,13 @@ class ParallelSpec:
                 raise SpecError(f"encoder_tp={self.encoder_tp} does not divide {enc_name} heads ({enc.heads})")
             if self.encoder_sp and enc.heads % self.encoder_sp:
                 raise SpecError(f"encoder_sp={self.encoder_sp} does not divide {enc_name} heads ({enc.heads})")
+
+    @property
+    def dp_mode(self) -> str:
+        """ddp, zero1, zero2, fsdp or hsdp (automatic HSDP, dp_shard 0, counts as fsdp here)."""
+        if self.fsdp:
+            return "hsdp" if self.dp_shard > 0 else "fsdp"
+        return ("ddp", "zero1", "zero2")[self.zero]
 
     def check_runtime(self) -> None:
         """What only the simulator executes: refuse it before a real run starts."""
