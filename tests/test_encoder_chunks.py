@@ -12,7 +12,7 @@ from omnibench.models import build_model
 from omnibench.models.inputs import pack, synthesize
 from omnibench.plan import Layout
 from omnibench.runtime.encoder_chunks import EncoderChunks, agreed_count, chunk_pieces
-from omnibench.runtime.executor import _dummy_sample
+from omnibench.runtime.executor import dummy_sample
 from omnibench.specs.costs import chunk_units, encoder_chunk_sizes
 from omnibench.specs.presets import get_model
 from workloads.sample import Sample, Segment
@@ -69,7 +69,7 @@ def test_chunked_encoders_give_the_unchunked_outputs_and_gradients(budget):
         outs = {}
         for module in ("vision", "audio"):
             if chunked:
-                out = chunks.forward(ex, module, 0, samples, packed, _dummy_sample(module))
+                out = chunks.forward(ex, module, 0, samples, packed, dummy_sample(module))
             elif module == "vision":
                 out = model.vision(packed.pixel_patches, packed.grid_thw)
             else:
@@ -104,7 +104,7 @@ def test_the_chunked_forward_keeps_no_graph_only_the_chunk_inputs():
     saved = []
     chunks = EncoderChunks(40)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = chunks.forward(ex, "vision", 0, samples, packed, _dummy_sample("vision"))
+        out = chunks.forward(ex, "vision", 0, samples, packed, dummy_sample("vision"))
     assert not saved and not out.requires_grad
     held, sizes, _ = chunks.held[("vision", 0)]
     # a 5-frame video and an image: chunks of 32, 32 and 16 + 24 patches, 8, 8 and 10 output tokens
@@ -120,7 +120,7 @@ def test_the_chunk_count_is_the_most_any_member_needs():
     by_id = {5: long, 6: short}
     plan = SimpleNamespace(assignment={"vision": {0: [(6,), ()], 1: [(5,), (6,)]}}, sample=lambda i: by_id[i])
     lay = Layout("vision", (0, 1), dp=2)
-    dummy = _dummy_sample("vision")
+    dummy = dummy_sample("vision")
     assert agreed_count(plan, lay, (0, 1), "vision", 0, 32, dummy) == 3  # rank 1's video: 3 chunks
     assert agreed_count(plan, lay, (0,), "vision", 0, 32, dummy) == 1
     assert agreed_count(plan, lay, (0, 1), "vision", 1, 32, dummy) == 1  # an empty microbatch: one dummy
@@ -155,7 +155,7 @@ def _uneven_counts(system: str, batches, module: str = "vision") -> bool:
 def _inputs(plan, ids, module):
     from omnibench.runtime.encoder_chunks import encoder_inputs
 
-    return encoder_inputs([plan.sample(i) for i in ids] or [_dummy_sample(module)], module)
+    return encoder_inputs([plan.sample(i) for i in ids] or [dummy_sample(module)], module)
 
 
 @pytest.mark.timeout(240)

@@ -141,7 +141,7 @@ import omnibench.runtime.encoder_chunks as encoder_chunks
 from omnibench.models import build_model
 from omnibench.plan import Layout
 from omnibench.runtime.encoder_chunks import EncoderChunks
-from omnibench.runtime.executor import _dummy_sample, make_optimizer
+from omnibench.runtime.executor import dummy_sample, make_optimizer
 from omnibench.runtime.parallelize import apply_ac, apply_fsdp
 from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.presets import get_model
@@ -206,7 +206,7 @@ with FakeTensorMode(allow_non_fake_inputs=True):
     def train_step(chunks):
         x = torch.randn(patches, d_in)
         if chunks is not None:
-            out = chunks.forward(ex, "vision", 0, [video], SimpleNamespace(pixel_patches=x), _dummy_sample("vision"))
+            out = chunks.forward(ex, "vision", 0, [video], SimpleNamespace(pixel_patches=x), dummy_sample("vision"))
         else:
             out = enc(x, grid)
         del x

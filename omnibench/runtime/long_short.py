@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from omnibench.models.inputs import pack, synthesize
 from omnibench.models.vision import vision_cu_seqlens, vision_position_ids, vision_rope
+from omnibench.runtime.encoder_actions import dummy_sample
 from omnibench.runtime.parallelize import UlyssesAttention
 from omnibench.specs.costs import audio_windows
 from systems.common import encoder_tokens
@@ -109,10 +110,9 @@ def encode_over_group(ex, module: str, mb: int, ids, group, ranks: tuple[int, ..
     keeps the outputs (the route source). temporal (`swap_cores=False`, `outputs_on_all=True`): the
     blocks' cores are Ulysses for good (executor `_build_encoder`), every member keeps the outputs
     for the LLM rows of its cp rank. Either way the other members' encoder backward gets zeros."""
-    from omnibench.runtime.executor import _dummy_sample
 
     k, c = len(ranks), ranks.index(ex.rank)
-    samples = [ex.plan.sample(i) for i in ids] or [_dummy_sample(module)]
+    samples = [ex.plan.sample(i) for i in ids] or [dummy_sample(module)]
     packed = pack([synthesize(s, ex.spec, device=ex.device) for s in samples]).to(ex.device)
     enc = ex.modules[module]
     if module == "vision":

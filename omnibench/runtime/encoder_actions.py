@@ -1,0 +1,85 @@
+"""Encoder forward and backward actions: a microbatch of images, video frames or audio through its
+encoder, whole, in chunks (encoder_chunks.py) or over a sequence-parallel group (long_short.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from omnibench.models.inputs import pack, synthesize
+from omnibench.plan import (
+    Action,
+)
+from systems.common import data_rank, encoder_tokens
+from workloads.sample import Sample, Segment
+
+
+def dummy_sample(module: str) -> Sample:
+    # The smallest input an encoder accepts: keeps its collectives in step when a rank has no work.
+    if module == "vision":
+        seg = Segment("image", llm_tokens=1, encoder_seq_len=4, grid_thw=(1, 2, 2))
+    else:
+        seg = Segment("audio", llm_tokens=1, encoder_seq_len=2, mel_frames=4)
+    return Sample(-1, "dummy", (Segment("text", 1), seg))
+
+
+class EncoderActionsMixin:
+    """The Executor's encoder actions."""
+
+    def _enc_microbatch(self, module: str, mb: int) -> tuple[int, ...]:
+        lay = self.layouts[module]
+        return self.plan.assignment[module][data_rank(lay, self.rank)][mb]
+
+    def _enc_forward(self, a: Action) -> None:
+        if self.long_short is not None and self.long_short.handles(self.plan, a.module, a.microbatch):
+            self.long_short.forward(self, a)
+            return
+        module = a.module
+        ids = self._enc_microbatch(module, a.microbatch)
+        lay = self.layouts[module]
+        if lay.sp > 1:  # the whole microbatch over the sp group (omnibench/runtime/long_short.py)
+            from omnibench.runtime.long_short import encode_over_group
+
+            group, ranks = self.groups.get(module, "sp")
+            encode_over_group(self, module, a.microbatch, ids, group, ranks, swap_cores=False, outputs_on_all=True)
+            return
+        samples = [self.plan.sample(i) for i in ids] or [dummy_sample(module)]
+        packed = pack([synthesize(s, self.spec, device=self.device) for s in samples]).to(self.device)
+        enc = self.modules[module]
+        if self.enc_chunks is not None and self.enc_chunks.applies(self, module):
+            out = self.enc_chunks.forward(self, module, a.microbatch, samples, packed, dummy_sample(module))
+        elif module == "vision":
+            out = enc(packed.pixel_patches, packed.grid_thw)
+        else:
+            out = enc(packed.mel, packed.mel_lens)
+        tokens = [encoder_tokens(s, module) for s in samples] if ids else []
+        self.state.enc_out[(module, a.microbatch)] = (out, list(ids), tokens)
+        if ids:
+            for i, piece in zip(ids, torch.split(out, tokens), strict=True):
+                # A route from this rank to itself hands the output over without communication.
+                self.state.emb[(module, i, "local")] = piece
+
+    def _enc_backward(self, a: Action) -> None:
+        module = a.module
+        out, ids, _ = self.state.enc_out.pop((module, a.microbatch))
+        lay = self.layouts[module]
+        enc = self.modules[module]
+        if ids:
+            if self.rank == data_rank(lay, self.rank):
+                grad = torch.cat([self.state.enc_grad.pop((module, i)) for i in ids]).to(out.dtype)
+            else:
+                # tp peers: overwritten by the broadcast below; sp peers hold the gathered output too
+                # and take zeros (the gather's backward hands every member its chunk of the leader's).
+                grad = torch.zeros_like(out)
+            if lay.tp > 1:
+                g, ranks = self.groups.get(module, "tp")
+                dist.broadcast(grad, src=ranks[0], group=g)
+        else:
+            grad = torch.zeros_like(out)  # dummy forward: zero gradient, collectives still run
+        sync = a.microbatch == self.last_backward[module] if self.fsdp.get(module) else None
+        if self.enc_chunks is not None and self.enc_chunks.holds(module, a.microbatch):
+            self.enc_chunks.backward(module, a.microbatch, grad, enc, sync)
+            return
+        if sync is not None:
+            enc.set_requires_gradient_sync(sync)
+        torch.autograd.backward(out, grad)
