@@ -94,7 +94,19 @@ class ProgramMixin:
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
             ring = module == "llm" and lay.cp_kind == "ring" and not long_group
-            if work.seq_bytes and len(seq_group) > 1 and ring:
+            gather = module == "llm" and lay.cp_kind == "allgather" and not long_group
+            if work.seq_bytes and len(seq_group) > 1 and gather:
+                # All-gather KV: one all-gather of the layer's K/V before its attention (forward); the
+                # backward reduce-scatters their gradients, and gathers again where it recomputes the
+                # attention. Not overlapped (Llama 3 sec. 3.3.2: exposed, small next to attention).
+                per = work.seq_bytes / work.layers
+                t = self.coll_inline.cost("all_gather", per, seq_group)
+                if a.kind == BACKWARD:
+                    t = self.coll_inline.cost("reduce_scatter", per, seq_group) + (t if recompute != "none" else 0.0)
+                comm += work.layers * t
+                exposed += work.layers * t
+                n_calls += work.layers * (2 if a.kind == BACKWARD and recompute != "none" else 1)
+            elif work.seq_bytes and len(seq_group) > 1 and ring:
                 # Ring attention: cp - 1 K/V hand-offs per layer to the next cp rank (backward: K/V again
                 # and their gradients back, twice the bytes), each hidden behind one block's attention.
                 steps = len(seq_group) - 1
