@@ -41,7 +41,7 @@ from simulator.groups import GroupsMixin, LayoutIndex
 from simulator.hardware import ClusterSpec, GiB
 from simulator.memory import RESERVED_BYTES, MemoryMixin
 from simulator.options import SimOptions, SimulationError
-from simulator.program import ProgramMixin
+from simulator.program import PARAM_GATHER, ProgramMixin
 from simulator.result import RankStats, SimResult, Span
 from simulator.work import WorkMixin
 
@@ -227,7 +227,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     done = channel(op.p2p_keys[0])[1]
                     if not done.triggered:
                         yield done
-                elif kind == GRAD_SYNC or kind == METADATA:
+                elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
                     collective(rank, op, pending)
                     if op.blocking:
                         wait_start = env.now

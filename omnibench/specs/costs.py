@@ -146,7 +146,7 @@ def llm_flops(
     core = 4 * d * llm.heads * pairs
     tail = 0.0
     if llm.moe is None:
-        mlp = {"mlp": 3 * 2 * t * h * llm.ffn}
+        mlp = {"mlp": (3 if llm.mlp == "swiglu" else 2) * 2 * t * h * llm.ffn}
         tail = 2 * t * llm.ffn * h  # w2
     else:
         moe = llm.moe
@@ -185,7 +185,7 @@ def llm_params(
     if llm.qk_norm:
         attn += 2 * d
     if llm.moe is None:
-        mlp = 3 * h * llm.ffn
+        mlp = (3 if llm.mlp == "swiglu" else 2) * h * llm.ffn
     else:
         moe = llm.moe
         mlp = h * moe.experts + (moe.top_k if active else moe.experts) * 3 * h * moe.expert_ffn
@@ -458,7 +458,8 @@ def llm_layer_bytes(llm: LLMSpec, b: int = 2) -> int:
     if llm.qk_norm:
         out += (4 + b) * (q + kv) + 4 * (llm.heads + llm.kv_heads)
     if llm.moe is None:
-        return out + 4 * b * llm.ffn  # w1 out, w3 out, silu out, w2 input
+        # w1 out, w3 out, silu out, w2 input (GELU MLP: fc1 out, fc2 input)
+        return out + (4 if llm.mlp == "swiglu" else 2) * b * llm.ffn
     moe = llm.moe
     k = moe.top_k
     out += 4 * moe.experts + 24 * k  # router probabilities; top-k weights, expert order (int64)
