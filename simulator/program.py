@@ -224,8 +224,11 @@ class ProgramMixin:
                 key = ("coll", module, stage, gid)
                 n = seen[key]
                 seen[key] += 1
-                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
-                               blocking=not self.coll.inline_overlap))
+                op = _Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
+                         blocking=not self.coll.inline_overlap)
+                # memory: the flat buffer a non-FSDP reduction allocates; ZeRO-2's kept shard
+                op.act_transient = self._grad_sync_buffer(module, rank)
+                ops.append(op)
             elif a.kind == METADATA:
                 # The loaders' all-gather (padded to the largest contribution, which the planner put
                 # on every member). Loaders prefetch: the next step's exchange runs on the loader's
@@ -240,12 +243,16 @@ class ProgramMixin:
             elif a.kind == OPTIMIZER_STEP:
                 ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))
-        # fp32 gradients of a module's parameter shard exist from its first backward to the step's end
+        # a module's gradients exist from its first backward to the step's end (ZeRO-2 in this
+        # project's runtime: whole until its grad_sync, the rank's shard after)
         graded: set[str] = set()
         for op in ops:
-            if op.kind == BACKWARD and op.action.module not in graded:
-                graded.add(op.action.module)
-                op.grad_delta = 4 * self._module_params_on_rank(op.action.module, rank)
+            module = op.action.module
+            if op.kind == BACKWARD and module not in graded:
+                graded.add(module)
+                op.grad_delta = self._grad_timeline(module, rank)[0]
+            elif op.kind == GRAD_SYNC and module in graded:
+                op.act_delta = -self._grad_timeline(module, rank)[1]
         return ops
 
     def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
