@@ -228,6 +228,9 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     if not done.triggered:
                         yield done
                 elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
+                    if live + op.act_transient > peak_live:  # memory: a grad_sync's flat buffer
+                        peak_live = live + op.act_transient
+                    live += op.act_delta
                     collective(rank, op, pending)
                     if op.blocking:
                         wait_start = env.now

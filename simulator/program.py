@@ -248,8 +248,11 @@ class ProgramMixin:
                 key = ("coll", module, stage, gid)
                 n = seen[key]
                 seen[key] += 1
-                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
-                               blocking=not self.coll.inline_overlap))
+                op = _Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
+                         blocking=not self.coll.inline_overlap)
+                # memory: the flat buffer a non-FSDP reduction allocates; ZeRO-2's kept shard
+                op.act_transient = self._grad_sync_buffer(module, rank)
+                ops.append(op)
             elif a.kind == METADATA:
                 # The loaders' all-gather (padded to the largest contribution, which the planner put
                 # on every member). Loaders prefetch: the next step's exchange runs on the loader's
@@ -262,16 +265,20 @@ class ProgramMixin:
                 seen[key] += 1
                 ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members))
             elif a.kind == OPTIMIZER_STEP:
-                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._optimizer_params(rank),
+                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._stepped_params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))
                 if comm_on:
                     ops += self._param_gathers(rank, cls, seen)
-        # fp32 gradients of a module's parameter shard exist from its first backward to the step's end
+        # a module's gradients exist from its first backward to the step's end (ZeRO-2 in this
+        # project's runtime: whole until its grad_sync, the rank's shard after)
         graded: set[str] = set()
         for op in ops:
-            if op.kind == BACKWARD and op.action.module not in graded:
-                graded.add(op.action.module)
-                op.grad_delta = 4 * self._module_params_on_rank(op.action.module, rank)
+            module = op.action.module
+            if op.kind == BACKWARD and module not in graded:
+                graded.add(module)
+                op.grad_delta = self._grad_timeline(module, rank)[0]
+            elif op.kind == GRAD_SYNC and module in graded:
+                op.act_delta = -self._grad_timeline(module, rank)[1]
         return ops
 
     def _synced_modules(self, rank: int) -> list[str]:
@@ -302,17 +309,6 @@ class ProgramMixin:
             ops.append(_Op(Action(GRAD_SYNC, module, what="params"), PARAM_GATHER, duration=cost,
                            lock_key=(*key, n), lock_n=n_members, blocking=True))
         return ops
-
-    def _optimizer_params(self, rank: int) -> float:
-        """Parameters the rank's optimizer step walks: its FSDP shard, its 1/dp ZeRO shard, or (DDP)
-        every parameter it holds."""
-        total = 0.0
-        for m, lay in self.plan.layouts.items():
-            held = self._module_params_on_rank(m, rank)
-            if held and lay.zero and not lay.fsdp:
-                held /= len(self._grad_group(m, rank))
-            total += held
-        return total
 
     def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
         """Seconds of a module's data-parallel gradient reduction on `rank` (0 without peers).
