@@ -451,6 +451,79 @@ def speedup(recs: Records) -> Drawn:
     return Drawn("speedup", fig, table, caption)
 
 
+# -- 3b. where the step goes -------------------------------------------------------------------------
+BREAKDOWN_PARTS = (("encoder", "encoder compute"), ("llm", "LLM compute"), ("optimizer", "optimizer step"),
+                   ("exposed_comm", "exposed communication"), ("idle", "idle (bubbles, waiting on peers)"))
+
+
+def _best_rows(recs: Records) -> pd.DataFrame:
+    """Per (workload, cluster size, system): the fastest record's row that fits, with its breakdown."""
+    rows = []
+    for rec in recs.sims:
+        for row in rec.rows:
+            if "error" in row or not row.get("fits", False) or not row.get("breakdown_s"):
+                continue
+            rows.append({"workload": rec.workload, "gpus": int(row["gpus"]), "system": row["system"],
+                         "tokens_per_s": row["tokens_per_s"], "step_time_s": row["step_time_s"],
+                         "layout": row.get("layout", ""), **row["breakdown_s"]})
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows)
+    return df.loc[df.groupby(["workload", "gpus", "system"]).tokens_per_s.idxmax()].reset_index(drop=True)
+
+
+def breakdown(recs: Records, gpus: int | None = None) -> Drawn:
+    """Where each system's step goes at one cluster size, one panel per workload: mean seconds per
+    rank of encoder compute, LLM compute, optimizer, exposed communication and idle time, stacked;
+    a tick marks the idlest rank's idle time (imbalance apart from bubbles)."""
+    if not recs.sims:
+        raise PlotInputError("breakdown needs simulation records (omnibench simulate ...); got only runs")
+    df = _best_rows(recs)
+    if df.empty:
+        raise PlotInputError("breakdown needs simulation records written by this version (rows with breakdown_s) "
+                             "that fit; simulate again")
+    sizes = sorted(df.gpus.unique())
+    n = gpus if gpus is not None else sizes[0]
+    if n not in sizes:
+        raise PlotInputError(f"breakdown: no records at {n} GPUs; records hold {', '.join(map(str, sizes))}")
+    df = df[df.gpus == n]
+    wls = list(dict.fromkeys(df.workload))
+    style.apply_theme()
+    cols = min(3, len(wls))
+    rows_n = -(-len(wls) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(style.DOUBLE_IN, 0.4 + 1.45 * rows_n), squeeze=False)
+    colors = dict(zip([k for k, _ in BREAKDOWN_PARTS], [style.MODULE_COLORS["vision"], style.MODULE_COLORS["llm"],
+                                                         "0.55", "0.3", "0.85"], strict=True))
+    for ax, wl in zip(axes.flat, wls, strict=False):
+        g = df[df.workload == wl].set_index("system")
+        order = [s for s in style.order_systems(g.index)]
+        left = np.zeros(len(order))
+        for key, _label in BREAKDOWN_PARTS:
+            vals = np.array([g.loc[s, key] for s in order])
+            ax.barh(range(len(order)), vals, left=left, color=colors[key], edgecolor="white", linewidth=0.3)
+            left += vals
+        ax.plot([g.loc[s, "idle_max"] + left[i] - g.loc[s, "idle"] for i, s in enumerate(order)], range(len(order)),
+                "|", color="0.1", markersize=7)
+        ax.set_yticks(range(len(order)))
+        ax.set_yticklabels(order, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(wl, fontsize=8)
+        ax.set_xlabel("seconds per step (mean over ranks)", fontsize=7)
+    for ax in list(axes.flat)[len(wls):]:
+        ax.set_visible(False)
+    fig.legend(handles=[Patch(color=colors[k], label=lab) for k, lab in BREAKDOWN_PARTS], loc="lower center",
+               ncol=len(BREAKDOWN_PARTS), fontsize=6, frameon=False)
+    fig.suptitle(f"Where the step goes, {n:,} GPUs (simulated)\n{setup_text(recs.sims)}", fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    table = df[["workload", "system", "layout", "step_time_s", *[k for k, _ in BREAKDOWN_PARTS], "idle_max",
+                "idle_min"]].reset_index(drop=True)
+    caption = (f"Simulated step at {n:,} GPUs, each system's fastest record per workload: per rank, the mean seconds "
+               "of its own encoder and LLM compute, the optimizer step, communication its compute stream waited "
+               "for, and idle time (pipeline bubbles, waiting on slower peers or on the encoder->LLM boundary); the "
+               "tick marks where the idlest rank's idle time would end. The parts add up to the step time.")
+    return Drawn("breakdown", fig, table, caption)
+
+
 # -- 4. timeline -----------------------------------------------------------------------------------
 def timeline(rec, system: str | None = None, gpus: int | None = None, step: int | None = None,
              max_ranks: int = 16) -> Drawn:
@@ -716,6 +789,6 @@ def record_of(recs: Records, system: str | None):
     raise PlotInputError(f"timeline: no record of system {system!r}; records hold {', '.join(have) or 'none'}")
 
 
-__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "throughput_table", "dynamic", "record_of", "scaling",
+__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "breakdown", "throughput_table", "dynamic", "record_of", "scaling",
            "speedup", "throughput",
            "timeline", "validation", "workload"]
