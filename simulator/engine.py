@@ -200,6 +200,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     total = dur + op.exposed
                     yield env.timeout(total)
                     st.compute += op.duration
+                    by = st.compute_by_module
+                    by[op.action.module] = by.get(op.action.module, 0.0) + op.duration
                     st.exposed_comm += op.exposed
                     st.comm_busy += op.comm
                     a = op.action

@@ -188,8 +188,15 @@ def _summary(results) -> dict:
         "memory_capacity_gib": first.memory_capacity / 2**30,
         "distinct_ranks": max(r.classes for r in results),
         "sim_seconds": sum(r.sim_seconds for r in results),
+        "breakdown_s": _mean_breakdown(results),
         "per_step": [r.metrics() for r in results],
     }
+
+
+def _mean_breakdown(results) -> dict:
+    """Each part of SimResult.breakdown averaged over the steps (they add up to the mean step time)."""
+    parts = [r.breakdown() for r in results]
+    return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]} if parts and parts[0] else {}
 
 
 def _step_rows(row: dict) -> list[dict]:
