@@ -141,11 +141,15 @@ def driver_version() -> str | None:
     except (OSError, subprocess.SubprocessError):
         pass
     try:
-        text = Path("/proc/driver/nvidia/version").read_text()
+        return driver_in_proc(Path("/proc/driver/nvidia/version").read_text())
     except OSError:
         return None
-    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
-    for word in text.split():
+
+
+def driver_in_proc(text: str) -> str | None:
+    """The version in /proc/driver/nvidia/version's first line: "NVRM version: NVIDIA UNIX x86_64
+    Kernel Module  550.54.15  Tue Mar  5 ..." -> "550.54.15"."""
+    for word in text.splitlines()[0].split() if text else []:
         parts = word.split(".")
         if len(parts) >= 2 and all(p.isdigit() for p in parts):
             return word

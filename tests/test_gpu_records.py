@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnibench.provenance import GPU_FIELDS, cuda_facts, missing, provenance, record_provenance
+from omnibench.provenance import (
+    GPU_FIELDS,
+    cuda_facts,
+    driver_in_proc,
+    missing,
+    provenance,
+    record_provenance,
+)
 from simulator.calibrate import Profile, calibrate, fit_warnings, memory_check, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +53,12 @@ def test_cuda_facts_without_cuda_are_empty_not_guessed():
     assert facts["cuda"] == torch.version.cuda  # the build's CUDA (None for a CPU build), never a device's
 
 
+def test_the_driver_version_is_read_from_the_kernel_modules_line():
+    line = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\nGCC version: 12.3\n"
+    assert driver_in_proc(line) == "550.54.15"
+    assert driver_in_proc("") is None
+
+
 def test_a_script_names_itself_as_the_command():
     assert provenance("cpu", ["benchmarks/gpu_llm_stack.py", "--compile"])["command"] == \
         "python benchmarks/gpu_llm_stack.py --compile"
@@ -58,7 +71,8 @@ def test_the_standalone_kernel_sweep_records_the_same_fields_without_importing_t
     prov = mod.provenance(torch.device("cpu"), ["--device", "cpu", "--quick", "--out", "k.json"])
     assert prov["command"] == "python benchmarks/gpu_kernels.py --device cpu --quick --out k.json"
     assert len(prov["commit"]) == 40 and isinstance(prov["dirty"], bool) and prov["torch"] == torch.__version__
-    assert missing(prov) == ["cuda", "driver", "gpu_name", "gpu_memory_bytes"] or torch.version.cuda
+    # a CPU run: no driver or GPU; the CUDA field is the build's (None for a CPU build of torch)
+    assert missing(prov) == (["cuda"] if torch.version.cuda is None else []) + ["driver", "gpu_name", "gpu_memory_bytes"]
     assert set(GPU_FIELDS) <= set(prov)
 
 
