@@ -81,9 +81,23 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self._member_ids: dict = {}
         self._sig_cache: dict = {}
         self._data_rank_cache: dict = {}
+        self._params_cache: dict[tuple[str, int], float] = {}
+        self._sig_of_rank: dict[tuple, tuple] = {}  # (module, rank, microbatch) -> its signature
+        self._sig_intern: dict[tuple, tuple] = {}
+        self._grad_tables: dict[str, dict[int, tuple[int, ...]]] = {}
+        self._lock_of: dict[str, dict[int, tuple[int, ...] | None]] = {}
+        self._long_mbs: dict[str, dict[int, set[int]]] = {}
         self.message_tokens: dict[tuple, int] = defaultdict(int)
         for r in plan.routes:
             self.message_tokens[(r.module, r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)] += r.tokens
+
+    def _module_params_on_rank(self, m: str, rank: int) -> float:
+        # asked for by every compute op (weight copies, gradients) and the rank's static memory
+        key = (m, rank)
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._module_params_on_rank(self, m, rank)
+        return got
 
     def run(self) -> SimResult:
         # Hundreds of thousands of small objects (events, spans) and no reference cycles worth
