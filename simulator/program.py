@@ -36,7 +36,7 @@ from simulator.flops import (
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     action: Action
     kind: str
