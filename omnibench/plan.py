@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from itertools import product
 
 from workloads.sample import Sample
@@ -79,31 +80,33 @@ class Layout:
     # LLM context parallelism: "ulysses" (the runtime's) or "ring" (simulated only)
     cp_kind: str = "ulysses"
 
-    @property
+    # Derived sizes are cached on the instance (cached_property writes its __dict__, as `_tables`
+    # does): the simulator asks for them per action. Fields, equality, hashing and JSON are unchanged.
+    @cached_property
     def stages(self) -> int:
         """Pipeline stages the LLM's layers are cut into (virtual stages under interleaving)."""
         return self.pp * self.vpp
 
-    @property
+    @cached_property
     def mesh_dims(self) -> tuple[str, ...]:
         return LLM_MESH_DIMS if self.module == "llm" else ENCODER_MESH_DIMS
 
-    @property
+    @cached_property
     def fsdp_dims(self) -> tuple[str, ...]:
         """The data-like dims FSDP shards over (torchtitan: dp_shard x cp); encoders: dp x sp."""
         return ("dp", "cp") if self.module == "llm" else ("dp", "sp")
 
-    @property
+    @cached_property
     def fsdp_size(self) -> int:
         a, b = self.fsdp_dims
         return getattr(self, a) * getattr(self, b)
 
-    @property
+    @cached_property
     def shard_size(self) -> int:
         """Ranks one copy of the parameters is sharded over (the whole FSDP group unless HSDP)."""
         return self.dp_shard if 0 < self.dp_shard < self.fsdp_size else self.fsdp_size
 
-    @property
+    @cached_property
     def hsdp(self) -> bool:
         return self.fsdp and self.shard_size < self.fsdp_size
 
@@ -139,11 +142,11 @@ class Layout:
         s = self.shard_size
         return [g[j::s] for g in self.fsdp_groups() for j in range(s)]
 
-    @property
+    @cached_property
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in self.mesh_dims)
 
-    @property
+    @cached_property
     def size(self) -> int:
         n = 1
         for s in self.mesh_shape:
