@@ -236,6 +236,8 @@ class GroupsMixin:
         colour = base
         n_classes = len(intern)
         for _ in range(8):
+            if n_classes == len(ranks):
+                break  # every rank its own class already: refining can only split classes
             # keyed by the groups' identity: they are the layout index's shared tuples (kept alive
             # there), and hashing a tuple of thousands of ranks per lookup was quadratic at scale
             group_colour: dict[int, int] = {}

@@ -22,6 +22,7 @@ Conventions the runtime and the simulator rely on
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import defaultdict
@@ -370,10 +371,17 @@ def pipeline_neighbours(llm: Layout, rank: int, chunk: int = 0) -> tuple[int, in
     return s, prev, nxt
 
 
+@functools.lru_cache(maxsize=4096)
+def shared_action(kind: str, module: str, microbatch: int = 0, stage: int = 0) -> Action:
+    """One object for an action every rank of a step holds alike (Actions are immutable): a plan at
+    scale would otherwise build the same step tail and stage compute actions once per rank."""
+    return Action(kind, module, microbatch, stage)
+
+
 def llm_forward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]:
     """One LLM microbatch's forward on a stage: receive activations, compute, pass them on."""
     out = [Action(RECV, "llm", j, stage, "act", prev)] if prev >= 0 else []
-    out.append(Action(FORWARD, "llm", j, stage))
+    out.append(shared_action(FORWARD, "llm", j, stage))
     if nxt >= 0:
         out.append(Action(SEND, "llm", j, stage, "act", nxt))
     return out
@@ -382,7 +390,7 @@ def llm_forward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]
 def llm_backward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]:
     """One LLM microbatch's backward on a stage: receive gradients, compute, pass them back."""
     out = [Action(RECV, "llm", j, stage, "grad", nxt)] if nxt >= 0 else []
-    out.append(Action(BACKWARD, "llm", j, stage))
+    out.append(shared_action(BACKWARD, "llm", j, stage))
     if prev >= 0:
         out.append(Action(SEND, "llm", j, stage, "grad", prev))
     return out
@@ -414,7 +422,7 @@ def llm_stage_actions(
 
 
 def step_tail(modules: Iterable[str]) -> list[Action]:
-    return [Action(GRAD_SYNC, m) for m in modules] + [Action(OPTIMIZER_STEP, "all")]
+    return [shared_action(GRAD_SYNC, m) for m in modules] + [shared_action(OPTIMIZER_STEP, "all")]
 
 
 # ------------------------------------------------------------------------------------ checks
