@@ -128,3 +128,24 @@ def test_fast_loop_step_is_finite_and_positive_at_a_thousand_gpus():
     plan = _plan("omni", model, "mixed_video", "h100", 1024, "default", 4096)
     res = Engine(plan, model, load_cluster("h100", 1024), options=SimOptions(recompute="full")).run()
     assert res.classes == 1024 and math.isfinite(res.step_time) and res.step_time > 0
+
+
+@pytest.mark.parametrize("shape", [dict(dp=4, tp=2, pp=3, cp=2), dict(dp=3, tp=1, pp=2, cp=4), dict(dp=1, tp=4)])
+def test_layout_groups_are_the_ranks_sharing_every_other_coordinate(shape):
+    # Layout.groups / fsdp_groups are built by index arithmetic (planning at scale); they must list
+    # exactly the ranks agreeing on every other mesh coordinate, in mesh order
+    size = math.prod(shape.values())
+    lay = Layout("llm", tuple(range(100, 100 + 3 * size, 3)), **shape)  # ranks need not be 0..n-1
+    coords = {r: lay.coords(r) for r in lay.ranks}
+
+    def by_definition(free: tuple[str, ...]) -> list[tuple[int, ...]]:
+        out: dict[tuple, list[int]] = {}
+        for r in lay.ranks:  # mesh order
+            out.setdefault(tuple(coords[r][d] for d in lay.mesh_dims if d not in free), []).append(r)
+        return [tuple(g) for g in out.values()]
+
+    for dim in lay.mesh_dims:
+        assert lay.groups(dim) == by_definition((dim,))
+        assert all(lay.group(r, dim) in lay.groups(dim) and r in lay.group(r, dim) for r in lay.ranks)
+    assert lay.fsdp_groups() == by_definition(lay.fsdp_dims)
+    assert all(lay.coord(r, d) == coords[r][d] for r in lay.ranks for d in lay.mesh_dims)
