@@ -43,9 +43,11 @@ def get_planner(name: str) -> Planner:
     if name not in _PLANNERS:
         raise SpecError(f"system must be one of {', '.join(available_systems()) or '(none yet)'}; got {name!r}")
     mod, cls = _PLANNERS[name].split(":")
-    planner = getattr(importlib.import_module(mod), cls)()
-    planner.plan = _without_cyclic_gc(planner.plan)
-    return planner
+    planner_cls = getattr(importlib.import_module(mod), cls)
+    if not getattr(planner_cls.plan, "_without_cyclic_gc", False):
+        # on the class, once: instances stay plain (picklable) objects
+        planner_cls.plan = _without_cyclic_gc(planner_cls.plan)
+    return planner_cls()
 
 
 def _without_cyclic_gc(plan):
@@ -63,4 +65,5 @@ def _without_cyclic_gc(plan):
             if enabled:
                 gc.enable()
 
+    planned._without_cyclic_gc = True
     return planned
