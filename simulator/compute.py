@@ -99,6 +99,12 @@ class ComputeModel:
         prof = self.kernels
         if prof is None or work.shape is None:
             return None
+        # by identity first: Work objects are cached, and hashing a BlockShape (its sequence lengths
+        # and stack) on every lookup cost more than the lookup at thousands of ranks
+        fast = (id(work.shape), passes, recompute)
+        hit = self._kernel_cache.get(fast)
+        if hit is not None and hit[1] is work.shape:
+            return hit[0]
         key = (work.shape, passes, recompute)
         got = self._kernel_cache.get(key)
         if got is None:
@@ -115,6 +121,7 @@ class ComputeModel:
             elif passes == "bwd" and recompute == "selective":
                 got += llm_attention(prof, work.shape, "fwd")
             self._kernel_cache[key] = got
+        self._kernel_cache[fast] = (got, work.shape)
         return got
 
     def curve(self, kind: str, module: str = "") -> EfficiencyCurve:

@@ -48,7 +48,7 @@ from simulator.flops import (
 PARAM_GATHER = "param_gather"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     action: Action
     kind: str

@@ -15,7 +15,7 @@ from omnibench.plan import (
 from simulator.hardware import GiB
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     rank: int  # representative rank of the class
     stream: str  # "compute" | "collective" | "p2p"

@@ -50,6 +50,11 @@ class WorkMixin:
         return mbs[mb]
 
     def _signature(self, module: str, rank: int, mb: int) -> tuple:
+        """The cost-relevant lengths of a microbatch: one shared tuple per distinct value (so the
+        work of equal microbatches on different ranks is looked up by identity, never rehashed)."""
+        by_rank = self._sig_of_rank.get((module, rank, mb))
+        if by_rank is not None:
+            return by_rank
         key = (module, self._data_rank(module, rank), mb)
         got = self._sig_cache.get(key)
         if got is None:
@@ -61,7 +66,8 @@ class WorkMixin:
                 got = tuple(s.grid_thw for i in ids for s in sample(i).segments if s.encoder == "vision")
             else:
                 got = tuple(s.mel_frames for i in ids for s in sample(i).segments if s.encoder == "audio")
-            self._sig_cache[key] = got
+            got = self._sig_cache[key] = self._sig_intern.setdefault((module, got), got)
+        self._sig_of_rank[(module, rank, mb)] = got
         return got
 
     def input_elements(self, module: str, rank: int, a: Action) -> float:
@@ -82,6 +88,10 @@ class WorkMixin:
         return 0
 
     def work(self, module: str, stage: int, sig: tuple, sp: int = 0) -> Work:
+        fast = (id(sig), module, stage, sp)  # signatures are shared tuples (`_signature`)
+        hit = self._work_cache.get(fast)
+        if hit is not None and hit[1] is sig:
+            return hit[0]
         key = (module, stage, sig, sp)
         got = self._work_cache.get(key)
         if got is None:
@@ -108,6 +118,7 @@ class WorkMixin:
 
                 got = _replace(got, shape=_replace(got.shape, stack=self._eager_stack(module, lay)))
             self._work_cache[key] = got
+        self._work_cache[fast] = (got, sig)
         return got
 
     def _eager_stack(self, module: str, lay):
@@ -119,8 +130,10 @@ class WorkMixin:
 
         fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
         chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
-        return Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
-                     weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
+        stack = Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
+                      weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
+        # one object per distinct stack: shapes holding equal stacks then hash and compare cheaply
+        return self._work_cache.setdefault(("stack", stack), stack)
 
     def stage_work(self, module: str, stage: int) -> Work:
         """Parameters of what pipeline rank `stage` holds (no data): the work of an empty microbatch;
