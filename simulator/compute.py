@@ -83,7 +83,11 @@ class ComputeModel:
         if got is None:
             from simulator.kernels import load_kernel_profile
 
-            got = self._kernel_cache["profile"] = load_kernel_profile(self.cluster.kernels, self.cluster.gpu.peak_flops)
+            g = self.cluster.gpu
+            got = load_kernel_profile(self.cluster.kernels, g.peak_flops)
+            if (g.kernel_compute_scale, g.kernel_memory_scale) != (1.0, 1.0):
+                got = got.scaled(g.kernel_compute_scale, g.kernel_memory_scale)
+            self._kernel_cache["profile"] = got
         return got
 
     def describe(self) -> str:

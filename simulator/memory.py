@@ -41,7 +41,7 @@ class MemoryMixin:
         recomputed layer that exists only during the backward (`_Op.act_transient`)."""
         out = work.act_bytes - work.act_transient
         prof = self.compute.kernels
-        if (prof is not None and prof.attention_kernel == "unfused" and work.shape is not None
+        if (prof is not None and (self.options.attention or prof.attention_kernel) == "unfused" and work.shape is not None
                 and self.policy["llm"] == "none"):
             out += 5.0 * work.shape.layers * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
         return out

@@ -89,7 +89,13 @@ class ProgramMixin:
             if work.tp_bytes and len(tp_group) > 1:
                 t = calls * self.coll_inline.cost("all_reduce", work.tp_bytes / calls, tp_group)
                 comm += t
-                exposed += t
+                if self.options.tp_overlap and self.coll.inline_overlap:
+                    # TE userbuffers / AsyncTP cut each TP GEMM into tp pieces and pass one piece's
+                    # all-gather or reduce-scatter while the next computes: what the GEMMs cannot
+                    # hide stays exposed, and the first piece always does
+                    exposed += max(t / len(tp_group), t - own)
+                else:
+                    exposed += t
                 n_calls += calls
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
@@ -244,6 +250,9 @@ class ProgramMixin:
                 group = self._grad_group(module, rank)
                 stage = self._stage(module, rank, a)
                 cost = self.grad_sync_cost(module, rank, stage) if comm_on else 0.0
+                lay = self.plan.layouts[module]
+                if cost and self.coll.inline_overlap and (lay.fsdp or self.options.overlap_grad_reduce):
+                    cost = self._behind_backward(cost, module, stage, ops)
                 gid, n_members = self._members(group, cls)
                 key = ("coll", module, stage, gid)
                 n = seen[key]
@@ -265,7 +274,7 @@ class ProgramMixin:
                 ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._optimizer_params(rank),
                                                                                *self.layers_on_rank(rank))))
                 if comm_on:
-                    ops += self._param_gathers(rank, cls, seen)
+                    ops += self._param_gathers(rank, cls, seen, ops)
         # fp32 gradients of a module's parameter shard exist from its first backward to the step's end
         graded: set[str] = set()
         for op in ops:
@@ -277,11 +286,24 @@ class ProgramMixin:
     def _synced_modules(self, rank: int) -> list[str]:
         return [a.module for a in self.plan.actions.get(rank, []) if a.kind == GRAD_SYNC]
 
-    def _param_gathers(self, rank: int, cls: dict[int, int], seen: dict) -> list[_Op]:
+    def _behind_backward(self, cost: float, module: str, stage: int, ops: list[_Op]) -> float:
+        """What of a gradient reduction the rank still waits for when it runs bucket by bucket behind
+        the backward (FSDP's per-layer reduce-scatters; DDP/ZeRO with overlap_grad_reduce): the last
+        microbatch's backward of each model chunk hides all but the last layer's bucket."""
+        lay = self.plan.layouts[module]
+        chunks = lay.vpp if module == "llm" else 1
+        layers = max(1, self.stage_work(module, stage).layers // chunks)
+        backs = [op for op in ops if op.kind == BACKWARD and op.action.module == module][-chunks:]
+        hide = sum(op.duration + op.exposed for op in backs) * (1 - 1 / layers)
+        return max(cost / layers, cost - hide)
+
+    def _param_gathers(self, rank: int, cls: dict[int, int], seen: dict, done: list[_Op]) -> list[_Op]:
         """ZeRO-1/2: after the step, one all-gather per module of its updated bf16 parameters over
         the data-parallel group (experts over the ranks holding the same experts), for every
         module this rank reduced gradients of. The next step's forward needs the weights, so the
-        rank waits for it (blocking: its wait counts as exposed communication)."""
+        rank waits for it (blocking: its wait counts as exposed communication); with
+        `overlap_param_gather` (Megatron's distributed optimizer) each layer's gather runs behind the
+        next step's first forward, which hides all but the first layer's."""
         ops = []
         for module in self._synced_modules(rank):
             lay = self.plan.layouts[module]
@@ -295,6 +317,11 @@ class ProgramMixin:
             if w.expert_params:
                 experts = 2.0 * w.expert_params / lay.tp / max(1, lay.ep)
                 cost += self.coll.cost("all_gather", experts, self._expert_group(rank, group, lay.ep))
+            if self.options.overlap_param_gather and self.coll.inline_overlap:
+                first = next((op for op in done if op.kind == FORWARD and op.action.module == module), None)
+                layers = max(1, w.layers)
+                hide = (first.duration + first.exposed) * (1 - 1 / layers) if first is not None else 0.0
+                cost = max(cost / layers, cost - hide)
             gid, n_members = self._members(group, cls)
             key = ("params", module, stage, gid)
             n = seen[key]

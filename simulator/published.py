@@ -276,11 +276,50 @@ def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
                         microbatches=row.microbatches, recompute=row.recompute, **dp_mode_fields(row.dp_mode))
 
 
+HOPPER = ("h100", "h200", "h800")
+
+
 def options_of(row: PublishedRun, stack: str | None = None):
-    """What the row's software runs, as simulation options (see `simulator/options.py`)."""
+    """What the row's software runs, as simulation options (`simulator/options.py`), by one rule per
+    stack read off its code and documents at the row's date (README, "What each stack runs"):
+
+    - megatron on V100/A100 (Megatron-LM 2019-2023, Narayanan et al., MegaScale's baseline): fused
+      kernels, unfused attention (s x s scores through HBM), DP all-reduce after the backward;
+      on H100 (Megatron-Core 2025, the MoE model zoo): Transformer Engine kernels and fused
+      attention, sequence parallelism, distributed optimizer with overlapped gradient reduction and
+      parameter gather;
+    - nemo (NeMo 2 / Megatron-Bridge recipes): the same H100 Megatron-Core stack, plus TP
+      communication overlap (userbuffers) wherever tp > 1;
+    - torchtitan: PyTorch eager blocks (fp32 norm and RoPE math) unless the notes say torch.compile,
+      SDPA flash attention, FSDP2 (per-layer gathers prefetched, reduce-scatters behind the
+      backward), TP with sequence parallelism, AsyncTP where the notes say so, Float8 linears at fp8;
+    - fsdp (MosaicML Composer + llm-foundry MPT): FSDP with flash attention and low-precision
+      LayerNorm, fused-kernel costs;
+    - deepspeed (ZeRO-3 rows of Narayanan et al.: Megatron's GPT model under DeepSpeed): as megatron;
+    - other (MegaScale, Meta's Llama 3 stack): fused kernels and flash attention; what the notes
+      say the publication overlaps ("overlap") is overlapped.
+    `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
     from simulator.engine import SimOptions
 
-    return SimOptions(recompute=row.recompute, stack=stack or "fused")
+    hopper = row.hardware.startswith(HOPPER)
+    tp = row.tp > 1
+    notes = row.notes.lower()
+    kernels, attention = "fused", "flash"
+    sp = overlap_grad = overlap_params = tp_overlap = False
+    if row.stack in ("megatron", "deepspeed") and not hopper:
+        attention = "unfused"
+    elif row.stack in ("megatron", "nemo"):
+        sp, overlap_grad, overlap_params = tp, True, True
+        tp_overlap = row.stack == "nemo" and tp
+    elif row.stack == "torchtitan":
+        kernels = "fused" if row.compiled else "eager"
+        sp, tp_overlap = tp, "asynctp" in notes
+    elif row.stack == "other":
+        overlap = "overlap" in notes
+        sp, overlap_grad, overlap_params, tp_overlap = tp, overlap, overlap, overlap and tp
+    return SimOptions(recompute=row.recompute, stack=stack or kernels, attention=attention,
+                      gemm_dtype="fp8" if row.precision == "fp8" and hopper else "bf16", sequence_parallel=sp,
+                      overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap)
 
 
 def fixed_text_workload(seq: int):

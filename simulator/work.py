@@ -103,12 +103,22 @@ class WorkMixin:
                 got = make(getattr(self.model, module), list(sig), lay.tp, lay.sp, self.policy[module], chunk)
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
-            if got.shape is not None and self.options.stack == "eager":
-                from dataclasses import replace as _replace
-
-                got = _replace(got, shape=_replace(got.shape, stack=self._eager_stack(module, lay)))
+            if got.shape is not None:
+                got = self._with_stack(got, module, lay)
             self._work_cache[key] = got
         return got
+
+    def _with_stack(self, got: Work, module: str, lay) -> Work:
+        """The Work's kernel shape under the simulated software stack (SimOptions)."""
+        from dataclasses import replace as _replace
+
+        from simulator.kernels import FUSED
+
+        o = self.options
+        stack = self._eager_stack(module, lay) if o.stack == "eager" else FUSED
+        stack = _replace(stack, attention=o.attention, gemm=o.gemm_dtype)
+        return _replace(got, shape=_replace(got.shape, stack=stack,
+                                            sequence_parallel=o.sequence_parallel and lay.tp > 1))
 
     def _eager_stack(self, module: str, lay):
         """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
