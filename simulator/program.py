@@ -76,6 +76,8 @@ class ProgramMixin:
         work = self.work(module, a.stage if module == "llm" else 0, self._signature(module, rank, a.microbatch),
                          len(long_group))
         recompute = self.policy[module] if a.kind == BACKWARD else "none"
+        if recompute == "selective" and self.options.selective == "half":
+            recompute = "half"  # torchtitan's selective checkpointing (SimOptions.selective)
         inputs = self.input_elements(module, rank, a)
         # chunked encoders: each chunk runs its forward again inside the backward action
         again = self.compute.action_time(work, FORWARD, "none", module) if work.chunks and a.kind == BACKWARD else 0.0
@@ -157,7 +159,7 @@ class ProgramMixin:
                 dense = (work.params - work.expert_params) / lay.tp
                 n = max(1, work.layers)
                 calls = n if self.coll.inline_overlap else n + 1
-                g = self.coll_inline.cost("all_gather", 2 * dense / calls, shard)
+                g = self._bucketed("all_gather", 2 * dense / calls, shard, self.options.fsdp_gather_bucket)
                 if work.expert_params:
                     edp = self._expert_group(rank, shard, lay.ep)
                     g += self.coll_inline.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / calls, edp)
@@ -165,8 +167,18 @@ class ProgramMixin:
                 reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
                 comm += reps * calls * g
                 n_calls += reps * calls
+                # FSDP without no_sync (SimOptions.fsdp_reduce_every_microbatch) also reduce-scatters each
+                # layer's gradients in every backward; grad_sync holds the last microbatch's
+                r = 0.0
+                if (a.kind == BACKWARD and self.options.fsdp_reduce_every_microbatch and self.coll.inline_overlap
+                        and a.microbatch != self._last_backward(rank, module)):
+                    r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
+                                       self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
+                    comm += n * r
+                    n_calls += n
                 if self.coll.inline_overlap:
-                    exposed += reps * g + (reps * n - reps) * max(0.0, g - own / (reps * n))
+                    # the last layer's reduce-scatter finishes after the backward's compute
+                    exposed += reps * g + (reps * n - reps) * max(0.0, g + r - own / (reps * n)) + r
                 else:
                     exposed += reps * calls * g
             op.comm, op.exposed, op.calls = comm, exposed, n_calls
@@ -188,6 +200,12 @@ class ProgramMixin:
         op.act_delta = live if a.kind == FORWARD else -live
         op.act_transient = work.act_transient + (copies if work.chunks else 0.0) if a.kind == BACKWARD else 0.0
         return op
+
+    def _bucketed(self, op: str, nbytes: float, group: tuple[int, ...], bucket: float, elem: float = 2.0) -> float:
+        """One layer's FSDP collective of `nbytes`, issued in buckets of `bucket` parameters (`elem`
+        bytes each) when the stack buckets it (SimOptions.fsdp_gather_bucket / _reduce_bucket)."""
+        k = max(1, -(-int(nbytes / elem) // int(bucket))) if bucket > 0 else 1
+        return k * self.coll_inline.cost(op, nbytes / k, group)
 
     def _last_backward(self, rank: int, module: str) -> int:
         key = ("last_bwd", rank, module)
@@ -361,7 +379,14 @@ class ProgramMixin:
         dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
         if lay.hsdp:
             return self._hsdp_grad_sync_cost(module, rank, w, nbytes, dense, calls)
-        cost = calls * coll.cost(op_name, dense / calls, group)
+        if lay.fsdp and self.coll.inline_overlap:
+            # FSDP reduce-scatters layer by layer (in the stack's buckets): at thousands of ranks each
+            # call's ring latency counts
+            n = max(1, w.layers)
+            cost = n * self._bucketed(op_name, dense / n, group, self.options.fsdp_reduce_bucket,
+                                      self.options.grad_reduce_bytes)
+        else:
+            cost = calls * coll.cost(op_name, dense / calls, group)
         if w.expert_params and lay.ep > 1:
             # Experts are split over ep; their grads reduce over the remaining replicas.
             cost += calls * coll.cost(op_name, (nbytes - dense) / lay.ep / calls,

@@ -293,9 +293,14 @@ def options_of(row: PublishedRun, stack: str | None = None):
     - torchtitan: PyTorch eager blocks (fp32 norm and RoPE math) unless the notes say torch.compile,
       SDPA flash attention, FSDP2 (per-layer gathers prefetched, reduce-scatters behind the
       backward), TP with sequence parallelism, AsyncTP where the notes say so, Float8 linears at fp8;
+      its selective checkpointing recomputes half of each block's forward (every other matmul and
+      the element-wise ops, or every other block: torchtitan's `selective_ac_option` "op" / "2");
     - fsdp (MosaicML Composer + llm-foundry MPT): FSDP with flash attention and low-precision
-      LayerNorm, fused-kernel costs;
-    - deepspeed (ZeRO-3 rows of Narayanan et al.: Megatron's GPT model under DeepSpeed): as megatron;
+      LayerNorm, fused-kernel costs; Composer runs no no_sync under FSDP, so gradients are
+      reduce-scattered in every microbatch's backward;
+    - deepspeed (ZeRO-3 rows of Narayanan et al.: Megatron's GPT model under DeepSpeed): as megatron,
+      parameters gathered in prefetch buckets of 5e7 and gradients reduced in buckets of 5e8 (the
+      ZeRO-3 config defaults);
     - other (MegaScale, Meta's Llama 3 stack): fused kernels and flash attention; what the notes
       say the publication overlaps ("overlap") is overlapped.
     `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
@@ -304,8 +309,12 @@ def options_of(row: PublishedRun, stack: str | None = None):
     hopper = row.hardware.startswith(HOPPER)
     tp = row.tp > 1
     notes = row.notes.lower()
-    kernels, attention = "fused", "flash"
-    sp = overlap_grad = overlap_params = tp_overlap = False
+    kernels, attention, selective = "fused", "flash", "attention"
+    sp = overlap_grad = overlap_params = tp_overlap = reduce_every = False
+    gather_bucket = reduce_bucket = 0.0
+    if row.stack == "deepspeed":
+        # ZeRO-3's stage3_prefetch_bucket_size and reduce_bucket_size defaults (DeepSpeed config docs)
+        gather_bucket, reduce_bucket = 5e7, 5e8
     if row.stack in ("megatron", "deepspeed") and not hopper:
         attention = "unfused"
     elif row.stack in ("megatron", "nemo"):
@@ -313,13 +322,18 @@ def options_of(row: PublishedRun, stack: str | None = None):
         tp_overlap = row.stack == "nemo" and tp
     elif row.stack == "torchtitan":
         kernels = "fused" if row.compiled else "eager"
-        sp, tp_overlap = tp, "asynctp" in notes
+        sp, tp_overlap, selective = tp, "asynctp" in notes, "half"
+    elif row.stack == "fsdp":
+        reduce_every = True
     elif row.stack == "other":
         overlap = "overlap" in notes
         sp, overlap_grad, overlap_params, tp_overlap = tp, overlap, overlap, overlap and tp
     return SimOptions(recompute=row.recompute, stack=stack or kernels, attention=attention,
                       gemm_dtype="fp8" if row.precision == "fp8" and hopper else "bf16", sequence_parallel=sp,
-                      overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap)
+                      overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap,
+                      selective=selective, fsdp_reduce_every_microbatch=reduce_every,
+                      fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket,
+                      p2p_scatter_gather=True)
 
 
 def fixed_text_workload(seq: int):

@@ -158,7 +158,9 @@ class WorkMixin:
         sig = self._signature(module, rank, mb)
         lay = self.plan.layouts[module]
         if module == "llm":
-            return sum(sig) / lay.cp * self.model.llm.hidden * 2
+            # Megatron's scatter/gather (and sequence parallelism) sends each tp rank's 1/tp slice
+            split = lay.tp if self.options.p2p_scatter_gather else 1
+            return sum(sig) / lay.cp / split * self.model.llm.hidden * 2
         enc = self.model.encoders[module]
         w = self.work(module, 0, sig)
         return w.tokens * enc.hidden * 2
