@@ -384,9 +384,10 @@ def _fp8_bytes(s: BlockShape, linears: list[tuple[float, float]], t: float, bwd:
 
 
 def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
-    """The MoE MLP of one layer: router GEMM, then one SwiGLU expert after another (moe.py loops over
-    the rank's experts: three GEMMs and two element-wise kernels each, so small experts are launch
-    bound), the token copies gathered, weighted and added back, and the shared expert. Tokens are
+    """The MoE MLP of one layer: router GEMM, then (eager: this project's moe.py) one SwiGLU expert after
+    another (three GEMMs and two element-wise kernels each, so small experts are launch bound) or
+    (fused: Megatron-Core) grouped GEMMs over the rank's experts, the token copies gathered, weighted
+    and added back, and the shared expert. Tokens are
     spread evenly over experts (the Plan does not know the routing): t * top_k / E per expert of
     each rank's tokens, an expert-parallel rank receiving its experts' share of all ep ranks' tokens."""
     h, f = s.hidden, s.moe_ffn
@@ -400,9 +401,23 @@ def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
         return p.gemm_time(m, fan_out, fan_in)
 
     out += linear(t, s.moe_router, h)
-    out += s.moe_experts * (2 * linear(te, f, h) + linear(te, h, f))
     if s.moe_shared_ffn:
         out += 2 * linear(t, s.moe_shared_ffn, h) + linear(t, h, s.moe_shared_ffn) + linear(t, 1, h)
+    if s.stack.kind != "eager":
+        # Megatron-Core / Transformer Engine: the rank's experts as grouped GEMMs (one launch for all
+        # of them, each group at its own shape's rate), fused permute / unpermute of the token copies
+        # (read and write each, bf16) and a fused gated activation
+        fp8 = s.stack.gemm == "fp8"
+        for fan_out, fan_in in ((2 * f, h), (h, f)):
+            shapes = ((fan_in, fan_out, te), (fan_out, fan_in, te)) if bwd else ((te, fan_out, fan_in),)
+            for m, n, k in shapes:
+                if min(m, n, k) > 0:
+                    out += max(s.moe_experts * 2.0 * m * n * k / (p.gemm_rate(m, n, k)
+                                                                  * (fp8_speedup(min(m, n, k)) if fp8 else 1.0)),
+                               p.launch_s)
+        nbytes = routed * (8 * h + 6 * f) * (2 if bwd else 1) + t * s.moe_router * 4 * 3
+        return out + p.memory_time(nbytes, 16 if bwd else 8)
+    out += s.moe_experts * (2 * linear(te, f, h) + linear(te, h, f))
     r = s.stack.residual_bytes if s.stack.kind == "eager" else 2
     # per routed copy and hidden element: gather (r + r), cast for the expert GEMMs (r + 2), the
     # concatenated outputs (4), the routing weight (4), back to the stream's dtype and index-added (3 r)

@@ -289,7 +289,7 @@ def _validate_published(path: Path, kernels: str | None, stack: str | None = Non
             command += f" --stack {stack}"
         if kernels:
             command += f" --kernels {kernels}"
-        markdown.write_text(to_markdown(checks, command))
+        markdown.write_text(to_markdown(checks, command, [(r.name, e) for r, e in failed]))
     if as_json:
         out = to_json(checks)
         out["failed"] = [{"name": r.name, "error": e} for r, e in failed]
