@@ -314,6 +314,7 @@ class BlockShape:
     moe_top_k: int = 0
     moe_ffn: int = 0
     moe_shared_ffn: int = 0
+    moe_token_split: int = 1  # the MoE sees 1/this of the rank's tokens (folded experts: its SP shard)
 
     @property
     def ntokens(self) -> float:
@@ -391,6 +392,7 @@ def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
     spread evenly over experts (the Plan does not know the routing): t * top_k / E per expert of
     each rank's tokens, an expert-parallel rank receiving its experts' share of all ep ranks' tokens."""
     h, f = s.hidden, s.moe_ffn
+    t = t / s.moe_token_split
     routed = t * s.moe_top_k  # token copies this rank's experts process (balanced all-to-all)
     te = routed / s.moe_experts
     out = 0.0

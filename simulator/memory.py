@@ -56,7 +56,8 @@ class MemoryMixin:
         w = self.stage_work(m, idx.coords[rank].get("pp", 0))
         shard = len(self._shard_group(m, rank)) if lay.fsdp else 1  # HSDP: the shard group only
         dense = w.params - w.expert_params
-        return dense / lay.tp / shard + w.expert_params / lay.tp / max(1, lay.ep) / max(1, shard // lay.ep)
+        etp = 1 if lay.expert_tp == 1 else lay.tp  # folded experts (expert_tp 1) are whole on their rank
+        return dense / lay.tp / shard + w.expert_params / etp / max(1, lay.ep) / max(1, shard // lay.ep)
 
     def _static_memory(self, rank: int) -> float:
         """What a rank holds all step: its parameter shard's fp32 master weights and AdamW state

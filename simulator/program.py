@@ -137,8 +137,9 @@ class ProgramMixin:
                 n_calls += work.layers
             shard = self._grad_group(module, rank)
             if work.ep_bytes and lay.ep > 1:
-                i = shard.index(rank)
-                ep_group = shard[i - i % lay.ep: i - i % lay.ep + lay.ep]
+                scope = self._expert_scope(module, rank)
+                i = scope.index(rank)
+                ep_group = scope[i - i % lay.ep: i - i % lay.ep + lay.ep]
                 t = calls * self.coll_inline.cost("all_to_all", work.ep_bytes / calls, ep_group)
                 comm += t
                 exposed += t
@@ -161,8 +162,9 @@ class ProgramMixin:
                 calls = n if self.coll.inline_overlap else n + 1
                 g = self._bucketed("all_gather", 2 * dense / calls, shard, self.options.fsdp_gather_bucket)
                 if work.expert_params:
-                    edp = self._expert_group(rank, shard, lay.ep)
-                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / calls, edp)
+                    edp = self._expert_group(rank, self._expert_scope(module, rank, shard), lay.ep)
+                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / self._expert_split(lay) / calls,
+                                               edp)
                 # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
                 reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
                 comm += reps * calls * g
@@ -306,6 +308,19 @@ class ProgramMixin:
     def _synced_modules(self, rank: int) -> list[str]:
         return [a.module for a in self.plan.actions.get(rank, []) if a.kind == GRAD_SYNC]
 
+    def _expert_scope(self, module: str, rank: int, default: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The ranks a module's experts are spread over: its data-parallel group (dp*cp), or under MoE
+        parallel folding (Layout.expert_tp 1) the stage's dp*cp*tp ranks."""
+        lay = self.plan.layouts[module]
+        if module == "llm" and lay.expert_tp == 1 and lay.tp > 1:
+            return self.index[module].group(rank, ("dp", "cp", "tp"))
+        return default if default is not None else self._grad_group(module, rank)
+
+    @staticmethod
+    def _expert_split(lay) -> int:
+        """Ranks one copy of the experts is cut over: ep, times tp unless the experts are folded."""
+        return max(1, lay.ep) * (1 if lay.expert_tp == 1 else lay.tp)
+
     def _contention(self, overlapped: float) -> float:
         """Seconds compute loses to `overlapped` seconds of communication running beside it: NCCL's
         kernels occupy SMs and move bytes through HBM (GPUSpec.comm_contention: the fraction of the
@@ -343,8 +358,9 @@ class ProgramMixin:
             dense = 2.0 * (w.params - w.expert_params) / lay.tp
             cost = self.coll.cost("all_gather", dense, group)
             if w.expert_params:
-                experts = 2.0 * w.expert_params / lay.tp / max(1, lay.ep)
-                cost += self.coll.cost("all_gather", experts, self._expert_group(rank, group, lay.ep))
+                experts = 2.0 * w.expert_params / self._expert_split(lay)
+                scope = self._expert_scope(module, rank, group)
+                cost += self.coll.cost("all_gather", experts, self._expert_group(rank, scope, lay.ep))
             if self.options.overlap_param_gather and self.coll.inline_overlap:
                 first = next((op for op in done if op.kind == FORWARD and op.action.module == module), None)
                 layers = max(1, w.layers)
@@ -398,9 +414,10 @@ class ProgramMixin:
         else:
             cost = calls * coll.cost(op_name, dense / calls, group)
         if w.expert_params and lay.ep > 1:
-            # Experts are split over ep; their grads reduce over the remaining replicas.
-            cost += calls * coll.cost(op_name, (nbytes - dense) / lay.ep / calls,
-                                      self._expert_group(rank, group, lay.ep))
+            # Experts are split over ep (and tp unless folded); their grads reduce over the replicas.
+            experts = self.options.grad_reduce_bytes * w.expert_params / self._expert_split(lay)
+            cost += calls * coll.cost(op_name, experts / calls,
+                                      self._expert_group(rank, self._expert_scope(module, rank, group), lay.ep))
         elif w.expert_params:
             cost += calls * coll.cost(op_name, (nbytes - dense) / calls, group)
         return cost

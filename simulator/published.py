@@ -270,10 +270,19 @@ def model_of(row: PublishedRun) -> MultimodalSpec:
 
 def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
     """The row's layout: dp = gpus / (tp pp cp), its data-parallel mode as `--dp-mode` names it
-    (fsdp: one shard group over the whole data-parallel group, as the stacks ran it)."""
+    (fsdp: one shard group over the whole data-parallel group, as the stacks ran it). Megatron-Core
+    stacks cut a pipeline whose virtual stages do not divide the layers with the embedding and the
+    loss counted as a layer each (the recipes' account_for_embedding/loss_in_pipeline_split). MoE rows
+    with tp > 1 keep their experts whole (expert tensor parallelism 1: the MoE model zoo's ETP column
+    for every H100 row; for Megatron-Bridge's TP 2 x EP 32 on 256 GPUs the only ETP the layout
+    allows), ep drawn from the dp*cp*tp ranks (Megatron's MoE parallel folding)."""
+    stages = row.pp * row.vpp
+    split = (row.stack in ("megatron", "nemo") and row.pp > 1 and row.layers % stages != 0
+             and (row.layers + 2) % stages == 0)
     return ParallelSpec(world_size=row.gpus, gpus_per_node=gpus_per_node, dp=row.dp, tp=row.tp, pp=row.pp,
                         cp=row.cp, cp_kind=CP_KINDS[row.cp_kind], ep=row.ep, virtual_stages=row.vpp,
-                        microbatches=row.microbatches, recompute=row.recompute, **dp_mode_fields(row.dp_mode))
+                        microbatches=row.microbatches, recompute=row.recompute, embedding_loss_stages=split,
+                        expert_tp=1 if row.model_kind == "moe" and row.tp > 1 else 0, **dp_mode_fields(row.dp_mode))
 
 
 HOPPER = ("h100", "h200", "h800")
