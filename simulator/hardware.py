@@ -44,9 +44,6 @@ class GPUSpec:
     # the profiled device's). 1.0: the profiled GPU itself.
     kernel_compute_scale: float = 1.0
     kernel_memory_scale: float = 1.0
-    # Communication overlapped with compute slows the compute: NCCL's kernels hold SMs and HBM
-    # bandwidth while they run. The fraction of the GPU's compute lost meanwhile (0: none).
-    comm_contention: float = 0.0
 
     @property
     def peak_flops(self) -> float:
@@ -132,9 +129,7 @@ class ClusterSpec:
             pos(f"gpu.{f}", getattr(self.gpu, f))
         for f in ("kernel_compute_scale", "kernel_memory_scale"):
             pos(f"gpu.{f}", getattr(self.gpu, f))
-        c = self.gpu.comm_contention
-        if not isinstance(c, (int, float)) or not 0 <= c < 1:
-            raise HardwareError(f"gpu.comm_contention must be in [0, 1), got {c!r}")
+
         for f in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             v = getattr(self.gpu, f)
             if not isinstance(v, (int, float)) or not 0 < v <= 1:

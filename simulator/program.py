@@ -187,8 +187,6 @@ class ProgramMixin:
             if n_calls:
                 # The rank's own work around each call (hooks, copies) runs on its compute stream.
                 op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls) + again
-            # communication running behind this action's compute takes SMs and HBM from it
-            op.duration += self._contention(min(max(0.0, comm - exposed), op.duration))
         lock = self._lock_group(module, rank)
         if lock is not None and self.compute.lock_skew:
             op.duration *= 1.0 + self.compute.lock_skew
@@ -321,14 +319,6 @@ class ProgramMixin:
         """Ranks one copy of the experts is cut over: ep, times tp unless the experts are folded."""
         return max(1, lay.ep) * (1 if lay.expert_tp == 1 else lay.tp)
 
-    def _contention(self, overlapped: float) -> float:
-        """Seconds compute loses to `overlapped` seconds of communication running beside it: NCCL's
-        kernels occupy SMs and move bytes through HBM (GPUSpec.comm_contention: the fraction of the
-        GPU's compute they take meanwhile)."""
-        if not self.coll.inline_overlap:
-            return 0.0
-        return self.cluster.gpu.comm_contention * overlapped
-
     def _behind_backward(self, cost: float, module: str, stage: int, ops: list[_Op]) -> float:
         """What of a gradient reduction the rank still waits for when it runs bucket by bucket behind
         the backward (FSDP's per-layer reduce-scatters; DDP/ZeRO with overlap_grad_reduce): the last
@@ -338,7 +328,7 @@ class ProgramMixin:
         layers = max(1, self.stage_work(module, stage).layers // chunks)
         backs = [op for op in ops if op.kind == BACKWARD and op.action.module == module][-chunks:]
         hide = sum(op.duration + op.exposed for op in backs) * (1 - 1 / layers)
-        return max(cost / layers, cost - hide) + self._contention(min(cost, hide))
+        return max(cost / layers, cost - hide)
 
     def _param_gathers(self, rank: int, cls: dict[int, int], seen: dict, done: list[_Op]) -> list[_Op]:
         """ZeRO-1/2: after the step, one all-gather per module of its updated bf16 parameters over
@@ -365,7 +355,7 @@ class ProgramMixin:
                 first = next((op for op in done if op.kind == FORWARD and op.action.module == module), None)
                 layers = max(1, w.layers)
                 hide = (first.duration + first.exposed) * (1 - 1 / layers) if first is not None else 0.0
-                cost = max(cost / layers, cost - hide) + self._contention(min(cost, hide))
+                cost = max(cost / layers, cost - hide)
             gid, n_members = self._members(group, cls)
             key = ("params", module, stage, gid)
             n = seen[key]
