@@ -473,7 +473,7 @@ class TableRow:
 
     def line(self) -> str:
         split = f"{self.split} (unstated FLOPs)" if self.unstated else (self.split or "all")
-        mem = f"{self.published_gib:.1f}" if self.published_gib is not None else "-"
+        mem = f"{self.published_gib:g}" if self.published_gib is not None else "-"
         return (f"| {self.name} | {self.source} | {split} | {self.gpus} | {self.layout} | {self.dp_mode} | "
                 f"{self.measured_s:.4g} | {self.simulated_s:.4g} | {self.error:+.1%} | {'yes' if self.fits else 'no'} | "
                 f"{mem} / {self.simulated_gib:.1f} |")
