@@ -41,6 +41,10 @@ class SimOptions:
     # thousands of ranks every call pays the ring's latency, once per hop
     fsdp_gather_bucket: float = 0.0
     fsdp_reduce_bucket: float = 0.0
+    # under full recomputation a sharded layer is gathered for its recomputed forward and again for
+    # its backward (DeepSpeed ZeRO-3 releases parameters after every forward, the recomputed one
+    # included); FSDP gathers once for both
+    gather_for_recompute: bool = False
     # pipeline sends carry each tp rank's 1/tp of the activation (Megatron's scatter/gather optimisation,
     # Narayanan et al. SC'21 sec. 4.1; a sequence-parallel stage output), not the whole of it
     p2p_scatter_gather: bool = False

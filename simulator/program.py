@@ -167,6 +167,8 @@ class ProgramMixin:
                                                edp)
                 # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
                 reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
+                if a.kind == BACKWARD and recompute == "full" and self.options.gather_for_recompute:
+                    reps += 1  # DeepSpeed ZeRO-3 releases a layer after its recomputed forward, gathers again
                 comm += reps * calls * g
                 n_calls += reps * calls
                 # FSDP without no_sync (SimOptions.fsdp_reduce_every_microbatch) also reduce-scatters each

@@ -309,7 +309,8 @@ def options_of(row: PublishedRun, stack: str | None = None):
       reduce-scattered in every microbatch's backward;
     - deepspeed (ZeRO-3 rows of Narayanan et al.: Megatron's GPT model under DeepSpeed): as megatron,
       parameters gathered in prefetch buckets of 5e7 and gradients reduced in buckets of 5e8 (the
-      ZeRO-3 config defaults);
+      ZeRO-3 config defaults), and gathered again for the recomputed forward (ZeRO-3 releases a
+      layer's parameters after every forward);
     - other (MegaScale, Meta's Llama 3 stack): fused kernels and flash attention; what the notes
       say the publication overlaps ("overlap") is overlapped.
     `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
@@ -324,6 +325,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
     if row.stack == "deepspeed":
         # ZeRO-3's stage3_prefetch_bucket_size and reduce_bucket_size defaults (DeepSpeed config docs)
         gather_bucket, reduce_bucket = 5e7, 5e8
+    regather = row.stack == "deepspeed"
     if row.stack in ("megatron", "deepspeed") and not hopper:
         attention = "unfused"
     elif row.stack in ("megatron", "nemo"):
@@ -341,7 +343,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
                       gemm_dtype="fp8" if row.precision == "fp8" and hopper else "bf16", sequence_parallel=sp,
                       overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap,
                       selective=selective, fsdp_reduce_every_microbatch=reduce_every,
-                      fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket,
+                      fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket, gather_for_recompute=regather,
                       p2p_scatter_gather=True)
 
 
