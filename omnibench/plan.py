@@ -83,6 +83,15 @@ class Layout:
     # LLM context parallelism: "ulysses" (the runtime's), "ring" or "allgather" (all-gather K/V, as
     # Llama 3 and torchtitan run it; both simulated only)
     cp_kind: str = "ulysses"
+    # LLM pipelines: the embedding and the loss count as one layer each when the layers are cut into
+    # (virtual) stages (Megatron's account_for_embedding/loss_in_pipeline_split): the first stage holds
+    # the embedding and one layer fewer, the last the loss and one layer fewer (simulated only)
+    embedding_loss_stages: bool = False
+    # MoE (LLM): 0 the experts are tensor-parallel like the dense MLP and ep is drawn from dp*cp; 1
+    # Megatron's MoE parallel folding with expert tensor parallelism 1: every expert whole on its rank,
+    # ep drawn from the dp*cp*tp ranks of a stage, each rank dispatching its 1/tp of the tokens
+    # (sequence parallel) (simulated only)
+    expert_tp: int = 0
 
     # Derived sizes are cached on the instance (cached_property writes its __dict__, as `_tables`
     # does): the simulator asks for them per action. Fields, equality, hashing and JSON are unchanged.
@@ -219,6 +228,9 @@ class Layout:
         if self.zero not in (0, 1, 2) or (self.zero and self.fsdp):
             raise PlanError(f"layout.{self.module}.zero: {self.zero} must be 0, 1 or 2, and 0 under fsdp "
                             "(FSDP already shards everything)")
+        if self.expert_tp not in (0, 1) or (self.expert_tp and (self.dp * self.cp * self.tp) % self.ep):
+            raise PlanError(f"layout.{self.module}.expert_tp: {self.expert_tp} must be 0 or 1, and with 1 ep={self.ep} "
+                            f"must divide dp*cp*tp = {self.dp * self.cp * self.tp}")
         if self.cp_kind not in CP_KINDS:
             raise PlanError(f"layout.{self.module}.cp_kind: must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}")
         if self.vpp < 1 or (self.vpp > 1 and (self.module != "llm" or self.pp < 2)):

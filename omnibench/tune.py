@@ -341,19 +341,20 @@ def _next_recompute(system, model, world, gpn, c: Candidate, samples) -> Candida
     return None
 
 
-def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profile, options) -> None:
+def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profile, options, stack: str = "eager",
+              dp_fields: dict | None = None) -> None:
     from simulator.engine import SimOptions, simulate
     from systems import get_planner
 
     c = trial.candidate
     planner = get_planner(c.system)
-    parallel = c.parallel(world, gpus_per_node, options)
+    parallel = replace(c.parallel(world, gpus_per_node, options), **(dp_fields or {}))
     t = tokens = flops = 0.0
     peak = 0.0
     fits = True
     for batch in batches:
         plan = planner.plan(model, parallel, batch)
-        r = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=c.recompute))
+        r = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=c.recompute, stack=stack))
         t += r.step_time
         tokens += r.tokens
         flops += r.model_flops
@@ -370,8 +371,11 @@ def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profi
 
 
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
-         options: dict | None = None, encoder_search: bool = True, log=None) -> TuneResult:
-    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`."""
+         options: dict | None = None, encoder_search: bool = True, log=None, stack: str = "eager",
+         dp_mode: str | None = None) -> TuneResult:
+    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`; every layout simulated
+    with the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`."""
+    from omnibench.specs.parallel import dp_mode_fields
     from systems import get_planner
 
     get_planner(system)  # one-line error for an unknown system
@@ -433,7 +437,8 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
                 continue
             tr = replace(tr, candidate=c, note="", simulated=False, estimate_gib=est / 2**30)
             try:
-                _evaluate(tr, model, world, gpn, batches, cluster, profile, options)
+                _evaluate(tr, model, world, gpn, batches, cluster, profile, options, stack,
+                          dp_mode_fields(dp_mode) if dp_mode else None)
             except ValueError as e:  # a planner refusing a layout (e.g. interleaving not planned)
                 tr.note = str(e).splitlines()[0]
                 tr.simulated = False

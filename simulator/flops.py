@@ -53,11 +53,17 @@ class Work:
         return self.matmul_flops + self.attention_flops
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    """Even split, the first `n_layers % pp` stages one layer longer."""
-    base, extra = divmod(n_layers, pp)
+def stage_layers(n_layers: int, pp: int, stage: int, embedding_loss: bool = False) -> range:
+    """Even split, the first `n_layers % pp` stages one layer longer. `embedding_loss`: the embedding
+    and the loss are cut as one layer each (Megatron's account_for_embedding/loss_in_pipeline_split),
+    so the first and last stages hold one transformer layer fewer (possibly none)."""
+    units = n_layers + (2 if embedding_loss else 0)
+    base, extra = divmod(units, pp)
     start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+    stop = start + base + (1 if stage < extra else 0)
+    if embedding_loss:  # unit 0 is the embedding, unit n_layers + 1 the loss
+        start, stop = max(0, start - 1), min(n_layers, stop - 1)
+    return range(start, max(start, stop))
 
 
 def _split(f: costs.Flops, div: float) -> dict:
@@ -82,7 +88,8 @@ def llm_expert_params(llm: LLMSpec, layers: range) -> float:
 
 
 def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
-             tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses") -> Work:
+             tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses",
+             expert_tp: int = 0) -> Work:
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
     n = len(layers)
@@ -105,9 +112,13 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     gather = cp > 1 and cp_kind == "allgather"
     ulysses = cp if cp > 1 and not ring and not gather else 1
     moe = llm.moe
+    # MoE parallel folding (expert_tp 1): experts whole, each rank routing its sequence-parallel 1/tp
+    # of the tokens over an ep group drawn from the stage's dp*cp*tp ranks
+    folded = moe is not None and expert_tp == 1 and tp > 1
     moe_fields = {} if moe is None else dict(
         moe_experts=max(1, moe.experts // ep), moe_router=moe.experts, moe_top_k=moe.top_k,
-        moe_ffn=-(-moe.expert_ffn // tp), moe_shared_ffn=-(-moe.shared_expert_ffn // tp))
+        moe_ffn=moe.expert_ffn if folded else -(-moe.expert_ffn // tp),
+        moe_shared_ffn=-(-moe.shared_expert_ffn // tp), moe_token_split=tp if folded else 1)
     mlp_params = mats * h * ffn if moe is None else (
         3 * h * moe_fields["moe_ffn"] * moe_fields["moe_experts"] + h * moe.experts + 3 * h * moe_fields["moe_shared_ffn"])
     shape = BlockShape(
@@ -129,7 +140,8 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         act_transient=_recomputed_layer(recompute, n, per_rank_tokens * costs.llm_layer_bytes(llm)) / tp,
         params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
         expert_params=llm_expert_params(llm, layers),
-        tp_bytes=n * 2 * (t / cp) * h * 2 if tp > 1 else 0.0,  # two bf16 all-reduces per layer
+        # two bf16 all-reduces per layer (one where folded experts need none)
+        tp_bytes=n * (1 if folded else 2) * (t / cp) * h * 2 if tp > 1 else 0.0,
         # Ulysses: q, k, v in and the output back, bf16, per layer; ring: the rank's K/V block passed
         # on cp - 1 times (point to point, overlapped with the block's attention: simulator/program.py);
         # all-gather: the gathered K/V of the whole sequences (the all-gather's output), per layer

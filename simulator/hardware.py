@@ -38,6 +38,12 @@ class GPUSpec:
     matmul_half_gflop: float = 0.6
     attention_efficiency: float = 0.55  # flash attention reaches less of peak than a GEMM
     memory_efficiency: float = 0.85
+    # A variant of the GPU its kernel profile was measured on (simulator/kernels.py): the profile's
+    # GEMM and attention rates times `kernel_compute_scale` (clocks held under a power cap), its
+    # element-wise bandwidth times `kernel_memory_scale` (another HBM: this preset's bandwidth over
+    # the profiled device's). 1.0: the profiled GPU itself.
+    kernel_compute_scale: float = 1.0
+    kernel_memory_scale: float = 1.0
 
     @property
     def peak_flops(self) -> float:
@@ -121,6 +127,9 @@ class ClusterSpec:
         pos("gpus_per_node", self.gpus_per_node, integer=True)
         for f in ("peak_tflops", "memory_gib", "memory_bandwidth_gbs", "matmul_half_gflop"):
             pos(f"gpu.{f}", getattr(self.gpu, f))
+        for f in ("kernel_compute_scale", "kernel_memory_scale"):
+            pos(f"gpu.{f}", getattr(self.gpu, f))
+
         for f in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             v = getattr(self.gpu, f)
             if not isinstance(v, (int, float)) or not 0 < v <= 1:

@@ -58,7 +58,8 @@ class MemoryMixin:
         if rank not in idx.coords:
             return 0.0, 0.0
         w = self.stage_work(module, idx.coords[rank].get("pp", 0))
-        return (w.params - w.expert_params) / lay.tp, w.expert_params / lay.tp / max(1, lay.ep)
+        etp = 1 if lay.expert_tp == 1 else lay.tp  # folded experts (expert_tp 1) are whole on their rank
+        return (w.params - w.expert_params) / lay.tp, w.expert_params / etp / max(1, lay.ep)
 
     def _module_state(self, module: str, rank: int) -> costs.StateBytes:
         """Weights (with master copies), gradients and AdamW state of `module` on `rank` under its
@@ -129,7 +130,7 @@ class MemoryMixin:
         recomputed layer that exists only during the backward (`_Op.act_transient`)."""
         out = work.act_bytes - work.act_transient
         prof = self.compute.kernels
-        if (prof is not None and prof.attention_kernel == "unfused" and work.shape is not None
+        if (prof is not None and (self.options.attention or prof.attention_kernel) == "unfused" and work.shape is not None
                 and self.policy["llm"] == "none"):
             out += 5.0 * work.shape.layers * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
         return out

@@ -76,6 +76,8 @@ class ProgramMixin:
         work = self.work(module, a.stage if module == "llm" else 0, self._signature(module, rank, a.microbatch),
                          len(long_group))
         recompute = self.policy[module] if a.kind == BACKWARD else "none"
+        if recompute == "selective" and self.options.selective == "half":
+            recompute = "half"  # torchtitan's selective checkpointing (SimOptions.selective)
         inputs = self.input_elements(module, rank, a)
         # chunked encoders: each chunk runs its forward again inside the backward action
         again = self.compute.action_time(work, FORWARD, "none", module) if work.chunks and a.kind == BACKWARD else 0.0
@@ -89,7 +91,13 @@ class ProgramMixin:
             if work.tp_bytes and len(tp_group) > 1:
                 t = calls * self.coll_inline.cost("all_reduce", work.tp_bytes / calls, tp_group)
                 comm += t
-                exposed += t
+                if self.options.tp_overlap and self.coll.inline_overlap:
+                    # TE userbuffers / AsyncTP cut each TP GEMM into tp pieces and pass one piece's
+                    # all-gather or reduce-scatter while the next computes: what the GEMMs cannot
+                    # hide stays exposed, and the first piece always does
+                    exposed += max(t / len(tp_group), t - own)
+                else:
+                    exposed += t
                 n_calls += calls
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
@@ -129,8 +137,9 @@ class ProgramMixin:
                 n_calls += work.layers
             shard = self._grad_group(module, rank)
             if work.ep_bytes and lay.ep > 1:
-                i = shard.index(rank)
-                ep_group = shard[i - i % lay.ep: i - i % lay.ep + lay.ep]
+                scope = self._expert_scope(module, rank)
+                i = scope.index(rank)
+                ep_group = scope[i - i % lay.ep: i - i % lay.ep + lay.ep]
                 t = calls * self.coll_inline.cost("all_to_all", work.ep_bytes / calls, ep_group)
                 comm += t
                 exposed += t
@@ -151,16 +160,29 @@ class ProgramMixin:
                 dense = (work.params - work.expert_params) / lay.tp
                 n = max(1, work.layers)
                 calls = n if self.coll.inline_overlap else n + 1
-                g = self.coll_inline.cost("all_gather", 2 * dense / calls, shard)
+                g = self._bucketed("all_gather", 2 * dense / calls, shard, self.options.fsdp_gather_bucket)
                 if work.expert_params:
-                    edp = self._expert_group(rank, shard, lay.ep)
-                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / calls, edp)
+                    edp = self._expert_group(rank, self._expert_scope(module, rank, shard), lay.ep)
+                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / self._expert_split(lay) / calls,
+                                               edp)
                 # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
                 reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
+                if a.kind == BACKWARD and recompute == "full" and self.options.gather_for_recompute:
+                    reps += 1  # DeepSpeed ZeRO-3 releases a layer after its recomputed forward, gathers again
                 comm += reps * calls * g
                 n_calls += reps * calls
+                # FSDP without no_sync (SimOptions.fsdp_reduce_every_microbatch) also reduce-scatters each
+                # layer's gradients in every backward; grad_sync holds the last microbatch's
+                r = 0.0
+                if (a.kind == BACKWARD and self.options.fsdp_reduce_every_microbatch and self.coll.inline_overlap
+                        and a.microbatch != self._last_backward(rank, module)):
+                    r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
+                                       self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
+                    comm += n * r
+                    n_calls += n
                 if self.coll.inline_overlap:
-                    exposed += reps * g + (reps * n - reps) * max(0.0, g - own / (reps * n))
+                    # the last layer's reduce-scatter finishes after the backward's compute
+                    exposed += reps * g + (reps * n - reps) * max(0.0, g + r - own / (reps * n)) + r
                 else:
                     exposed += reps * calls * g
             op.comm, op.exposed, op.calls = comm, exposed, n_calls
@@ -182,6 +204,12 @@ class ProgramMixin:
         op.act_delta = live if a.kind == FORWARD else -live
         op.act_transient = work.act_transient + (copies if work.chunks else 0.0) if a.kind == BACKWARD else 0.0
         return op
+
+    def _bucketed(self, op: str, nbytes: float, group: tuple[int, ...], bucket: float, elem: float = 2.0) -> float:
+        """One layer's FSDP collective of `nbytes`, issued in buckets of `bucket` parameters (`elem`
+        bytes each) when the stack buckets it (SimOptions.fsdp_gather_bucket / _reduce_bucket)."""
+        k = max(1, -(-int(nbytes / elem) // int(bucket))) if bucket > 0 else 1
+        return k * self.coll_inline.cost(op, nbytes / k, group)
 
     def _last_backward(self, rank: int, module: str) -> int:
         key = ("last_bwd", rank, module)
@@ -244,6 +272,9 @@ class ProgramMixin:
                 group = self._grad_group(module, rank)
                 stage = self._stage(module, rank, a)
                 cost = self.grad_sync_cost(module, rank, stage) if comm_on else 0.0
+                lay = self.plan.layouts[module]
+                if cost and self.coll.inline_overlap and (lay.fsdp or self.options.overlap_grad_reduce):
+                    cost = self._behind_backward(cost, module, stage, ops)
                 gid, n_members = self._members(group, cls)
                 key = ("coll", module, stage, gid)
                 n = seen[key]
@@ -268,7 +299,7 @@ class ProgramMixin:
                 ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._stepped_params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))
                 if comm_on:
-                    ops += self._param_gathers(rank, cls, seen)
+                    ops += self._param_gathers(rank, cls, seen, ops)
         # a module's gradients exist from its first backward to the step's end (ZeRO-2 in this
         # project's runtime: whole until its grad_sync, the rank's shard after)
         graded: set[str] = set()
@@ -284,11 +315,37 @@ class ProgramMixin:
     def _synced_modules(self, rank: int) -> list[str]:
         return [a.module for a in self.plan.actions.get(rank, []) if a.kind == GRAD_SYNC]
 
-    def _param_gathers(self, rank: int, cls: dict[int, int], seen: dict) -> list[_Op]:
+    def _expert_scope(self, module: str, rank: int, default: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The ranks a module's experts are spread over: its data-parallel group (dp*cp), or under MoE
+        parallel folding (Layout.expert_tp 1) the stage's dp*cp*tp ranks."""
+        lay = self.plan.layouts[module]
+        if module == "llm" and lay.expert_tp == 1 and lay.tp > 1:
+            return self.index[module].group(rank, ("dp", "cp", "tp"))
+        return default if default is not None else self._grad_group(module, rank)
+
+    @staticmethod
+    def _expert_split(lay) -> int:
+        """Ranks one copy of the experts is cut over: ep, times tp unless the experts are folded."""
+        return max(1, lay.ep) * (1 if lay.expert_tp == 1 else lay.tp)
+
+    def _behind_backward(self, cost: float, module: str, stage: int, ops: list[_Op]) -> float:
+        """What of a gradient reduction the rank still waits for when it runs bucket by bucket behind
+        the backward (FSDP's per-layer reduce-scatters; DDP/ZeRO with overlap_grad_reduce): the last
+        microbatch's backward of each model chunk hides all but the last layer's bucket."""
+        lay = self.plan.layouts[module]
+        chunks = lay.vpp if module == "llm" else 1
+        layers = max(1, self.stage_work(module, stage).layers // chunks)
+        backs = [op for op in ops if op.kind == BACKWARD and op.action.module == module][-chunks:]
+        hide = sum(op.duration + op.exposed for op in backs) * (1 - 1 / layers)
+        return max(cost / layers, cost - hide)
+
+    def _param_gathers(self, rank: int, cls: dict[int, int], seen: dict, done: list[_Op]) -> list[_Op]:
         """ZeRO-1/2: after the step, one all-gather per module of its updated bf16 parameters over
         the data-parallel group (experts over the ranks holding the same experts), for every
         module this rank reduced gradients of. The next step's forward needs the weights, so the
-        rank waits for it (blocking: its wait counts as exposed communication)."""
+        rank waits for it (blocking: its wait counts as exposed communication); with
+        `overlap_param_gather` (Megatron's distributed optimizer) each layer's gather runs behind the
+        next step's first forward, which hides all but the first layer's."""
         ops = []
         for module in self._synced_modules(rank):
             lay = self.plan.layouts[module]
@@ -300,8 +357,14 @@ class ProgramMixin:
             dense = 2.0 * (w.params - w.expert_params) / lay.tp
             cost = self.coll.cost("all_gather", dense, group)
             if w.expert_params:
-                experts = 2.0 * w.expert_params / lay.tp / max(1, lay.ep)
-                cost += self.coll.cost("all_gather", experts, self._expert_group(rank, group, lay.ep))
+                experts = 2.0 * w.expert_params / self._expert_split(lay)
+                scope = self._expert_scope(module, rank, group)
+                cost += self.coll.cost("all_gather", experts, self._expert_group(rank, scope, lay.ep))
+            if self.options.overlap_param_gather and self.coll.inline_overlap:
+                first = next((op for op in done if op.kind == FORWARD and op.action.module == module), None)
+                layers = max(1, w.layers)
+                hide = (first.duration + first.exposed) * (1 - 1 / layers) if first is not None else 0.0
+                cost = max(cost / layers, cost - hide)
             gid, n_members = self._members(group, cls)
             key = ("params", module, stage, gid)
             n = seen[key]
@@ -330,11 +393,19 @@ class ProgramMixin:
         dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
         if lay.hsdp:
             return self._hsdp_grad_sync_cost(module, rank, w, nbytes, dense, calls)
-        cost = calls * coll.cost(op_name, dense / calls, group)
+        if lay.fsdp and self.coll.inline_overlap:
+            # FSDP reduce-scatters layer by layer (in the stack's buckets): at thousands of ranks each
+            # call's ring latency counts
+            n = max(1, w.layers)
+            cost = n * self._bucketed(op_name, dense / n, group, self.options.fsdp_reduce_bucket,
+                                      self.options.grad_reduce_bytes)
+        else:
+            cost = calls * coll.cost(op_name, dense / calls, group)
         if w.expert_params and lay.ep > 1:
-            # Experts are split over ep; their grads reduce over the remaining replicas.
-            cost += calls * coll.cost(op_name, (nbytes - dense) / lay.ep / calls,
-                                      self._expert_group(rank, group, lay.ep))
+            # Experts are split over ep (and tp unless folded); their grads reduce over the replicas.
+            experts = self.options.grad_reduce_bytes * w.expert_params / self._expert_split(lay)
+            cost += calls * coll.cost(op_name, experts / calls,
+                                      self._expert_group(rank, self._expert_scope(module, rank, group), lay.ep))
         elif w.expert_params:
             cost += calls * coll.cost(op_name, (nbytes - dense) / calls, group)
         return cost

@@ -270,17 +270,81 @@ def model_of(row: PublishedRun) -> MultimodalSpec:
 
 def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
     """The row's layout: dp = gpus / (tp pp cp), its data-parallel mode as `--dp-mode` names it
-    (fsdp: one shard group over the whole data-parallel group, as the stacks ran it)."""
+    (fsdp: one shard group over the whole data-parallel group, as the stacks ran it). Megatron-Core
+    stacks cut a pipeline whose virtual stages do not divide the layers with the embedding and the
+    loss counted as a layer each (the recipes' account_for_embedding/loss_in_pipeline_split). MoE rows
+    with tp > 1 keep their experts whole (expert tensor parallelism 1: the MoE model zoo's ETP column
+    for every H100 row; for Megatron-Bridge's TP 2 x EP 32 on 256 GPUs the only ETP the layout
+    allows), ep drawn from the dp*cp*tp ranks (Megatron's MoE parallel folding)."""
+    stages = row.pp * row.vpp
+    split = (row.stack in ("megatron", "nemo") and row.pp > 1 and row.layers % stages != 0
+             and (row.layers + 2) % stages == 0)
     return ParallelSpec(world_size=row.gpus, gpus_per_node=gpus_per_node, dp=row.dp, tp=row.tp, pp=row.pp,
                         cp=row.cp, cp_kind=CP_KINDS[row.cp_kind], ep=row.ep, virtual_stages=row.vpp,
-                        microbatches=row.microbatches, recompute=row.recompute, **dp_mode_fields(row.dp_mode))
+                        microbatches=row.microbatches, recompute=row.recompute, embedding_loss_stages=split,
+                        expert_tp=1 if row.model_kind == "moe" and row.tp > 1 else 0, **dp_mode_fields(row.dp_mode))
+
+
+HOPPER = ("h100", "h200", "h800")
 
 
 def options_of(row: PublishedRun, stack: str | None = None):
-    """What the row's software runs, as simulation options (see `simulator/options.py`)."""
+    """What the row's software runs, as simulation options (`simulator/options.py`), by one rule per
+    stack read off its code and documents at the row's date (README, "What each stack runs"):
+
+    - megatron on V100/A100 (Megatron-LM 2019-2023, Narayanan et al., MegaScale's baseline): fused
+      kernels, unfused attention (s x s scores through HBM), DP all-reduce after the backward;
+      on H100 (Megatron-Core 2025, the MoE model zoo): Transformer Engine kernels and fused
+      attention, sequence parallelism, distributed optimizer with overlapped gradient reduction and
+      parameter gather;
+    - nemo (NeMo 2 / Megatron-Bridge recipes): the same H100 Megatron-Core stack, plus TP
+      communication overlap (userbuffers) wherever tp > 1;
+    - torchtitan: PyTorch eager blocks (fp32 norm and RoPE math) unless the notes say torch.compile,
+      SDPA flash attention, FSDP2 (per-layer gathers prefetched, reduce-scatters behind the
+      backward), TP with sequence parallelism, AsyncTP where the notes say so, Float8 linears at fp8;
+      its selective checkpointing recomputes half of each block's forward (every other matmul and
+      the element-wise ops, or every other block: torchtitan's `selective_ac_option` "op" / "2");
+    - fsdp (MosaicML Composer + llm-foundry MPT): FSDP with flash attention and low-precision
+      LayerNorm, fused-kernel costs; Composer runs no no_sync under FSDP, so gradients are
+      reduce-scattered in every microbatch's backward;
+    - deepspeed (ZeRO-3 rows of Narayanan et al.: Megatron's GPT model under DeepSpeed): as megatron,
+      parameters gathered in prefetch buckets of 5e7 and gradients reduced in buckets of 5e8 (the
+      ZeRO-3 config defaults), and gathered again for the recomputed forward (ZeRO-3 releases a
+      layer's parameters after every forward);
+    - other (MegaScale, Meta's Llama 3 stack): fused kernels and flash attention; what the notes
+      say the publication overlaps ("overlap") is overlapped.
+    `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
     from simulator.engine import SimOptions
 
-    return SimOptions(recompute=row.recompute, stack=stack or "fused")
+    hopper = row.hardware.startswith(HOPPER)
+    tp = row.tp > 1
+    notes = row.notes.lower()
+    kernels, attention, selective = "fused", "flash", "attention"
+    sp = overlap_grad = overlap_params = tp_overlap = reduce_every = False
+    gather_bucket = reduce_bucket = 0.0
+    if row.stack == "deepspeed":
+        # ZeRO-3's stage3_prefetch_bucket_size and reduce_bucket_size defaults (DeepSpeed config docs)
+        gather_bucket, reduce_bucket = 5e7, 5e8
+    regather = row.stack == "deepspeed"
+    if row.stack in ("megatron", "deepspeed") and not hopper:
+        attention = "unfused"
+    elif row.stack in ("megatron", "nemo"):
+        sp, overlap_grad, overlap_params = tp, True, True
+        tp_overlap = row.stack == "nemo" and tp
+    elif row.stack == "torchtitan":
+        kernels = "fused" if row.compiled else "eager"
+        sp, tp_overlap, selective = tp, "asynctp" in notes, "half"
+    elif row.stack == "fsdp":
+        reduce_every = True
+    elif row.stack == "other":
+        overlap = "overlap" in notes
+        sp, overlap_grad, overlap_params, tp_overlap = tp, overlap, overlap, overlap and tp
+    return SimOptions(recompute=row.recompute, stack=stack or kernels, attention=attention,
+                      gemm_dtype="fp8" if row.precision == "fp8" and hopper else "bf16", sequence_parallel=sp,
+                      overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap,
+                      selective=selective, fsdp_reduce_every_microbatch=reduce_every,
+                      fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket, gather_for_recompute=regather,
+                      p2p_scatter_gather=True)
 
 
 def fixed_text_workload(seq: int):
@@ -348,11 +412,11 @@ class PublishedCheck:
         return (self.peak_memory_gib - self.row.peak_memory_gib) / self.row.peak_memory_gib
 
 
-def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, stack: str | None = None
-              ) -> PublishedCheck:
+def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, stack: str | None = None,
+              gpu: dict | None = None) -> PublishedCheck:
     """Simulate one row. `kernels`: a kernel profile for the row's hardware instead of its preset's
     ("none": the datasheet roofline fallback); `stack`: eager|fused for every row instead of the
-    row's own stack."""
+    row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies)."""
     from simulator.engine import simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
@@ -360,6 +424,8 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
     from workloads.stream import WorkloadStream
 
     cluster = load_cluster(row.hardware, row.gpus)
+    if gpu:
+        cluster = replace(cluster, gpu=replace(cluster.gpu, **gpu))
     if kernels is not None:
         cluster = cluster.with_kernels("" if kernels == "none" else kernels)
     model = model_of(row)
@@ -376,7 +442,51 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
                           compute_model=res.compute_model, sim_seconds=res.sim_seconds)
 
 
-# -- statistics ---------------------------------------------------------------------------------------------
+# -- statistics and the committed table ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One row as the validation table prints it: step times at 4 significant digits, and every
+    statistic computed from those printed figures (so a committed table is checkable on its own)."""
+
+    name: str
+    source: str
+    split: str
+    unstated: bool
+    gpus: int
+    layout: str  # tp/pp/vpp/cp/ep
+    dp_mode: str
+    measured_s: float
+    simulated_s: float
+    fits: bool
+    published_gib: float | None
+    simulated_gib: float
+
+    @property
+    def error(self) -> float:
+        return (self.simulated_s - self.measured_s) / self.measured_s
+
+    @property
+    def memory_error(self) -> float | None:
+        if self.published_gib is None:
+            return None
+        return (self.simulated_gib - self.published_gib) / self.published_gib
+
+    def line(self) -> str:
+        split = f"{self.split} (unstated FLOPs)" if self.unstated else (self.split or "all")
+        mem = f"{self.published_gib:g}" if self.published_gib is not None else "-"
+        return (f"| {self.name} | {self.source} | {split} | {self.gpus} | {self.layout} | {self.dp_mode} | "
+                f"{self.measured_s:.4g} | {self.simulated_s:.4g} | {self.error:+.1%} | {'yes' if self.fits else 'no'} | "
+                f"{mem} / {self.simulated_gib:.1f} |")
+
+
+def table_row(c: PublishedCheck) -> TableRow:
+    r = c.row
+    return TableRow(name=r.name, source=r.source, split=r.split, unstated=r.unstated, gpus=r.gpus,
+                    layout=f"{r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep}", dp_mode=r.dp_mode,
+                    measured_s=float(f"{c.measured_s:.4g}"), simulated_s=float(f"{c.simulated_s:.4g}"), fits=c.fits,
+                    published_gib=r.peak_memory_gib, simulated_gib=float(f"{c.peak_memory_gib:.1f}"))
 
 
 @dataclass
@@ -398,27 +508,27 @@ def stats(pairs: list[tuple[str, float]]) -> Stats | None:
     return Stats(len(pairs), sum(abs(e) for _, e in pairs) / len(pairs), worst[1], worst[0])
 
 
-def groups(checks: list[PublishedCheck]) -> dict:
+def groups(rows: list) -> dict:
     """Step-time error by split (calibration, heldout; rows of an `unstated` FLOP formula apart,
     and a table without a split column as "all"), by source and split, and memory error where
-    a peak memory is published."""
+    a peak memory is published. `rows`: PublishedChecks or TableRows."""
+    rows = [table_row(r) if isinstance(r, PublishedCheck) else r for r in rows]
     out: dict = {"split": {}, "source": {}, "memory": {}}
-    stated = [c for c in checks if not c.row.unstated]
-    for split in sorted({c.row.split for c in stated}):
-        out["split"][split or "all"] = stats([(c.row.name, c.error) for c in stated if c.row.split == split])
-    unstated = [(c.row.name, c.error) for c in checks if c.row.unstated]
+    stated = [r for r in rows if not r.unstated]
+    for split in sorted({r.split for r in stated}):
+        out["split"][split or "all"] = stats([(r.name, r.error) for r in stated if r.split == split])
+    unstated = [(r.name, r.error) for r in rows if r.unstated]
     if unstated:
         out["split"]["unstated"] = stats(unstated)
-    for src in sorted({c.row.source for c in checks}):
-        for split in sorted({c.row.split for c in checks if c.row.source == src}):
-            sel = [(c.row.name, c.error) for c in stated if c.row.source == src and c.row.split == split]
-            if sel:
-                out["source"][(src, split or "all")] = stats(sel)
-        sel = [(c.row.name, c.error) for c in checks if c.row.source == src and c.row.unstated]
+    for src in sorted({r.source for r in rows}):
+        for split in sorted({r.split for r in stated if r.source == src}):
+            out["source"][(src, split or "all")] = stats([(r.name, r.error) for r in stated
+                                                          if r.source == src and r.split == split])
+        sel = [(r.name, r.error) for r in rows if r.source == src and r.unstated]
         if sel:
             out["source"][(src, "unstated")] = stats(sel)
-    for split in sorted({c.row.split for c in checks}):
-        mem = [(c.row.name, c.memory_error) for c in checks if c.row.split == split and c.memory_error is not None]
+    for split in sorted({r.split for r in rows}):
+        mem = [(r.name, r.memory_error) for r in rows if r.split == split and r.memory_error is not None]
         if mem:
             out["memory"][split or "all"] = stats(mem)
     return out
@@ -440,9 +550,13 @@ def to_json(checks: list[PublishedCheck]) -> dict:
     }
 
 
-def markdown(checks: list[PublishedCheck], command: str) -> str:
-    """The validation table as committed in results/validation/ (written by `--markdown`)."""
-    g = groups(checks)
+ROW_HEADER = ("| run | source | split | GPUs | tp/pp/v/cp/ep | dp | published s | simulated s | error | fits "
+              "| memory GiB pub. / sim. |")
+
+
+def render(rows: list[TableRow], command: str, failed: list[tuple[str, str]] = ()) -> str:
+    """The validation table as committed (written by `validate --published ... --markdown`)."""
+    g = groups(rows)
     lines = [f"<!-- written by `{command}`; do not edit by hand -->", "",
              "| split | rows | mean abs. step-time error | worst row |", "|---|---:|---:|---|"]
     for split, s in g["split"].items():
@@ -454,13 +568,38 @@ def markdown(checks: list[PublishedCheck], command: str) -> str:
         lines += ["", "| peak memory | rows | mean abs. error | worst row |", "|---|---:|---:|---|"]
         for split, s in g["memory"].items():
             lines.append(f"| {split} | {s.rows} | {s.mean_abs:.1%} | {s.worst_row} ({s.worst:+.1%}) |")
-    lines += ["", "| run | source | split | GPUs | layout tp/pp/v/cp/ep | dp | published s | simulated s | error "
-              "| fits | memory GiB pub./sim. |", "|---|---|---|---:|---|---|---:|---:|---:|---|---|"]
-    for c in checks:
-        r = c.row
-        mem = f"{r.peak_memory_gib:.1f} / {c.peak_memory_gib:.1f}" if r.peak_memory_gib else f"- / {c.peak_memory_gib:.1f}"
-        split = f"{r.split} (unstated FLOPs)" if r.unstated else r.split
-        lines.append(f"| {r.name} | {r.source} | {split} | {r.gpus} | {r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep} | "
-                     f"{r.dp_mode} | {c.measured_s:.3f} | {c.simulated_s:.3f} | {c.error:+.1%} | "
-                     f"{'yes' if c.fits else 'no'} | {mem} |")
+    lines += ["", ROW_HEADER, "|---|---|---|---:|---|---|---:|---:|---:|---|---|"]
+    lines += [r.line() for r in rows]
+    if failed:
+        lines += ["", "Not simulated (the simulator cannot express the row; kept out of every statistic above):", ""]
+        lines += [f"- {name}: {why}" for name, why in failed]
     return "\n".join(lines) + "\n"
+
+
+def markdown(checks: list[PublishedCheck], command: str, failed: list[tuple[str, str]] = ()) -> str:
+    return render([table_row(c) for c in checks], command, failed)
+
+
+def parse_table(text: str) -> tuple[str, list[TableRow], list[tuple[str, str]]]:
+    """(command, rows, not simulated) of a table `render` wrote."""
+    lines = text.splitlines()
+    m = re.match(r"<!-- written by `(.*)`; do not edit by hand -->", lines[0]) if lines else None
+    if m is None:
+        raise PublishedError("validation table: the first line must name the command that wrote it")
+    start = lines.index(ROW_HEADER) + 2
+    rows, failed = [], []
+    for ln in lines[start:]:
+        if ln.startswith("- "):
+            name, why = ln[2:].split(": ", 1)
+            failed.append((name, why))
+        if not ln.startswith("| "):
+            continue
+        cells = [x.strip() for x in ln.strip("|").split("|")]
+        split = cells[2].replace(" (unstated FLOPs)", "")
+        pub, sim = cells[10].split(" / ")
+        rows.append(TableRow(name=cells[0], source=cells[1], split="" if split == "all" else split,
+                             unstated=cells[2].endswith("(unstated FLOPs)"), gpus=int(cells[3]), layout=cells[4],
+                             dp_mode=cells[5], measured_s=float(cells[6]), simulated_s=float(cells[7]),
+                             fits=cells[9] == "yes", published_gib=None if pub == "-" else float(pub),
+                             simulated_gib=float(sim)))
+    return m.group(1), rows, failed

@@ -102,10 +102,10 @@ class WorkMixin:
                 lay = _replace(lay, sp=sp)
             if module == "llm":
                 llm = self.model.llm
-                layers = stage_layers(llm.layers, lay.stages, stage)
+                layers = stage_layers(llm.layers, lay.stages, stage, lay.embedding_loss_stages)
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp * lay.sp,
-                               lay.ep, self.policy["llm"], lay.cp_kind)
+                               lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
                 chunk = self.options.encoder_chunk_tokens if not sp and lay.sp == 1 else 0
@@ -113,13 +113,23 @@ class WorkMixin:
                 got = make(getattr(self.model, module), list(sig), lay.tp, lay.sp, self.policy[module], chunk)
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
-            if got.shape is not None and self.options.stack == "eager":
-                from dataclasses import replace as _replace
-
-                got = _replace(got, shape=_replace(got.shape, stack=self._eager_stack(module, lay)))
+            if got.shape is not None:
+                got = self._with_stack(got, module, lay)
             self._work_cache[key] = got
         self._work_cache[fast] = (got, sig)
         return got
+
+    def _with_stack(self, got: Work, module: str, lay) -> Work:
+        """The Work's kernel shape under the simulated software stack (SimOptions)."""
+        from dataclasses import replace as _replace
+
+        from simulator.kernels import FUSED
+
+        o = self.options
+        stack = self._eager_stack(module, lay) if o.stack == "eager" else FUSED
+        stack = _replace(stack, attention=o.attention, gemm=o.gemm_dtype)
+        return _replace(got, shape=_replace(got.shape, stack=stack,
+                                            sequence_parallel=o.sequence_parallel and lay.tp > 1))
 
     def _eager_stack(self, module: str, lay):
         """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
@@ -161,7 +171,9 @@ class WorkMixin:
         sig = self._signature(module, rank, mb)
         lay = self.plan.layouts[module]
         if module == "llm":
-            return sum(sig) / lay.cp * self.model.llm.hidden * 2
+            # Megatron's scatter/gather (and sequence parallelism) sends each tp rank's 1/tp slice
+            split = lay.tp if self.options.p2p_scatter_gather else 1
+            return sum(sig) / lay.cp / split * self.model.llm.hidden * 2
         enc = self.model.encoders[module]
         w = self.work(module, 0, sig)
         return w.tokens * enc.hidden * 2

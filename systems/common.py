@@ -68,11 +68,15 @@ def llm_layout(parallel: ParallelSpec, ranks: Sequence[int], interleaved: bool =
             f"dp: dp*tp*pp*cp = {dp}*{parallel.tp}*{parallel.pp}*{parallel.cp} = {dp * per} "
             f"but the LLM gets {n} ranks"
         )
-    if (dp * parallel.cp) % parallel.ep:
+    if parallel.expert_tp == 1 and (dp * parallel.cp * parallel.tp) % parallel.ep:
+        raise PlanError(f"ep={parallel.ep} must divide dp*cp*tp = {dp * parallel.cp * parallel.tp} (expert_tp 1: "
+                        "experts spread over the data and tensor ranks)")
+    if parallel.expert_tp != 1 and (dp * parallel.cp) % parallel.ep:
         raise PlanError(f"ep={parallel.ep} must divide dp*cp = {dp * parallel.cp} (experts spread over data ranks)")
     lay = Layout(
         "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp,
         zero=0 if parallel.fsdp else parallel.zero, vpp=parallel.virtual_stages, cp_kind=parallel.cp_kind,
+        embedding_loss_stages=parallel.embedding_loss_stages, expert_tp=parallel.expert_tp,
     )
     return with_dp_shard(lay, parallel)
 

@@ -45,7 +45,8 @@ err_console = PipeSafeConsole(stderr=True)
 # --dp-shard on run, plan and simulate.
 DpShard = Annotated[int, typer.Option(
     "--dp-shard", help="HSDP: ranks each FSDP shard group holds (replicated across groups); 0: automatic "
-    "(within 8 nodes); -1: the whole group (plain FSDP).")]
+    "(within 8 nodes) when no --dp-mode or --dp-mode hsdp is given (an explicit --dp-mode fsdp never shards "
+    "within nodes); -1: the whole group (plain FSDP).")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -83,8 +84,58 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
     return [k * stride for k in range(steps)]
 
 
+HARDWARE_HELP = ("Preset or a .toml/.yaml file: h100 (HGX H100 SXM, 700 W), h100-500w (H100 96 GB HBM2e at a "
+                 "500 W power cap), h800 (NVLink limited to 200 GB/s per direction), h200, a100-80g, a100-40g, "
+                 "v100-32g, cpu-gloo.")
+STACK_HELP = ("Software whose kernels are costed: eager (this project's runtime: PyTorch ops one by one, fp32 "
+              "norm/RoPE math, chunked loss) | fused (Megatron-style fused norm/bias/dropout/activation kernels).")
+DP_MODE_HELP = ("How data parallelism holds the training state: ddp | zero1 | zero2 | fsdp | hsdp. Default: FSDP, "
+                "sharded within at most 8 nodes (HSDP) on large clusters unless --dp-shard says otherwise. An "
+                "explicit fsdp never shards within nodes (one shard group over all data ranks); hsdp shards "
+                "within 8 nodes, or --dp-shard ranks.")
+MICRO_BATCH_HELP = ("Samples per LLM microbatch: sets --microbatches to step 0's samples per data rank divided by "
+                    "N (rounded up); 0: --microbatches (or the system's default) decides. Ignored with --tuned.")
+CP_KIND_HELP = ("How context parallelism splits attention: ulysses (all-to-alls; what the runtime runs) | ring "
+                "(K/V blocks passed around the cp ranks) | allgather (each rank all-gathers K/V before its "
+                "attention: Llama 3, torchtitan). ring and allgather are simulated only.")
+
+
+def _dp_fields(dp_mode: str | None, dp_shard: int) -> dict:
+    """ParallelSpec fields of `--dp-mode` and `--dp-shard` together (one-line error otherwise)."""
+    from omnibench.specs.parallel import dp_mode_fields
+
+    if dp_mode is None:
+        return {"dp_shard": dp_shard}
+    try:
+        fields = dp_mode_fields(dp_mode)
+    except ValueError as e:
+        fail(str(e))
+    if dp_shard:
+        if dp_mode != "hsdp":
+            fail(f"dp-shard={dp_shard} needs --dp-mode hsdp (or no --dp-mode); got --dp-mode {dp_mode}")
+        fields["dp_shard"] = dp_shard
+    return fields
+
+
+def _check_stack(stack: str) -> None:
+    from simulator.kernels import STACK_KINDS
+
+    if stack not in STACK_KINDS:
+        fail(f"stack must be one of {', '.join(STACK_KINDS)}; got {stack!r}")
+
+
+def with_micro_batch(parallel, batch, micro_batch: int):
+    """`parallel` with as many microbatches per LLM data rank as `micro_batch` samples each take."""
+    dp = parallel.dp or max(1, parallel.world_size // (parallel.tp * parallel.pp * parallel.cp))
+    per_rank = -(-len(batch.samples) // dp)
+    m = max(1, -(-per_rank // micro_batch))
+    if parallel.virtual_stages > 1:
+        m = -(-m // parallel.pp) * parallel.pp  # the interleaved schedule wants a multiple of pp
+    return replace(parallel, microbatches=m)
+
+
 def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
-                  chunk_tokens=0):
+                  chunk_tokens=0, stack="eager"):
     """Plan and simulate `system` at one fixed layout (`parallel`, `recompute`) on each of the
     batches `step_indices(steps, stride)`: the layout is never revisited between steps."""
     from dataclasses import replace
@@ -96,7 +147,7 @@ def _simulate_one(system, model, parallel, stream, steps, cluster, profile, reco
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     planner = get_planner(system)
     results, plans, failed = [], [], []
-    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens)
+    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack)
     for s in step_indices(steps, stride):
         try:
             plan = planner.plan(model, parallel, stream.batch(s))
@@ -134,7 +185,7 @@ def read_tune_cache(path: Path | None) -> dict:
 
 
 def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, options: dict, hardware: str,
-                 cache: dict, key: str):
+                 cache: dict, key: str, stack: str = "eager", dp_mode: str | None = None):
     """(Candidate, seconds spent tuning) for `system`: `omnibench tune` on step 0's batch `batch0`
     with every omni technique on (the ablation keeps the full system's layout), or the layout
     `cache[key]` holds from an earlier tune with the same inputs (0 s)."""
@@ -145,7 +196,8 @@ def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, optio
         return Candidate(**cache[key]["candidate"]), 0.0
     full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
     res = _tune(system, spec, [batch0], cluster, profile=profile, budget=budget,
-                options=planner_options(system, full, hardware) if profile is None else full)
+                options=planner_options(system, full, hardware) if profile is None else full, stack=stack,
+                dp_mode=dp_mode)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     from dataclasses import asdict
@@ -156,25 +208,18 @@ def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, optio
 
 
 def _summary(results) -> dict:
-    if not all(r.fits for r in results):
-        # A plan that does not fit in memory has no throughput: report why, and its memory, nothing else.
-        return {
-            "fits": False,
-            "fit_message": next(r.fit_message for r in results if not r.fits),
-            "steps": len(results),
-            "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
-            "memory_capacity_gib": results[0].memory_capacity / 2**30,
-            "distinct_ranks": max(r.classes for r in results),
-            "sim_seconds": sum(r.sim_seconds for r in results),
-        }
+    """A (size, system) row over its simulated steps. A plan that does not fit in memory still gets its
+    step time and throughput, with `fits: false` and why beside them (the simulator times the step as
+    if memory were no object; the record keeps no trace of it)."""
+    fits = all(r.fits for r in results)
     t = sum(r.step_time for r in results)
     tokens = sum(r.tokens for r in results)
     flops = sum(r.model_flops for r in results)
     n = results[0].world_size
     first = results[0]
     return {
-        "fits": True,
-        "fit_message": "",
+        "fits": fits,
+        "fit_message": "" if fits else next(r.fit_message for r in results if not r.fits),
         "steps": len(results),
         "step_time_s": t / len(results),
         "tokens_per_s": tokens / t if t else 0.0,
@@ -203,7 +248,7 @@ def _step_rows(row: dict) -> list[dict]:
     """steps.csv's rows of one (gpus, system) result."""
     out = []
     for m in row.get("per_step", []):
-        ran = m["fits"]  # a step that does not fit or cannot plan has no throughput, only why
+        ran = "step_time_s" in m  # a step that cannot plan has no time, only why (one that does not fit has both)
         out.append({"gpus": row["gpus"], "system": row["system"], "step": m["step"], "layout": row.get("layout", ""),
                     "fits": m["fits"], "why": m.get("error") or m.get("fit_message") or "",
                     **{k: m.get(k) if ran else None for k in ("tokens", "step_time_s", "tokens_per_s",
@@ -251,7 +296,7 @@ def _validate_published(path: Path, kernels: str | None, stack: str | None = Non
             command += f" --stack {stack}"
         if kernels:
             command += f" --kernels {kernels}"
-        markdown.write_text(to_markdown(checks, command))
+        markdown.write_text(to_markdown(checks, command, [(r.name, e) for r, e in failed]))
     if as_json:
         out = to_json(checks)
         out["failed"] = [{"name": r.name, "error": e} for r, e in failed]
@@ -300,8 +345,11 @@ def register(app: typer.Typer) -> None:
         workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
         system: str = typer.Option("all", "--system", "-s", help="A system name, a comma list, or 'all'."),
         gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
-        hardware: str = typer.Option("h100", "--hardware", help="Preset (h100, h200, a100-80g, cpu-gloo) or file."),
+        hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
+        stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
+        dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
+        micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
         steps: int = typer.Option(1, "--steps", help="Steps to simulate (batches 0..N-1 of the stream, or every "
                                   "--step-stride-th batch)."),
         step_stride: int = typer.Option(1, "--step-stride", help="With --steps N: simulate batches 0, K, 2K, ... "
@@ -310,8 +358,7 @@ def register(app: typer.Typer) -> None:
         tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
         pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
         cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
-        cp_kind: str = typer.Option("ulysses", "--cp-kind", help="ulysses (what the runtime runs) | ring "
-                                    "(simulated only: long sequences past what the heads allow)"),
+        cp_kind: str = typer.Option("ulysses", "--cp-kind", help=CP_KIND_HELP),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
         dp_shard: DpShard = 0,
@@ -369,6 +416,11 @@ def register(app: typer.Typer) -> None:
         if tune_budget < 1:
             fail(f"tune-budget must be a positive integer, got {tune_budget}")
         cache = read_tune_cache(tune_cache) if tuned else {}
+        dp_fields = _dp_fields(dp_mode, dp_shard)
+        _check_stack(stack)
+        if micro_batch < 0 or (micro_batch and microbatches):
+            fail(f"micro-batch must be a positive number of samples (or 0: --microbatches decides), and not given "
+                 f"with --microbatches; got --micro-batch {micro_batch} --microbatches {microbatches}")
         if encoder_chunk_tokens < 0:
             fail(f"encoder-chunk-tokens must be a token budget N >= 1 or 0 (off), got {encoder_chunk_tokens}")
         if global_batch_tokens < 0:
@@ -416,8 +468,8 @@ def register(app: typer.Typer) -> None:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp or 1,
                                             pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches, recompute=recompute,
-                                            virtual_stages=virtual_stages, cp_kind=cp_kind,
-                                            dp_shard=dp_shard, options=options)
+                                            virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
+                                            **dp_fields)
                     parallel.validate(spec)
                 except ValueError as e:
                     fail(str(e))
@@ -430,10 +482,13 @@ def register(app: typer.Typer) -> None:
                                             seed=seed, global_batch_tokens=gbt, budget=tune_budget,
                                             calibration=calibration)
                             c, row["tune_seconds"] = tuned_layout(s, spec, stream.batch(0), clusters[n], profile,
-                                                                  tune_budget, options, hardware, cache, key)
+                                                                  tune_budget, options, hardware, cache, key, stack,
+                                                                  dp_mode)
                             if tune_cache is not None:
                                 write_json_atomic(tune_cache, cache)
                             sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
+                            if dp_mode is not None:
+                                sys_parallel = replace(sys_parallel, **dp_fields)
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
                             row["tuned_at_step"] = 0
@@ -444,9 +499,11 @@ def register(app: typer.Typer) -> None:
                                                                      clusters[n].gpu.memory_bytes)
                             row["layout"] = f"tp{sys_parallel.tp} pp{sys_parallel.pp} cp{sys_parallel.cp}"
                             row["layout_note"] = note
+                        if micro_batch and not tuned:
+                            sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                         results, plans, failed = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n],
                                                                profile, sys_recompute, hardware, step_stride,
-                                                               encoder_chunk_tokens)
+                                                               encoder_chunk_tokens, stack)
                     except ValueError as e:
                         if len(systems) == 1:
                             fail(f"{s} at {n} GPUs: {e}")
@@ -490,7 +547,8 @@ def register(app: typer.Typer) -> None:
                 "model": spec.name, "steps": steps, "calibration": calibration,
                 # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
                 **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
-                "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
+                "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
+                "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
                 # a static deployment: each system's layout tuned once on step 0's batch, kept for every step
@@ -528,15 +586,14 @@ def register(app: typer.Typer) -> None:
         for r in rows:
             if "error" in r:
                 table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 7)
-            elif not r["fits"]:
-                table.add_row(str(r["gpus"]), r["system"], "[red]does not fit[/]", *[""] * 5,
-                              f"[red]{r['peak_memory_gib']:.1f} > {r['memory_capacity_gib']:.0f}[/]", "")
             else:
                 sp = r.get("speedup_over_best_baseline")
+                mem = (f"{r['peak_memory_gib']:.1f}" if r["fits"] else
+                       f"[red]{r['peak_memory_gib']:.1f} > {r['memory_capacity_gib']:.0f}[/]")
                 table.add_row(
                     str(r["gpus"]), r["system"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                     f"{r['tflops_per_gpu']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}", f"{r['exposed_comm']:.1%}",
-                    f"{r['peak_memory_gib']:.1f}", f"{sp:.2f}x" if sp else "-",
+                    mem, (f"{sp:.2f}x" if sp else "-") if r["fits"] else "[red]does not fit[/]",
                 )
         console.print(table)
         for r in rows:

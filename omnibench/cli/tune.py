@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from omnibench.cli.common import console, fail
+from omnibench.cli.simulate import HARDWARE_HELP, STACK_HELP
 
 TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print the fastest few.
 
@@ -40,7 +41,7 @@ def _batches(workload: str, seed: int, tokens: int, steps: int, start: int):
 
 def run_tune(system: str, workload: str, n: int, model: str, hardware: str, steps: int, start_step: int,
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
-             log=None):
+             log=None, stack: str = "eager", dp_mode: str | None = None):
     """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message."""
     from omnibench.specs.presets import get_model
     from omnibench.tune import tune
@@ -55,7 +56,8 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
         from omnibench.cli.simulate import planner_options
 
         options = planner_options(system, options or {}, hardware)
-    return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log)
+    return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log, stack=stack,
+                dp_mode=dp_mode)
 
 
 def register(app: typer.Typer) -> None:
@@ -65,7 +67,12 @@ def register(app: typer.Typer) -> None:
         workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
         gpus: int = typer.Option(..., "--gpus", help="Cluster size."),
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
-        hardware: str = typer.Option("h100", "--hardware", help="Preset (h100, h200, a100-80g) or file."),
+        hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
+        stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
+        dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp: every layout "
+                                    "simulated with this data-parallel mode (fsdp: one shard group over all data "
+                                    "ranks; hsdp: sharded within 8 nodes); default: the system's (FSDP, HSDP "
+                                    "within 8 nodes on large clusters)."),
         steps: int = typer.Option(1, "--steps", help="Batches each layout is simulated on."),
         start_step: int = typer.Option(0, "--start-step", help="First batch of the stream."),
         seed: int = typer.Option(0, "--seed"),
@@ -76,8 +83,11 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every layout as it is simulated."),
     ) -> None:
+        from omnibench.cli.simulate import _check_stack, _dp_fields
         from systems import available_systems
 
+        _check_stack(stack)
+        _dp_fields(dp_mode, 0)
         if system not in available_systems():
             fail(f"system must be one of {', '.join(available_systems())}; got {system!r}")
         for name, v in (("gpus", gpus), ("steps", steps), ("budget", budget), ("top", top)):
@@ -88,7 +98,7 @@ def register(app: typer.Typer) -> None:
                                        highlight=False)) if verbose else None
         try:
             res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
-                           budget, calibration, log=log)
+                           budget, calibration, log=log, stack=stack, dp_mode=dp_mode)
         except ValueError as e:
             fail(str(e).splitlines()[0])
         if as_json:
