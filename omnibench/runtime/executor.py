@@ -126,8 +126,7 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             else:
                 self._build_encoder(name, getattr(full, name), lay, dev)
         del full
-        params = [p for m in self.modules.values() for p in m.parameters()]
-        self.optimizer = make_optimizer(optimizer, params, lr) if params else None
+        self.optimizer = self._make_optimizers(optimizer, lr)  # ZeRO-sharded modules: runtime/zero.py
         self.spans: list[Span] = []
 
     def run_step(self, plan: Plan, global_loss_tokens: int, t0: float,

@@ -26,6 +26,7 @@ what each step decided.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from omnibench.plan import METADATA, Action, Plan, PlanError, Route
 from omnibench.specs.cost_model import CostModel, load_cost_model
@@ -44,7 +45,7 @@ from systems.common import (
     resolve_common,
     step_tail,
 )
-from systems.omni.layout import build_layouts, placement_notes, sp_groups, sp_size
+from systems.omni.layout import build_layouts, locks_encoders, placement_notes, sp_groups, sp_size
 from systems.omni.llm_long_short import llm_group_size, llm_groups, place_llm_long
 from systems.omni.long_short import place_long, place_short, split_long_short
 from systems.omni.options import OmniOptions
@@ -57,7 +58,7 @@ from systems.omni.reorder import (
     max_over_mean,
 )
 from systems.omni.reshard import reshard
-from systems.omni.schedule import EncItem, align_sends, joint_timeline, to_actions
+from systems.omni.schedule import EncItem, align_sends, joint_timeline, lockstep_orders, to_actions
 from workloads.sample import Batch
 
 __all__ = ["OmniOptions", "OmniPlanner"]
@@ -99,7 +100,7 @@ class OmniPlanner:
                     layouts: dict | None = None) -> LoaderSpec:
         """What each data loader knows before it reads a sample (reorder.py)."""
         opts = OmniOptions.parse(parallel.options)
-        layouts = layouts or build_layouts(model, parallel)
+        layouts = layouts or build_layouts(model, parallel, opts.encoder_dp)
         llm = layouts["llm"]
         if n_samples < llm.dp:
             raise PlanError(f"batch: {n_samples} samples cannot feed dp={llm.dp} data-parallel ranks")
@@ -118,8 +119,9 @@ class OmniPlanner:
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
-        layouts = build_layouts(model, parallel)
+        layouts = build_layouts(model, parallel, opts.encoder_dp)
         llm = layouts["llm"]
+        locked = locks_encoders(layouts)
         for m in model.encoders:
             for group in layouts[m].groups("tp") if layouts[m].tp > 1 else []:
                 if len({llm.coords(r)["pp"] for r in group}) > 1:
@@ -249,6 +251,13 @@ class OmniPlanner:
                         mbs[r].append(())
                         route_mbs[r].append(())
                         items[r].append(EncItem(m, 0, -1, 0.0, 0.0))
+                if locked and m in active:  # FSDP: every rank makes the same number of encoder calls
+                    most = max(len(v) for v in mbs.values())
+                    for r in leaders:
+                        while len(mbs[r]) < most:
+                            items[r].append(EncItem(m, len(mbs[r]), -1, 0.0, 0.0))
+                            mbs[r].append(())
+                            route_mbs[r].append(())
                 assignment_enc[m] = mbs
                 routes += make_routes(m, batch, llm, llm_mbs, enc, route_mbs)
                 enc_load = {r: sum(enc_cost[m][i] for i in on_rank[r]) for r in leaders}
@@ -284,7 +293,9 @@ class OmniPlanner:
         even = place({r: 0.0 for r in range(world)})
         phased = joint_timeline(llm, m_count, f_stage, b_stage, even[2], joint=False)
         timeline, chosen, placement = phased, even, "even"
-        if opts.joint_pipeline:
+        if locked:
+            timeline = replace(phased, orders=lockstep_orders(llm, m_count, even[2], list(model.encoders)))
+        elif opts.joint_pipeline:
             cands = [(even, "even"), (place(credit), "bubble_aware")] if llm.pp > 1 else [(even, "even")]
             for cand, name in cands:
                 joint = joint_timeline(llm, m_count, f_stage, b_stage, cand[2], joint=True)
@@ -338,8 +349,10 @@ class OmniPlanner:
                 "boundary_routes_cross_rank": len(moved), "boundary_tokens_moved": sum(rt.tokens for rt in moved),
             },
             "schedule": {
-                "joint_pipeline": opts.joint_pipeline,
-                "order": "joint" if timeline is not phased else "all_ahead",
+                "joint_pipeline": opts.joint_pipeline and not locked,
+                **({"why_not_joint": f"encoder_dp={opts.encoder_dp}: FSDP locks every rank's encoder calls together"}
+                   if locked and opts.joint_pipeline else {}),
+                "order": "lockstep" if locked else "joint" if timeline is not phased else "all_ahead",
                 "encoder_placement": placement,
                 "estimated_step_s": _r(timeline.step_s),
                 "estimated_step_all_ahead_s": _r(phased.step_s),
@@ -353,7 +366,7 @@ class OmniPlanner:
             "reshard": bool(opts.reshard and reshard_moves),
             "long_short_sp": {m: len(v["long_samples"]) for m, v in enc_layout_notes.items() if v["long_samples"]},
             "llm_long_short": len(long_llm),
-            "joint_pipeline": bool(timeline is not phased and in_bubbles),
+            "joint_pipeline": bool(not locked and timeline is not phased and in_bubbles),
         }
         plan = Plan(
             system=self.name, step=batch.step, world_size=world, model=model.name, samples=list(samples),
