@@ -42,8 +42,13 @@ def long_batches(steps: int = STEPS, seed: int = 1) -> list[Batch]:
     return out
 
 
+# At tiny-omni's sizes an all-to-all's latency outweighs any encoder work, so the per-batch choice
+# (`encoder_sp_scheme=auto`) would keep every sample data-parallel: these tests name the scheme.
+LONG_SHORT = {"encoder_sp_scheme": "long_short"}
+
+
 def _plan(batch: Batch, **options):
-    parallel = ParallelSpec(world_size=4, options=options)
+    parallel = ParallelSpec(world_size=4, options={**LONG_SHORT, **options})
     return get_planner("omni").plan(get_model("tiny-omni"), parallel, batch)
 
 
@@ -70,6 +75,9 @@ _REF: dict = {}
 
 CASES = [
     pytest.param({}, {}, id="all-on"),
+    pytest.param({"encoder_sp_scheme": "all"}, {}, id="sp-for-all"),
+    pytest.param({"encoder_sp_scheme": "all"}, {"cp": 2}, id="sp-for-all-cp2"),
+    pytest.param({"encoder_sp_scheme": "auto"}, {"pp": 2}, id="sp-auto-pp2", marks=pytest.mark.slow),
     pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline"),
     pytest.param({"reorder": False}, {}, id="no-reorder", marks=pytest.mark.slow),
     pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups", marks=pytest.mark.slow),
@@ -90,7 +98,7 @@ def test_omni_matches_single_process(tmp_path, options, layout):
     batches = long_batches()
     if "ref" not in _REF:
         _REF["ref"] = reference("tiny-omni", batches)
-    losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options=options, **layout)
+    losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options={**LONG_SHORT, **options}, **layout)
     assert_parity(losses, params, *_REF["ref"])
 
 
@@ -105,7 +113,7 @@ def test_llm_long_short_matches_homogeneous_over_five_steps(tmp_path):
     assert any(() in mbs for p in plans for mbs in p.assignment["llm"].values())  # an empty microbatch
     (tmp_path / "omni").mkdir()
     (tmp_path / "homogeneous").mkdir()
-    omni, _ = run_distributed(tmp_path / "omni", "omni", "tiny-omni", batches, options={})
+    omni, _ = run_distributed(tmp_path / "omni", "omni", "tiny-omni", batches, options=LONG_SHORT)
     homo, _ = run_distributed(tmp_path / "homogeneous", "homogeneous", "tiny-omni", batches)
     assert len(omni) == len(homo) == 5
     for step, (a, b) in enumerate(zip(omni, homo, strict=True)):

@@ -2,9 +2,11 @@
 one long LLM sample split over a context-parallel group of data ranks (`llm_group`, `llm_ulysses`;
 the executor chunks the row, the planner's systems/omni/llm_long_short.py says which).
 
-The plan marks, per encoder and rank, which encoder microbatches are *long*
-(`plan.options["long_short"]["long_microbatches"]`); every member of the sample's fixed group
-(`plan.options["long_short"]["groups"]`) runs that microbatch together:
+The plan marks, per encoder and rank, which encoder microbatches run over a group ("long" in the
+options' names, though under omni's SP-for-all scheme every sample does:
+`plan.options["long_short"]["long_microbatches"]`); every member of the fixed group
+(`plan.options["long_short"]["groups"]`) runs that microbatch, one or several samples packed into
+one row, together:
 
 - when the sample's attention sequences (vision frame groups, audio 30 s windows) split into k
   contiguous runs of whole sequences within 25% of an even share, each member takes one run and
@@ -15,15 +17,15 @@ The plan marks, per encoder and rank, which encoder microbatches are *long*
   UlyssesAttention: all-to-all to whole sequence x 1/k heads, the usual varlen core over the full
   cu_seqlens, all-to-all back), so the result is exact either way;
 - the chunks are all-gathered (autograd-aware: the backward hands each member its chunk's
-  gradient) and the group's first rank, the route source in the plan, finishes the module
-  (vision: the 2x2 merger runs per chunk, as merge windows never straddle a chunk; audio: pool,
-  norm and projector on the gathered sequence, run by every member so all hold gradients for all
-  parameters) and sends the outputs across the boundary.
+  gradient) and every member finishes the module (vision: the 2x2 merger runs per chunk, as merge
+  windows never straddle a chunk; audio: pool, norm and projector on the gathered sequence, run by
+  every member so all hold gradients for all parameters) and holds the whole output: a member that
+  consumes a sample on the LLM side reads its own copy, the plan's routes name who sends the rest.
 
-Backward needs no special path: the executor's encoder backward runs `backward(out, grad)` with
-the routed gradient on the first rank and zeros on the others, which walks the same collectives
-in reverse on every member. Encoder parameters are replicated (omni's encoder layout has
-fsdp=False), so the members' partial gradients add up in grad_sync's all-reduce.
+Backward needs no special path: the executor's encoder backward runs `backward(out, grad)` with each
+sample's routed gradient on its primary source (encoder_actions.py) and zeros elsewhere, which walks
+the same collectives in reverse on every member. The members' partial gradients of the replicated
+parameters add up in grad_sync (ZeRO's reduce-scatter, DDP's all-reduce, or FSDP's own).
 """
 
 from __future__ import annotations
@@ -84,10 +86,8 @@ class LongShortRuntime:
     def forward(self, ex, a) -> None:
         module, mb = a.module, a.microbatch
         ids = ex._enc_microbatch(module, mb)
-        if len(ids) != 1:
-            raise RuntimeError(f"{module} long microbatch {mb} on rank {self.rank} holds {len(ids)} samples, not 1")
         group, ranks = self.groups[module]
-        encode_over_group(ex, module, mb, ids, group, ranks, swap_cores=True, outputs_on_all=False)
+        encode_over_group(ex, module, mb, ids, group, ranks, swap_cores=True, outputs_on_all=True)
 
 
 def call_as_forward(module, fn, *args):
@@ -105,11 +105,10 @@ def encode_over_group(ex, module: str, mb: int, ids, group, ranks: tuple[int, ..
                       outputs_on_all: bool) -> None:
     """One encoder microbatch (its samples packed into one row) over a sequence-parallel group.
 
-    omni's long inputs (`swap_cores=True`, `outputs_on_all=False`): one sample, the cores swapped for
-    Ulysses per call (or no exchange where whole sequences split evenly); only the group's first rank
-    keeps the outputs (the route source). temporal (`swap_cores=False`, `outputs_on_all=True`): the
-    blocks' cores are Ulysses for good (executor `_build_encoder`), every member keeps the outputs
-    for the LLM rows of its cp rank. Either way the other members' encoder backward gets zeros."""
+    omni (`swap_cores=True`): the cores swapped for Ulysses per call (or no exchange where whole
+    sequences split evenly). temporal (`swap_cores=False`): the blocks' cores are Ulysses for good
+    (executor `_build_encoder`). `outputs_on_all`: every member keeps the outputs (both systems
+    today), else only the group's first rank. A sample's gradient comes back on one member only."""
 
     k, c = len(ranks), ranks.index(ex.rank)
     samples = [ex.plan.sample(i) for i in ids] or [dummy_sample(module)]

@@ -47,7 +47,7 @@ from systems.common import (
 )
 from systems.omni.layout import build_layouts, locks_encoders, placement_notes, sp_groups, sp_size
 from systems.omni.llm_long_short import llm_group_size, llm_groups, place_llm_long
-from systems.omni.long_short import place_long, place_short, split_long_short
+from systems.omni.long_short import SCHEMES, SPExchange, choose, pack_by_due, place_module, split_long_short
 from systems.omni.options import OmniOptions
 from systems.omni.reorder import (
     EncoderShare,
@@ -69,8 +69,9 @@ def _r(x: float) -> float:
 
 
 def _long_sp_size(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc, opts: OmniOptions) -> int:
-    """Ranks a long input of `module` is split over (1: no long path; encoder TP rules SP out)."""
-    return sp_size(model, parallel, module, enc) if (opts.long_short_sp and enc.tp == 1) else 1
+    """Ranks a sequence-parallel sample of `module` is split over (1: none; encoder TP rules SP out)."""
+    on = opts.long_short_sp and opts.encoder_sp_scheme != "none" and enc.tp == 1
+    return sp_size(model, parallel, module, enc) if on else 1
 
 
 def _samples_floor(llm, parallel: ParallelSpec, n_samples: int) -> int:
@@ -105,8 +106,8 @@ class OmniPlanner:
         if n_samples < llm.dp:
             raise PlanError(f"batch: {n_samples} samples cannot feed dp={llm.dp} data-parallel ranks")
         loader0 = [r for r in llm.ranks if llm.coords(r)["dp"] == 0]
-        shares = [EncoderShare(m, len({data_rank(layouts[m], r) for r in loader0}), layouts[m].dp,
-                               _long_sp_size(model, parallel, m, layouts[m], opts) > 1) for m in model.encoders]
+        shares = [EncoderShare(m, len({data_rank(layouts[m], r) for r in loader0}), layouts[m].dp)
+                  for m in model.encoders]
         return LoaderSpec(loaders=llm.dp, group_size=opts.reorder_group, reorder=opts.reorder and llm.dp > 1,
                           count_llm=not opts.reshard,
                           floor=0 if opts.reshard else _samples_floor(llm, parallel, n_samples),
@@ -136,14 +137,15 @@ class OmniPlanner:
         active = active_encoders(model, batch)
         notes: dict = {"cost_model": cm.source}
 
-        # -- long / short ------------------------------------------------------------------------
+        # -- encoder sequence-parallel groups and the schemes to weigh (long_short.py) -------------------
         sp_long: dict[str, list[tuple[int, ...]]] = {}
-        splits = {}
+        schemes: dict[str, list[str]] = {}
         for m in model.encoders:
-            enc = layouts[m]
-            k = _long_sp_size(model, parallel, m, enc, opts)
-            sp_long[m] = sp_groups(enc, k) if k > 1 else []
-            splits[m] = split_long_short(enc_cost[m], enc.dp, k, opts.long_short_sp and k > 1)
+            k = _long_sp_size(model, parallel, m, layouts[m], opts)
+            sp_long[m] = sp_groups(layouts[m], k) if k > 1 else []
+            wanted = "none" if not opts.long_short_sp else opts.encoder_sp_scheme
+            schemes[m] = ["none"] if k <= 1 else list(SCHEMES) if wanted == "auto" else [wanted]
+        exchange = SPExchange(model, cm, opts.hardware)
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp
@@ -201,6 +203,10 @@ class OmniPlanner:
                 consumer[i] = g * k_llm
                 llm_leader[i] = llm.rank_at(pp=0, dp=g * k_llm, cp=0, tp=0)
         llm_share = {i: k_llm for i in long_set}
+
+        def consumer_rank(i: int) -> int:
+            """The LLM rank whose route carries sample i's gradient back (cp 0, tp 0 of its data group)."""
+            return llm_leader.get(i, llm.rank_at(pp=0, dp=consumer[i], cp=0, tp=0))
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
 
         # -- encoder placement ------------------------------------------------------------------------
@@ -220,33 +226,43 @@ class OmniPlanner:
             for m in model.encoders:
                 enc = layouts[m]
                 leaders = data_ranks(enc)
-                loads = {r: -bubble[r] for r in leaders}
                 groups = sp_long[m]
-                on_group = place_long(splits[m].long, enc_cost[m], groups, loads) if groups else {}
-                short_home = {i: enc_home[m][home[i]] for i in splits[m].short}
-                on_rank = place_short(splits[m].short, enc_cost[m], short_home, loads)
+                k = len(groups[0]) if groups else 1
+                in_group = {r: g for g, grp in enumerate(groups) for r in grp}
+                pos = {i: sum(by_id[i].encoder_seq_lens(m)) for i in enc_cost[m]}
+                short_home = {i: enc_home[m][home[i]] for i in enc_cost[m]}
+                cands = []
+                for scheme in schemes[m]:
+                    # long_short: a long sample stays by its loader, whose reorder counted it; all: by its LLM
+                    # consumer, whose members then hold its outputs (no boundary transfer)
+                    prefer = ({i: in_group.get(short_home[i][0], -1) for i in enc_cost[m]} if scheme == "long_short"
+                              else {i: in_group.get(data_rank(enc, consumer_rank(i)), -1) for i in enc_cost[m]})
+                    cands.append(place_module(scheme, enc_cost[m], leaders, groups, short_home,
+                                              {r: -bubble[r] for r in leaders},
+                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer))
+                pm = choose(cands)
                 mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
                 route_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
+                holders: dict[tuple[int, int], tuple[int, ...]] = {}
                 long_mb: dict[str, list[int]] = {}
-                for g, sids in on_group.items():
-                    for i in sids:  # one microbatch per long sample, the same index on every member
-                        for r in groups[g]:
+                for g, sids in pm.on_group.items():
+                    grp = groups[g]
+                    for mb in pack_by_due(sids, due):  # the same index on every member
+                        share = sum(enc_cost[m][i] for i in mb) / len(grp)
+                        x = exchange.seconds(m, sum(pos[i] for i in mb), len(grp))
+                        holders[(grp[0], len(mbs[grp[0]]))] = grp
+                        for r in grp:
                             long_mb.setdefault(str(r), []).append(len(mbs[r]))
-                            mbs[r].append((i,))
-                            route_mbs[r].append((i,) if r == groups[g][0] else ())
-                            share = enc_cost[m][i] / len(groups[g])
-                            items[r].append(EncItem(m, len(mbs[r]) - 1, due[i], cm.forward(m, share),
-                                                    share - cm.forward(m, share), groups[g]))
+                            mbs[r].append(mb)
+                            route_mbs[r].append(mb if r == grp[0] else ())
+                            items[r].append(EncItem(m, len(mbs[r]) - 1, due[mb[0]], cm.forward(m, share) + x / 2,
+                                                    share - cm.forward(m, share) + x / 2, grp))
                 for r in leaders:
-                    by_due: dict[int, list[int]] = defaultdict(list)
-                    for i in on_rank[r]:
-                        by_due[due[i]].append(i)
-                    for j in sorted(by_due):
-                        mb = tuple(sorted(by_due[j]))
+                    for mb in pack_by_due(pm.on_rank[r], due):
                         c = sum(enc_cost[m][i] for i in mb)
                         mbs[r].append(mb)
                         route_mbs[r].append(mb)
-                        items[r].append(EncItem(m, len(mbs[r]) - 1, j, cm.forward(m, c), c - cm.forward(m, c)))
+                        items[r].append(EncItem(m, len(mbs[r]) - 1, due[mb[0]], cm.forward(m, c), c - cm.forward(m, c)))
                     if not mbs[r] and m in active:  # a dummy forward keeps this rank's gradients defined
                         mbs[r].append(())
                         route_mbs[r].append(())
@@ -259,18 +275,19 @@ class OmniPlanner:
                             mbs[r].append(())
                             route_mbs[r].append(())
                 assignment_enc[m] = mbs
-                routes += make_routes(m, batch, llm, llm_mbs, enc, route_mbs)
-                enc_load = {r: sum(enc_cost[m][i] for i in on_rank[r]) for r in leaders}
-                for g, sids in on_group.items():
-                    for r in groups[g]:
-                        enc_load[r] += sum(enc_cost[m][i] for i in sids) / len(groups[g])
+                routes += make_routes(m, batch, llm, llm_mbs, enc, route_mbs, holders, llm_leader)
+                enc_load = {r: pm.loads[r] + bubble[r] for r in leaders}
                 enc_layout_notes[m] = {
-                    "threshold_s": _r(splits[m].threshold),
+                    "scheme": pm.scheme,
+                    "schemes_estimated_s": {c.scheme: _r(c.finish) for c in cands},
+                    "threshold_s": _r(pm.split.threshold),
                     "long_samples": [{"sample": i, "cost_s": _r(enc_cost[m][i]), "group": list(groups[g]),
-                                      "positions": sum(by_id[i].encoder_seq_lens(m))}
-                                     for g, sids in on_group.items() for i in sids],
-                    "short_samples": len(splits[m].short),
-                    "sp_group_size": len(groups[0]) if groups else 1,
+                                      "positions": pos[i]}
+                                     for g, sids in pm.on_group.items() for i in sids][:64],
+                    "group_samples": sum(len(v) for v in pm.on_group.values()),
+                    "group_microbatches": len(holders),
+                    "short_samples": len(pm.split.short),
+                    "sp_group_size": k,
                     "encoder_cost_per_rank_s": [_r(enc_load[r]) for r in leaders][:64],
                     "max_over_mean": _r(max_over_mean(list(enc_load.values()))),
                 }

@@ -1,24 +1,42 @@
-"""Long-short sequence parallelism for the encoders.
+"""Which encoder samples run sequence-parallel, and where: the encoder SP scheme of one step.
 
-A sample whose encoder cost exceeds the balanced per-rank share of the step (the module's total
-encoder cost over its data ranks, from the cost model) is *long*: no placement of it on a single
-rank can keep that rank off the critical path. Long inputs are split over a fixed group of `k`
-ranks with Ulysses sequence parallelism (each rank embeds 1/k of the positions; two all-to-alls
-per layer give every rank the whole sequence for 1/k of the heads), everything else is *short* and
-runs data-parallel, one rank per sample.
+A sample's encoder work can run on one rank (data-parallel, *short*) or over a fixed group of `k`
+consecutive encoder data ranks with Ulysses sequence parallelism (each member embeds 1/k of the
+positions; two all-to-alls per layer give every member the whole sequence for 1/k of the heads;
+the members end with the whole output). Three schemes, chosen per step and per encoder:
 
-Placement: long samples go to the sequence-parallel groups by longest-first greedy on the groups'
-loads; short samples are encoded inside the data group of the loader that holds them (no raw
-inputs cross the network), longest first onto the least loaded of that group's encoder ranks,
-whose loads start from the long work they already carry and minus the pipeline bubble they have
-to fill (ranks on later pipeline stages idle in warm-up and cool-down).
+- **long_short**: a sample whose encoder cost exceeds the balanced per-rank share of the step (the
+  module's total over its data ranks) is *long*: no placement of it on one rank keeps that rank
+  off the critical path, so it runs over a group; everything else stays short;
+- **all**: every sample runs over a group (VeOmni's scheme, temporal's, as a special case: with
+  groups equal to the LLM's cp groups every consumer holds its outputs and nothing crosses the
+  boundary). Spreading each sample over k ranks makes the units to balance k times finer;
+- **none**: every sample short.
+
+`auto` (the default) places the step under each scheme and keeps the one whose most loaded rank
+finishes first, counting each group's all-to-alls (`SPExchange`); ties go to less parallelism.
+
+Placement, for a scheme: short samples first, each onto the least loaded encoder rank of its
+loader's data group (no raw input crosses the network); then the group samples, costliest first,
+onto the group whose most loaded member ends earliest once it has taken the sample (members run a
+group microbatch together, so each member's load grows by the sample's share). A group sample
+prefers its `prefer` group (under long_short its loader's, whose reorder counted it; under all its
+LLM consumer's, whose members then need no boundary transfer) whenever that costs at most `SLACK`
+of a balanced share. Loads start from minus the pipeline bubble each rank has to fill.
+
+Group samples are packed per group: the samples of one group that feed the same LLM microbatch run
+as one microbatch (one packed row, one set of all-to-alls), not one microbatch per sample.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+SCHEMES = ("none", "long_short", "all")  # in order of preference when they tie (less parallelism first)
+SLACK = 0.02  # of a balanced per-rank share: how much imbalance locality may buy (as in reshard.py)
 
 
 @dataclass(frozen=True)
@@ -38,28 +56,150 @@ def split_long_short(cost: dict[int, float], ranks: int, sp: int, enabled: bool)
     return LongShortSplit(share, long, tuple(sorted(i for i in cost if i not in on_long)))
 
 
-def place_long(long: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
-               loads: dict[int, float]) -> dict[int, list[int]]:
-    """Long samples onto sequence-parallel groups (index -> sample ids in order); updates `loads`."""
-    out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
-    heap = [(sum(loads[r] for r in grp) / len(grp), g) for g, grp in enumerate(groups)]
-    heapq.heapify(heap)
-    for i in long:
-        load, g = heapq.heappop(heap)
-        out[g].append(i)
-        share = cost[i] / len(groups[g])
-        for r in groups[g]:
-            loads[r] += share
-        heapq.heappush(heap, (load + share, g))
-    return out
+def split_for(scheme: str, cost: dict[int, float], ranks: int, sp: int) -> LongShortSplit:
+    """The samples each scheme runs over a group (`long`) and alone (`short`)."""
+    if scheme == "all" and sp > 1:
+        share = sum(cost.values()) / ranks if ranks else 0.0
+        return LongShortSplit(share, tuple(i for i, _ in sorted(cost.items(), key=lambda x: (-x[1], x[0]))), ())
+    return split_long_short(cost, ranks, sp, scheme == "long_short")
 
 
 def place_short(short: Sequence[int], cost: dict[int, float], home: dict[int, Sequence[int]],
                 loads: dict[int, float]) -> dict[int, list[int]]:
-    """Short samples onto one encoder rank each, among the ranks of their home group."""
+    """Short samples onto one encoder rank each, among the ranks of their home group; updates `loads`."""
     out: dict[int, list[int]] = {r: [] for r in loads}
     for i in sorted(short, key=lambda i: (-cost[i], i)):
         r = min(home[i], key=lambda r: (loads[r], r))
         out[r].append(i)
         loads[r] += cost[i]
     return out
+
+
+def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
+                    loads: dict[int, float], exchange: Callable[[int], float] | None = None,
+                    prefer: dict[int, int] | None = None, slack: float = 0.0) -> dict[int, list[int]]:
+    """Samples onto sequence-parallel groups (index -> sample ids, costliest first); updates `loads`.
+    `exchange(i)`: a member's all-to-all seconds for sample i; `prefer[i]`: a group to keep it on
+    while that costs at most `slack` seconds over the best."""
+    out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
+    if not groups:
+        return out
+    top = [max(loads[r] for r in grp) for grp in groups]  # a group finishes with its most loaded member
+    heap = [(top[g], g) for g in range(len(groups))]
+    heapq.heapify(heap)
+    for i in sorted(samples, key=lambda i: (-cost[i], i)):
+        while True:  # lazy heap: skip entries a preferred placement made stale
+            t, g = heap[0]
+            if t == top[g]:
+                break
+            heapq.heapreplace(heap, (top[g], g))
+        p = (prefer or {}).get(i, -1)
+        if p >= 0 and top[p] <= top[g] + slack:
+            g = p
+        out[g].append(i)
+        add = cost[i] / len(groups[g]) + (exchange(i) if exchange else 0.0)
+        for r in groups[g]:
+            loads[r] += add
+        top[g] = max(loads[r] for r in groups[g])
+        heapq.heappush(heap, (top[g], g))
+    return out
+
+
+@dataclass
+class ModulePlacement:
+    """One encoder's placement under one scheme."""
+
+    scheme: str
+    split: LongShortSplit
+    on_rank: dict[int, list[int]]  # short samples per encoder data rank
+    on_group: dict[int, list[int]]  # group samples per group index
+    loads: dict[int, float]  # estimated seconds per encoder data rank, from the start loads
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def finish(self) -> float:
+        return max(self.loads.values()) if self.loads else 0.0
+
+
+def place_module(scheme: str, cost: dict[int, float], ranks: Sequence[int], groups: list[tuple[int, ...]],
+                 home: dict[int, Sequence[int]], start: dict[int, float], exchange: Callable[[int], float],
+                 prefer: dict[int, int]) -> ModulePlacement:
+    """Short samples, then group samples (module docstring), from `start` loads."""
+    k = len(groups[0]) if groups else 1
+    split = split_for(scheme, cost, len(ranks), k)
+    loads = dict(start)
+    on_rank = place_short(split.short, cost, {i: home[i] for i in split.short}, loads)
+    slack = SLACK * sum(cost.values()) / max(1, len(ranks))
+    on_group = place_on_groups(split.long, cost, groups, loads, exchange, prefer, slack) if split.long else {}
+    return ModulePlacement(scheme, split, on_rank, on_group, loads)
+
+
+def choose(candidates: list[ModulePlacement]) -> ModulePlacement:
+    """The placement whose most loaded rank finishes first; ties to the earlier (less parallel) one."""
+    return min(candidates, key=lambda c: (round(c.finish, 12), SCHEMES.index(c.scheme)))
+
+
+def pack_by_due(samples: Sequence[int], due: dict[int, int]) -> list[tuple[int, ...]]:
+    """A group's samples as microbatches: those feeding the same LLM microbatch packed together, in
+    the order the LLM needs them."""
+    by_due: dict[int, list[int]] = {}
+    for i in samples:
+        by_due.setdefault(due[i], []).append(i)
+    return [tuple(sorted(by_due[j])) for j in sorted(by_due)]
+
+
+# ------------------------------------------------------------------------------ exchange cost
+
+
+class SPExchange:
+    """A group member's Ulysses all-to-all seconds for one encoder sample (forward and backward: two
+    exchanges per layer each way, q/k/v in and the output back, 4 x positions/k x hidden in bf16, as
+    the simulator counts them: simulator/flops.py `seq_bytes`), priced by the simulator's collective
+    model for the hardware preset (a group of k consecutive ranks inside one node) and expressed in
+    the cost model's own seconds: a cost model on other hardware (the analytic default, a CPU
+    calibration) scales it by the ratio of its compute speed to that preset's."""
+
+    def __init__(self, model, cost_model, hardware: str = ""):
+        self.model = model
+        self.hardware = hardware or "h100"
+        self.scale = 1.0 if hardware else _speed_ratio(model, cost_model, self.hardware)
+
+    def seconds(self, module: str, positions: int, k: int) -> float:
+        if k <= 1 or positions <= 0:
+            return 0.0
+        enc = self.model.encoders[module]
+        per_layer = _all_to_all(self.hardware, 4 * positions / k * enc.hidden * 2, k)
+        return self.scale * 2 * 2 * enc.layers * per_layer  # 2 calls per layer, forward and backward
+
+
+@lru_cache(maxsize=4096)
+def _all_to_all(hardware: str, nbytes: float, k: int) -> float:
+    return _collectives(hardware).all_to_all(nbytes, tuple(range(k)))[0]
+
+
+@lru_cache(maxsize=8)
+def _collectives(hardware: str):
+    from simulator.collectives import CollectiveModel  # torch-free
+    from simulator.hardware import load_cluster
+
+    return CollectiveModel(load_cluster(hardware, 8))
+
+
+REFERENCE_POSITIONS = 1024  # a typical attention sequence (an image at ~1,000 px square) to compare speeds on
+
+
+def _speed_ratio(model, cost_model, hardware: str) -> float:
+    """The cost model's seconds over the simulator model's on `hardware`, for one reference
+    sequence through every encoder."""
+    ref = _simulator_model(model, hardware)
+    mods = [m for m in model.encoders if m in cost_model.coefficients and m in ref.coefficients]
+    mine = sum(cost_model.encoder_sequence(m, [REFERENCE_POSITIONS]) for m in mods)
+    theirs = sum(ref.encoder_sequence(m, [REFERENCE_POSITIONS]) for m in mods)
+    return mine / theirs if mine > 0 and theirs > 0 else 1.0
+
+
+@lru_cache(maxsize=8)
+def _simulator_model(model, hardware: str):
+    from omnibench.specs.cost_model import CostModel
+
+    return CostModel.from_simulator(model, hardware)
