@@ -94,7 +94,7 @@ class WorkMixin:
                 llm = self.model.llm
                 layers = stage_layers(llm.layers, lay.stages, stage)
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
-                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp * lay.sp,
+                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, sp or lay.cp,
                                lay.ep, self.policy["llm"], lay.cp_kind)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
@@ -147,8 +147,8 @@ class WorkMixin:
     def _p2p_bytes_of(self, module: str, rank: int, mb: int) -> float:
         sig = self._signature(module, rank, mb)
         lay = self.plan.layouts[module]
-        if module == "llm":
-            return sum(sig) / lay.cp * self.model.llm.hidden * 2
+        if module == "llm":  # each member of omni's long-sample group passes on its chunk of the row
+            return sum(sig) / (len(self._long_group(module, rank, mb)) or lay.cp) * self.model.llm.hidden * 2
         enc = self.model.encoders[module]
         w = self.work(module, 0, sig)
         return w.tokens * enc.hidden * 2

@@ -222,7 +222,7 @@ def _runs_to_completion(p: Plan) -> bool:
     return all(pos[r] == len(acts) for r, acts in p.actions.items())
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 4}, {"pp": 2, "tp": 2}])
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 4}, {"pp": 2, "tp": 2}, {"pp": 2, "cp": 2}])
 @pytest.mark.parametrize("step", [100, 900])
 def test_plans_run_to_completion_without_deadlock(layout, step):
     b = batch_of("mixed_video", step, tokens=6144)

@@ -142,7 +142,8 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             # (each data rank's assignment) holds them k times.
             from omnibench.models.inputs import loss_token_count
 
-            k = len(plan.options["long_short"]["groups"]["llm"][0])
+            cfg = plan.options["long_short"]
+            k = cfg.get("llm_data_ranks", len(cfg["groups"]["llm"][0]))
             global_loss_tokens -= (k - 1) * sum(loss_token_count(plan.sample(i)) for i in leaders)
         self.global_loss_tokens = global_loss_tokens
         # FSDP reduces gradients in the last backward of each module on this rank.

@@ -173,7 +173,10 @@ def llm_ulysses(stage, group, k: int):
     cores = [m.core for m in swapped]
     try:
         for m, core in zip(swapped, cores, strict=True):
-            m.core = UlyssesAttention(core, group, k)
+            # under the layout's own cp the core is already Ulysses over the cp group, whose ranks are
+            # members of this group too: the group's exchange replaces it (one degree, k = dp x cp ranks)
+            inner = core.inner if isinstance(core, UlyssesAttention) else core
+            m.core = UlyssesAttention(inner, group, k)
         yield
     finally:
         for m, core in zip(swapped, cores, strict=True):

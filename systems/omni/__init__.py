@@ -6,8 +6,11 @@ Per step:
    long inputs, all groups placed inside nodes where they fit;
 2. costs: every sample's encoder and LLM cost from the shared cost model
    (omnibench/specs/cost_model.py; calibrated when `options.calibration` names a profile);
-3. long/short (long_short.py): samples costlier than the balanced per-rank share go to a
-   sequence-parallel group, the rest stay data-parallel;
+3. encoder sequence parallelism (long_short.py): per encoder, the step's scheme (long_short: samples
+   costlier than the balanced per-rank share over a sequence-parallel group, the rest data-parallel;
+   all: every sample over a group, packed per group; none), chosen from this step's costs;
+   the LLM's own long samples over a context-parallel group of data ranks (llm_long_short.py), at
+   any pp and cp;
 4. loading (reorder.py): loaders start from a distributed sampler's round-robin shards and
    rebalance inside small groups from exchanged cost metadata. The runtime runs that exchange for
    real before planning (omnibench/runtime/loading.py: an all-gather inside each reorder group,
@@ -19,8 +22,9 @@ Per step:
    are routed to it (Plan.routes);
 7. schedule (schedule.py): the encoder-LLM joint pipeline, from this step's costs.
 
-Every technique can be switched off on its own (options.py) for ablations. The Plan's notes record
-what each step decided.
+Encoders' training state is ZeRO-2 over their data ranks by default (layout.py, `encoder_dp`). Every
+technique can be switched off on its own (options.py) for ablations. The Plan's notes record what
+each step decided.
 """
 
 from __future__ import annotations
@@ -331,7 +335,7 @@ class OmniPlanner:
         llm_tokens = [round(sum(by_id[i].llm_tokens / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
         llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 else []
         long_llm_mbs = {}
-        for grp in llm_groups_all:
+        for grp in llm_groups_all:  # every stage's members run the long microbatches
             d0 = llm.coords(grp[0])["dp"]
             slots = list(range(len(on_llm_group[d0 // k_llm]))) if on_llm_group else []
             if slots:
@@ -393,7 +397,8 @@ class OmniPlanner:
                      "long_short": {"groups": {**{m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
                                                **({"llm": [list(g) for g in llm_groups_all]} if llm_groups_all else {})},
                                     "long_microbatches": {**long_notes, **({"llm": long_llm_mbs} if long_llm_mbs else {})},
-                                    **({"llm_leaders": {str(i): r for i, r in llm_leader.items()}} if llm_leader else {})}},
+                                    **({"llm_leaders": {str(i): r for i, r in llm_leader.items()},
+                                        "llm_data_ranks": k_llm} if llm_leader else {})}},
             notes=notes,
         )
         plan = finish(plan)

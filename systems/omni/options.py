@@ -19,7 +19,7 @@ class OmniOptions:
     reorder: bool = True  # decentralized grouped reordering in the data loaders
     reshard: bool = True  # adaptive resharding of encoder outputs to LLM data ranks
     long_short_sp: bool = True  # long inputs split over an encoder sequence-parallel group
-    llm_long_short: bool = True  # long LLM samples over a context-parallel group of data ranks (pp 1)
+    llm_long_short: bool = True  # long LLM samples over a context-parallel group of data ranks (any pp, cp)
     reorder_group: int = 8  # loader ranks exchanging cost metadata together (no global coordinator)
     # How each encoder's data parallelism holds its training state (omnibench.specs.parallel.DP_MODES):
     # zero2 (default) / zero1 shard the optimizer state (and the gradients) but keep whole weights, so an
