@@ -223,7 +223,7 @@ class OmniPlanner:
 
         def place(bubble: dict[int, float]):
             assignment_enc: dict = {}
-            routes: list[Route] = []
+            routes: list[tuple] = []
             items: dict[int, list[EncItem]] = {r: [] for r in range(world)}
             long_notes: dict = {}
             enc_layout_notes = {}
@@ -279,7 +279,7 @@ class OmniPlanner:
                             mbs[r].append(())
                             route_mbs[r].append(())
                 assignment_enc[m] = mbs
-                routes += make_routes(m, batch, llm, llm_mbs, enc, route_mbs, holders, llm_leader)
+                routes.append((m, enc, route_mbs, holders))  # made for the kept placement only
                 enc_load = {r: pm.loads[r] + bubble[r] for r in leaders}
                 enc_layout_notes[m] = {
                     "scheme": pm.scheme,
@@ -322,7 +322,9 @@ class OmniPlanner:
                 joint = joint_timeline(llm, m_count, f_stage, b_stage, cand[2], joint=True)
                 if joint.step_s < timeline.step_s:
                     timeline, chosen, placement = joint, cand, name
-        enc_assignment, routes, items, enc_layout_notes, long_notes = chosen
+        enc_assignment, route_args, items, enc_layout_notes, long_notes = chosen
+        routes: list[Route] = [rt for m, enc, route_mbs, holders in route_args
+                               for rt in make_routes(m, batch, llm, llm_mbs, enc, route_mbs, holders, llm_leader)]
         assignment.update(enc_assignment)
         index = BoundaryIndex(routes, llm, llm_leader)
         actions = to_actions(llm, timeline.orders, index, active)

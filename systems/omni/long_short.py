@@ -68,10 +68,17 @@ def place_short(short: Sequence[int], cost: dict[int, float], home: dict[int, Se
                 loads: dict[int, float]) -> dict[int, list[int]]:
     """Short samples onto one encoder rank each, among the ranks of their home group; updates `loads`."""
     out: dict[int, list[int]] = {r: [] for r in loads}
+    heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}  # one per home group (loaders share them)
     for i in sorted(short, key=lambda i: (-cost[i], i)):
-        r = min(home[i], key=lambda r: (loads[r], r))
+        key = tuple(home[i])
+        heap = heaps.get(key)
+        if heap is None:
+            heap = heaps[key] = [(loads[r], r) for r in key]
+            heapq.heapify(heap)
+        _, r = heapq.heappop(heap)
         out[r].append(i)
         loads[r] += cost[i]
+        heapq.heappush(heap, (loads[r], r))
     return out
 
 
@@ -100,7 +107,7 @@ def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list
         add = cost[i] / len(groups[g]) + (exchange(i) if exchange else 0.0)
         for r in groups[g]:
             loads[r] += add
-        top[g] = max(loads[r] for r in groups[g])
+        top[g] += add  # every member takes the same share
         heapq.heappush(heap, (top[g], g))
     return out
 
