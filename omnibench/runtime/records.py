@@ -125,7 +125,7 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     device_text = f"{summary['device_name']} ({device})" if device.type == "cuda" else f"cpu x{world} ranks"
     _write(os.path.join(work_dir, "config.json"), {
         "run": spec.to_dict(), "model": asdict(model),
-        "provenance": provenance(device_text, spec.extra.get("argv"))})
+        "provenance": provenance(device_text, spec.extra.get("argv"), cuda=device.type == "cuda")})
     with open(os.path.join(work_dir, "plan_step0.json"), "w") as f:
         f.write(plans[0].to_json())
     with open(os.path.join(work_dir, "plans.jsonl"), "w") as f:
