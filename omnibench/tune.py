@@ -277,7 +277,7 @@ def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c
     split = {m: 1 for m in model.encoders}
     llm_split = 1
     if system == "omni":
-        from systems.omni.layout import build_layouts, sp_size
+        from systems.omni.layout import build_layouts, sp_sizes
         from systems.omni.llm_long_short import llm_group_size
         from systems.omni.options import OmniOptions
 
@@ -285,7 +285,7 @@ def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c
         encoders = {m: lay for m, lay in build_layouts(model, parallel, opts.encoder_dp).items() if m != "llm"}
         for m, lay in encoders.items():
             if opts.long_short_sp and opts.encoder_sp_scheme != "none" and lay.tp == 1:
-                split[m] = sp_size(model, parallel, m, lay)
+                split[m] = max(sp_sizes(model, parallel, m, lay), default=1)
         if opts.llm_long_short:
             llm_split = llm_group_size(model, parallel, llm)[0]
     elif system in ("homogeneous", "temporal"):

@@ -111,16 +111,7 @@ class WorkMixin:
         return got
 
     def _eager_stack(self, module: str, lay):
-        """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
-        its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy);
-        otherwise its weights stay fp32 under autocast, and the LLM's fp32 token embedding makes the
-        residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
-        from simulator.kernels import Stack
-
-        fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
-        chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
-        return Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
-                     weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
+        return eager_stack(self.model, module, lay)
 
     def stage_work(self, module: str, stage: int) -> Work:
         """Parameters of what pipeline rank `stage` holds (no data): the work of an empty microbatch;
@@ -152,3 +143,18 @@ class WorkMixin:
         enc = self.model.encoders[module]
         w = self.work(module, 0, sig)
         return w.tokens * enc.hidden * 2
+
+
+def eager_stack(model, module: str, lay):
+    """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
+    its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy); ZeRO
+    (omnibench/runtime/zero.py) holds its replicated weights in bf16 too; otherwise (one rank, DDP)
+    its weights stay fp32 under autocast, cast per forward, and the LLM's fp32 token embedding makes
+    the residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+    from simulator.kernels import Stack
+
+    fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
+    bf16 = fsdp or (not lay.fsdp and lay.zero > 0 and lay.fsdp_size > 1)
+    chunk = costs.loss_chunk_tokens(-(-model.llm.vocab // lay.tp)) if module == "llm" else 0
+    return Stack(kind="eager", residual_bytes=4 if module == "llm" and not bf16 else 2,
+                 weight_cast=not bf16, loss="chunked", loss_chunk_tokens=chunk)

@@ -262,17 +262,19 @@ def _omni7b_plan(world: int = 64, workload: str = "mixed_video", **kw) -> Plan:
     return get_planner("omni").plan(get_model("omni-7b"), ParallelSpec(world_size=world, options=options, **kw), b)
 
 
-def test_auto_scheme_is_the_estimated_fastest_of_the_three():
+def test_auto_scheme_is_the_checked_fastest_of_every_scheme_and_group_size():
     p = _omni7b_plan(cp=4, microbatches=1)
     notes = p.notes["long_short"]["vision"]
-    est = notes["schemes_estimated_s"]
-    assert set(est) == {"none", "long_short", "all"}
-    assert est[notes["scheme"]] == min(est.values())
+    cands = notes["candidates"]
+    assert {c["scheme"] for c in cands} == {"none", "long_short", "all"}
+    assert {c["group_size"] for c in cands if c["scheme"] == "all"} == {2, 4, 8}  # ViT 16 heads, 8 per node
+    best = min(cands, key=lambda c: c["checked_s"])
+    assert (notes["scheme"], notes["sp_group_size"]) == (best["scheme"], best["group_size"])
     for scheme in ("none", "long_short", "all"):
         forced = _omni7b_plan(cp=4, microbatches=1, options={"encoder_sp_scheme": scheme}).notes["long_short"]["vision"]
-        assert forced["scheme"] == scheme and list(forced["schemes_estimated_s"]) == [scheme]
-        # what auto estimated for a scheme is what that scheme, forced, estimates
-        assert forced["schemes_estimated_s"][scheme] == est[scheme]
+        assert forced["scheme"] == scheme and {c["scheme"] for c in forced["candidates"]} == {scheme}
+        # what auto weighed for a scheme is what that scheme, forced, weighs
+        assert [c for c in cands if c["scheme"] == scheme] == forced["candidates"]
 
 
 def test_group_samples_are_packed_per_group_and_llm_microbatch():

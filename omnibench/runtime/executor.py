@@ -135,6 +135,8 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
         took (omnibench/runtime/loading.py), which ran before the Plan existed."""
         self.plan = plan
         self._index_routes(plan)
+        if self.long_short is not None:
+            self.long_short.prepare(plan)  # omni: this step's sequence-parallel groups (long_short.py)
         self.state = StepState()
         leaders = long_llm_leaders(plan.options)
         if leaders:

@@ -46,42 +46,44 @@ from systems.common import encoder_tokens
 
 
 class LongShortRuntime:
-    """Process groups of the long-input groups, built once (collectively, on every rank)."""
+    """Process groups of omni's sequence-parallel and long-sample groups. A step's plan may name groups
+    of another size than earlier steps (the planner weighs group sizes per batch): `prepare` creates
+    the ones not built yet at the start of the step, collectively (every rank plans the same step, so
+    every rank creates the same new groups in the same order), and keeps them for later steps."""
 
-    def __init__(self, plan, rank: int, timeout):
-        cfg = plan.options.get("long_short", {})
-        self.rank = rank
+    def __init__(self, rank: int, timeout):
+        self.rank, self.timeout = rank, timeout
+        self.built: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.groups: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
-        self.layout = {m: [tuple(g) for g in gs] for m, gs in cfg.get("groups", {}).items()}
-        for module in sorted(self.layout):
-            for ranks in self.layout[module]:
-                g = dist.new_group(list(ranks), timeout=timeout)
-                if rank in ranks:
-                    self.groups[module] = (g, ranks)
 
     @staticmethod
     def create(plan, rank: int, timeout) -> LongShortRuntime | None:
-        return LongShortRuntime(plan, rank, timeout) if plan.options.get("long_short", {}).get("groups") else None
+        if "long_short" not in plan.options:
+            return None
+        rt = LongShortRuntime(rank, timeout)
+        rt.prepare(plan)
+        return rt
+
+    def prepare(self, plan) -> None:
+        """This step's groups: this rank's per module, every one the plan names built (collectively)."""
+        cfg = plan.options.get("long_short", {}).get("groups", {})
+        self.groups = {}
+        for module in sorted(cfg):
+            for ranks in cfg[module]:
+                key = tuple(ranks)
+                if key not in self.built:
+                    self.built[key] = dist.new_group(list(key), timeout=self.timeout)
+                if self.rank in key:
+                    self.groups[module] = (self.built[key], key)
 
     def handles(self, plan, module: str, microbatch: int) -> bool:
         cfg = plan.options.get("long_short", {})
-        long = cfg.get("long_microbatches", {}).get(module, {}).get(str(self.rank), ())
-        if microbatch not in long:
-            return False
-        step_groups = [tuple(g) for g in cfg.get("groups", {}).get(module, [])]
-        if step_groups != self.layout.get(module):
-            raise RuntimeError(f"step {plan.step}: {module} long-input groups changed; the runtime builds them once")
-        return True
+        return microbatch in cfg.get("long_microbatches", {}).get(module, {}).get(str(self.rank), ())
 
     def llm_group(self, plan, microbatch: int) -> tuple[dist.ProcessGroup, tuple[int, ...]] | None:
         """omni's long LLM sample (systems/omni/llm_long_short.py): the context-parallel group that
         runs this LLM microbatch together, or None for a data-parallel microbatch."""
-        cfg = plan.options.get("long_short", {})
-        if microbatch not in cfg.get("long_microbatches", {}).get("llm", {}).get(str(self.rank), ()):
-            return None
-        if [tuple(g) for g in cfg.get("groups", {}).get("llm", [])] != self.layout.get("llm"):
-            raise RuntimeError(f"step {plan.step}: llm long-sample groups changed; the runtime builds them once")
-        return self.groups["llm"]
+        return self.groups["llm"] if self.handles(plan, "llm", microbatch) else None
 
     def forward(self, ex, a) -> None:
         module, mb = a.module, a.microbatch

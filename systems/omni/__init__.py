@@ -49,9 +49,17 @@ from systems.common import (
     resolve_common,
     step_tail,
 )
-from systems.omni.layout import build_layouts, locks_encoders, placement_notes, sp_groups, sp_size
+from systems.omni.layout import build_layouts, locks_encoders, placement_notes, sp_groups, sp_sizes
 from systems.omni.llm_long_short import llm_group_size, llm_groups, place_llm_long
-from systems.omni.long_short import SCHEMES, SPExchange, choose, pack_by_due, place_module, split_long_short
+from systems.omni.long_short import (
+    SCHEMES,
+    GroupCosts,
+    checked_finish,
+    choose,
+    pack_by_due,
+    place_module,
+    split_long_short,
+)
 from systems.omni.options import OmniOptions
 from systems.omni.reorder import (
     EncoderShare,
@@ -72,10 +80,11 @@ def _r(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _long_sp_size(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc, opts: OmniOptions) -> int:
-    """Ranks a sequence-parallel sample of `module` is split over (1: none; encoder TP rules SP out)."""
+def _sp_sizes(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc, opts: OmniOptions) -> list[int]:
+    """Group sizes a sequence-parallel sample of `module` may be split over this step ([] : none;
+    encoder TP rules SP out)."""
     on = opts.long_short_sp and opts.encoder_sp_scheme != "none" and enc.tp == 1
-    return sp_size(model, parallel, module, enc) if on else 1
+    return sp_sizes(model, parallel, module, enc) if on else []
 
 
 def _samples_floor(llm, parallel: ParallelSpec, n_samples: int) -> int:
@@ -142,14 +151,17 @@ class OmniPlanner:
         notes: dict = {"cost_model": cm.source}
 
         # -- encoder sequence-parallel groups and the schemes to weigh (long_short.py) -------------------
-        sp_long: dict[str, list[tuple[int, ...]]] = {}
-        schemes: dict[str, list[str]] = {}
+        # Candidates per encoder: (scheme, group size), each size's fixed groups of consecutive ranks.
+        sp_by_size: dict[str, dict[int, list[tuple[int, ...]]]] = {}
+        schemes: dict[str, list[tuple[str, int]]] = {}
         for m in model.encoders:
-            k = _long_sp_size(model, parallel, m, layouts[m], opts)
-            sp_long[m] = sp_groups(layouts[m], k) if k > 1 else []
+            sizes = _sp_sizes(model, parallel, m, layouts[m], opts)
+            sp_by_size[m] = {k: sp_groups(layouts[m], k) for k in sizes}
             wanted = "none" if not opts.long_short_sp else opts.encoder_sp_scheme
-            schemes[m] = ["none"] if k <= 1 else list(SCHEMES) if wanted == "auto" else [wanted]
-        exchange = SPExchange(model, cm, opts.hardware)
+            group_schemes = [x for x in SCHEMES if x != "none"] if wanted == "auto" else [wanted]
+            schemes[m] = ([("none", 1)] if wanted in ("auto", "none") or not sizes else []) + [
+                (x, k) for x in group_schemes if x != "none" for k in sizes]
+        exchange = GroupCosts(model, cm, opts.hardware)
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp
@@ -227,24 +239,39 @@ class OmniPlanner:
             items: dict[int, list[EncItem]] = {r: [] for r in range(world)}
             long_notes: dict = {}
             enc_layout_notes = {}
+            chosen_groups: dict[str, list[tuple[int, ...]]] = {}
             for m in model.encoders:
                 enc = layouts[m]
                 leaders = data_ranks(enc)
-                groups = sp_long[m]
-                k = len(groups[0]) if groups else 1
-                in_group = {r: g for g, grp in enumerate(groups) for r in grp}
                 pos = {i: sum(by_id[i].encoder_seq_lens(m)) for i in enc_cost[m]}
                 short_home = {i: enc_home[m][home[i]] for i in enc_cost[m]}
                 cands = []
-                for scheme in schemes[m]:
+                for scheme, k in schemes[m]:
+                    groups = sp_by_size[m].get(k, [])
+                    in_group = {r: g for g, grp in enumerate(groups) for r in grp}
                     # long_short: a long sample stays by its loader, whose reorder counted it; all: by its LLM
                     # consumer, whose members then hold its outputs (no boundary transfer)
                     prefer = ({i: in_group.get(short_home[i][0], -1) for i in enc_cost[m]} if scheme == "long_short"
                               else {i: in_group.get(data_rank(enc, consumer_rank(i)), -1) for i in enc_cost[m]})
+                    speed = exchange.speed(m, k, samples, sum(pos.values()) / len(leaders))
                     cands.append(place_module(scheme, enc_cost[m], leaders, groups, short_home,
                                               {r: -bubble[r] for r in leaders},
-                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer))
-                pm = choose(cands)
+                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer, speed))
+                checked: dict[int, float] = {}
+                if exchange.measured:  # check the estimate's most loaded ranks at the simulator's prices
+                    start = {r: -bubble[r] for r in leaders}
+
+                    def price(ss, k, m=m, enc=enc):
+                        return exchange.microbatch_seconds(m, ss, k, enc)
+
+                    checked = {id(c): checked_finish(c, due, start, by_id.__getitem__, price) for c in cands}
+                    pm = choose(cands, lambda c, checked=checked: checked[id(c)])
+                else:
+                    pm = choose(cands)
+                groups = pm.groups
+                k = len(groups[0]) if groups else 1
+                speed = exchange.speed(m, k, samples, sum(pos.values()) / len(leaders))
+                chosen_groups[m] = groups if pm.on_group else []
                 mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
                 route_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
                 holders: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -252,7 +279,7 @@ class OmniPlanner:
                 for g, sids in pm.on_group.items():
                     grp = groups[g]
                     for mb in pack_by_due(sids, due):  # the same index on every member
-                        share = sum(enc_cost[m][i] for i in mb) / len(grp)
+                        share = sum(enc_cost[m][i] for i in mb) / len(grp) * speed
                         x = exchange.seconds(m, sum(pos[i] for i in mb), len(grp))
                         holders[(grp[0], len(mbs[grp[0]]))] = grp
                         for r in grp:
@@ -283,7 +310,11 @@ class OmniPlanner:
                 enc_load = {r: pm.loads[r] + bubble[r] for r in leaders}
                 enc_layout_notes[m] = {
                     "scheme": pm.scheme,
-                    "schemes_estimated_s": {c.scheme: _r(c.finish) for c in cands},
+                    # every (scheme, group size) weighed: the additive estimate and, with the simulator's
+                    # compute model, the check of the most loaded ranks that decided
+                    "candidates": [{"scheme": c.scheme, "group_size": len(c.groups[0]) if c.groups else 1,
+                                    "estimated_s": _r(c.finish),
+                                    **({"checked_s": _r(checked[id(c)])} if id(c) in checked else {})} for c in cands],
                     "threshold_s": _r(pm.split.threshold),
                     "long_samples": [{"sample": i, "cost_s": _r(enc_cost[m][i]), "group": list(groups[g]),
                                       "positions": pos[i]}
@@ -303,7 +334,7 @@ class OmniPlanner:
                     lead = data_rank(lay, r)
                     if lead != r:
                         items[r] += [it for it in items[lead] if it.module == m]
-            return assignment_enc, routes, items, enc_layout_notes, long_notes
+            return assignment_enc, routes, items, enc_layout_notes, long_notes, chosen_groups
 
         # -- schedule -----------------------------------------------------------------------------------
         # Candidates, estimated from this step's costs: encoder work spread evenly and run all ahead
@@ -322,7 +353,7 @@ class OmniPlanner:
                 joint = joint_timeline(llm, m_count, f_stage, b_stage, cand[2], joint=True)
                 if joint.step_s < timeline.step_s:
                     timeline, chosen, placement = joint, cand, name
-        enc_assignment, route_args, items, enc_layout_notes, long_notes = chosen
+        enc_assignment, route_args, items, enc_layout_notes, long_notes, sp_long = chosen
         routes: list[Route] = [rt for m, enc, route_mbs, holders in route_args
                                for rt in make_routes(m, batch, llm, llm_mbs, enc, route_mbs, holders, llm_leader)]
         assignment.update(enc_assignment)

@@ -51,18 +51,24 @@ def locks_encoders(layouts: dict[str, Layout]) -> bool:
     return any(lay.fsdp and lay.fsdp_size > 1 for name, lay in layouts.items() if name != "llm")
 
 
-def sp_size(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc: Layout) -> int:
-    """Ranks one long input of `module` is split over: `encoder_sp` when given, else the largest
-    size that divides the encoder's heads (Ulysses splits heads) and its data ranks and fits in a
-    node (the all-to-alls run every layer)."""
+def sp_sizes(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc: Layout) -> list[int]:
+    """Group sizes a sequence-parallel sample of `module` may be split over, smallest first:
+    [`encoder_sp`] when given, else every size > 1 that divides the encoder's heads (Ulysses splits
+    heads) and its data ranks and fits in a node (the all-to-alls run every layer). The planner
+    weighs them per batch: a larger group splits a long input further, a smaller one pays less
+    exchange, and one the size of the LLM's cp x tp group holds the outputs its own ranks consume.
+    Groups are consecutive ranks, so a size whose groups would straddle nodes is left out."""
     heads = model.encoders[module].heads
     if parallel.encoder_sp:
         k = parallel.encoder_sp
         if enc.dp % k:
             raise PlanError(f"encoder_sp={k} does not divide the {enc.dp} {module} data ranks")
-        return k
+        return [k] if k > 1 else []
     limit = min(enc.dp, max(1, parallel.gpus_per_node // enc.tp))
-    return max(k for k in range(1, limit + 1) if heads % k == 0 and enc.dp % k == 0)
+    node = parallel.gpus_per_node
+    # consecutive groups stay inside nodes when k * tp divides the node (or spans whole nodes: small clusters)
+    return [k for k in range(2, limit + 1)
+            if heads % k == 0 and enc.dp % k == 0 and (node % (k * enc.tp) == 0 or (k * enc.tp) % node == 0)]
 
 
 def sp_groups(enc: Layout, k: int) -> list[tuple[int, ...]]:

@@ -84,10 +84,11 @@ def place_short(short: Sequence[int], cost: dict[int, float], home: dict[int, Se
 
 def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
                     loads: dict[int, float], exchange: Callable[[int], float] | None = None,
-                    prefer: dict[int, int] | None = None, slack: float = 0.0) -> dict[int, list[int]]:
+                    prefer: dict[int, int] | None = None, slack: float = 0.0, speed: float = 1.0) -> dict[int, list[int]]:
     """Samples onto sequence-parallel groups (index -> sample ids, costliest first); updates `loads`.
     `exchange(i)`: a member's all-to-all seconds for sample i; `prefer[i]`: a group to keep it on
-    while that costs at most `slack` seconds over the best."""
+    while that costs at most `slack` seconds over the best; `speed`: a member's seconds for 1/k of a
+    sample over its seconds for the whole sample / k (GroupCosts.speed)."""
     out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
     if not groups:
         return out
@@ -104,7 +105,7 @@ def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list
         if p >= 0 and top[p] <= top[g] + slack:
             g = p
         out[g].append(i)
-        add = cost[i] / len(groups[g]) + (exchange(i) if exchange else 0.0)
+        add = cost[i] / len(groups[g]) * speed + (exchange(i) if exchange else 0.0)
         for r in groups[g]:
             loads[r] += add
         top[g] += add  # every member takes the same share
@@ -121,7 +122,7 @@ class ModulePlacement:
     on_rank: dict[int, list[int]]  # short samples per encoder data rank
     on_group: dict[int, list[int]]  # group samples per group index
     loads: dict[int, float]  # estimated seconds per encoder data rank, from the start loads
-    notes: dict = field(default_factory=dict)
+    groups: list[tuple[int, ...]] = field(default_factory=list)  # the groups `on_group` indexes
 
     @property
     def finish(self) -> float:
@@ -130,20 +131,54 @@ class ModulePlacement:
 
 def place_module(scheme: str, cost: dict[int, float], ranks: Sequence[int], groups: list[tuple[int, ...]],
                  home: dict[int, Sequence[int]], start: dict[int, float], exchange: Callable[[int], float],
-                 prefer: dict[int, int]) -> ModulePlacement:
+                 prefer: dict[int, int], speed: float = 1.0) -> ModulePlacement:
     """Short samples, then group samples (module docstring), from `start` loads."""
     k = len(groups[0]) if groups else 1
     split = split_for(scheme, cost, len(ranks), k)
     loads = dict(start)
     on_rank = place_short(split.short, cost, {i: home[i] for i in split.short}, loads)
     slack = SLACK * sum(cost.values()) / max(1, len(ranks))
-    on_group = place_on_groups(split.long, cost, groups, loads, exchange, prefer, slack) if split.long else {}
-    return ModulePlacement(scheme, split, on_rank, on_group, loads)
+    on_group = (place_on_groups(split.long, cost, groups, loads, exchange, prefer, slack, speed)
+                if split.long else {})
+    return ModulePlacement(scheme, split, on_rank, on_group, loads, list(groups))
 
 
-def choose(candidates: list[ModulePlacement]) -> ModulePlacement:
-    """The placement whose most loaded rank finishes first; ties to the earlier (less parallel) one."""
-    return min(candidates, key=lambda c: (round(c.finish, 12), SCHEMES.index(c.scheme)))
+def choose(candidates: list[ModulePlacement], finish: Callable[[ModulePlacement], float] | None = None
+           ) -> ModulePlacement:
+    """The placement whose most loaded rank finishes first (by `finish`, else the placement's own
+    estimate); ties to the less parallel one (scheme, then group size)."""
+    return min(candidates, key=lambda c: (round(finish(c) if finish else c.finish, 12), SCHEMES.index(c.scheme),
+                                          len(c.groups[0]) if c.groups else 1))
+
+
+CHECKED_RANKS = 8  # the most loaded ranks or groups (by the additive estimate) a placement is checked on
+
+
+def checked_finish(pm: ModulePlacement, due: dict[int, int], start: dict[int, float], sample,
+                   seconds: Callable[[Sequence, int], float]) -> float:
+    """The finish of a placement's most loaded ranks with each of their microbatches priced whole
+    (`seconds(samples, k)`: per-microbatch costs and kernel effects the additive per-sample estimate
+    misses): the max over the CHECKED_RANKS ranks the estimate loads most, a group whose members carry
+    nothing else counted once."""
+    member = {r: g for g, grp in enumerate(pm.groups) for r in grp}
+    k = len(pm.groups[0]) if pm.groups else 1
+    group_s: dict[int, float] = {}
+    out, seen = float("-inf"), set()
+    for r in sorted(pm.loads, key=lambda r: (-pm.loads[r], r)):
+        g = member.get(r)
+        unit = ("group", g) if g is not None and not pm.on_rank.get(r) else ("rank", r)
+        if unit in seen:  # a group's members with no work of their own finish together
+            continue
+        seen.add(unit)
+        t = start[r] + sum(seconds([sample(i) for i in mb], 1) for mb in pack_by_due(pm.on_rank.get(r, []), due))
+        if g is not None:
+            if g not in group_s:
+                group_s[g] = sum(seconds([sample(i) for i in mb], k) for mb in pack_by_due(pm.on_group.get(g, []), due))
+            t += group_s[g]
+        out = max(out, t)
+        if len(seen) >= CHECKED_RANKS:
+            break
+    return out
 
 
 def pack_by_due(samples: Sequence[int], due: dict[int, int]) -> list[tuple[int, ...]]:
@@ -158,30 +193,121 @@ def pack_by_due(samples: Sequence[int], due: dict[int, int]) -> list[tuple[int, 
 # ------------------------------------------------------------------------------ exchange cost
 
 
-class SPExchange:
-    """A group member's Ulysses all-to-all seconds for one encoder sample (forward and backward: two
-    exchanges per layer each way, q/k/v in and the output back, 4 x positions/k x hidden in bf16, as
-    the simulator counts them: simulator/flops.py `seq_bytes`), priced by the simulator's collective
-    model for the hardware preset (a group of k consecutive ranks inside one node) and expressed in
-    the cost model's own seconds: a cost model on other hardware (the analytic default, a CPU
-    calibration) scales it by the ratio of its compute speed to that preset's."""
+class GroupCosts:
+    """What running a sample over a group of k costs a member beyond 1/k of its cost alone, in the
+    cost model's seconds:
+
+    - `seconds`: its Ulysses all-to-alls (forward and backward: one exchange per layer each, of
+      q/k/v in and the output back, 4 x positions/k x hidden in bf16, as the simulator counts them:
+      simulator/flops.py `seq_bytes`) and the all-gather of the outputs after the blocks, priced by
+      the simulator's collective model for the hardware preset (a group of k consecutive ranks inside
+      one node);
+    - `speed`: how much faster or slower a member's kernels run on 1/k of the positions with 1/k of
+      the heads than 1/k of the whole (attention kernels at fewer heads over longer sequences, matmuls
+      at fewer rows): the simulator's compute model on a packed microbatch of the step's samples,
+      when the cost model is that model (`hardware` given); 1 otherwise.
+
+    A cost model on other hardware (the analytic default, a CPU calibration) gets the exchange scaled
+    by the ratio of its compute speed to the preset's."""
 
     def __init__(self, model, cost_model, hardware: str = ""):
         self.model = model
         self.hardware = hardware or "h100"
+        self.measured = bool(hardware)
         self.scale = 1.0 if hardware else _speed_ratio(model, cost_model, self.hardware)
+        self._speed: dict[tuple[str, int], float] = {}
 
     def seconds(self, module: str, positions: int, k: int) -> float:
         if k <= 1 or positions <= 0:
             return 0.0
         enc = self.model.encoders[module]
         per_layer = _all_to_all(self.hardware, 4 * positions / k * enc.hidden * 2, k)
-        return self.scale * 2 * 2 * enc.layers * per_layer  # 2 calls per layer, forward and backward
+        # the members' outputs all-gathered after the blocks, reduce-scattered back in the backward
+        # (simulator/program.py `_sp_output_bytes`: the vision merger's tokens at the LLM's width, the
+        # audio blocks' hidden states)
+        out = (positions / enc.merge**2 * (enc.out_hidden or self.model.llm.hidden) if module == "vision"
+               else positions * enc.hidden) * 2
+        gather = 2 * _all_gather(self.hardware, out, k)
+        return self.scale * (2 * enc.layers * per_layer + gather)  # one call per layer, forward and backward
+
+    def speed(self, module: str, k: int, samples: Sequence, share: float) -> float:
+        """k x a member's seconds over the seconds of one rank, on a packed microbatch of `samples` of
+        about k x `share` positions (a group's share of the step)."""
+        if k <= 1 or not self.measured:
+            return 1.0
+        key = (module, k)
+        if key not in self._speed:
+            self._speed[key] = _group_speed(self.model, self.hardware, module, k, samples, share)
+        return self._speed[key]
+
+
+    def microbatch_seconds(self, module: str, samples: Sequence, k: int = 1, layout=None) -> float:
+        """A rank's seconds for one encoder microbatch of `samples` (forward with its inputs, backward)
+        run alone (k = 1) or as a member of a group of k, with the group's exchange: the simulator's
+        compute model, so a placement can be checked against what the simulator will charge. Only
+        when `measured` (the cost model is that compute model); `layout`: the encoder's (how the
+        runtime holds its weights decides the kernels' casts)."""
+        from simulator.flops import audio_work, input_elements, vision_work
+
+        inputs = [seg.grid_thw if module == "vision" else seg.mel_frames
+                  for s in samples for seg in s.segments if seg.encoder == module]
+        if not inputs:
+            return 0.0
+        make = vision_work if module == "vision" else audio_work
+        w = make(getattr(self.model, module), inputs, 1, k)
+        if layout is not None and w.shape is not None:  # as the simulator's eager stack runs it
+            from dataclasses import replace
+
+            from simulator.work import eager_stack
+
+            w = replace(w, shape=replace(w.shape, stack=eager_stack(self.model, module, layout)))
+        comp = _compute(self.hardware)
+        elements = float(sum(input_elements(s, self.model) for s in samples))
+        t = comp.action_time(w, "forward", module=module, inputs=elements) + comp.action_time(w, "backward", module=module)
+        positions = sum(seg.encoder_seq_len for s in samples for seg in s.segments if seg.encoder == module)
+        return t + self.seconds(module, positions, k)
+
+
+def _group_speed(model, hardware: str, module: str, k: int, samples: Sequence, share: float) -> float:
+    from simulator.flops import audio_work, vision_work
+
+    inputs, got = [], 0
+    for s in samples:  # the step's own samples, in order, up to a group's share
+        segs = [seg for seg in s.segments if seg.encoder == module]
+        inputs += [seg.grid_thw if module == "vision" else seg.mel_frames for seg in segs]
+        got += sum(seg.encoder_seq_len for seg in segs)
+        if got >= k * share:
+            break
+    if not inputs:
+        return 1.0
+    make = vision_work if module == "vision" else audio_work
+    enc = getattr(model, module)
+    comp = _compute(hardware)
+
+    def seconds(sp: int) -> float:
+        w = make(enc, list(inputs), 1, sp)
+        return comp.action_time(w, "forward", module=module) + comp.action_time(w, "backward", module=module)
+
+    whole = seconds(1)
+    return k * seconds(k) / whole if whole > 0 else 1.0
+
+
+@lru_cache(maxsize=8)
+def _compute(hardware: str):
+    from simulator.compute import ComputeModel  # torch-free
+    from simulator.hardware import load_cluster
+
+    return ComputeModel(load_cluster(hardware, 8))
 
 
 @lru_cache(maxsize=4096)
 def _all_to_all(hardware: str, nbytes: float, k: int) -> float:
     return _collectives(hardware).all_to_all(nbytes, tuple(range(k)))[0]
+
+
+@lru_cache(maxsize=4096)
+def _all_gather(hardware: str, nbytes: float, k: int) -> float:
+    return _collectives(hardware).all_gather(nbytes, tuple(range(k)))[0]
 
 
 @lru_cache(maxsize=8)
