@@ -66,6 +66,8 @@ def test_long_batches_take_both_sequence_parallel_paths_and_resharding_moves_sam
                     else [w for s in segs for w in (1500,) * (s.mel_frames // 2 // 1500) + ((s.mel_frames // 2) % 1500,) if w]
                 kinds.add((module, split_whole_sequences(lens, len(x["group"])) is None))
     assert kinds == {("vision", True), ("vision", False), ("audio", True), ("audio", False)}
+    # group sizes change between steps: the runtime builds a step's groups when first named
+    assert len({p.notes["long_short"]["audio"]["sp_group_size"] for p in plans}) > 1
     assert all(p.notes["long_short"]["vision"]["long_samples"] for p in plans)
     assert any(p.notes["long_short"]["audio"]["long_samples"] for p in plans)
     assert any(p.notes["reshard"]["samples_moved_off_loader"] > 0 for p in plans)
