@@ -34,6 +34,7 @@ from dataclasses import replace
 
 from omnibench.plan import METADATA, Action, Plan, PlanError, Route
 from omnibench.specs.cost_model import CostModel, load_cost_model
+from omnibench.specs.costs import recompute_policy
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
 from systems.common import (
@@ -69,7 +70,7 @@ from systems.omni.reorder import (
     in_process_loading,
     max_over_mean,
 )
-from systems.omni.reshard import reshard
+from systems.omni.reshard import level_microbatches, reshard
 from systems.omni.schedule import EncItem, align_sends, joint_timeline, lockstep_orders, to_actions
 from workloads.sample import Batch
 
@@ -85,6 +86,14 @@ def _sp_sizes(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc, o
     encoder TP rules SP out)."""
     on = opts.long_short_sp and opts.encoder_sp_scheme != "none" and enc.tp == 1
     return sp_sizes(model, parallel, module, enc) if on else []
+
+
+def heaviest_first(mbs: list[list[int]], cost: dict[int, float]) -> list[tuple[int, ...]]:
+    """A data rank's microbatches, costliest first. Every data rank's microbatch j runs in lock-step
+    with the others' (FSDP gathers, cp and tp exchanges per layer), so the step pays the sum over j of
+    the slowest rank's microbatch j; aligning every rank's heaviest at the same index minimises that
+    sum (the rearrangement inequality)."""
+    return [tuple(mb) for mb in sorted(mbs, key=lambda mb: (-sum(cost[i] for i in mb), mb))]
 
 
 def _samples_floor(llm, parallel: ParallelSpec, n_samples: int) -> int:
@@ -161,7 +170,7 @@ class OmniPlanner:
             group_schemes = [x for x in SCHEMES if x != "none"] if wanted == "auto" else [wanted]
             schemes[m] = ([("none", 1)] if wanted in ("auto", "none") or not sizes else []) + [
                 (x, k) for x in group_schemes if x != "none" for k in sizes]
-        exchange = GroupCosts(model, cm, opts.hardware)
+        exchange = GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute))
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp
@@ -200,7 +209,7 @@ class OmniPlanner:
             n_long = [len(on_llm_group[d // k_llm]) for d in range(dp)]
             m_count = max(n_long) + want_mb
             llm_mbs = [[(i,) for i in on_llm_group[d // k_llm]]
-                       + [tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count - n_long[d])]
+                       + heaviest_first(balance(((i, llm_cost[i]) for i in shard), m_count - n_long[d]), llm_cost)
                        for d, shard in enumerate(llm_shards)]
         else:
             m_count = min(want_mb, min(len(s) for s in llm_shards))
@@ -209,8 +218,15 @@ class OmniPlanner:
                     f"microbatches: only {m_count} microbatch(es) per data rank fit this batch but pp={llm.pp} "
                     f"needs >= {llm.pp}; use a larger batch or fewer stages"
                 )
-            llm_mbs = [[tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count)]
+            # Microbatches exist to bound activation memory, which grows with tokens: split each data
+            # rank's samples by tokens (as the baselines do), which also leaves the costliest (longest)
+            # samples together in the first microbatch on every rank, then level them (lock-step).
+            llm_mbs = [heaviest_first(balance(((i, by_id[i].llm_tokens) for i in shard), m_count), llm_cost)
                        for shard in llm_shards]
+            if llm.pp == 1 and m_count > 1 and llm.fsdp and llm.fsdp_size > 1:
+                # microbatch j runs in lock-step over each FSDP shard group: level it (reshard.py)
+                locks = [sorted({llm.coords(r)["dp"] for r in g}) for g in llm.shard_groups() if llm.coords(g[0])["tp"] == 0]
+                llm_mbs = level_microbatches(llm_mbs, llm_cost, {i: by_id[i].llm_tokens for i in ids}, locks)
         due = {i: j for mbs in llm_mbs for j, mb in enumerate(mbs) for i in mb}
         consumer = {i: d for d, mbs in enumerate(llm_mbs) for mb in mbs for i in mb}
         llm_leader: dict[int, int] = {}
@@ -233,6 +249,14 @@ class OmniPlanner:
             # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
             credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
 
+        price_cache: dict[tuple[str, int], dict[int, float]] = {}
+
+        def priced(m: str, k: int) -> dict[int, float]:
+            """Each sample's seconds on one rank (k = 1) or per member of a group of k (GroupCosts.cost)."""
+            if (m, k) not in price_cache:
+                price_cache[(m, k)] = {i: exchange.cost(m, by_id[i], k, layouts[m]) for i in enc_cost[m]}
+            return price_cache[(m, k)]
+
         def place(bubble: dict[int, float]):
             assignment_enc: dict = {}
             routes: list[tuple] = []
@@ -253,10 +277,15 @@ class OmniPlanner:
                     # consumer, whose members then hold its outputs (no boundary transfer)
                     prefer = ({i: in_group.get(short_home[i][0], -1) for i in enc_cost[m]} if scheme == "long_short"
                               else {i: in_group.get(data_rank(enc, consumer_rank(i)), -1) for i in enc_cost[m]})
-                    speed = exchange.speed(m, k, samples, sum(pos.values()) / len(leaders))
+                    fixed = (exchange.fixed(m, 1, enc), exchange.fixed(m, k, enc))
+                    alone = member = None
+                    if exchange.measured:  # priced as the simulator will: per group size (long_short.py)
+                        alone = priced(m, 1)
+                        member = priced(m, k) if groups else None
                     cands.append(place_module(scheme, enc_cost[m], leaders, groups, short_home,
                                               {r: -bubble[r] for r in leaders},
-                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer, speed))
+                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer, 1.0,
+                                              due, fixed, alone, member))
                 checked: dict[int, float] = {}
                 if exchange.measured:  # check the estimate's most loaded ranks at the simulator's prices
                     start = {r: -bubble[r] for r in leaders}
@@ -270,7 +299,7 @@ class OmniPlanner:
                     pm = choose(cands)
                 groups = pm.groups
                 k = len(groups[0]) if groups else 1
-                speed = exchange.speed(m, k, samples, sum(pos.values()) / len(leaders))
+                member_s = priced(m, k) if exchange.measured and groups else None
                 chosen_groups[m] = groups if pm.on_group else []
                 mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
                 route_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
@@ -279,7 +308,8 @@ class OmniPlanner:
                 for g, sids in pm.on_group.items():
                     grp = groups[g]
                     for mb in pack_by_due(sids, due):  # the same index on every member
-                        share = sum(enc_cost[m][i] for i in mb) / len(grp) * speed
+                        share = (sum(member_s[i] for i in mb) if member_s is not None
+                                 else sum(enc_cost[m][i] for i in mb) / len(grp))
                         x = exchange.seconds(m, sum(pos[i] for i in mb), len(grp))
                         holders[(grp[0], len(mbs[grp[0]]))] = grp
                         for r in grp:

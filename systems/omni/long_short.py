@@ -65,10 +65,13 @@ def split_for(scheme: str, cost: dict[int, float], ranks: int, sp: int) -> LongS
 
 
 def place_short(short: Sequence[int], cost: dict[int, float], home: dict[int, Sequence[int]],
-                loads: dict[int, float]) -> dict[int, list[int]]:
-    """Short samples onto one encoder rank each, among the ranks of their home group; updates `loads`."""
+                loads: dict[int, float], due: dict[int, int] | None = None, fixed: float = 0.0) -> dict[int, list[int]]:
+    """Short samples onto one encoder rank each, among the ranks of their home group; updates `loads`.
+    `fixed`: what a rank's microbatch costs beyond its samples (launches, per-layer overheads), paid
+    once per (rank, LLM microbatch `due[i]`) the rank encodes for."""
     out: dict[int, list[int]] = {r: [] for r in loads}
     heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}  # one per home group (loaders share them)
+    opened: set[tuple[int, int]] = set()
     for i in sorted(short, key=lambda i: (-cost[i], i)):
         key = tuple(home[i])
         heap = heaps.get(key)
@@ -78,21 +81,27 @@ def place_short(short: Sequence[int], cost: dict[int, float], home: dict[int, Se
         _, r = heapq.heappop(heap)
         out[r].append(i)
         loads[r] += cost[i]
+        if fixed and (r, (due or {}).get(i, 0)) not in opened:
+            opened.add((r, (due or {}).get(i, 0)))
+            loads[r] += fixed
         heapq.heappush(heap, (loads[r], r))
     return out
 
 
 def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
                     loads: dict[int, float], exchange: Callable[[int], float] | None = None,
-                    prefer: dict[int, int] | None = None, slack: float = 0.0, speed: float = 1.0) -> dict[int, list[int]]:
+                    prefer: dict[int, int] | None = None, slack: float = 0.0, speed: float = 1.0,
+                    due: dict[int, int] | None = None, fixed: float = 0.0) -> dict[int, list[int]]:
     """Samples onto sequence-parallel groups (index -> sample ids, costliest first); updates `loads`.
     `exchange(i)`: a member's all-to-all seconds for sample i; `prefer[i]`: a group to keep it on
     while that costs at most `slack` seconds over the best; `speed`: a member's seconds for 1/k of a
-    sample over its seconds for the whole sample / k (GroupCosts.speed)."""
+    sample over its seconds for the whole sample / k (GroupCosts.speed); `fixed`: a member's cost of
+    a group microbatch beyond its samples, once per (group, LLM microbatch `due[i]`)."""
     out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
     if not groups:
         return out
     top = [max(loads[r] for r in grp) for grp in groups]  # a group finishes with its most loaded member
+    opened: set[tuple[int, int]] = set()
     heap = [(top[g], g) for g in range(len(groups))]
     heapq.heapify(heap)
     for i in sorted(samples, key=lambda i: (-cost[i], i)):
@@ -106,6 +115,9 @@ def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list
             g = p
         out[g].append(i)
         add = cost[i] / len(groups[g]) * speed + (exchange(i) if exchange else 0.0)
+        if fixed and (g, (due or {}).get(i, 0)) not in opened:
+            opened.add((g, (due or {}).get(i, 0)))
+            add += fixed
         for r in groups[g]:
             loads[r] += add
         top[g] += add  # every member takes the same share
@@ -131,15 +143,21 @@ class ModulePlacement:
 
 def place_module(scheme: str, cost: dict[int, float], ranks: Sequence[int], groups: list[tuple[int, ...]],
                  home: dict[int, Sequence[int]], start: dict[int, float], exchange: Callable[[int], float],
-                 prefer: dict[int, int], speed: float = 1.0) -> ModulePlacement:
-    """Short samples, then group samples (module docstring), from `start` loads."""
+                 prefer: dict[int, int], speed: float = 1.0, due: dict[int, int] | None = None,
+                 fixed: tuple[float, float] = (0.0, 0.0), alone: dict[int, float] | None = None,
+                 member: dict[int, float] | None = None) -> ModulePlacement:
+    """Short samples, then group samples (module docstring), from `start` loads. `cost` decides
+    which samples are long; placement prices a sample at `alone[i]` on one rank and at `member[i]`
+    per member of a group (GroupCosts.cost; default `cost` and `cost` / k x `speed`); `fixed`: a
+    microbatch's cost beyond its samples alone and as a group member (GroupCosts.fixed)."""
     k = len(groups[0]) if groups else 1
     split = split_for(scheme, cost, len(ranks), k)
     loads = dict(start)
-    on_rank = place_short(split.short, cost, {i: home[i] for i in split.short}, loads)
+    on_rank = place_short(split.short, alone or cost, {i: home[i] for i in split.short}, loads, due, fixed[0])
     slack = SLACK * sum(cost.values()) / max(1, len(ranks))
-    on_group = (place_on_groups(split.long, cost, groups, loads, exchange, prefer, slack, speed)
-                if split.long else {})
+    per_member = member if member is not None else {i: cost[i] / k * speed for i in split.long}
+    on_group = (place_on_groups(split.long, {i: per_member[i] * k for i in split.long}, groups, loads, exchange,
+                                prefer, slack, 1.0, due, fixed[1]) if split.long else {})
     return ModulePlacement(scheme, split, on_rank, on_group, loads, list(groups))
 
 
@@ -210,12 +228,13 @@ class GroupCosts:
     A cost model on other hardware (the analytic default, a CPU calibration) gets the exchange scaled
     by the ratio of its compute speed to the preset's."""
 
-    def __init__(self, model, cost_model, hardware: str = ""):
+    def __init__(self, model, cost_model, hardware: str = "", recompute: dict[str, str] | None = None):
         self.model = model
+        self.recompute = recompute or {}  # per module, as costs.recompute_policy reads the run's
         self.hardware = hardware or "h100"
         self.measured = bool(hardware)
         self.scale = 1.0 if hardware else _speed_ratio(model, cost_model, self.hardware)
-        self._speed: dict[tuple[str, int], float] = {}
+        self._speed: dict[tuple, float] = {}  # speed and fixed costs, per (module, k)
 
     def seconds(self, module: str, positions: int, k: int) -> float:
         if k <= 1 or positions <= 0:
@@ -230,6 +249,36 @@ class GroupCosts:
         gather = 2 * _all_gather(self.hardware, out, k)
         return self.scale * (2 * enc.layers * per_layer + gather)  # one call per layer, forward and backward
 
+    def fixed(self, module: str, k: int, layout=None) -> float:
+        """A rank's cost of one more microbatch beyond its samples (kernel launches and per-layer work
+        that do not grow with the samples), alone (k = 1) or as a member of a group of k: two small
+        inputs as two microbatches against one, at the simulator's prices. 0 unless `measured`."""
+        if not self.measured:
+            return 0.0
+        key = ("fixed", module, k)
+        if key not in self._speed:
+            from workloads.sample import Sample, Segment
+
+            seg = (Segment("image", 64, 256, grid_thw=(1, 16, 16)) if module == "vision"
+                   else Segment("audio", 125, 250, mel_frames=500))
+            a, b = (Sample(-1, "probe", (seg,)), Sample(-2, "probe", (seg,)))
+            one = self.microbatch_seconds(module, [a], k, layout)
+            two = self.microbatch_seconds(module, [a, b], k, layout)
+            self._speed[key] = max(0.0, 2 * one - two)
+        return self._speed[key]
+
+    def cost(self, module: str, sample, k: int, layout=None) -> float:
+        """A rank's seconds for `sample` in a microbatch of its own (k = 1) or as a member of a group
+        of k: linear + quadratic + per-sequence coefficients fitted, per k, to the simulator's compute
+        model the way the cost model is fitted at k = 1 (omnibench/specs/cost_model.py
+        `from_simulator`), under the run's recompute mode and the stack the layout implies. Only when
+        `measured`."""
+        from omnibench.specs.cost_model import attention_sequences
+
+        c = _member_coefficients(self.model, self.hardware, module, k, self.recompute.get(module, "none"),
+                                 _holds_bf16(layout))
+        return sum(c.sequence(n) for n in attention_sequences(sample, module, self.model))
+
     def speed(self, module: str, k: int, samples: Sequence, share: float) -> float:
         """k x a member's seconds over the seconds of one rank, on a packed microbatch of `samples` of
         about k x `share` positions (a group's share of the step)."""
@@ -237,7 +286,8 @@ class GroupCosts:
             return 1.0
         key = (module, k)
         if key not in self._speed:
-            self._speed[key] = _group_speed(self.model, self.hardware, module, k, samples, share)
+            self._speed[key] = _group_speed(self.model, self.hardware, module, k, samples, share,
+                                            self.recompute.get(module, "none"))
         return self._speed[key]
 
 
@@ -254,7 +304,8 @@ class GroupCosts:
         if not inputs:
             return 0.0
         make = vision_work if module == "vision" else audio_work
-        w = make(getattr(self.model, module), inputs, 1, k)
+        rc = self.recompute.get(module, "none")
+        w = make(getattr(self.model, module), inputs, 1, k, rc)
         if layout is not None and w.shape is not None:  # as the simulator's eager stack runs it
             from dataclasses import replace
 
@@ -263,12 +314,14 @@ class GroupCosts:
             w = replace(w, shape=replace(w.shape, stack=eager_stack(self.model, module, layout)))
         comp = _compute(self.hardware)
         elements = float(sum(input_elements(s, self.model) for s in samples))
-        t = comp.action_time(w, "forward", module=module, inputs=elements) + comp.action_time(w, "backward", module=module)
+        t = (comp.action_time(w, "forward", module=module, inputs=elements)
+             + comp.action_time(w, "backward", rc, module=module))
         positions = sum(seg.encoder_seq_len for s in samples for seg in s.segments if seg.encoder == module)
         return t + self.seconds(module, positions, k)
 
 
-def _group_speed(model, hardware: str, module: str, k: int, samples: Sequence, share: float) -> float:
+def _group_speed(model, hardware: str, module: str, k: int, samples: Sequence, share: float,
+                 recompute: str = "none") -> float:
     from simulator.flops import audio_work, vision_work
 
     inputs, got = [], 0
@@ -285,11 +338,48 @@ def _group_speed(model, hardware: str, module: str, k: int, samples: Sequence, s
     comp = _compute(hardware)
 
     def seconds(sp: int) -> float:
-        w = make(enc, list(inputs), 1, sp)
-        return comp.action_time(w, "forward", module=module) + comp.action_time(w, "backward", module=module)
+        w = make(enc, list(inputs), 1, sp, recompute)
+        return comp.action_time(w, "forward", module=module) + comp.action_time(w, "backward", recompute, module=module)
 
     whole = seconds(1)
     return k * seconds(k) / whole if whole > 0 else 1.0
+
+
+def _holds_bf16(layout) -> bool:
+    return layout is not None and (layout.fsdp or layout.zero > 0) and layout.fsdp_size > 1
+
+
+@lru_cache(maxsize=256)
+def _member_coefficients(model, hardware: str, module: str, k: int, recompute: str, bf16: bool):
+    from dataclasses import replace
+
+    from omnibench.plan import Layout
+    from omnibench.specs.cost_model import FIT_LENGTHS, Coefficients, _least_squares
+    from simulator.flops import audio_work, vision_work
+    from simulator.work import eager_stack
+
+    enc = getattr(model, module)
+    # a layout standing for how the runtime holds the weights (eager_stack reads fsdp / zero / size)
+    lay = Layout(module, (0, 1), dp=2, fsdp=False, zero=2 if bf16 else 0)
+    comp = _compute(hardware)
+    rows = []
+    for n in FIT_LENGTHS:
+        # what one more sequence adds to a microbatch, at k ranks (the pass's fixed cost cancels)
+        if module == "vision":
+            m = enc.merge
+            x = max(m, n // m // m * m)
+            works = [vision_work(enc, [(1, m, x)] * j, 1, k, recompute) for j in (1, 2)]
+            n = m * x
+        else:
+            n = min(n, enc.max_positions)
+            works = [audio_work(enc, [2 * n] * j, 1, k, recompute) for j in (1, 2)]
+        t = []
+        for w in works:
+            if w.shape is not None:
+                w = replace(w, shape=replace(w.shape, stack=eager_stack(model, module, lay)))
+            t.append(comp.action_time(w, "forward", module=module) + comp.action_time(w, "backward", recompute, module=module))
+        rows.append((n, float(n) * n, t[1] - t[0]))
+    return Coefficients(*_least_squares(rows))
 
 
 @lru_cache(maxsize=8)
