@@ -345,3 +345,22 @@ def test_reorder_counts_long_samples_at_their_loader():
     holder = next(r for r, ids in d.shards.items() if 0 in ids)
     assert len(d.shards[holder]) < len(d.shards[1 - holder])
     assert d.after[holder] == pytest.approx(100.0) and d.after[1 - holder] == pytest.approx(100.0)
+
+
+def test_lock_stepped_microbatches_are_levelled_to_the_costliest():
+    """Two data ranks whose microbatch j runs in lock-step: rank 0 holds one costly sample, rank 1
+    four small ones split two and two. Rank 1 moves work into its first microbatch up to rank 0's
+    level and tokens, so the step pays max(j=0) + max(j=1) = 10 + 0 instead of 10 + 5."""
+    from systems.omni.reshard import level_microbatches
+
+    cost = {0: 10.0, 1: 4.0, 2: 4.0, 3: 1.0, 4: 1.0}
+    tokens = {0: 100, 1: 40, 2: 40, 3: 10, 4: 10}
+    before = [[(0,), ()], [(1, 3), (2, 4)]]
+    after = level_microbatches(before, cost, tokens, [[0, 1]])
+    assert after[0] == [(0,), ()]
+    assert after[1] == [(1, 2, 3, 4), ()]
+    steps = [sum(max(sum(cost[i] for i in mbs[j]) for mbs in x) for j in range(2)) for x in (before, after)]
+    assert steps == [10 + 5, 10 + 0]
+    # the token cap: a rank never grows a microbatch beyond the group's largest in tokens
+    capped = level_microbatches(before, cost, {**tokens, 2: 90}, [[0, 1]])
+    assert capped[1] == [(1, 3, 4), (2,)]
