@@ -5,6 +5,7 @@ buckets that cut parameters apart, and whole systems on 4 gloo ranks over 5 step
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -117,3 +118,19 @@ def test_zero_on_bf16_weights_trains_close_to_fp32():
         notes = open(os.path.join(out, "run", "summary.json")).read()
     assert "llm: ZeRO-2" in notes and "vision: ZeRO-2" in notes
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 2e-3
+
+
+@pytest.mark.timeout(180)
+def test_run_takes_dp_mode_and_refuses_unknown_ones(tmp_path):
+    from test_runtime_cli import omnibench
+
+    bad = omnibench("run", "--system", "homogeneous", "--dp-mode", "zero3")
+    assert bad.returncode != 0 and "dp_mode must be one of ddp, zero1, zero2, fsdp, hsdp" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    mixed = omnibench("run", "--system", "homogeneous", "--dp-mode", "zero1", "--dp-shard", "2")
+    assert mixed.returncode != 0 and "needs --dp-mode hsdp" in mixed.stderr
+    ok = omnibench("run", "--system", "homogeneous", "--device", "cpu", "--nproc", "2", "--steps", "1",
+                   "--dp-mode", "zero1", "--out", str(tmp_path / "run"))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    notes = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "llm: ZeRO-1" in json.dumps(notes)
