@@ -13,8 +13,14 @@ the members end with the whole output). Three schemes, chosen per step and per e
   boundary). Spreading each sample over k ranks makes the units to balance k times finer;
 - **none**: every sample short.
 
-`auto` (the default) places the step under each scheme and keeps the one whose most loaded rank
-finishes first, counting each group's all-to-alls (`SPExchange`); ties go to less parallelism.
+`auto` (the default) places the step under each scheme and each group size (every size that divides
+the encoder's heads and a node: layout.sp_sizes) and keeps the placement whose most loaded rank
+finishes first, counting each group's all-to-alls and output gather (`GroupCosts`); ties go to less
+parallelism. When omni plans with the simulator's compute model (`--hardware`), samples are priced
+per group size with coefficients fitted to that model, a microbatch pays its fixed cost, and the
+most loaded ranks of each placement are checked at per-microbatch prices before one is kept
+(`checked_finish`): the additive per-sample estimate misses kernel effects a whole microbatch shows.
+The groups a step names are built by the runtime when first named (omnibench/runtime/long_short.py).
 
 Placement, for a scheme: short samples first, each onto the least loaded encoder rank of its
 loader's data group (no raw input crosses the network); then the group samples, costliest first,
@@ -105,11 +111,11 @@ def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list
     heap = [(top[g], g) for g in range(len(groups))]
     heapq.heapify(heap)
     for i in sorted(samples, key=lambda i: (-cost[i], i)):
-        while True:  # lazy heap: skip entries a preferred placement made stale
+        while True:  # lazy heap: every placement pushes its group's new top, so a stale entry just goes
             t, g = heap[0]
             if t == top[g]:
                 break
-            heapq.heapreplace(heap, (top[g], g))
+            heapq.heappop(heap)
         p = (prefer or {}).get(i, -1)
         if p >= 0 and top[p] <= top[g] + slack:
             g = p
