@@ -282,12 +282,13 @@ def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c
         from systems.omni.options import OmniOptions
 
         opts = OmniOptions.parse(parallel.options)
-        encoders = {m: lay for m, lay in build_layouts(model, parallel, opts.encoder_dp).items() if m != "llm"}
+        flat = replace(parallel, virtual_stages=1)  # omni refuses interleaving when it plans, not here
+        encoders = {m: lay for m, lay in build_layouts(model, flat, opts.encoder_dp).items() if m != "llm"}
         for m, lay in encoders.items():
             if opts.long_short_sp and opts.encoder_sp_scheme != "none" and lay.tp == 1:
                 split[m] = max(sp_sizes(model, parallel, m, lay), default=1)
         if opts.llm_long_short:
-            llm_split = llm_group_size(model, parallel, llm)[0]
+            llm_split = llm_group_size(model, flat, llm)[0]
     elif system in ("homogeneous", "temporal"):
         stage0 = [r for r in llm.ranks if llm.coords(r)["pp"] == 0]
         sp = c.cp if system == "temporal" else 1
@@ -383,15 +384,19 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
     llm_flops = per_module["llm"].total
     n_llm = rules.llm.size
     m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
-    bubble = (c.pp - 1) / (c.virtual_stages * m + c.pp - 1) if c.pp > 1 else 0.0
     tokens, _ = _mean_loads(model, samples)
-    dp = rules.llm.dp
-    # the data rank holding the largest sample runs at least its LLM work
+    # A rank's LLM work is at least the mean and at least the largest sample's (exact FLOPs, attention
+    # quadratic) split over the ranks that share it: its stage's tp x cp, and omni's long-sample group.
+    # Under 1F1B every stage waits (pp - 1) microbatch slots, each at least that sample's.
     big_tokens, _ = _largest(model, samples)
-    share = max(tokens / dp, big_tokens / rules.llm_split) / tokens if tokens else 1.0 / dp
-    llm_s = llm_flops * share / (n_llm / dp) / rate
+    per_rank = llm_flops / n_llm / rate
+    big = costs.llm_flops(model.llm, [big_tokens], recompute=costs.recompute_policy(c.recompute)["llm"]).total
+    big_s = big / (c.tp * c.cp * c.pp * rules.llm_split) / rate if big_tokens else 0.0
+    slot = max(per_rank / (c.virtual_stages * m), big_s)
     extra = 1.0 + 0.02 * (m - 1) if c.pp == 1 else 1.0  # small microbatches run less efficiently
-    llm_s *= extra
+    llm_s = max(per_rank, big_s) * extra
+    bubble_s = (c.pp - 1) * slot if c.pp > 1 else 0.0
+    dp = rules.llm.dp
     _, positions = _mean_loads(model, samples)
     _, big_positions = _largest(model, samples)
     enc_s = 0.0
@@ -412,13 +417,13 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
         comm += 4 * layers * 2 * (c.tp - 1) / c.tp * per_rank_tokens * llm.hidden * 2 / nvlink
     if c.cp > 1:
         comm += 4 * layers * per_rank_tokens * llm.hidden * 2 / c.tp / nvlink
-    pipeline = (llm_s + comm) / (1 - bubble)
+    pipeline = llm_s + comm + bubble_s
     if rules.separate_encoders:
         return max(pipeline, enc_s)
     if rules.fills_bubbles:  # encoder work goes into the bubbles first
         return max(pipeline, llm_s + comm + enc_s)
     if rules.stage0_encoders:  # stage 0 runs every encoder microbatch beside its layers: the slowest stage
-        return (llm_s + comm + enc_s) / (1 - bubble)
+        return pipeline + enc_s * (1 + bubble_s / max(1e-12, llm_s + comm))
     return pipeline + enc_s
 
 
