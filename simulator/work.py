@@ -154,7 +154,7 @@ def eager_stack(model, module: str, lay):
     from simulator.kernels import Stack
 
     fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
-    bf16 = fsdp or (not lay.fsdp and lay.zero > 0 and lay.fsdp_size > 1)
+    bf16 = fsdp or (not lay.fsdp and getattr(lay, "zero", 0) > 0 and lay.fsdp_size > 1)
     chunk = costs.loss_chunk_tokens(-(-model.llm.vocab // lay.tp)) if module == "llm" else 0
     return Stack(kind="eager", residual_bytes=4 if module == "llm" and not bf16 else 2,
                  weight_cast=not bf16, loss="chunked", loss_chunk_tokens=chunk)
