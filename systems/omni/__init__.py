@@ -284,7 +284,7 @@ class OmniPlanner:
                         member = priced(m, k) if groups else None
                     cands.append(place_module(scheme, enc_cost[m], leaders, groups, short_home,
                                               {r: -bubble[r] for r in leaders},
-                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer, 1.0,
+                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer,
                                               due, fixed, alone, member))
                 checked: dict[int, float] = {}
                 if exchange.measured:  # check the estimate's most loaded ranks at the simulator's prices

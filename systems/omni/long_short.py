@@ -96,13 +96,13 @@ def place_short(short: Sequence[int], cost: dict[int, float], home: dict[int, Se
 
 def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
                     loads: dict[int, float], exchange: Callable[[int], float] | None = None,
-                    prefer: dict[int, int] | None = None, slack: float = 0.0, speed: float = 1.0,
+                    prefer: dict[int, int] | None = None, slack: float = 0.0,
                     due: dict[int, int] | None = None, fixed: float = 0.0) -> dict[int, list[int]]:
     """Samples onto sequence-parallel groups (index -> sample ids, costliest first); updates `loads`.
     `exchange(i)`: a member's all-to-all seconds for sample i; `prefer[i]`: a group to keep it on
-    while that costs at most `slack` seconds over the best; `speed`: a member's seconds for 1/k of a
-    sample over its seconds for the whole sample / k (GroupCosts.speed); `fixed`: a member's cost of
-    a group microbatch beyond its samples, once per (group, LLM microbatch `due[i]`)."""
+    while that costs at most `slack` seconds over the best (`cost[i]` / k is a member's share);
+    `fixed`: a member's cost of a group microbatch beyond its samples, once per (group, LLM
+    microbatch `due[i]`)."""
     out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
     if not groups:
         return out
@@ -120,7 +120,7 @@ def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list
         if p >= 0 and top[p] <= top[g] + slack:
             g = p
         out[g].append(i)
-        add = cost[i] / len(groups[g]) * speed + (exchange(i) if exchange else 0.0)
+        add = cost[i] / len(groups[g]) + (exchange(i) if exchange else 0.0)
         if fixed and (g, (due or {}).get(i, 0)) not in opened:
             opened.add((g, (due or {}).get(i, 0)))
             add += fixed
@@ -149,21 +149,21 @@ class ModulePlacement:
 
 def place_module(scheme: str, cost: dict[int, float], ranks: Sequence[int], groups: list[tuple[int, ...]],
                  home: dict[int, Sequence[int]], start: dict[int, float], exchange: Callable[[int], float],
-                 prefer: dict[int, int], speed: float = 1.0, due: dict[int, int] | None = None,
+                 prefer: dict[int, int], due: dict[int, int] | None = None,
                  fixed: tuple[float, float] = (0.0, 0.0), alone: dict[int, float] | None = None,
                  member: dict[int, float] | None = None) -> ModulePlacement:
     """Short samples, then group samples (module docstring), from `start` loads. `cost` decides
     which samples are long; placement prices a sample at `alone[i]` on one rank and at `member[i]`
-    per member of a group (GroupCosts.cost; default `cost` and `cost` / k x `speed`); `fixed`: a
+    per member of a group (GroupCosts.cost; default `cost` and `cost` / k); `fixed`: a
     microbatch's cost beyond its samples alone and as a group member (GroupCosts.fixed)."""
     k = len(groups[0]) if groups else 1
     split = split_for(scheme, cost, len(ranks), k)
     loads = dict(start)
     on_rank = place_short(split.short, alone or cost, {i: home[i] for i in split.short}, loads, due, fixed[0])
     slack = SLACK * sum(cost.values()) / max(1, len(ranks))
-    per_member = member if member is not None else {i: cost[i] / k * speed for i in split.long}
+    per_member = member if member is not None else {i: cost[i] / k for i in split.long}
     on_group = (place_on_groups(split.long, {i: per_member[i] * k for i in split.long}, groups, loads, exchange,
-                                prefer, slack, 1.0, due, fixed[1]) if split.long else {})
+                                prefer, slack, due, fixed[1]) if split.long else {})
     return ModulePlacement(scheme, split, on_rank, on_group, loads, list(groups))
 
 
@@ -226,10 +226,10 @@ class GroupCosts:
       simulator/flops.py `seq_bytes`) and the all-gather of the outputs after the blocks, priced by
       the simulator's collective model for the hardware preset (a group of k consecutive ranks inside
       one node);
-    - `speed`: how much faster or slower a member's kernels run on 1/k of the positions with 1/k of
-      the heads than 1/k of the whole (attention kernels at fewer heads over longer sequences, matmuls
-      at fewer rows): the simulator's compute model on a packed microbatch of the step's samples,
-      when the cost model is that model (`hardware` given); 1 otherwise.
+    - `cost`: a sample's seconds per member (1/k of the positions with 1/k of the heads: attention
+      kernels at fewer heads over longer sequences, matmuls at fewer rows), `fixed`: a microbatch's
+      cost beyond its samples, and `microbatch_seconds`: a whole microbatch, from the simulator's
+      compute model when the cost model is that model (`hardware` given: `measured`);
 
     A cost model on other hardware (the analytic default, a CPU calibration) gets the exchange scaled
     by the ratio of its compute speed to the preset's."""
@@ -240,7 +240,7 @@ class GroupCosts:
         self.hardware = hardware or "h100"
         self.measured = bool(hardware)
         self.scale = 1.0 if hardware else _speed_ratio(model, cost_model, self.hardware)
-        self._speed: dict[tuple, float] = {}  # speed and fixed costs, per (module, k)
+        self._fixed: dict[tuple, float] = {}  # per (module, k)
 
     def seconds(self, module: str, positions: int, k: int) -> float:
         if k <= 1 or positions <= 0:
@@ -262,7 +262,7 @@ class GroupCosts:
         if not self.measured:
             return 0.0
         key = ("fixed", module, k)
-        if key not in self._speed:
+        if key not in self._fixed:
             from workloads.sample import Sample, Segment
 
             seg = (Segment("image", 64, 256, grid_thw=(1, 16, 16)) if module == "vision"
@@ -270,8 +270,8 @@ class GroupCosts:
             a, b = (Sample(-1, "probe", (seg,)), Sample(-2, "probe", (seg,)))
             one = self.microbatch_seconds(module, [a], k, layout)
             two = self.microbatch_seconds(module, [a, b], k, layout)
-            self._speed[key] = max(0.0, 2 * one - two)
-        return self._speed[key]
+            self._fixed[key] = max(0.0, 2 * one - two)
+        return self._fixed[key]
 
     def cost(self, module: str, sample, k: int, layout=None) -> float:
         """A rank's seconds for `sample` in a microbatch of its own (k = 1) or as a member of a group
@@ -284,18 +284,6 @@ class GroupCosts:
         c = _member_coefficients(self.model, self.hardware, module, k, self.recompute.get(module, "none"),
                                  _holds_bf16(layout))
         return sum(c.sequence(n) for n in attention_sequences(sample, module, self.model))
-
-    def speed(self, module: str, k: int, samples: Sequence, share: float) -> float:
-        """k x a member's seconds over the seconds of one rank, on a packed microbatch of `samples` of
-        about k x `share` positions (a group's share of the step)."""
-        if k <= 1 or not self.measured:
-            return 1.0
-        key = (module, k)
-        if key not in self._speed:
-            self._speed[key] = _group_speed(self.model, self.hardware, module, k, samples, share,
-                                            self.recompute.get(module, "none"))
-        return self._speed[key]
-
 
     def microbatch_seconds(self, module: str, samples: Sequence, k: int = 1, layout=None) -> float:
         """A rank's seconds for one encoder microbatch of `samples` (forward with its inputs, backward)
@@ -324,31 +312,6 @@ class GroupCosts:
              + comp.action_time(w, "backward", rc, module=module))
         positions = sum(seg.encoder_seq_len for s in samples for seg in s.segments if seg.encoder == module)
         return t + self.seconds(module, positions, k)
-
-
-def _group_speed(model, hardware: str, module: str, k: int, samples: Sequence, share: float,
-                 recompute: str = "none") -> float:
-    from simulator.flops import audio_work, vision_work
-
-    inputs, got = [], 0
-    for s in samples:  # the step's own samples, in order, up to a group's share
-        segs = [seg for seg in s.segments if seg.encoder == module]
-        inputs += [seg.grid_thw if module == "vision" else seg.mel_frames for seg in segs]
-        got += sum(seg.encoder_seq_len for seg in segs)
-        if got >= k * share:
-            break
-    if not inputs:
-        return 1.0
-    make = vision_work if module == "vision" else audio_work
-    enc = getattr(model, module)
-    comp = _compute(hardware)
-
-    def seconds(sp: int) -> float:
-        w = make(enc, list(inputs), 1, sp, recompute)
-        return comp.action_time(w, "forward", module=module) + comp.action_time(w, "backward", recompute, module=module)
-
-    whole = seconds(1)
-    return k * seconds(k) / whole if whole > 0 else 1.0
 
 
 def _holds_bf16(layout) -> bool:
