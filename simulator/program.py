@@ -135,6 +135,15 @@ class ProgramMixin:
                 comm += t
                 exposed += t
                 n_calls += work.layers
+            if module != "llm" and len(seq_group) > 1 and work.tokens:
+                # Encoder sequence parallelism ends with every member holding the whole output: the
+                # members' chunks all-gathered after the blocks, reduce-scattered back in the backward
+                # (omnibench/runtime/long_short.py `_gather`): temporal's sp groups and omni's alike.
+                op_name = "all_gather" if a.kind == FORWARD else "reduce_scatter"
+                t = self.coll_inline.cost(op_name, self._sp_output_bytes(module, work, len(seq_group)), seq_group)
+                comm += t
+                exposed += t
+                n_calls += 1
             shard = self._grad_group(module, rank)
             if work.ep_bytes and lay.ep > 1:
                 scope = self._expert_scope(module, rank)
@@ -210,6 +219,14 @@ class ProgramMixin:
         bytes each) when the stack buckets it (SimOptions.fsdp_gather_bucket / _reduce_bucket)."""
         k = max(1, -(-int(nbytes / elem) // int(bucket))) if bucket > 0 else 1
         return k * self.coll_inline.cost(op, nbytes / k, group)
+
+    def _sp_output_bytes(self, module: str, work: Work, k: int) -> float:
+        """Bytes of a sequence-parallel encoder microbatch's gathered output (bf16): the vision
+        merger's tokens at the LLM's width, or the audio blocks' hidden states (pooled after)."""
+        enc = self.model.encoders[module]
+        if module == "vision":
+            return work.tokens * k / (enc.merge * enc.merge) * (enc.out_hidden or self.model.llm.hidden) * 2
+        return work.tokens * k * enc.hidden * 2
 
     def _last_backward(self, rank: int, module: str) -> int:
         key = ("last_bwd", rank, module)

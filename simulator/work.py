@@ -104,7 +104,7 @@ class WorkMixin:
                 llm = self.model.llm
                 layers = stage_layers(llm.layers, lay.stages, stage, lay.embedding_loss_stages)
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
-                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp * lay.sp,
+                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, sp or lay.cp,
                                lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
@@ -132,16 +132,7 @@ class WorkMixin:
                                             sequence_parallel=o.sequence_parallel and lay.tp > 1))
 
     def _eager_stack(self, module: str, lay):
-        """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
-        its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy);
-        otherwise its weights stay fp32 under autocast, and the LLM's fp32 token embedding makes the
-        residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
-        from simulator.kernels import Stack
-
-        fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
-        chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
-        stack = Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
-                      weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
+        stack = eager_stack(self.model, module, lay)
         # one object per distinct stack: shapes holding equal stacks then hash and compare cheaply
         return self._work_cache.setdefault(("stack", stack), stack)
 
@@ -171,9 +162,25 @@ class WorkMixin:
         sig = self._signature(module, rank, mb)
         lay = self.plan.layouts[module]
         if module == "llm":
-            # Megatron's scatter/gather (and sequence parallelism) sends each tp rank's 1/tp slice
+            # each member of omni's long-sample group passes on its chunk of the row; Megatron's
+            # scatter/gather (and sequence parallelism) sends each tp rank's 1/tp slice
             split = lay.tp if self.options.p2p_scatter_gather else 1
-            return sum(sig) / lay.cp / split * self.model.llm.hidden * 2
+            return sum(sig) / (len(self._long_group(module, rank, mb)) or lay.cp) / split * self.model.llm.hidden * 2
         enc = self.model.encoders[module]
         w = self.work(module, 0, sig)
         return w.tokens * enc.hidden * 2
+
+
+def eager_stack(model, module: str, lay):
+    """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
+    its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy); ZeRO
+    (omnibench/runtime/zero.py) holds its replicated weights in bf16 too; otherwise (one rank, DDP)
+    its weights stay fp32 under autocast, cast per forward, and the LLM's fp32 token embedding makes
+    the residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+    from simulator.kernels import Stack
+
+    fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
+    bf16 = fsdp or (not lay.fsdp and getattr(lay, "zero", 0) > 0 and lay.fsdp_size > 1)
+    chunk = costs.loss_chunk_tokens(-(-model.llm.vocab // lay.tp)) if module == "llm" else 0
+    return Stack(kind="eager", residual_bytes=4 if module == "llm" and not bf16 else 2,
+                 weight_cast=not bf16, loss="chunked", loss_chunk_tokens=chunk)

@@ -211,9 +211,16 @@ def make_routes(
     llm_mbs: list[list[tuple[int, ...]]],
     enc: Layout,
     enc_mbs: dict[int, list[tuple[int, ...]]],
+    holders: dict[tuple[int, int], tuple[int, ...]] | None = None,
+    leaders: dict[int, int] | None = None,
 ) -> list[Route]:
     """Routes for one encoder given where each sample is encoded (enc_mbs: encoder data rank ->
-    microbatches) and consumed (llm_mbs: per LLM dp index)."""
+    microbatches) and consumed (llm_mbs: per LLM dp index).
+
+    `holders[(src, mb)]`: every rank that ends that encoder microbatch with its whole output, at the
+    same microbatch index (omni's sequence-parallel groups); a holder that is the sample's primary
+    consumer (cp 0, tp 0, or `leaders[sample]`) is then its primary source too (no transfer, and the
+    gradient comes back on the same rank), and any other consumer holding it reads its own copy."""
     where: dict[int, tuple[int, int]] = {}
     for src, mbs in enc_mbs.items():
         for j, mb in enumerate(mbs):
@@ -221,7 +228,7 @@ def make_routes(
                 where[i] = (src, j)
     by_id = {s.sample_id: s for s in batch.samples}
     routes = []
-    holders: dict[int, set[int]] = {}  # per source rank (asked once per sample it encodes otherwise)
+    base_holders: dict[int, set[int]] = {}  # per source rank (asked once per sample it encodes otherwise)
     for d, mbs in enumerate(llm_mbs):
         dsts = consumers(llm, d)
         for j, mb in enumerate(mbs):
@@ -229,13 +236,18 @@ def make_routes(
                 if i not in where:
                     continue
                 src, src_mb = where[i]
-                producers = holders.get(src)
+                group = (holders or {}).get((src, src_mb))
+                producers = group
                 if producers is None:
-                    producers = holders[src] = set(output_holders(enc, src))
+                    producers = base_holders.get(src)
+                    if producers is None:
+                        producers = base_holders[src] = set(output_holders(enc, src))
+                first = (leaders or {}).get(i, dsts[0])
+                if group and first in group:
+                    src = first
                 tokens = encoder_tokens(by_id[i], module)
                 for dst in dsts:
-                    primary = dst == dsts[0]
-                    s = dst if (dst in producers and not primary) else src
+                    s = dst if (dst in producers and dst != first) else src
                     routes.append(Route(module, i, s, src_mb, dst, j, tokens))
     return routes
 

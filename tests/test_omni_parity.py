@@ -42,8 +42,13 @@ def long_batches(steps: int = STEPS, seed: int = 1) -> list[Batch]:
     return out
 
 
+# At tiny-omni's sizes an all-to-all's latency outweighs any encoder work, so the per-batch choice
+# (`encoder_sp_scheme=auto`) would keep every sample data-parallel: these tests name the scheme.
+LONG_SHORT = {"encoder_sp_scheme": "long_short"}
+
+
 def _plan(batch: Batch, **options):
-    parallel = ParallelSpec(world_size=4, options=options)
+    parallel = ParallelSpec(world_size=4, options={**LONG_SHORT, **options})
     return get_planner("omni").plan(get_model("tiny-omni"), parallel, batch)
 
 
@@ -61,6 +66,8 @@ def test_long_batches_take_both_sequence_parallel_paths_and_resharding_moves_sam
                     else [w for s in segs for w in (1500,) * (s.mel_frames // 2 // 1500) + ((s.mel_frames // 2) % 1500,) if w]
                 kinds.add((module, split_whole_sequences(lens, len(x["group"])) is None))
     assert kinds == {("vision", True), ("vision", False), ("audio", True), ("audio", False)}
+    # group sizes change between steps: the runtime builds a step's groups when first named
+    assert len({p.notes["long_short"]["audio"]["sp_group_size"] for p in plans}) > 1
     assert all(p.notes["long_short"]["vision"]["long_samples"] for p in plans)
     assert any(p.notes["long_short"]["audio"]["long_samples"] for p in plans)
     assert any(p.notes["reshard"]["samples_moved_off_loader"] > 0 for p in plans)
@@ -70,6 +77,9 @@ _REF: dict = {}
 
 CASES = [
     pytest.param({}, {}, id="all-on"),
+    pytest.param({"encoder_sp_scheme": "all"}, {}, id="sp-for-all"),
+    pytest.param({"encoder_sp_scheme": "all"}, {"cp": 2}, id="sp-for-all-cp2"),
+    pytest.param({"encoder_sp_scheme": "auto"}, {"pp": 2}, id="sp-auto-pp2", marks=pytest.mark.slow),
     pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline"),
     pytest.param({"reorder": False}, {}, id="no-reorder", marks=pytest.mark.slow),
     pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups", marks=pytest.mark.slow),
@@ -81,6 +91,7 @@ CASES = [
     pytest.param({}, {"tp": 2}, id="all-on-tp2", marks=pytest.mark.slow),
     pytest.param({}, {"encoder_tp": 2, "pp": 2}, id="all-on-encoder-tp2-pp2", marks=pytest.mark.slow),
     pytest.param({}, {"cp": 2}, id="all-on-cp2", marks=pytest.mark.slow),
+    pytest.param({}, {"cp": 2, "pp": 2}, id="all-on-cp2-pp2", marks=pytest.mark.slow),
 ]
 
 
@@ -90,7 +101,7 @@ def test_omni_matches_single_process(tmp_path, options, layout):
     batches = long_batches()
     if "ref" not in _REF:
         _REF["ref"] = reference("tiny-omni", batches)
-    losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options=options, **layout)
+    losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options={**LONG_SHORT, **options}, **layout)
     assert_parity(losses, params, *_REF["ref"])
 
 
@@ -105,7 +116,7 @@ def test_llm_long_short_matches_homogeneous_over_five_steps(tmp_path):
     assert any(() in mbs for p in plans for mbs in p.assignment["llm"].values())  # an empty microbatch
     (tmp_path / "omni").mkdir()
     (tmp_path / "homogeneous").mkdir()
-    omni, _ = run_distributed(tmp_path / "omni", "omni", "tiny-omni", batches, options={})
+    omni, _ = run_distributed(tmp_path / "omni", "omni", "tiny-omni", batches, options=LONG_SHORT)
     homo, _ = run_distributed(tmp_path / "homogeneous", "homogeneous", "tiny-omni", batches)
     assert len(omni) == len(homo) == 5
     for step, (a, b) in enumerate(zip(omni, homo, strict=True)):
@@ -139,3 +150,39 @@ def test_plan_notes_say_which_techniques_acted():
     off = _plan(long_batches(2)[1], llm_long_short=False, long_short_sp=False, reorder=False, reshard=False)
     assert off.notes["acted"] == {"reorder": False, "reshard": False, "long_short_sp": {}, "llm_long_short": 0,
                                   "joint_pipeline": off.notes["acted"]["joint_pipeline"]}
+
+
+# tiny-omni's LLM has 2 kv heads: too few for Ulysses over a long-sample group of 2 data ranks x cp 2.
+KV4 = """name = "tiny-omni-kv4"
+vision = "tiny-vit"
+audio = "tiny-whisper"
+
+[llm]
+name = "tiny-llm-kv4"
+layers = 4
+hidden = 64
+heads = 8
+kv_heads = 4
+ffn = 128
+vocab = 512
+rope_theta = 10000.0
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [{"cp": 2}, {"pp": 2}], ids=["cp2", "pp2"])
+def test_llm_long_short_at_any_cp_and_pp_matches_single_process(tmp_path, layout):
+    """The LLM long-short split under the layout's own cp (a long sample over 2 data ranks x cp 2:
+    Ulysses over 4 ranks, replacing the cp group's exchange) and with pipeline stages (every stage's
+    members of the group run the long microbatch; chunks travel stage to stage)."""
+    model = tmp_path / "kv4.toml"
+    model.write_text(KV4)
+    batches = long_batches(5)
+    from omnibench.specs.presets import get_model
+
+    plans = [get_planner("omni").plan(get_model(str(model)), ParallelSpec(world_size=4, options=LONG_SHORT, **layout), b)
+             for b in batches]
+    assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 2
+    assert all(len(p.options["long_short"]["groups"]["llm"][0]) == 2 * layout.get("cp", 1) for p in plans)
+    losses, params = run_distributed(tmp_path, "omni", str(model), batches, options=LONG_SHORT, **layout)
+    assert_parity(losses, params, *reference(str(model), batches))

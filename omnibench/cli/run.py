@@ -101,6 +101,10 @@ def register(app: typer.Typer) -> None:
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
         fsdp: bool = typer.Option(True, "--fsdp/--no-fsdp", help="shard data-parallel state (FSDP2) or replicate"),
+        dp_mode: str = typer.Option(None, "--dp-mode", help="how data parallelism holds the training state: ddp | "
+                                    "zero1 | zero2 (weights replicated, optimizer state and, zero2, gradients "
+                                    "sharded) | fsdp | hsdp; overrides --fsdp/--no-fsdp. omni's encoders keep their "
+                                    "own (--option encoder_dp=..., default zero2)"),
         recompute: str = typer.Option("auto", "--recompute",
                                       help="activation checkpointing: none | selective | full, or per module "
                                            "(vision=full,audio=full); auto: the cheapest the memory check admits"),
@@ -160,6 +164,16 @@ def register(app: typer.Typer) -> None:
                        options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
                                                   no_llm_long_short), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
+        if dp_mode is not None:
+            from omnibench.specs.parallel import dp_mode_fields
+
+            try:
+                fields = dp_mode_fields(dp_mode)
+            except SpecError as e:
+                fail(str(e))
+            if dp_shard and dp_mode != "hsdp":
+                fail(f"dp-shard={dp_shard} needs --dp-mode hsdp (or no --dp-mode); got --dp-mode {dp_mode}")
+            spec.fsdp, spec.zero, spec.dp_shard = fields["fsdp"], fields["zero"], dp_shard or fields["dp_shard"]
         try:
             spec = resolve(spec)
             spec, fit_note = fit_to_device(spec, model_given=bool(model))  # settles recompute=auto on CUDA

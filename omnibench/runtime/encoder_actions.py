@@ -61,12 +61,17 @@ class EncoderActionsMixin:
 
     def _enc_backward(self, a: Action) -> None:
         module = a.module
-        out, ids, _ = self.state.enc_out.pop((module, a.microbatch))
+        out, ids, tokens = self.state.enc_out.pop((module, a.microbatch))
         lay = self.layouts[module]
         enc = self.modules[module]
         if ids:
             if self.rank == data_rank(lay, self.rank):
-                grad = torch.cat([self.state.enc_grad.pop((module, i)) for i in ids]).to(out.dtype)
+                # Each sample's gradient comes back to its primary route's source only: every member of
+                # an omni sequence-parallel group holds the whole output, the others give zeros (the
+                # gather's backward sums the members' gradients).
+                grad = torch.cat([self.state.enc_grad.pop((module, i)) if self.primary_src.get((module, i)) == self.rank
+                                  else out.new_zeros(n, out.shape[1]) for i, n in zip(ids, tokens, strict=True)])
+                grad = grad.to(out.dtype)
             else:
                 # tp peers: overwritten by the broadcast below; sp peers hold the gathered output too
                 # and take zeros (the gather's backward hands every member its chunk of the leader's).
