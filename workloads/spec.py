@@ -435,7 +435,7 @@ SPEC_DIR = Path(__file__).with_name("specs")
 FILE_SUFFIXES = (".toml", ".yaml", ".yml", ".json", ".jsonl")
 
 
-def _read_file(path: Path) -> Any:
+def read_spec_file(path: Path) -> Any:
     suffix = path.suffix.lower()
     try:
         text = path.read_text()
@@ -457,55 +457,3 @@ def _read_file(path: Path) -> Any:
     except Exception as e:  # parser errors carry line numbers; keep them on one line
         raise WorkloadError(f"{path}: not valid {suffix[1:].upper()}: {str(e).splitlines()[0]}") from None
     raise WorkloadError(f"{path}: unsupported file type {suffix!r}; allowed: {', '.join(FILE_SUFFIXES)}")
-
-
-def load_spec_file(path: str | Path) -> WorkloadSpec:
-    path = Path(path)
-    if path.suffix.lower() == ".jsonl":
-        from workloads.trace import load_trace
-
-        return load_trace(path)
-    return spec_from_dict(_read_file(path), origin=str(path))
-
-
-_REGISTRY: dict[str, WorkloadSpec] = {}
-
-
-def list_workloads() -> dict[str, str]:
-    """Named workloads -> one-line description, in name order."""
-    out = {}
-    for p in sorted(SPEC_DIR.glob("*.toml")):
-        out[p.stem] = get_workload(p.stem).description
-    return out
-
-
-def workload_names() -> list[str]:
-    return sorted(p.stem for p in SPEC_DIR.glob("*.toml"))
-
-
-def get_workload(name_or_path: str | Path | WorkloadSpec) -> WorkloadSpec:
-    """A named workload, or one read from a TOML/YAML/JSON spec or a JSONL trace file."""
-    if isinstance(name_or_path, WorkloadSpec):
-        return name_or_path
-    s = str(name_or_path)
-    if s in _REGISTRY:
-        return _REGISTRY[s]
-    builtin = SPEC_DIR / f"{s}.toml"
-    if "/" not in s and "." not in s and builtin.is_file():
-        spec = load_spec_file(builtin)
-        if spec.name != s:
-            raise WorkloadError(f"{builtin}: name {spec.name!r} does not match the file name {s!r}")
-        spec = WorkloadSpec(
-            **{**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, "origin": "builtin"}
-        )
-        _REGISTRY[s] = spec
-        return spec
-    p = Path(s)
-    if p.suffix.lower() in FILE_SUFFIXES:
-        if not p.is_file():
-            raise WorkloadError(f"workload: file {s} does not exist")
-        return load_spec_file(p)
-    raise WorkloadError(
-        f"workload: unknown name {s!r}; allowed: {', '.join(workload_names())} "
-        f"or a path to a {'/'.join(x[1:] for x in FILE_SUFFIXES)} file"
-    )

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from omnibench.plan import Plan
 from omnibench.runtime import metrics, records
 from omnibench.runtime.executor import Executor
-from omnibench.runtime.launch import batch_source, parallel_spec
 from omnibench.runtime.loading import LoaderExchange
+from omnibench.runtime.run_inputs import batch_source, parallel_spec
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.run import RunSpec
 from systems import get_planner
