@@ -42,10 +42,26 @@ class PipeSafeConsole(Console):
 console = PipeSafeConsole()
 err_console = PipeSafeConsole(stderr=True)
 
+# Said once, in the description of each command with --tp/--pp/--cp (each option's own help is one line).
+DEFAULT_LAYOUT_TEXT = (
+    "Layout: without --tp, --pp and --cp each system runs its anchor's usual layout (systems/defaults.py): "
+    "homogeneous, colocated, noncolocated and omni Megatron-style (tp: the largest inside a node that divides the "
+    "heads, pp only where the model state needs it); temporal VeOmni's (tp 1, pp 1, FSDP over all ranks, cp: one "
+    "Ulysses degree for encoders and LLM, the smallest that splits the longest sample into one rank's share of the "
+    "batch). Any of the three given, the others are 1.")
+RECOMPUTE_TEXT = (
+    "Memory: --recompute auto (the default) takes the cheapest recomputation per module that fits: none, then each "
+    "set of modules recomputed in full, cheapest first (e.g. vision=full,audio=full before full), by the simulator's "
+    "memory estimate of the first batches; the output says which. One function settles layout and recompute for "
+    "plan, run, simulate and tune (omnibench/resolve.py).")
+TP_HELP = "LLM tensor-parallel degree; 0: default layout."
+PP_HELP = "LLM pipeline stages; 0: default layout."
+CP_HELP = "LLM context-parallel degree; 0: default layout."
+RECOMPUTE_HELP = "auto | none | selective | full | vision=full,..."
+
 # --dp-shard on run, plan and simulate.
 DpShard = Annotated[int, typer.Option(
-    "--dp-shard", help="HSDP: ranks each FSDP shard group holds (replicated across groups); 0: automatic "
-    "(within 8 nodes); -1: the whole group (plain FSDP).")]
+    "--dp-shard", help="HSDP shard group; 0: automatic, -1: plain FSDP.")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

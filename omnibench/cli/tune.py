@@ -41,9 +41,13 @@ def _batches(workload: str, seed: int, tokens: int, steps: int, start: int):
 def run_tune(system: str, workload: str, n: int, model: str, hardware: str, steps: int, start_step: int,
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
              log=None):
-    """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message."""
+    """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
+    starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
+    each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
+    from omnibench.resolve import resolve_layout
+    from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
-    from omnibench.tune import tune
+    from omnibench.tune import Candidate, tune
     from simulator.calibrate import Profile
     from simulator.hardware import load_cluster
 
@@ -55,7 +59,11 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
         from omnibench.cli.simulate import planner_options
 
         options = planner_options(system, options or {}, hardware)
-    return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log)
+    laid = resolve_layout(system, spec, ParallelSpec(world_size=n, gpus_per_node=cluster.gpus_per_node,
+                                                     options=dict(options or {})), batches, cluster, recompute="none")
+    start = Candidate(system, tp=laid.parallel.tp, pp=laid.parallel.pp, cp=laid.parallel.cp)
+    return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log,
+                default=start)
 
 
 def register(app: typer.Typer) -> None:

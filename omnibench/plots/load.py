@@ -47,7 +47,7 @@ _SIM_FLAGS = ("hardware", "model", "steps", "calibration", "tp", "pp", "cp", "ep
               "global_batch_tokens", "recompute", "seed")
 # tp/pp/cp 0: the CLI's "each system's default layout" (a record with an explicit layout stores all three)
 _SIM_DEFAULTS = {"hardware": "h100", "model": "omni-7b", "steps": 1, "calibration": None, "tp": 0, "pp": 0,
-                 "cp": 0, "ep": 1, "dp": 0, "dp_shard": 0, "microbatches": 0, "global_batch_tokens": 0, "recompute": "none",
+                 "cp": 0, "ep": 1, "dp": 0, "dp_shard": 0, "microbatches": 0, "global_batch_tokens": 0, "recompute": "auto",
                  "seed": 0}
 _MB = re.compile(r"\bmb(\d+)")
 

@@ -128,19 +128,27 @@ def resolve(spec: RunSpec) -> RunSpec:
 
 
 def resolve_layout(spec: RunSpec, memory_bytes: float | None = None) -> RunSpec:
-    """tp, pp, cp all 0: the system's default layout for this model, world size and the run's first
-    batch (systems/defaults.py; a note in the record says which and why); some 0: those are 1."""
-    if (spec.tp, spec.pp, spec.cp) != (0, 0, 0):
-        return replace(spec, tp=spec.tp or 1, pp=spec.pp or 1, cp=spec.cp or 1)
+    """tp, pp, cp as omnibench/resolve.py settles them for every command: the flags, some 0 (those
+    are 1), or all 0: the system's default layout for this model, world size and the run's first
+    batch, within the runtime's limits (a note in the record says which and why)."""
+    from omnibench.resolve import resolve_layout as resolve_for_all
     from omnibench.specs.presets import get_model
-    from systems.defaults import DEVICE_BYTES, with_default_layout
+    from simulator.hardware import load_cluster
+    from systems.defaults import DEVICE_BYTES
 
     model = get_model(spec.model)
     plain = replace(spec, tp=1, pp=1, cp=1)
-    parallel, note = with_default_layout(spec.system, model, parallel_spec(plain, spec.nproc), batch_source(plain)(0),
-                                         memory_bytes or DEVICE_BYTES, check=_runtime_check)
-    extra = {**spec.extra, "notes": [*spec.extra.get("notes", []), note]}
-    return replace(spec, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, extra=extra)
+    cluster = load_cluster("h100", spec.nproc)
+    cluster = replace(cluster, gpu=replace(cluster.gpu, memory_gib=(memory_bytes or DEVICE_BYTES) / 2**30))
+    # recompute is the memory check's to settle (runtime/memory.py::fit_to_device), after the layout
+    res = resolve_for_all(spec.system, model, parallel_spec(replace(plain, recompute="none"), spec.nproc),
+                          [batch_source(plain)(0)], cluster, tp=spec.tp, pp=spec.pp, cp=spec.cp,
+                          recompute="none", check=_runtime_check)
+    notes = spec.extra.get("notes", [])
+    if (spec.tp, spec.pp, spec.cp) == (0, 0, 0):
+        notes = [*notes, res.layout_note]
+    return replace(spec, tp=res.parallel.tp, pp=res.parallel.pp, cp=res.parallel.cp,
+                   extra={**spec.extra, "notes": notes})
 
 
 def _runtime_check(model, parallel: ParallelSpec) -> None:
