@@ -90,9 +90,11 @@ def _expect(cmd: str, out: str, work: Path) -> None:
         assert str(runs[0]) in out  # the record path, whole, in piped output
     elif cmd.startswith("omnibench simulate"):
         assert "record: results/sims/" in out and "…" not in out
-        systems = ("homogeneous", "colocated", "noncolocated", "omni") if "--system all" in cmd else ("omni",)
+        systems = ("homogeneous", "temporal", "colocated", "noncolocated", "omni") if "--system all" in cmd else ("omni",)
         for s in systems:
             assert re.search(rf"│\s+64 │ {s}\s+│\s+[\d,]+ │", out), s  # a throughput row, not "does not fit"
+            # no --recompute: each system at the cheapest recomputation that fits, and the output says which
+            assert re.search(rf"64 GPUs, {s}: .*recompute=\S+ \(auto: the cheapest that fits\)", out), s
     elif cmd.startswith("omnibench calibrate"):
         assert (work / "profile.json").is_file() and "profile: profile.json" in out
     elif cmd.startswith("omnibench validate --published"):
