@@ -49,7 +49,7 @@ import numpy as np
 
 from workloads.registry import get_workload
 from workloads.sample import ID_STRIDE, Batch, Sample, Segment, step_rng
-from workloads.spec import Mix, SourceSpec, WorkloadError, WorkloadSpec
+from workloads.spec import MAX_SAMPLE_TOKENS, Mix, SourceSpec, WorkloadError, WorkloadSpec
 from workloads.tokens import (
     PIXELS_PER_TOKEN,
     TEMPORAL_PATCH,
@@ -322,6 +322,8 @@ class WorkloadStream:
         ):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
                 raise WorkloadError(f"{name}: must be a positive integer, got {v!r}")
+        if max_sample_tokens is not None and max_sample_tokens > MAX_SAMPLE_TOKENS:
+            raise WorkloadError(f"max_sample_tokens: must be at most {MAX_SAMPLE_TOKENS:,}, got {max_sample_tokens!r}")
         if global_batch_size is not None and global_batch_size >= ID_STRIDE:
             raise WorkloadError(f"global_batch_size: must be < {ID_STRIDE}, got {global_batch_size}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
