@@ -7,6 +7,12 @@ the launcher stop every rank (SIGTERM, SIGKILL after STOP_GRACE_S) before it ret
 and ranks ask Linux to kill them if the launcher itself is killed (worker.py). The record folder
 then keeps its `.incomplete` suffix.
 
+A rank that stops making progress is found long before the ranks waiting on it time out (--timeout,
+120 s): the launcher watches each rank's process state (a rank stopped by SIGSTOP/SIGTSTP, state T,
+for STOPPED_S) and its heartbeat (worker.py touches one every records.HEARTBEAT_S from a thread that runs
+while the rank waits in a collective; none for HANG_S means the rank is frozen, e.g. in a C call
+holding the GIL), and names that rank, not the healthy ones waiting for it.
+
 Inside an existing torchrun environment (`torchrun ... -m omnibench run ...`) this process *is*
 a rank: it runs its share and rank 0 completes the record folder.
 """
@@ -16,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +41,8 @@ CUDA_TOKENS_PER_GPU = 16384  # global batch per GPU on CUDA when none is given (
 
 POLL_S = 0.05  # how often the launcher looks at its ranks
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL for a rank still alive after this
+STOPPED_S = 2.0  # a rank in state T (stopped by a signal) this long has stopped the run
+HANG_S = 30.0  # a rank whose heartbeat is this old has stopped making progress (well under --timeout)
 # Signals that stop a run. Each one's default would kill the launcher and orphan the ranks (they run
 # in sessions of their own), and SIGINT arrives ignored when the launcher was started as a
 # background job of a non-interactive shell (CI scripts, `cmd &`): Python then never raises
@@ -200,6 +207,17 @@ def launch(spec: RunSpec, on_progress: Callable[[dict], None] | None = None) -> 
     if under_torchrun():
         return _as_torchrun_rank(spec, final)
     work = records.start(final)
+    try:
+        return _launch_ranks(spec, work, on_progress)
+    finally:
+        records.release(work)  # a run that ended unfinished leaves a stale folder, never one in use
+
+
+def _launch_ranks(spec: RunSpec, work: str, on_progress) -> str:
+    from omnibench.runtime import records
+    from omnibench.specs.presets import get_model
+
+    records.begin(work, spec, get_model(spec.model), f"{spec.extra.get('device', 'cpu')} x{spec.nproc} ranks")
     store = _rendezvous_store(spec)  # lives as long as this call: the ranks' rendezvous
     env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "OMNIBENCH_LAUNCHER_PID": str(os.getpid()),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -218,17 +236,21 @@ def launch(spec: RunSpec, on_progress: Callable[[dict], None] | None = None) -> 
                     [sys.executable, "-m", "omnibench.runtime.worker", spec_json, work],
                     env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
                 ))
-            seen, failed = 0, False
+            seen, failed, stalled = 0, False, None
             while not received and not failed:
                 seen = _report_progress(work, seen, on_progress)
                 codes = ranks.poll()
                 failed = any(c not in (None, 0) for c in codes)
+                stalled = None if failed else ranks.stalled(work)
+                failed = failed or stalled is not None
                 if not failed and all(c == 0 for c in codes):
                     _report_progress(work, seen, on_progress)
                     return records.complete(work)
                 time.sleep(POLL_S)
         finally:
             ranks.stop()  # whatever ended the watch, even an exception of our own
+    if stalled is not None:
+        raise RunFailed(stalled[0], stalled[1], work)
     if failed:
         raise _first_failure(work, ranks)
     raise RunInterrupted(received[0], work)
@@ -277,6 +299,7 @@ class _Ranks:
         self.procs: list[subprocess.Popen] = []
         self.ended: dict[int, float] = {}  # rank -> time.time() when the launcher first saw it gone
         self.stopped: set[int] = set()
+        self.stopped_since: dict[int, float] = {}  # rank -> when it was first seen in state T
 
     def poll(self) -> list[int | None]:
         codes = [p.poll() for p in self.procs]
@@ -285,6 +308,26 @@ class _Ranks:
             if code is not None:
                 self.ended.setdefault(r, now)
         return codes
+
+    def stalled(self, work: str) -> tuple[int, str] | None:
+        """(rank, why) for the first rank that stopped making progress: stopped by a signal for
+        STOPPED_S, or no heartbeat for HANG_S; None while every rank moves (or waits while moving)."""
+        now, wall = time.monotonic(), time.time()
+        for r, p in enumerate(self.procs):
+            if p.returncode is not None:
+                continue
+            if _process_state(p.pid) == "T":
+                since = self.stopped_since.setdefault(r, now)
+                if now - since >= STOPPED_S:
+                    return r, (f"stopped making progress: it was stopped by a signal (SIGSTOP or SIGTSTP) for "
+                               f"{now - since:.0f} s while the other ranks waited for it")
+                continue
+            self.stopped_since.pop(r, None)
+            beat = _heartbeat_age(work, r, wall)
+            if beat is not None and beat >= HANG_S:
+                return r, (f"stopped making progress: no heartbeat for {beat:.0f} s (frozen, e.g. in a call that "
+                           "holds the interpreter) while the other ranks waited for it")
+        return None
 
     def stop(self) -> None:
         """End every rank still running: SIGTERM to its process group (a rank's own children, e.g.
@@ -304,6 +347,28 @@ class _Ranks:
         self.stopped.add(r)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.procs[r].pid, sig)
+            if sig == signal.SIGTERM:  # a stopped rank acts on SIGTERM only once it runs again
+                os.killpg(self.procs[r].pid, signal.SIGCONT)
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat (R, S, D, T, Z, ...); "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text.rsplit(")", 1)[-1].split()[0] if ")" in text else ""
+
+
+def _heartbeat_age(work: str, rank: int, now: float) -> float | None:
+    """Seconds since rank `rank` last touched its heartbeat (worker.py); None before its first."""
+    from omnibench.runtime import records
+
+    try:
+        return now - os.stat(records.heartbeat_path(work, rank)).st_mtime
+    except OSError:
+        return None
 
 
 def _first_failure(work: str, ranks: _Ranks) -> RunFailed:
@@ -358,9 +423,8 @@ def _as_torchrun_rank(spec: RunSpec, final: str) -> str:
         final = records.torchrun_run_dir(os.path.dirname(final), spec.system, spec.workload, spec.timeout_s)
     work = final + records.INCOMPLETE
     if int(os.environ["RANK"]) == 0:
-        if os.path.exists(work):
-            shutil.rmtree(work)
-        os.makedirs(work)
+        records.start(final)  # never reuses a folder: a stale .incomplete or one in use is refused
+        records.begin(work, spec, get_model(spec.model), f"{spec.extra.get('device', 'cpu')} x{spec.nproc} ranks")
     else:
         deadline = time.monotonic() + spec.timeout_s
         while not os.path.isdir(work):

@@ -108,7 +108,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
                       "loss_tokens": int(counts.item())})
         if rank == 0:  # the record takes step figures from rank 0 (other ranks: peak memory only)
             steps[-1].update(**metrics.batch_figures(model, plan), plan={"options": plan.options, **plan.notes})
-            records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]))
+            records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]), steps[-1], plan)
     if exchange is not None:
         exchange.close()
     params = ex.full_parameters() if spec.dump_params else None
@@ -150,12 +150,32 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
+def _heartbeat(run_dir: str, rank: int) -> None:
+    """Touch this rank's heartbeat every records.HEARTBEAT_S from a daemon thread: it keeps beating
+    while the rank computes or waits in a collective (which releases the interpreter), and stops when
+    the process is stopped or frozen, which is how the launcher tells the rank everyone waits for."""
+    import threading
+
+    path = records.heartbeat_path(run_dir, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def beat() -> None:
+        while True:
+            with open(path, "a"):
+                os.utime(path)
+            time.sleep(records.HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="omnibench-heartbeat", daemon=True).start()
+
+
 def main(spec_json: str, run_dir: str) -> None:
     """Entry of one rank process (also under torchrun); errors go to run_dir/errors/rank<r>.txt: a
     JSON line {time, lost_peer, error} (what the launcher reads), then the traceback."""
     _die_with_launcher()
     spec = RunSpec.from_dict(json.loads(spec_json))
     rank = int(os.environ.get("RANK", 0))
+    if os.environ.get("OMNIBENCH_LAUNCHER") == "1":
+        _heartbeat(run_dir, rank)
     try:
         from omnibench.specs.presets import get_model
 
