@@ -14,6 +14,8 @@ from rich.table import Table
 from omnibench.cli.common import (
     CP_HELP,
     DEFAULT_LAYOUT_TEXT,
+    MAX_GPUS,
+    MAX_LOCAL_RANKS,
     PP_HELP,
     RECOMPUTE_HELP,
     RECOMPUTE_TEXT,
@@ -22,6 +24,7 @@ from omnibench.cli.common import (
     console,
     err_console,
     fail,
+    writable_folder,
 )
 
 
@@ -154,16 +157,21 @@ def register(app: typer.Typer) -> None:
             fail(f"system must be one of {', '.join(allowed)}; got {system!r}")
         try:
             chunk = chunk_tokens_option(encoder_chunk_tokens, allow_auto=True)
-        except SpecError as e:
+            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
+                                         no_llm_long_short)
+        except (SpecError, PlanError) as e:
             fail(str(e))
+        if nproc > MAX_LOCAL_RANKS:
+            fail(f"nproc must be at most {MAX_LOCAL_RANKS:,} (the processes run starts on this machine; torchrun "
+                 f"starts more), got {nproc:,}")
+        _check_out(out)
         spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
                        global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
                        out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
                        dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
                        encoder_chunk_tokens=chunk,
-                       options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
-                                                  no_llm_long_short), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
+                       options=options, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
         try:
             spec = resolve(spec)
@@ -246,6 +254,8 @@ def register(app: typer.Typer) -> None:
         from systems.omni.options import options_from_flags
         from workloads.stream import WorkloadStream
 
+        if not 1 <= nproc <= MAX_GPUS:
+            fail(f"nproc must be a positive integer, at most {MAX_GPUS:,}; got {nproc:,}")
         try:
             spec = get_model(model)
             parallel = ParallelSpec(world_size=nproc, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
@@ -287,6 +297,17 @@ def register(app: typer.Typer) -> None:
                       f"on rank {worst.rank}; " + ", ".join(f"rank {r.rank}: {r.memory_bytes / 2**30:.2f}"
                                                             for r in sorted(res.ranks, key=lambda r: r.rank)[:16]),
                       highlight=False, soft_wrap=True)
+
+
+def _check_out(out: str) -> None:
+    """--out names the record folder a run creates: refuse a file in the way or a parent this
+    process cannot write in, before any work (records.start refuses a folder that exists or is in use)."""
+    from omnibench.runtime.records import new_run_dir
+
+    final = Path(new_run_dir(out, "x", "y")) if out else Path("results/runs")
+    if out and final.exists() and not final.is_dir():
+        fail(f"out: {out} is a file; --out names the record folder the run creates")
+    writable_folder(final.parent if out else final)
 
 
 def chunk_tokens_option(text: str, allow_auto: bool = False) -> int:
@@ -371,8 +392,8 @@ def _launch_with_progress(spec, launch) -> str:
         task = bar.add_task(f"{spec.system} x{spec.nproc} {spec.model}", total=spec.steps, info="starting ranks")
 
         def on_progress(line: dict) -> None:
-            bar.update(task, completed=line["step"] + 1,
-                       info=f"loss {line['loss']:.4f}  {line['step_time_s'] * 1e3:.0f} ms/step")
+            loss = "not finite" if line["loss"] is None else f"{line['loss']:.4f}"
+            bar.update(task, completed=line["step"] + 1, info=f"loss {loss}  {line['step_time_s'] * 1e3:.0f} ms/step")
 
         return launch(spec, on_progress)
 
@@ -383,7 +404,7 @@ def _print_summary(s: dict, folder: str) -> None:
     t.add_column("value", justify="right")
     rows = [
         ("steps", str(s["steps"])),
-        ("final loss", f"{s['final_loss']:.5f}"),
+        ("final loss", "not finite (see the notes)" if s["final_loss"] is None else f"{s['final_loss']:.5f}"),
         ("step time", f"{s['mean_step_time_s'] * 1e3:.1f} ms ({s['timed_steps']} steps)"),
         ("tokens/s", f"{s['tokens_per_s']:.0f}"),
         ("tokens/s/GPU", f"{s['tokens_per_s_per_gpu']:.0f}"),

@@ -21,13 +21,17 @@ from rich.table import Table
 from omnibench.cli.common import (
     CP_HELP,
     DEFAULT_LAYOUT_TEXT,
+    MAX_GPUS,
     PP_HELP,
     RECOMPUTE_HELP,
     RECOMPUTE_TEXT,
     TP_HELP,
     DpShard,
+    batch_error,
     console,
     fail,
+    writable_file,
+    writable_folder,
 )
 from omnibench.provenance import provenance, publish, write_csv
 
@@ -45,23 +49,58 @@ STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "st
                 "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
 
 
-def _free_name(out: Path, name: str) -> Path:
-    """out/name, or out/name-2, -3, ... when a record (or one being written) already has that name."""
-    k, final = 1, out / name
-    while final.exists() or final.with_name(final.name + INCOMPLETE).exists():
+def _claim(out: Path, name: str) -> Path:
+    """The record's final path, out/name (or name-2, -3, ...), claimed by making its `.incomplete`
+    folder: mkdir is atomic, so two simulations started in the same second into one --out never
+    take the same name (the loser moves on to the next one)."""
+    k = 1
+    while True:
+        final = out / (name if k == 1 else f"{name}-{k}")
         k += 1
-        final = out / f"{name}-{k}"
-    return final
+        if final.exists():
+            continue
+        try:
+            final.with_name(final.name + INCOMPLETE).mkdir()
+        except FileExistsError:
+            continue
+        if final.exists():  # finished (and renamed) between the check and the claim
+            final.with_name(final.name + INCOMPLETE).rmdir()
+            continue
+        return final
 
 
 def _ints(text: str, field: str) -> list[int]:
+    """`--gpus 256,1024`: positive integers up to MAX_GPUS, no empty item."""
+    items = [x.strip() for x in text.split(",")]
+    usage = f"{field} must be a comma-separated list of positive integers (at most {MAX_GPUS:,})"
+    if any(not x for x in items):
+        fail(f"{usage}; got {text!r}, which has an empty item")
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in items]
     except ValueError:
-        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
-    if not out or any(v < 1 for v in out):
-        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
+        fail(f"{usage}; got {text!r}")
+    if any(v < 1 or v > MAX_GPUS for v in out):
+        fail(f"{usage}; got {text!r}")
     return out
+
+
+def _finished_runs(dirs: list[str], command: str) -> list[str]:
+    """The run folders that finished; each unfinished one (`.incomplete`: interrupted or failed) is
+    named with how far it got and left out, and none finished is a one-line failure."""
+    from simulator.traces import TraceError, read_run
+
+    done = []
+    for d in dirs:
+        if Path(d).name.endswith(INCOMPLETE):
+            try:
+                read_run(d)
+            except TraceError as e:
+                console.print(f"{command}: skipped {e}", highlight=False, soft_wrap=True)
+            continue
+        done.append(d)
+    if not done:
+        fail(f"{command}: no finished run among the folders given (unfinished runs keep the {INCOMPLETE} suffix)")
+    return done
 
 
 def _fit_text(fit: dict) -> str:
@@ -331,6 +370,7 @@ def register(app: typer.Typer) -> None:
         from systems.omni.options import options_from_flags
 
         sizes = _ints(gpus, "gpus")
+        writable_folder(out)
         try:
             options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
                                          no_llm_long_short)
@@ -373,14 +413,13 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             fail(str(e))
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        name = f"{stamp}-{Path(workload).stem}-{spec.name}-{Path(hardware).stem}"
+        # the systems in the name: two simulations of one workload started in the same second differ by it
+        name = f"{stamp}-{Path(workload).stem}-{system.replace(',', '+')}-{spec.name}-{Path(hardware).stem}"
         off = sorted(k for k, v in options.items() if v is False)
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
-        out.mkdir(parents=True, exist_ok=True)
-        final = _free_name(out, name)
+        final = _claim(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
-        tmp.mkdir()
         # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
         sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         rows: list[dict] = []
@@ -396,6 +435,10 @@ def register(app: typer.Typer) -> None:
                     parallel.validate(spec)
                 except ValueError as e:
                     fail(str(e))
+                try:
+                    stream.batch(step_indices(steps, step_stride)[0])
+                except ValueError as e:
+                    fail(batch_error(e, n, global_batch_tokens))
                 for s in systems:
                     row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
                     sys_parallel, sys_recompute = parallel, recompute
@@ -549,12 +592,13 @@ def register(app: typer.Typer) -> None:
         """Fit compute efficiency curves and collective alpha/beta from run traces."""
         from simulator.calibrate import calibrate as fit
 
-        try:
-            prof = fit([str(d) for d in run_dirs], hardware)
-        except ValueError as e:
-            fail(str(e))
         if out is None:
             out = Path("results/sims") / f"calibration-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}.json"
+        writable_file(out)  # before the fit, which a profile that cannot be written would lose
+        try:
+            prof = fit(_finished_runs([str(d) for d in run_dirs], "calibrate"), hardware)
+        except ValueError as e:
+            fail(str(e))
         prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
                                                *(["--hardware", hardware] if hardware else [])])
         prof.save(out)
@@ -615,7 +659,7 @@ def register(app: typer.Typer) -> None:
             fail("validate: no run folders given and none in results/runs")
         try:
             prof = Profile.load(calibration) if calibration else None
-            rows = check(dirs, prof, hardware)
+            rows = check(_finished_runs(dirs, "validate"), prof, hardware)
         except ValueError as e:
             fail(str(e))
         table = Table(title="simulated vs measured" + (" (calibrated)" if prof else ""))

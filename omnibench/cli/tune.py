@@ -7,7 +7,7 @@ import json
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import console, fail
+from omnibench.cli.common import MAX_GPUS, batch_error, console, fail
 
 TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print the fastest few.
 
@@ -91,6 +91,8 @@ def register(app: typer.Typer) -> None:
         for name, v in (("gpus", gpus), ("steps", steps), ("budget", budget), ("top", top)):
             if v < 1:
                 fail(f"{name} must be a positive integer, got {v}")
+        if gpus > MAX_GPUS:
+            fail(f"gpus must be at most {MAX_GPUS:,}, got {gpus:,}")
         log = (lambda t: console.print(f"  {t.candidate.label():48s} "
                                        + (f"{t.step_s:.3f} s, {t.peak_gib:.1f} GiB" if t.simulated else t.note),
                                        highlight=False)) if verbose else None
@@ -98,7 +100,7 @@ def register(app: typer.Typer) -> None:
             res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
                            budget, calibration, log=log)
         except ValueError as e:
-            fail(str(e).splitlines()[0])
+            fail(batch_error(e, gpus, global_batch_tokens))
         if as_json:
             print(json.dumps({"system": system, "gpus": gpus, "enumerated": res.enumerated,
                               "pruned_memory": res.pruned_memory, "refused": res.refused,
