@@ -5,6 +5,9 @@ commit of the checkout the code ran from (and whether it had uncommitted changes
 torch and Python versions, the full command line, the host and the device. Nothing here imports
 torch (simulations must stay light): its version is read from the installed package's metadata.
 
+`figure_provenance()` is what every figure carries (omnibench/plots): the commit (and dirty flag) of
+the code that drew it and the command that did, in the PNG/PDF metadata and under it on a report.
+
 `publish()` gives a finished record folder the permissions of any file the user creates (their
 umask), whether it was written through `tempfile` (0700 / 0600) or plain `open` (0644).
 """
@@ -63,6 +66,20 @@ def provenance(device: str, argv: list[str] | None = None) -> dict:
         "hostname": socket.gethostname(),
         "device": device,
     }
+
+
+def figure_provenance(argv: list[str] | None = None) -> dict:
+    """{"commit", "dirty", "command", "omnibench"}: the code and command that drew a figure."""
+    return {**git_state(), "command": command_line(argv), "omnibench": _version("omnibench")}
+
+
+def provenance_text(prov: dict) -> str:
+    """One line for a page or a figure's metadata: `<command>` at commit <sha> (uncommitted changes)."""
+    commit = prov.get("commit")
+    code = f"commit {commit[:12]}" if commit else "code outside a git checkout"
+    if prov.get("dirty"):
+        code += " with uncommitted changes"
+    return f"made by `{prov.get('command', '')}` at omnibench {code}"
 
 
 def write_csv(path: Path | str, rows: list[dict], columns: list[str]) -> None:
