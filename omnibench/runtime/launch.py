@@ -206,53 +206,93 @@ def launch(spec: RunSpec, on_progress: Callable[[dict], None] | None = None) -> 
     final = records.new_run_dir(spec.out, spec.system, spec.workload)
     if under_torchrun():
         return _as_torchrun_rank(spec, final)
-    work = records.start(final)
+    return _launch([spec], [final], on_progress)[0]
+
+
+def launch_many(specs: list[RunSpec]) -> list[str]:
+    """Run several resolved specs of one world size (each with its own --out) in ONE launch of ranks:
+    each rank process runs the runs one after the other, each in a process group of its own, and
+    each run writes its own record. Start-up (a Python interpreter and torch per rank, the
+    rendezvous) is paid once for all of them: what the loss-parity suite does to run every cell in
+    CI. Fails as `launch` does, naming the rank (and the run's folder) that failed first."""
+    from omnibench.runtime import records
+
+    if not specs or len({s.nproc for s in specs}) != 1:
+        raise ValueError(f"launch_many: runs of one world size; got {sorted({s.nproc for s in specs})}")
+    if under_torchrun():
+        raise RuntimeError("launch_many starts its own ranks; under torchrun launch each run on its own")
+    return _launch(specs, [records.new_run_dir(s.out, s.system, s.workload) for s in specs])
+
+
+def _launch(specs: list[RunSpec], finals: list[str], on_progress=None) -> list[str]:
+    """Claim every record folder (all or none), run the ranks, release what did not complete."""
+    from omnibench.runtime import records
+
+    works: list[str] = []
     try:
-        return _launch_ranks(spec, work, on_progress)
+        for final in finals:
+            works.append(records.start(final))
+        return _launch_ranks(specs, works, on_progress)
     finally:
-        records.release(work)  # a run that ended unfinished leaves a stale folder, never one in use
+        for work in works:
+            records.release(work)  # a run that ended unfinished leaves a stale folder, never one in use
 
 
-def _launch_ranks(spec: RunSpec, work: str, on_progress) -> str:
+def _launch_ranks(specs: list[RunSpec], works: list[str], on_progress) -> list[str]:
+    import tempfile
+
     from omnibench.runtime import records
     from omnibench.specs.presets import get_model
 
-    records.begin(work, spec, get_model(spec.model), f"{spec.extra.get('device', 'cpu')} x{spec.nproc} ranks")
+    spec, work = specs[0], works[0]  # the first run's folder holds the ranks' heartbeats
+    for s, w in zip(specs, works, strict=True):
+        records.begin(w, s, get_model(s.model), f"{s.extra.get('device', 'cpu')} x{s.nproc} ranks")
     store = _rendezvous_store(spec)  # lives as long as this call: the ranks' rendezvous
     env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "OMNIBENCH_LAUNCHER_PID": str(os.getpid()),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
            "WORLD_SIZE": str(spec.nproc), "OMP_NUM_THREADS": str(spec.extra.get("threads", 1)),
            "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH", "")]))}
-    spec_json = json.dumps(spec.to_dict())
+    if len(specs) == 1:
+        argv = [json.dumps(spec.to_dict()), work]
+        cells = None
+    else:  # the runs' list in a file: a command line has a length limit
+        fd, cells = tempfile.mkstemp(prefix="omnibench-runs-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([{"spec": s.to_dict(), "work": w} for s, w in zip(specs, works, strict=True)], f)
+        argv = ["--runs", cells]
     ranks = _Ranks()
-    with _stop_signals_recorded() as received:
-        try:
-            for r in range(spec.nproc):
-                if received:
-                    break
-                # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the ranks in order
-                # (each rank raising KeyboardInterrupt on its own would print one traceback per rank).
-                ranks.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "omnibench.runtime.worker", spec_json, work],
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
-                ))
-            seen, failed, stalled = 0, False, None
-            while not received and not failed:
-                seen = _report_progress(work, seen, on_progress)
-                codes = ranks.poll()
-                failed = any(c not in (None, 0) for c in codes)
-                stalled = None if failed else ranks.stalled(work)
-                failed = failed or stalled is not None
-                if not failed and all(c == 0 for c in codes):
-                    _report_progress(work, seen, on_progress)
-                    return records.complete(work)
-                time.sleep(POLL_S)
-        finally:
-            ranks.stop()  # whatever ended the watch, even an exception of our own
+    try:
+        with _stop_signals_recorded() as received:
+            try:
+                for r in range(spec.nproc):
+                    if received:
+                        break
+                    # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the ranks in
+                    # order (each rank raising KeyboardInterrupt on its own would print one traceback per rank).
+                    ranks.procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "omnibench.runtime.worker", *argv],
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
+                    ))
+                seen, failed, stalled = 0, False, None
+                while not received and not failed:
+                    seen = _report_progress(work, seen, on_progress)
+                    codes = ranks.poll()
+                    failed = any(c not in (None, 0) for c in codes)
+                    stalled = None if failed else ranks.stalled(work)
+                    failed = failed or stalled is not None
+                    if not failed and all(c == 0 for c in codes):
+                        _report_progress(work, seen, on_progress)
+                        return [records.complete(w) for w in works]
+                    time.sleep(POLL_S)
+            finally:
+                ranks.stop()  # whatever ended the watch, even an exception of our own
+    finally:
+        if cells is not None:
+            os.unlink(cells)
     if stalled is not None:
         raise RunFailed(stalled[0], stalled[1], work)
     if failed:
-        raise _first_failure(work, ranks)
+        raise _first_failure(works, ranks)
     raise RunInterrupted(received[0], work)
 
 
@@ -371,11 +411,16 @@ def _heartbeat_age(work: str, rank: int, now: float) -> float | None:
         return None
 
 
-def _first_failure(work: str, ranks: _Ranks) -> RunFailed:
+def _first_failure(works: list[str], ranks: _Ranks) -> RunFailed:
     """The rank whose failure came first, not one that failed because of it: a rank that reports a
     lost peer or a timed-out wait (worker.py marks those) only counts when no rank failed on its own;
     a rank killed by a signal (not ours) or exiting without a report counts from when it was seen gone."""
-    reports = _error_reports(work)
+    reports: dict[int, tuple[float, bool, str, str]] = {}
+    for w in works:  # launch_many: a rank reports into the folder of the run it failed in
+        for r, rep in _error_reports(w).items():
+            if r not in reports or rep[0] < reports[r][0]:
+                reports[r] = rep
+    work = works[0]
     found = []  # (secondary, time, rank, reason, report path)
     for r, p in enumerate(ranks.procs):
         code = p.returncode
