@@ -43,6 +43,9 @@ METADATA = "metadata"
 ACTION_KINDS = (FORWARD, BACKWARD, SEND, RECV, BOUNDARY, GRAD_SYNC, OPTIMIZER_STEP, METADATA)
 
 LLM_MESH_DIMS = ("pp", "dp", "cp", "tp")
+# How context parallelism splits attention: Ulysses all-to-alls (the runtime's), a ring of K/V blocks,
+# or an all-gather of K/V before each attention (Llama 3, torchtitan's default rotate method)
+CP_KINDS = ("ulysses", "ring", "allgather")
 ENCODER_MESH_DIMS = ("dp", "sp", "tp")
 
 
@@ -76,7 +79,8 @@ class Layout:
     # Interleaved 1F1B (LLM only): each pipeline rank holds `vpp` model chunks; virtual stage
     # c * pp + (pp coordinate) is chunk c of that rank, and an LLM action's `stage` is the virtual one.
     vpp: int = 1
-    # LLM context parallelism: "ulysses" (the runtime's) or "ring" (simulated only)
+    # LLM context parallelism: "ulysses" (the runtime's), "ring" or "allgather" (all-gather K/V, as
+    # Llama 3 and torchtitan run it; both simulated only)
     cp_kind: str = "ulysses"
 
     @property
@@ -204,8 +208,8 @@ class Layout:
         if self.zero not in (0, 1, 2) or (self.zero and self.fsdp):
             raise PlanError(f"layout.{self.module}.zero: {self.zero} must be 0, 1 or 2, and 0 under fsdp "
                             "(FSDP already shards everything)")
-        if self.cp_kind not in ("ulysses", "ring"):
-            raise PlanError(f"layout.{self.module}.cp_kind: must be ulysses or ring, got {self.cp_kind!r}")
+        if self.cp_kind not in CP_KINDS:
+            raise PlanError(f"layout.{self.module}.cp_kind: must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}")
         if self.vpp < 1 or (self.vpp > 1 and (self.module != "llm" or self.pp < 2)):
             raise PlanError(f"layout.{self.module}.vpp: {self.vpp} must be 1, or > 1 on the LLM with pp >= 2")
         n, dims = self.fsdp_size, "*".join(self.fsdp_dims)

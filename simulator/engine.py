@@ -41,7 +41,7 @@ from simulator.groups import GroupsMixin, LayoutIndex
 from simulator.hardware import ClusterSpec, GiB
 from simulator.memory import RESERVED_BYTES, MemoryMixin
 from simulator.options import SimOptions, SimulationError
-from simulator.program import ProgramMixin
+from simulator.program import PARAM_GATHER, ProgramMixin
 from simulator.result import RankStats, SimResult, Span
 from simulator.work import WorkMixin
 
@@ -200,6 +200,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     total = dur + op.exposed
                     yield env.timeout(total)
                     st.compute += op.duration
+                    by = st.compute_by_module
+                    by[op.action.module] = by.get(op.action.module, 0.0) + op.duration
                     st.exposed_comm += op.exposed
                     st.comm_busy += op.comm
                     a = op.action
@@ -227,7 +229,10 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     done = channel(op.p2p_keys[0])[1]
                     if not done.triggered:
                         yield done
-                elif kind == GRAD_SYNC or kind == METADATA:
+                elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
+                    if live + op.act_transient > peak_live:  # memory: a grad_sync's flat buffer
+                        peak_live = live + op.act_transient
+                    live += op.act_delta
                     collective(rank, op, pending)
                     if op.blocking:
                         wait_start = env.now

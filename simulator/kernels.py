@@ -268,6 +268,9 @@ class BlockShape:
     extra_pointwise: float = 0.0  # bytes of element-wise work outside the blocks, forward
     stack: Stack = FUSED
     ring: int = 1  # ring attention over this many context-parallel ranks (1: whole sequences here)
+    # all-gather-KV context parallelism over this many ranks: the rank's 1/cp of each sequence's
+    # queries attends to the whole gathered sequence (1: whole sequences here)
+    kv_gather: int = 1
     # MoE MLP (omnibench/models/moe.py): experts held by this rank (E / ep), experts routed over,
     # top-k, expert and shared-expert widths; 0 experts: the dense MLP of width `ffn`
     moe_experts: int = 0
@@ -456,6 +459,9 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
         return out
     if s.ring > 1:
         return _ring_attention(p, s, bwd)
+    if s.kv_gather > 1:
+        # load-balanced causal: the rank's L/cp queries see on average half of the L keys
+        return sum(_flash_call(p, s.heads, d, L / s.kv_gather, L, s.causal, bwd) for L in s.seq_lens)
     # The profile's flash rows are causal. A full (encoder) attention of length L does the work of a
     # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
     stretch = 1.0 if s.causal else FULL_ATTENTION_STRETCH

@@ -21,3 +21,6 @@ class SimOptions:
     # encoder microbatches in chunks of at most this many encoder tokens (patches, audio positions),
     # each recomputed in the backward, as omnibench/runtime/encoder_chunks.py runs them; 0: not chunked
     encoder_chunk_tokens: int = 0
+    # whose memory conventions to charge (simulator/memory.py): "" follows `stack` (eager: this
+    # project's runtime, fused: Megatron-LM); or a name of omnibench.specs.costs.STATE_DTYPES
+    memory_stack: str = ""

@@ -13,6 +13,14 @@ plus the root.
 
 HSDP (`Layout.dp_shard`): gathers, reduce-scatters and the layer-by-layer lock run over the shard
 group only; grad_sync adds one all-reduce of the gradient shard across the replicate group.
+
+ZeRO-1/2 (`Layout.zero`, without FSDP: Megatron's distributed optimizer, DeepSpeed ZeRO-1/2): the
+forward and backward run on whole bf16 weights with no peer lock; grad_sync reduce-scatters the
+gradients (instead of DDP's all-reduce), the optimizer steps the rank's 1/dp shard of the fp32
+master weights and moments, and after the step an all-gather of the updated bf16 parameters
+(`PARAM_GATHER`, on the collective stream) hands every rank whole weights again. Both stages cost
+the same time here: the gradients are reduced once, at grad_sync (ZeRO-2's smaller gradient
+footprint is memory's business, simulator/memory.py).
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ from omnibench.plan import (
 from simulator.flops import (
     Work,
 )
+
+# Op kind of ZeRO-1/2's all-gather of the updated bf16 parameters after the optimizer step: a
+# collective on the rank's collective stream, like grad_sync (simulator/engine.py runs both alike).
+PARAM_GATHER = "param_gather"
 
 
 @dataclass
@@ -82,7 +94,19 @@ class ProgramMixin:
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
             ring = module == "llm" and lay.cp_kind == "ring" and not long_group
-            if work.seq_bytes and len(seq_group) > 1 and ring:
+            gather = module == "llm" and lay.cp_kind == "allgather" and not long_group
+            if work.seq_bytes and len(seq_group) > 1 and gather:
+                # All-gather KV: one all-gather of the layer's K/V before its attention (forward); the
+                # backward reduce-scatters their gradients, and gathers again where it recomputes the
+                # attention. Not overlapped (Llama 3 sec. 3.3.2: exposed, small next to attention).
+                per = work.seq_bytes / work.layers
+                t = self.coll_inline.cost("all_gather", per, seq_group)
+                if a.kind == BACKWARD:
+                    t = self.coll_inline.cost("reduce_scatter", per, seq_group) + (t if recompute != "none" else 0.0)
+                comm += work.layers * t
+                exposed += work.layers * t
+                n_calls += work.layers * (2 if a.kind == BACKWARD and recompute != "none" else 1)
+            elif work.seq_bytes and len(seq_group) > 1 and ring:
                 # Ring attention: cp - 1 K/V hand-offs per layer to the next cp rank (backward: K/V again
                 # and their gradients back, twice the bytes), each hidden behind one block's attention.
                 steps = len(seq_group) - 1
@@ -224,8 +248,11 @@ class ProgramMixin:
                 key = ("coll", module, stage, gid)
                 n = seen[key]
                 seen[key] += 1
-                ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
-                               blocking=not self.coll.inline_overlap))
+                op = _Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
+                         blocking=not self.coll.inline_overlap)
+                # memory: the flat buffer a non-FSDP reduction allocates; ZeRO-2's kept shard
+                op.act_transient = self._grad_sync_buffer(module, rank)
+                ops.append(op)
             elif a.kind == METADATA:
                 # The loaders' all-gather (padded to the largest contribution, which the planner put
                 # on every member). Loaders prefetch: the next step's exchange runs on the loader's
@@ -238,22 +265,58 @@ class ProgramMixin:
                 seen[key] += 1
                 ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members))
             elif a.kind == OPTIMIZER_STEP:
-                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
+                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._stepped_params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))
-        # fp32 gradients of a module's parameter shard exist from its first backward to the step's end
+                if comm_on:
+                    ops += self._param_gathers(rank, cls, seen)
+        # a module's gradients exist from its first backward to the step's end (ZeRO-2 in this
+        # project's runtime: whole until its grad_sync, the rank's shard after)
         graded: set[str] = set()
         for op in ops:
-            if op.kind == BACKWARD and op.action.module not in graded:
-                graded.add(op.action.module)
-                op.grad_delta = 4 * self._module_params_on_rank(op.action.module, rank)
+            module = op.action.module
+            if op.kind == BACKWARD and module not in graded:
+                graded.add(module)
+                op.grad_delta = self._grad_timeline(module, rank)[0]
+            elif op.kind == GRAD_SYNC and module in graded:
+                op.act_delta = -self._grad_timeline(module, rank)[1]
+        return ops
+
+    def _synced_modules(self, rank: int) -> list[str]:
+        return [a.module for a in self.plan.actions.get(rank, []) if a.kind == GRAD_SYNC]
+
+    def _param_gathers(self, rank: int, cls: dict[int, int], seen: dict) -> list[_Op]:
+        """ZeRO-1/2: after the step, one all-gather per module of its updated bf16 parameters over
+        the data-parallel group (experts over the ranks holding the same experts), for every
+        module this rank reduced gradients of. The next step's forward needs the weights, so the
+        rank waits for it (blocking: its wait counts as exposed communication)."""
+        ops = []
+        for module in self._synced_modules(rank):
+            lay = self.plan.layouts[module]
+            group = self._grad_group(module, rank)
+            if lay.fsdp or not lay.zero or len(group) < 2:
+                continue
+            stage = self.index[module].coords[rank].get("pp", 0)
+            w = self.stage_work(module, stage)
+            dense = 2.0 * (w.params - w.expert_params) / lay.tp
+            cost = self.coll.cost("all_gather", dense, group)
+            if w.expert_params:
+                experts = 2.0 * w.expert_params / lay.tp / max(1, lay.ep)
+                cost += self.coll.cost("all_gather", experts, self._expert_group(rank, group, lay.ep))
+            gid, n_members = self._members(group, cls)
+            key = ("params", module, stage, gid)
+            n = seen[key]
+            seen[key] += 1
+            ops.append(_Op(Action(GRAD_SYNC, module, what="params"), PARAM_GATHER, duration=cost,
+                           lock_key=(*key, n), lock_n=n_members, blocking=True))
         return ops
 
     def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
         """Seconds of a module's data-parallel gradient reduction on `rank` (0 without peers).
 
-        GPU: one reduce-scatter (FSDP) or all-reduce of the stage's gradients. Without overlap
-        (`inline_overlap` False, a CPU rank) FSDP2's reduce-scatters go one per layer plus the root,
-        in line; a plain all-reduce stays one flat (bucketed) call, as the runtime issues it."""
+        GPU: one reduce-scatter (FSDP, ZeRO-1/2) or all-reduce (DDP) of the stage's gradients.
+        Without overlap (`inline_overlap` False, a CPU rank) FSDP2's reduce-scatters go one per layer
+        plus the root, in line; a DDP all-reduce or a ZeRO reduce-scatter stays one flat (bucketed)
+        call, as the runtime issues it."""
         lay = self.plan.layouts[module]
         group = self._grad_group(module, rank)
         if len(group) < 2:
@@ -261,7 +324,7 @@ class ProgramMixin:
         w = self.stage_work(module, stage)
         nbytes = self.options.grad_reduce_bytes * w.params / lay.tp
         calls = 1 if self.coll.inline_overlap or not lay.fsdp else max(1, w.layers) + 1
-        op_name = "reduce_scatter" if lay.fsdp else "all_reduce"
+        op_name = "reduce_scatter" if lay.fsdp or lay.zero else "all_reduce"
         # FSDP2 reduce-scatters from inside the backward (per layer): communication inside compute
         coll = self.coll_inline if lay.fsdp else self.coll
         dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -258,8 +259,15 @@ def _summary(results) -> dict:
         "memory_capacity_gib": first.memory_capacity / 2**30,
         "distinct_ranks": max(r.classes for r in results),
         "sim_seconds": sum(r.sim_seconds for r in results),
+        "breakdown_s": _mean_breakdown(results),
         "per_step": [r.metrics() for r in results],
     }
+
+
+def _mean_breakdown(results) -> dict:
+    """Each part of SimResult.breakdown averaged over the steps (they add up to the mean step time)."""
+    parts = [r.breakdown() for r in results]
+    return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]} if parts and parts[0] else {}
 
 
 def _step_rows(row: dict) -> list[dict]:
@@ -275,39 +283,86 @@ def _step_rows(row: dict) -> list[dict]:
     return out
 
 
-def _validate_published(path: Path, kernels: str | None) -> None:
-    from simulator.published import check_row, load_published
+def _check_published(row, kernels: str | None = None, stack: str | None = None):
+    """One published row, or (row, error text) when it cannot be simulated (a worker of the sweep)."""
+    from simulator.published import check_row
 
     try:
-        rows = load_published(path)
-        checks = [check_row(r, kernels=kernels) for r in rows]
+        return check_row(row, kernels=kernels, stack=stack)
     except ValueError as e:
+        return row, str(e).splitlines()[0]
+
+
+def _validate_published(path: Path, kernels: str | None, stack: str | None = None, rows: str = "",
+                        as_json: bool = False, markdown: Path | None = None, workers: int = 1) -> None:
+    from functools import partial
+
+    from omnibench.sweep import map_ordered
+    from simulator.published import groups, load_published, to_json
+    from simulator.published import markdown as to_markdown
+
+    try:
+        table_rows = load_published(path)
+        if rows:
+            pattern = re.compile(rows)
+            table_rows = [r for r in table_rows if pattern.search(r.name)]
+            if not table_rows:
+                fail(f"rows: no row name matches {rows!r}")
+        done = map_ordered(partial(_check_published, kernels=kernels, stack=stack), table_rows, workers=workers,
+                           label="published rows")
+    except (ValueError, re.error) as e:
         fail(str(e))
+    failed = [d for d in done if isinstance(d, tuple)]
+    checks = [d for d in done if not isinstance(d, tuple)]
+    if markdown is not None:
+        command = f"python -m omnibench validate --published {path} --markdown {markdown}"
+        if rows:
+            command += f" --rows '{rows}'"
+        if stack:
+            command += f" --stack {stack}"
+        if kernels:
+            command += f" --kernels {kernels}"
+        markdown.write_text(to_markdown(checks, command))
+    if as_json:
+        out = to_json(checks)
+        out["failed"] = [{"name": r.name, "error": e} for r, e in failed]
+        print(json.dumps(out, indent=1))
+        return
     table = Table(title=f"simulated vs published: {path}")
-    for col in ("run", "GPUs", "tp/pp/v", "batch", "pub. s", "sim. s", "error", "MFU", "HW TF/s", "GiB"):
-        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+    for col in ("run", "split", "GPUs", "tp/pp/v/cp/ep", "dp", "batch", "pub. s", "sim. s", "error", "MFU",
+                "GiB pub/sim"):
+        table.add_column(col, justify="left" if col in ("run", "split", "dp") else "right", no_wrap=True)
     for c in checks:
         r = c.row
-        table.add_row(r.name, str(r.gpus), f"{r.tp}/{r.pp}/{r.vpp}", f"{r.global_batch}x{r.micro_batch}",
-                      f"{c.measured_s:.3f}", f"{c.simulated_s:.3f}", f"{c.error:+.1%}", f"{c.mfu:.1%}",
-                      f"{c.hfu_tflops:.0f}", f"{c.peak_memory_gib:.0f}" if c.fits else f"[red]{c.peak_memory_gib:.0f}[/]")
+        mem = f"{r.peak_memory_gib:.0f}/" if r.peak_memory_gib else "-/"
+        mem += f"{c.peak_memory_gib:.0f}" if c.fits else f"[red]{c.peak_memory_gib:.0f}[/]"
+        table.add_row(r.name, ("unstated" if r.unstated else r.split) or "-", str(r.gpus),
+                      f"{r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep}", r.dp_mode, f"{r.global_batch}x{r.micro_batch}",
+                      f"{c.measured_s:.3f}", f"{c.simulated_s:.3f}", f"{c.error:+.1%}", f"{c.mfu:.1%}", mem)
     console.print(table)
-    for src in sorted({c.row.source for c in checks}):
-        console.print(f"source {src}: " + ", ".join(c.row.name for c in checks if c.row.source == src), highlight=False)
-    errs = [abs(c.error) for c in checks]
-    console.print(f"mean |error| {sum(errs) / len(errs):.1%}, worst {max(errs):.1%} over {len(checks)} rows "
-                  "(error = simulated / published step time - 1; negative: the simulator is optimistic)",
+    g = groups(checks)
+    for split, st in g["split"].items():
+        console.print(f"{split}: mean |error| {st.mean_abs:.1%} over {st.rows} rows, worst {st.worst_row} "
+                      f"{st.worst:+.1%}", highlight=False)
+    for (src, split), st in g["source"].items():
+        console.print(f"  {src} ({split}): mean |error| {st.mean_abs:.1%} over {st.rows} rows, worst "
+                      f"{st.worst_row} {st.worst:+.1%}", highlight=False)
+    for split, st in g["memory"].items():
+        console.print(f"peak memory ({split}): mean |error| {st.mean_abs:.1%} over {st.rows} rows, worst "
+                      f"{st.worst_row} {st.worst:+.1%} (memory: simulator/memory.py's model)", highlight=False)
+    console.print("error = simulated / published step time - 1 (negative: the simulator is optimistic); a row "
+                  "that does not fit still gets its step time (memory in red).", highlight=False)
+    console.print("published s: the row's step time; B*s / (tokens/s/GPU * GPUs); or its FLOP rate turned into "
+                  "seconds with the publication's formula (megatron-hfu: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))). "
+                  "Rows whose publication does not state its FLOP counting ('unstated') are converted with this "
+                  "project's model-FLOP counter (costs.batch_flops, no recomputation) and reported apart.",
                   highlight=False)
-    console.print(f"compute model: {checks[0].compute_model}", highlight=False)
-    console.print("published s: the row's step time, or its TFLOP/s/GPU turned into seconds with the publication's "
-                  "own formula (megatron-hfu: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)), counting the recomputed "
-                  "forward)", highlight=False)
-    console.print("MFU (simulated): model FLOPs (costs.batch_flops: causal attention, no recomputation) / (step x "
-                  "GPUs x peak); HW TF/s (simulated): the same counter plus the recomputed forward, per GPU; GiB: "
-                  "simulated peak memory per GPU (red: does not fit)", highlight=False)
-    bad = [c for c in checks if not c.fits]
-    for c in bad:
-        console.print(f"{c.row.name}: {c.fit_message}", highlight=False)
+    for model in sorted({c.compute_model for c in checks}):
+        console.print(f"compute model: {model}", highlight=False)
+    for r, e in failed:
+        console.print(f"[red]{r.name}: not simulated: {e}[/]", highlight=False)
+    if markdown is not None:
+        console.print(f"wrote {markdown}", highlight=False)
 
 
 SIMULATE_HELP = "\n\n".join([
@@ -644,11 +699,22 @@ def register(app: typer.Typer) -> None:
                                        "(results/validation/*.csv): simulate each row, print the error."),
         kernels: str = typer.Option(None, "--kernels", help="With --published: kernel profile for every row "
                                     "(name or .json); 'none' = the datasheet roofline fallback."),
+        stack: str = typer.Option(None, "--stack", help="With --published: cost every row's blocks with this "
+                                  "software stack (eager | fused) instead of the row's own."),
+        rows: str = typer.Option("", "--rows", help="With --published: only rows whose name matches this "
+                                 "regular expression."),
+        as_json: bool = typer.Option(False, "--json", help="With --published: print rows and statistics as JSON."),
+        markdown: Path = typer.Option(None, "--markdown", help="With --published: also write the validation "
+                                      "table (per split, per source, per row) to this Markdown file."),
+        workers: int = typer.Option(1, "--workers", help="With --published: rows simulated in parallel "
+                                    "(processes)."),
     ) -> None:
         """Simulate each run's own Plan and compare with the measured step time (or, with --published,
         each row of a table of published large-scale results)."""
         if published is not None:
-            _validate_published(published, kernels)
+            if stack is not None and stack not in ("eager", "fused"):
+                fail(f"stack must be one of eager, fused; got {stack!r}")
+            _validate_published(published, kernels, stack, rows, as_json, markdown, workers)
             return
         from simulator.calibrate import Profile
         from simulator.calibrate import validate as check

@@ -148,7 +148,7 @@ def begin(work_dir: str, spec, model, device_text: str) -> None:
     """config.json at the start of a run, so an interrupted run's folder says what ran and how."""
     _write(os.path.join(work_dir, "config.json"), {
         "run": spec.to_dict(), "model": asdict(model), "finished": False,
-        "provenance": provenance(device_text, spec.extra.get("argv"))})
+        "provenance": provenance(device_text, spec.extra.get("argv"), cuda=spec.extra.get("device") == "cuda")})
 
 
 def progress(work_dir: str, step: int, steps: int, loss: float, step_time: float, record: dict | None = None,
@@ -218,7 +218,7 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     device_text = f"{summary['device_name']} ({device})" if device.type == "cuda" else f"cpu x{world} ranks"
     _write(os.path.join(work_dir, "config.json"), {
         "run": spec.to_dict(), "model": asdict(model), "finished": True,
-        "provenance": provenance(device_text, spec.extra.get("argv"))})
+        "provenance": provenance(device_text, spec.extra.get("argv"), cuda=device.type == "cuda")})
     with open(os.path.join(work_dir, "plan_step0.json"), "w") as f:
         f.write(plans[0].to_json())
     with open(os.path.join(work_dir, "plans.jsonl"), "w") as f:

@@ -87,6 +87,9 @@ def runtime_limits(model, parallel: ParallelSpec) -> None:
     from omnibench.specs.model import SpecError
 
     llm, tp, cp = model.llm, parallel.tp, parallel.cp
+    if (llm.mlp, llm.norm, llm.positions) != ("swiglu", "rms", "rope"):
+        raise SpecError(f"{llm.name}: the runtime builds Llama-style blocks only (mlp swiglu, norm rms, positions "
+                        f"rope); got mlp {llm.mlp}, norm {llm.norm}, positions {llm.positions} (simulate it instead)")
     # Ulysses context parallelism splits each tp rank's heads again over cp ranks.
     if (llm.heads // tp) % cp or (llm.kv_heads // tp) % cp:
         raise SpecError(

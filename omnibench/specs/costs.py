@@ -146,7 +146,7 @@ def llm_flops(
     core = 4 * d * llm.heads * pairs
     tail = 0.0
     if llm.moe is None:
-        mlp = {"mlp": 3 * 2 * t * h * llm.ffn}
+        mlp = {"mlp": (3 if llm.mlp == "swiglu" else 2) * 2 * t * h * llm.ffn}
         tail = 2 * t * llm.ffn * h  # w2
     else:
         moe = llm.moe
@@ -185,7 +185,7 @@ def llm_params(
     if llm.qk_norm:
         attn += 2 * d
     if llm.moe is None:
-        mlp = 3 * h * llm.ffn
+        mlp = (3 if llm.mlp == "swiglu" else 2) * h * llm.ffn
     else:
         moe = llm.moe
         mlp = h * moe.experts + (moe.top_k if active else moe.experts) * 3 * h * moe.expert_ffn
@@ -437,6 +437,99 @@ def training_state_bytes(params: int, precision: str = "bf16", shard: int = 1) -
     return StateBytes(params=weights, grads=4 * p, optimizer=8 * p)
 
 
+# How data parallelism holds the training state (omnibench.plan.Layout.dp_mode), and the bytes per
+# parameter each software stack keeps (`StateDtypes`). Every stack trains with AdamW: two fp32 moments.
+DP_MODES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class StateDtypes:
+    """Bytes per parameter a software stack keeps for training, before any sharding.
+
+    `weights`: the parameters every forward reads (fp32 where they are also the master copy);
+    `master`: a separate fp32 copy the optimizer updates (0 when the weights are fp32);
+    `grads`: the gradient the backward accumulates into; `optimizer`: AdamW's two fp32 moments.
+    `grads_static`: the gradient buffer is allocated once at start-up (Megatron's contiguous
+    main-grad buffer) rather than by the first backward of a step.
+    """
+
+    name: str
+    weights: int
+    master: int
+    grads: int
+    optimizer: int = 8
+    grads_static: bool = False
+
+
+# Per stack, per how data parallelism holds the state: "replicated" (one rank, DDP), "zero" (ZeRO-1/2)
+# and "sharded" (FSDP/HSDP).
+STATE_DTYPES = {
+    "eager": {
+        # This project's runtime (omnibench/runtime), bf16 compute. One rank or DDP: fp32 parameters
+        # that autocast casts to bf16 in every forward (the casts are activations:
+        # simulator/memory.py `_weight_copies`), fp32 gradients.
+        "replicated": StateDtypes("eager", weights=4, master=0, grads=4),
+        # ZeRO-1/2 (omnibench/runtime/zero.py): bf16 weights, an fp32 master slice per rank, fp32 main
+        # gradients accumulated from the first backward by a hook (whole until grad_sync's
+        # reduce-scatter; ZeRO-2 keeps only the rank's slice after it).
+        "zero": StateDtypes("eager", weights=2, master=4, grads=4),
+        # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 shards of
+        # parameters, gradients and moments; a layer's bf16 weights exist only while gathered.
+        "sharded": StateDtypes("eager", weights=4, master=0, grads=4),
+    },
+    # torchtitan: FSDP2 with the same MixedPrecisionPolicy (fp32 sharded state, bf16 gathered layers,
+    # fp32 reduce-scatter); without sharding, fp32 parameters under autocast.
+    "torchtitan": {
+        "replicated": StateDtypes("torchtitan", weights=4, master=0, grads=4),
+        "zero": StateDtypes("torchtitan", weights=2, master=4, grads=4),
+        "sharded": StateDtypes("torchtitan", weights=4, master=0, grads=4),
+    },
+    # Megatron-LM / NeMo (Megatron Core, bf16): bf16 parameters, an fp32 main-grad buffer allocated at
+    # start-up (gradient accumulation fusion writes into it), fp32 master weights and AdamW moments in
+    # the optimizer: 18 bytes per parameter under DDP, 6 + 12/d with the distributed optimizer
+    # (Megatron-LM docs/source/distrib_optimizer.md). DeepSpeed ZeRO-1/2 keeps the same fp32 master and
+    # moments (Rajbhandari et al. 2020: K = 12 bytes per parameter); ZeRO-2 its fp32 gradient
+    # partition, allocated at start-up too.
+    "megatron": {
+        "replicated": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
+        "zero": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
+        "sharded": StateDtypes("megatron", weights=2, master=4, grads=4),
+    },
+}
+STATE_STACKS = tuple(STATE_DTYPES)
+
+
+def state_dtypes(stack: str, dp_mode: str) -> StateDtypes:
+    """The bytes per parameter `stack` keeps under `dp_mode` (see STATE_DTYPES)."""
+    if dp_mode not in DP_MODES:
+        raise ValueError(f"dp_mode must be one of {', '.join(DP_MODES)}; got {dp_mode!r}")
+    if stack not in STATE_DTYPES:
+        raise ValueError(f"stack must be one of {', '.join(STATE_STACKS)}; got {stack!r}")
+    kind = "replicated" if dp_mode == "ddp" else "zero" if dp_mode.startswith("zero") else "sharded"
+    return STATE_DTYPES[stack][kind]
+
+
+def dp_state_bytes(params: float, dp_mode: str = "ddp", shard: int = 1, stack: str = "eager") -> StateBytes:
+    """Per rank: weights (with the master copy), gradients and AdamW state of `params` parameters
+    whose data-parallel group has `shard` ranks, under `dp_mode`:
+
+    - ddp: every rank holds everything;
+    - zero1 (Megatron's distributed optimizer, DeepSpeed ZeRO-1): master weights and moments sharded;
+    - zero2: the gradients too (what a rank keeps after the reduce-scatter);
+    - fsdp / hsdp (ZeRO-3; `shard` = the HSDP shard group): everything sharded.
+    """
+    d = state_dtypes(stack, dp_mode)
+    if shard < 1:
+        raise ValueError(f"shard must be >= 1, got {shard}")
+    p = float(params)
+    full = dp_mode in ("fsdp", "hsdp")
+    weights = d.weights * p / (shard if full else 1)
+    master = d.master * p / (shard if dp_mode != "ddp" else 1)
+    grads = d.grads * p / (shard if dp_mode in ("zero2", "fsdp", "hsdp") else 1)
+    optimizer = d.optimizer * p / (shard if dp_mode != "ddp" else 1)
+    return StateBytes(params=weights + master, grads=grads, optimizer=optimizer)
+
+
 # Activation bytes per token (or patch / audio position) that a block keeps for its backward, for
 # the modules in omnibench.models with a flash-style attention core (it keeps q, k, v and its
 # output, never an s x s matrix). `b` is the compute dtype's size; RMSNorm works in fp32 and keeps
@@ -458,7 +551,8 @@ def llm_layer_bytes(llm: LLMSpec, b: int = 2) -> int:
     if llm.qk_norm:
         out += (4 + b) * (q + kv) + 4 * (llm.heads + llm.kv_heads)
     if llm.moe is None:
-        return out + 4 * b * llm.ffn  # w1 out, w3 out, silu out, w2 input
+        # w1 out, w3 out, silu out, w2 input (GELU MLP: fc1 out, fc2 input)
+        return out + (4 if llm.mlp == "swiglu" else 2) * b * llm.ffn
     moe = llm.moe
     k = moe.top_k
     out += 4 * moe.experts + 24 * k  # router probabilities; top-k weights, expert order (int64)

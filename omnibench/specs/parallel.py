@@ -43,8 +43,10 @@ class ParallelSpec:
     pp: int = 1
     cp: int = 1
     # How context parallelism splits attention: "ulysses" (all-to-all to whole sequences x 1/cp of the
-    # heads; what the runtime runs) or "ring" (each rank keeps 1/cp of every sequence, K/V blocks
-    # travel around the cp ranks; simulator only, for sequences longer than heads allow Ulysses)
+    # heads; what the runtime runs), "ring" (each rank keeps 1/cp of every sequence, K/V blocks
+    # travel around the cp ranks) or "allgather" (each rank keeps 1/cp of every sequence and
+    # all-gathers the whole K/V before each attention: Llama 3, torchtitan); ring and allgather are
+    # simulated only
     cp_kind: str = "ulysses"
     ep: int = 1
     microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
@@ -100,8 +102,10 @@ class ParallelSpec:
         if self.dp_shard > 0 and self.ep > 1 and self.dp_shard % self.ep:
             raise SpecError(f"dp_shard={self.dp_shard} must be a multiple of ep={self.ep} "
                             "(a shard group holds whole expert groups); 0 = automatic")
-        if self.cp_kind not in ("ulysses", "ring"):
-            raise SpecError(f"cp_kind must be one of ulysses, ring; got {self.cp_kind!r}")
+        from omnibench.plan import CP_KINDS
+
+        if self.cp_kind not in CP_KINDS:
+            raise SpecError(f"cp_kind must be one of {', '.join(CP_KINDS)}; got {self.cp_kind!r}")
         from omnibench.specs.costs import recompute_policy
 
         try:
@@ -138,7 +142,7 @@ class ParallelSpec:
         """What only the simulator executes: refuse it before a real run starts."""
         if self.cp > 1 and self.cp_kind != "ulysses":
             raise SpecError(f"cp_kind={self.cp_kind}: the runtime runs Ulysses context parallelism only "
-                            "(ring attention is simulated, not run)")
+                            "(ring and all-gather-KV attention are simulated, not run)")
         if self.virtual_stages > 1:
             raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is not supported by the runtime; "
                             "the runtime runs plain 1F1B (virtual_stages=1)")

@@ -360,6 +360,10 @@ def validate_model(spec: MultimodalSpec) -> None:
         given = (f"llm.head_dim ({llm.head_dim})" if llm.head_dim
                  else f"llm.hidden / llm.heads ({llm.hidden} / {llm.heads} = {llm.dim_head}, the head dim)")
         raise SpecError(f"{given} must be even for RoPE")
+    for key, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rms", "layer")),
+                         ("positions", ("rope", "learned", "alibi"))):
+        if getattr(llm, key) not in allowed:
+            raise SpecError(f"llm.{key} must be one of {', '.join(allowed)}; got {getattr(llm, key)!r}")
     if llm.vocab < 4:
         raise SpecError(f"llm.vocab must be >= 4 (three ids are media placeholders), got {llm.vocab}")
     if llm.moe is not None:

@@ -1,0 +1,96 @@
+"""Training-state memory under every data-parallel mode (DDP, ZeRO-1, ZeRO-2, FSDP, HSDP), in the
+bytes per parameter each software stack keeps, and how the simulator's timeline places it."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnibench.specs import costs
+from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
+from omnibench.specs.presets import get_model
+from simulator.engine import RESERVED_BYTES, Engine, SimOptions
+from simulator.hardware import load_cluster
+from systems import get_planner
+from workloads.sample import Batch, Sample, Segment
+
+P = 1_000_000
+
+
+@pytest.mark.parametrize(("mode", "n", "per_param"), [
+    ("ddp", 8, 16), ("zero1", 8, 4 + 4 + 8 / 8), ("zero2", 8, 4 + 4 / 8 + 8 / 8), ("fsdp", 8, 16 / 8), ("hsdp", 4, 16 / 4),
+])
+def test_eager_replicated_state_is_fp32_and_each_zero_stage_shards_one_more_part(mode, n, per_param):
+    # ZeRO in this project's runtime: bf16 weights (2) and an fp32 master slice (4/n) instead of fp32 weights
+    want = {"zero1": 2 + 4 / 8 + 4 + 8 / 8, "zero2": 2 + 4 / 8 + 4 / 8 + 8 / 8}.get(mode, per_param)
+    assert costs.dp_state_bytes(P, mode, n, "eager").total == pytest.approx(want * P)
+
+
+def test_megatron_distributed_optimizer_keeps_6_plus_12_over_d_bytes_per_parameter():
+    # Megatron-LM docs/source/distrib_optimizer.md: bf16 params + fp32 grads, 18 bytes (DDP), 6 + 12/d
+    assert costs.dp_state_bytes(P, "ddp", 8, "megatron").total == pytest.approx(18 * P)
+    assert costs.dp_state_bytes(P, "zero1", 8, "megatron").total == pytest.approx((6 + 12 / 8) * P)
+    assert costs.dp_state_bytes(P, "zero2", 8, "megatron").total == pytest.approx((2 + 16 / 8) * P)
+
+
+def test_state_bytes_refuse_an_unknown_mode_or_stack():
+    with pytest.raises(ValueError, match="dp_mode must be one of ddp, zero1, zero2, fsdp, hsdp"):
+        costs.dp_state_bytes(P, "zero3", 8)
+    with pytest.raises(ValueError, match="stack must be one of"):
+        costs.dp_state_bytes(P, "ddp", 8, "jax")
+
+
+def _engine(mode: str, memory_stack: str = "", world: int = 4, **kw) -> Engine:
+    spec = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 4096),)) for i in range(2 * world)])
+    plan = get_planner("homogeneous").plan(spec, ParallelSpec(world_size=world, **{**dp_mode_fields(mode), **kw}), batch)
+    return Engine(plan, spec, load_cluster("h100", world), options=SimOptions(check_memory=False, memory_stack=memory_stack))
+
+
+def _params(e: Engine) -> float:
+    return e._model_parallel_params("llm", 0)[0]
+
+
+def test_static_memory_falls_with_each_zero_stage_and_fsdp():
+    static = {m: _engine(m)._static_memory(0) - RESERVED_BYTES for m in ("ddp", "zero1", "fsdp")}
+    p = _params(_engine("ddp"))
+    assert static["ddp"] == pytest.approx(12 * p)  # fp32 weights + AdamW; gradients come with the backward
+    assert static["zero1"] == pytest.approx((2 + 4 / 4 + 8 / 4) * p)
+    assert static["fsdp"] > 12 * p / 4  # plus the gathered bf16 layers
+    assert static["ddp"] > static["zero1"] > static["fsdp"]
+
+
+def test_the_simulated_peak_falls_from_ddp_to_zero_to_fsdp():
+    peak = {m: _engine(m).run().peak_memory for m in ("ddp", "zero1", "zero2", "fsdp")}
+    assert peak["ddp"] > peak["zero1"] >= peak["zero2"] > peak["fsdp"]
+
+
+def test_eager_zero2_frees_the_whole_gradients_at_grad_sync_and_megatron_never_holds_them():
+    e = _engine("zero2")
+    p = _params(e)
+    appear, at_sync = e._grad_timeline("llm", 0)
+    assert appear == pytest.approx(4 * p) and at_sync == pytest.approx(-4 * p + 4 * p / 4)
+    m = _engine("zero2", memory_stack="megatron")
+    assert m._grad_timeline("llm", 0) == (0.0, 0.0)  # a gradient partition allocated at start-up
+    assert m._static_memory(0) - RESERVED_BYTES == pytest.approx((2 + (4 + 4 + 8) / 4) * p)
+
+
+def test_zero_shards_the_optimizer_step_and_fsdp_the_weights():
+    zero, fsdp, ddp = _engine("zero1"), _engine("fsdp"), _engine("ddp")
+    p = _params(ddp)
+    assert zero._module_params_on_rank("llm", 0) == pytest.approx(p)  # whole weights on every rank
+    assert zero._stepped_params_on_rank(0) == pytest.approx(p / 4)
+    assert fsdp._module_params_on_rank("llm", 0) == pytest.approx(p / 4)
+    assert ddp._stepped_params_on_rank(0) == pytest.approx(p)
+
+
+def test_hsdp_shards_over_its_shard_group_only():
+    e = _engine("hsdp", world=16, dp_shard=4)
+    assert e._dp_mode("llm", 0) == ("hsdp", 4)
+    p = _params(e)
+    assert e._module_state("llm", 0).total == pytest.approx(16 * p / 4)
+
+
+def test_one_rank_holds_everything_whatever_the_mode():
+    for mode in ("zero2", "fsdp"):
+        e = _engine(mode, world=1)
+        assert e._dp_mode("llm", 0) == ("ddp", 1)
