@@ -10,6 +10,9 @@ driver, the GPU's name, memory and compute capability; only those import torch, 
 `missing()` names what a record's provenance lacks of `GPU_FIELDS`, the facts a GPU figure needs
 before a table may quote it (records written before these fields existed lack some or all).
 
+`figure_provenance()` is what every figure carries (omnibench/plots): the commit (and dirty flag) of
+the code that drew it and the command that did, in the PNG/PDF metadata and under it on a report.
+
 `publish()` gives a finished record folder the permissions of any file the user creates (their
 umask), whether it was written through `tempfile` (0700 / 0600) or plain `open` (0644).
 """
@@ -170,6 +173,20 @@ def cuda_facts(device_index: int = 0) -> dict:
     out.update({"driver": driver_version(), "gpu_name": props.name, "gpu_memory_bytes": int(props.total_memory),
                 "gpu_capability": f"{props.major}.{props.minor}", "gpu_count": torch.cuda.device_count()})
     return out
+
+
+def figure_provenance(argv: list[str] | None = None) -> dict:
+    """{"commit", "dirty", "command", "omnibench"}: the code and command that drew a figure."""
+    return {**git_state(), "command": command_line(argv), "omnibench": _version("omnibench")}
+
+
+def provenance_text(prov: dict) -> str:
+    """One line for a page or a figure's metadata: `<command>` at commit <sha> (uncommitted changes)."""
+    commit = prov.get("commit")
+    code = f"commit {commit[:12]}" if commit else "code outside a git checkout"
+    if prov.get("dirty"):
+        code += " with uncommitted changes"
+    return f"made by `{prov.get('command', '')}` at omnibench {code}"
 
 
 def write_csv(path: Path | str, rows: list[dict], columns: list[str]) -> None:

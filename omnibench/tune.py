@@ -472,8 +472,9 @@ def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profi
 
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
          options: dict | None = None, encoder_search: bool = True, log=None, stack: str = "eager",
-         dp_mode: str | None = None) -> TuneResult:
-    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`; every layout simulated
+         dp_mode: str | None = None, default: Candidate | None = None) -> TuneResult:
+    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
+    `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated
     with the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`."""
     from omnibench.specs.parallel import dp_mode_fields
     from systems import get_planner
@@ -513,7 +514,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
             refused += 1
             notes.append(why)
     keep.sort(key=lambda tr: (tr.estimate_s, tr.candidate.label()))
-    start = default_candidate(system, model, world, gpn, per_batch, capacity)
+    start = default or default_candidate(system, model, world, gpn, per_batch, capacity)
     default = settle(start)[0] or Trial(replace(start, recompute="full"))
     queue = keep[:budget]
     if all(tr.candidate != default.candidate for tr in queue):

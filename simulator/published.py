@@ -420,7 +420,7 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
     from simulator.engine import simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
-    from workloads.spec import get_workload
+    from workloads.registry import get_workload
     from workloads.stream import WorkloadStream
 
     cluster = load_cluster(row.hardware, row.gpus)

@@ -15,7 +15,7 @@ from simulator.engine import SimOptions, simulate
 from simulator.hardware import load_cluster
 from systems import SYSTEMS, get_planner
 from workloads.conditions import cell_name, cell_toml, parse_cell, write_grid
-from workloads.spec import get_workload
+from workloads.registry import get_workload
 from workloads.stream import WorkloadStream
 
 

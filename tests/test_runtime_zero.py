@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from parity import Run, assert_parity, make_batches, reference, run_all, run_distributed
 from test_omni_parity import long_batches
-from test_runtime_parity import assert_parity, make_batches, reference, run_distributed
 
 STEPS = 5
 
@@ -73,33 +73,39 @@ def test_sharded_adamw_over_buckets_matches_one_process(stage):
         assert all(all(kept) == (stage == 1) for kept in got[r]["grads_kept"].values())
 
 
-_REF: dict = {}
-
 CELLS = [
     # (system, layout, batches): every dp mode on omni's encoders, and ZeRO on the LLM and on other systems.
     pytest.param("omni", {"options": {"encoder_dp": "zero2"}}, "long", id="omni-encoders-zero2"),
     pytest.param("omni", {"options": {"encoder_dp": "fsdp"}, "pp": 2}, "long", id="omni-encoders-fsdp-pp2"),
-    pytest.param("omni", {"options": {"encoder_dp": "zero1"}, "pp": 2}, "long", id="omni-encoders-zero1-pp2",
-                 marks=pytest.mark.slow),
-    pytest.param("omni", {"options": {"encoder_dp": "ddp"}}, "long", id="omni-encoders-ddp", marks=pytest.mark.slow),
-    pytest.param("omni", {"fsdp": False, "zero": 2, "cp": 2}, "long", id="omni-llm-zero2-cp2", marks=pytest.mark.slow),
+    pytest.param("omni", {"options": {"encoder_dp": "zero1"}, "pp": 2}, "long", id="omni-encoders-zero1-pp2"),
+    pytest.param("omni", {"options": {"encoder_dp": "ddp"}}, "long", id="omni-encoders-ddp"),
+    pytest.param("omni", {"fsdp": False, "zero": 2, "cp": 2}, "long", id="omni-llm-zero2-cp2"),
     pytest.param("homogeneous", {"fsdp": False, "zero": 2, "pp": 2}, "mixed", id="homogeneous-zero2-pp2"),
     pytest.param("colocated", {"fsdp": False, "zero": 1, "tp": 2, "encoder_tp": 2}, "mixed",
-                 id="colocated-zero1-tp2-encoder-tp2", marks=pytest.mark.slow),
-    pytest.param("temporal", {"fsdp": False, "zero": 2, "cp": 2}, "mixed", id="temporal-zero2-cp2",
-                 marks=pytest.mark.slow),
+                 id="colocated-zero1-tp2-encoder-tp2"),
+    pytest.param("temporal", {"fsdp": False, "zero": 2, "cp": 2}, "mixed", id="temporal-zero2-cp2"),
 ]
 
 
-@pytest.mark.timeout(300)
+def _data(kind: str):
+    return long_batches(STEPS) if kind == "long" else make_batches(STEPS, samples=8)
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """Every cell in one launch of 4 gloo ranks (tests/parity.py)."""
+    return run_all(tmp_path_factory.mktemp("zero"), [Run(c.id, c.values[0], "tiny-omni", _data(c.values[2]), c.values[1])
+                                                     for c in CELLS])
+
+
+@pytest.mark.timeout(1200)  # the first cell's setup launches all of them
+@pytest.mark.xdist_group("parity-zero")
 @pytest.mark.parametrize("system,layout,batches", CELLS)
-def test_zero_modes_train_like_one_process(tmp_path, system, layout, batches):
-    data = long_batches(STEPS) if batches == "long" else make_batches(STEPS, samples=8)
-    if batches not in _REF:
-        _REF[batches] = reference("tiny-omni", data)
-    losses, params = run_distributed(tmp_path, system, "tiny-omni", data, **layout)
-    assert_parity(losses, params, *_REF[batches])
-    notes = open(os.path.join(tmp_path, "run", "summary.json")).read()
+def test_zero_modes_train_like_one_process(zero_runs, request, system, layout, batches):
+    result = zero_runs[request.node.callspec.id]
+    losses, params = result.get()
+    assert_parity(losses, params, *reference("tiny-omni", _data(batches)))
+    notes = (result.folder / "summary.json").read_text()
     zero = layout.get("zero") or {"zero1": 1, "zero2": 2}.get(layout.get("options", {}).get("encoder_dp"), 0)
     if zero:
         assert f"ZeRO-{zero}" in notes

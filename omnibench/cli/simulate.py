@@ -20,8 +20,21 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import DpShard, console, fail
-from omnibench.cli.run import LAYOUT_HELP
+from omnibench.cli.common import (
+    CP_HELP,
+    DEFAULT_LAYOUT_TEXT,
+    MAX_GPUS,
+    PP_HELP,
+    RECOMPUTE_HELP,
+    RECOMPUTE_TEXT,
+    TP_HELP,
+    DpShard,
+    batch_error,
+    console,
+    fail,
+    writable_file,
+    writable_folder,
+)
 from omnibench.provenance import provenance, publish, write_csv
 
 BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
@@ -29,7 +42,7 @@ SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces 
 TRACE_RANKS = 512  # simulated ranks drawn in a record's timeline (the lowest ones; the rest are noted)
 INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a run's)
 # results.csv: results.json's rows, flat (per-step metrics stay in results.json's "per_step").
-RESULT_COLUMNS = ["gpus", "system", "layout", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
+RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
                   "sim_seconds", "tuned_at_step", "tune_seconds", "steps_failed"]
@@ -38,23 +51,58 @@ STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "st
                 "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
 
 
-def _free_name(out: Path, name: str) -> Path:
-    """out/name, or out/name-2, -3, ... when a record (or one being written) already has that name."""
-    k, final = 1, out / name
-    while final.exists() or final.with_name(final.name + INCOMPLETE).exists():
+def _claim(out: Path, name: str) -> Path:
+    """The record's final path, out/name (or name-2, -3, ...), claimed by making its `.incomplete`
+    folder: mkdir is atomic, so two simulations started in the same second into one --out never
+    take the same name (the loser moves on to the next one)."""
+    k = 1
+    while True:
+        final = out / (name if k == 1 else f"{name}-{k}")
         k += 1
-        final = out / f"{name}-{k}"
-    return final
+        if final.exists():
+            continue
+        try:
+            final.with_name(final.name + INCOMPLETE).mkdir()
+        except FileExistsError:
+            continue
+        if final.exists():  # finished (and renamed) between the check and the claim
+            final.with_name(final.name + INCOMPLETE).rmdir()
+            continue
+        return final
 
 
 def _ints(text: str, field: str) -> list[int]:
+    """`--gpus 256,1024`: positive integers up to MAX_GPUS, no empty item."""
+    items = [x.strip() for x in text.split(",")]
+    usage = f"{field} must be a comma-separated list of positive integers (at most {MAX_GPUS:,})"
+    if any(not x for x in items):
+        fail(f"{usage}; got {text!r}, which has an empty item")
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in items]
     except ValueError:
-        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
-    if not out or any(v < 1 for v in out):
-        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
+        fail(f"{usage}; got {text!r}")
+    if any(v < 1 or v > MAX_GPUS for v in out):
+        fail(f"{usage}; got {text!r}")
     return out
+
+
+def _finished_runs(dirs: list[str], command: str) -> list[str]:
+    """The run folders that finished; each unfinished one (`.incomplete`: interrupted or failed) is
+    named with how far it got and left out, and none finished is a one-line failure."""
+    from simulator.traces import TraceError, read_run
+
+    done = []
+    for d in dirs:
+        if Path(d).name.endswith(INCOMPLETE):
+            try:
+                read_run(d)
+            except TraceError as e:
+                console.print(f"{command}: skipped {e}", highlight=False, soft_wrap=True)
+            continue
+        done.append(d)
+    if not done:
+        fail(f"{command}: no finished run among the folders given (unfinished runs keep the {INCOMPLETE} suffix)")
+    return done
 
 
 def _fit_text(fit: dict) -> str:
@@ -207,6 +255,29 @@ def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, optio
     return res.best.candidate, res.seconds
 
 
+def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
+              cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int):
+    """The layout and recompute mode `system` is simulated with (omnibench/resolve.py: the flags, else
+    its default layout; `auto`: the cheapest recompute that the simulator's memory estimate of the
+    first simulated batches fits); what was settled goes into `row`."""
+    from dataclasses import replace
+
+    from omnibench.resolve import ESTIMATE_STEPS, resolve_layout
+
+    if hardware and profile is None:  # the plans estimated are the plans simulated
+        parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
+    batches = [stream.batch(i) for i in step_indices(min(steps, ESTIMATE_STEPS), stride)]
+    res = resolve_layout(system, model, parallel, batches, cluster, tp=tp, pp=pp, cp=cp, recompute=recompute,
+                         encoder_chunk_tokens=chunk_tokens)
+    if (tp, pp, cp) == (0, 0, 0):
+        row["layout"] = f"tp{res.parallel.tp} pp{res.parallel.pp} cp{res.parallel.cp}"
+        row["layout_note"] = res.layout_note
+    row["recompute"] = res.recompute
+    if res.chosen:
+        row["recompute_note"] = res.memory_note()
+    return replace(res.parallel, options=options), res.recompute
+
+
 def _summary(results) -> dict:
     """A (size, system) row over its simulated steps. A plan that does not fit in memory still gets its
     step time and throughput, with `fits: false` and why beside them (the simulator times the step as
@@ -339,8 +410,21 @@ def _validate_published(path: Path, kernels: str | None, stack: str | None = Non
         console.print(f"wrote {markdown}", highlight=False)
 
 
+SIMULATE_HELP = "\n\n".join([
+    "Simulate systems at cluster sizes nobody here has; one row per (size, system), and a record folder.",
+    DEFAULT_LAYOUT_TEXT,
+    RECOMPUTE_TEXT,
+    "Steps: --steps N simulates batches 0..N-1 of the stream (with --step-stride K: 0, K, 2K, ..., a mix drifting "
+    "over training), each system's layout kept for all of them.",
+    "Tuned: --tuned puts each system at its own best layout, `omnibench tune` on step 0's batch only, kept for every "
+    "step (a static deployment, never re-tuned); the layout flags are then ignored, and with --no-* switches omni "
+    "keeps the layout tuned with every technique on.",
+    "The --no-* switches turn off one omni technique each, for the ablation a paper shows.",
+])
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(help=SIMULATE_HELP)
     def simulate(
         workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
         system: str = typer.Option("all", "--system", "-s", help="A system name, a comma list, or 'all'."),
@@ -350,51 +434,36 @@ def register(app: typer.Typer) -> None:
         stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
         dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
         micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
-        steps: int = typer.Option(1, "--steps", help="Steps to simulate (batches 0..N-1 of the stream, or every "
-                                  "--step-stride-th batch)."),
-        step_stride: int = typer.Option(1, "--step-stride", help="With --steps N: simulate batches 0, K, 2K, ... "
-                                        "(N-1)K, steps spread over training (a drifting mix)."),
+        steps: int = typer.Option(1, "--steps", help="Steps (batches) to simulate."),
+        step_stride: int = typer.Option(1, "--step-stride", help="With --steps: every K-th batch of the stream."),
         calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
-        tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
-        pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
-        cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
+        tp: int = typer.Option(0, "--tp", help=TP_HELP),
+        pp: int = typer.Option(0, "--pp", help=PP_HELP),
+        cp: int = typer.Option(0, "--cp", help=CP_HELP),
         cp_kind: str = typer.Option("ulysses", "--cp-kind", help=CP_KIND_HELP),
-        ep: int = typer.Option(1, "--ep"),
-        dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
+        ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models)."),
+        dp: int = typer.Option(0, "--dp", help="Data-parallel degree; 0: what is left."),
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
-        virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B: model chunks per "
-                                           "pipeline rank (homogeneous, colocated; simulator only)."),
+        virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B model chunks per pipeline rank."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
-        recompute: str = typer.Option("none", "--recompute",
-                                      help="none | full | selective, or per module: vision=full,audio=full"),
+        recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
         encoder_chunk_tokens: int = typer.Option(
-            0, "--encoder-chunk-tokens", help="Encoder microbatches in chunks (recomputed in the backward) of at most N encoder "
-                                              "tokens (patches, audio positions); 0: off."),
-        seed: int = typer.Option(0, "--seed"),
+            0, "--encoder-chunk-tokens", help="Encoder chunks of at most N tokens; 0: off."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the workload's sample stream."),
         out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
-        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work all before/after the LLM pipeline"),
+        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work before/after the LLM pipeline"),
         no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
-        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
-                                               help="omni: long LLM samples stay on one data rank (no cp group)"),
-        option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
-        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout: `omnibench tune` "
-                                   "on step 0's batch only, that layout then kept for every step (a static "
-                                   "deployment: tuned at step 0, never re-tuned); the layout flags are ignored. "
-                                   "With --no-* switches omni keeps its own tuned layout (every technique on)."),
+        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short", help="omni: long LLM samples stay on one data rank"),
+        option: list[str] = typer.Option([], "--option", help="System option key=value (repeatable)."),
+        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout, tuned at step 0."),
         tune_budget: int = typer.Option(12, "--tune-budget", help="With --tuned: layouts simulated per system."),
-        tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts per "
-                                        "(system, workload, gpus, model, hardware, seed, batch, budget); a layout "
-                                        "found there is used as is, a new one is added."),
+        tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
     ) -> None:
-        """Simulate systems at cluster sizes nobody here has; one row per (size, system).
-
-        The --no-* switches turn off one omni technique each, for the ablation a paper shows.
-        """
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
         from simulator.calibrate import Profile
@@ -404,6 +473,7 @@ def register(app: typer.Typer) -> None:
         from systems.omni.options import options_from_flags
 
         sizes = _ints(gpus, "gpus")
+        writable_folder(out)
         try:
             options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
                                          no_llm_long_short)
@@ -428,9 +498,10 @@ def register(app: typer.Typer) -> None:
         from omnibench.specs.costs import recompute_policy
 
         try:
-            recompute_policy(recompute)
+            if recompute != "auto":
+                recompute_policy(recompute)
         except ValueError as e:
-            fail(str(e))
+            fail(f"{e} (or auto)")
         registered = available_systems()
         if system == "all":
             systems = registered
@@ -450,14 +521,13 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             fail(str(e))
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        name = f"{stamp}-{Path(workload).stem}-{spec.name}-{Path(hardware).stem}"
+        # the systems in the name: two simulations of one workload started in the same second differ by it
+        name = f"{stamp}-{Path(workload).stem}-{system.replace(',', '+')}-{spec.name}-{Path(hardware).stem}"
         off = sorted(k for k, v in options.items() if v is False)
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
-        out.mkdir(parents=True, exist_ok=True)
-        final = _free_name(out, name)
+        final = _claim(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
-        tmp.mkdir()
         # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
         sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         rows: list[dict] = []
@@ -467,12 +537,16 @@ def register(app: typer.Typer) -> None:
                 try:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp or 1,
-                                            pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches, recompute=recompute,
+                                            pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
                                             virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
                                             **dp_fields)
                     parallel.validate(spec)
                 except ValueError as e:
                     fail(str(e))
+                try:
+                    stream.batch(step_indices(steps, step_stride)[0])
+                except ValueError as e:
+                    fail(batch_error(e, n, global_batch_tokens))
                 for s in systems:
                     row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
                     sys_parallel, sys_recompute = parallel, recompute
@@ -492,13 +566,10 @@ def register(app: typer.Typer) -> None:
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
                             row["tuned_at_step"] = 0
-                        elif (tp, pp, cp) == (0, 0, 0):
-                            from systems.defaults import with_default_layout
-
-                            sys_parallel, note = with_default_layout(s, spec, parallel, stream.batch(0),
-                                                                     clusters[n].gpu.memory_bytes)
-                            row["layout"] = f"tp{sys_parallel.tp} pp{sys_parallel.pp} cp{sys_parallel.cp}"
-                            row["layout_note"] = note
+                        else:
+                            sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps, step_stride,
+                                                                    clusters[n], tp, pp, cp, recompute, options,
+                                                                    hardware, profile, encoder_chunk_tokens)
                         if micro_batch and not tuned:
                             sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                         results, plans, failed = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n],
@@ -506,10 +577,11 @@ def register(app: typer.Typer) -> None:
                                                                encoder_chunk_tokens, stack)
                     except ValueError as e:
                         if len(systems) == 1:
-                            fail(f"{s} at {n} GPUs: {e}")
+                            fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
                         row["error"] = str(e).splitlines()[0]
                         rows.append(row)
                         continue
+                    row.setdefault("recompute", sys_recompute)
                     row.update(_summary(results))
                     # each step's own metrics (a step that did not fit says so: a figure shows which ran)
                     row.setdefault("per_step", [r.metrics() for r in results])
@@ -602,15 +674,17 @@ def register(app: typer.Typer) -> None:
             elif not r["fits"]:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
         for r in rows:
-            if r.get("layout"):
-                if tuned:
-                    kept = f", kept for all {steps} steps" if steps > 1 else ""
-                    spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
-                    console.print(f"{r['gpus']} GPUs, {r['system']}: tuned layout {r['layout']} (budget {tune_budget}, "
-                                  f"tuned at step 0{kept}{spent})", highlight=False)
-                else:
-                    console.print(f"{r['gpus']} GPUs, {r['system']}: default layout {r['layout']}"
-                                  + (f" ({r['layout_note']})" if r.get("layout_note") else ""), highlight=False)
+            said = []
+            if r.get("layout") and tuned:
+                kept = f", kept for all {steps} steps" if steps > 1 else ""
+                spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
+                said.append(f"tuned layout {r['layout']} (budget {tune_budget}, tuned at step 0{kept}{spent})")
+            elif r.get("layout"):
+                said.append(f"default layout {r['layout']}" + (f" ({r['layout_note']})" if r.get("layout_note") else ""))
+            if r.get("recompute_note"):
+                said.append(r["recompute_note"])
+            if said:
+                console.print(f"{r['gpus']} GPUs, {r['system']}: " + "; ".join(said), highlight=False, soft_wrap=True)
         if missing:
             console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
@@ -618,7 +692,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"MFU = {formula} / (step time x GPUs x peak)", highlight=False)
         if not fitting:
             fail("no system fits or plans this layout (the reason per system is above), so no throughput and no "
-                 "record; try --recompute full, a larger --tp or --pp, or a smaller --global-batch-tokens", code=1)
+                 "record; try a larger --tp or --pp, more GPUs, or a smaller --global-batch-tokens"
+                 + ("" if recompute == "auto" else ", or --recompute auto"), code=1)
         console.print(f"record: {final}", soft_wrap=True)
 
     @app.command()
@@ -630,12 +705,13 @@ def register(app: typer.Typer) -> None:
         """Fit compute efficiency curves and collective alpha/beta from run traces."""
         from simulator.calibrate import calibrate as fit
 
-        try:
-            prof = fit([str(d) for d in run_dirs], hardware)
-        except ValueError as e:
-            fail(str(e))
         if out is None:
             out = Path("results/sims") / f"calibration-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}.json"
+        writable_file(out)  # before the fit, which a profile that cannot be written would lose
+        try:
+            prof = fit(_finished_runs([str(d) for d in run_dirs], "calibrate"), hardware)
+        except ValueError as e:
+            fail(str(e))
         prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
                                                *(["--hardware", hardware] if hardware else [])])
         prof.save(out)
@@ -707,7 +783,7 @@ def register(app: typer.Typer) -> None:
             fail("validate: no run folders given and none in results/runs")
         try:
             prof = Profile.load(calibration) if calibration else None
-            rows = check(dirs, prof, hardware)
+            rows = check(_finished_runs(dirs, "validate"), prof, hardware)
         except ValueError as e:
             fail(str(e))
         table = Table(title="simulated vs measured" + (" (calibrated)" if prof else ""))

@@ -76,14 +76,20 @@ def setup_text(sims, workload: str | None = None) -> str:
             text = f"{c.get('model')} on {c.get('hardware')}, {tuned_text(c)}, {batch}"
         elif c.get("default_layouts"):
             text = (f"{c.get('model')} on {c.get('hardware')}, each system's default layout, "
-                    f"recompute {c.get('recompute', 'none')}, {batch}")
+                    f"{recompute_text(c)}, {batch}")
         else:
             layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
                 f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)
-            text = f"{c.get('model')} on {c.get('hardware')}, {layout}, recompute {c.get('recompute', 'none')}, {batch}"
+            text = f"{c.get('model')} on {c.get('hardware')}, {layout}, {recompute_text(c)}, {batch}"
         if text not in parts:
             parts.append(text)
     return "; ".join(parts)
+
+
+def recompute_text(config: dict) -> str:
+    """A simulation's recomputation as a title says it: `auto` settled per system (rows say which mode)."""
+    mode = config.get("recompute", "none")
+    return "recompute: the cheapest that fits, per system" if mode == "auto" else f"recompute {mode}"
 
 
 def tuned_text(config: dict) -> str:

@@ -6,21 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from omnibench.models.inputs import pack, synthesize
+from omnibench.models.inputs import dummy_sample, pack, synthesize
 from omnibench.plan import (
     Action,
 )
 from systems.common import data_rank, encoder_tokens
-from workloads.sample import Sample, Segment
-
-
-def dummy_sample(module: str) -> Sample:
-    # The smallest input an encoder accepts: keeps its collectives in step when a rank has no work.
-    if module == "vision":
-        seg = Segment("image", llm_tokens=1, encoder_seq_len=4, grid_thw=(1, 2, 2))
-    else:
-        seg = Segment("audio", llm_tokens=1, encoder_seq_len=2, mel_frames=4)
-    return Sample(-1, "dummy", (Segment("text", 1), seg))
 
 
 class EncoderActionsMixin:

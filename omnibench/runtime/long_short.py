@@ -37,9 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from omnibench.models.inputs import pack, synthesize
+from omnibench.models.inputs import dummy_sample, pack, synthesize
 from omnibench.models.vision import vision_cu_seqlens, vision_position_ids, vision_rope
-from omnibench.runtime.encoder_actions import dummy_sample
 from omnibench.runtime.parallelize import UlyssesAttention
 from omnibench.specs.costs import audio_windows
 from systems.common import encoder_tokens
