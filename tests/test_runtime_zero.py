@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from parity import Run, assert_parity, make_batches, reference, run_all, run_distributed
+from parity import Run, assert_parity, make_batches, reference, run_all
 from test_omni_parity import long_batches
 
 STEPS = 5
@@ -87,14 +87,14 @@ CELLS = [
 ]
 
 
-def _data(kind: str):
+def _batches(kind: str):
     return long_batches(STEPS) if kind == "long" else make_batches(STEPS, samples=8)
 
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory):
     """Every cell in one launch of 4 gloo ranks (tests/parity.py)."""
-    return run_all(tmp_path_factory.mktemp("zero"), [Run(c.id, c.values[0], "tiny-omni", _data(c.values[2]), c.values[1])
+    return run_all(tmp_path_factory.mktemp("zero"), [Run(c.id, c.values[0], "tiny-omni", _batches(c.values[2]), c.values[1])
                                                      for c in CELLS])
 
 
@@ -104,7 +104,7 @@ def zero_runs(tmp_path_factory):
 def test_zero_modes_train_like_one_process(zero_runs, request, system, layout, batches):
     result = zero_runs[request.node.callspec.id]
     losses, params = result.get()
-    assert_parity(losses, params, *reference("tiny-omni", _data(batches)))
+    assert_parity(losses, params, *reference("tiny-omni", _batches(batches)))
     notes = (result.folder / "summary.json").read_text()
     zero = layout.get("zero") or {"zero1": 1, "zero2": 2}.get(layout.get("options", {}).get("encoder_dp"), 0)
     if zero:
@@ -120,8 +120,9 @@ def test_zero_on_bf16_weights_trains_close_to_fp32():
     with tempfile.TemporaryDirectory() as out:
         from pathlib import Path
 
-        losses, _ = run_distributed(Path(out), "omni", "tiny-omni", data, dtype="bf16", fsdp=False, zero=2)
-        notes = open(os.path.join(out, "run", "summary.json")).read()
+        got = run_all(Path(out), [Run("bf16", "omni", "tiny-omni", data, {"dtype": "bf16", "fsdp": False, "zero": 2})])
+        losses, _ = got["bf16"].get()
+        notes = (got["bf16"].folder / "summary.json").read_text()
     assert "llm: ZeRO-2" in notes and "vision: ZeRO-2" in notes
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 2e-3
 

@@ -14,6 +14,7 @@ from omnibench.plan import (
     Layout,
 )
 from omnibench.runtime.groups import mesh_from
+from omnibench.runtime.optim import make_optimizer  # noqa: F401 - the executor and tests take it from here
 from omnibench.runtime.parallelize import (
     apply_ac,
     apply_compile,
@@ -213,14 +214,3 @@ class BuildMixin:
         groups = [self.groups.get("llm", "dp_replicate"), self.groups.get("llm", "edp_shard")]
         return mesh_from(groups, ("dp_replicate", "edp_shard"), dev, grid)
 
-
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    # CPU: the per-tensor path handles DTensor shards of every layout. CUDA: AdamW's fused kernel
-    # (one launch for all tensors, as torchtitan runs it); the per-tensor loop cost 10% of a step.
-    params = list(params)
-    cuda = bool(params) and params[0].is_cuda
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=False)
-    if cuda:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)

@@ -72,7 +72,7 @@ class ShardedState:
             for p in params:
                 if p.dtype != param_dtype:
                     p.data = p.data.to(param_dtype)
-        from omnibench.runtime.build import make_optimizer
+        from omnibench.runtime.optim import make_optimizer
 
         self.optimizer = make_optimizer(optimizer, [self.master], lr)
         # bf16 weights: fp32 main gradients, accumulated by a hook (the weight's own .grad is dropped)
