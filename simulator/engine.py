@@ -189,6 +189,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
             st = stats[rank]
             pending: list = []
             live = peak_live = 0.0
+            peak_at = None
             for op in ops:
                 kind = op.kind
                 if kind == FORWARD or kind == BACKWARD:
@@ -204,14 +205,9 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     st.comm_busy += op.comm
                     a = op.action
                     spans.append(Span(rank, "compute", a, kind, start, total))
-                    # a backward's gradients appear while its activations (and a recomputed layer)
-                    # are still held
-                    live += op.grad_delta
-                    if live + op.act_transient > peak_live:
-                        peak_live = live + op.act_transient
-                    live += op.act_delta
-                    if live > peak_live:
-                        peak_live = live
+                    if live + op.mem_peak > peak_live:  # memory: the op's high point, what it leaves
+                        peak_live, peak_at = live + op.mem_peak, op.action
+                    live += op.mem_delta
                 elif kind == SEND:
                     send(rank, op, pending)
                 elif kind == RECV:
@@ -228,9 +224,9 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     if not done.triggered:
                         yield done
                 elif kind == GRAD_SYNC or kind == METADATA:
-                    if live + op.act_transient > peak_live:  # memory: a grad_sync's flat buffer
-                        peak_live = live + op.act_transient
-                    live += op.act_delta
+                    if live + op.mem_peak > peak_live:  # memory: a grad_sync's flat buffer
+                        peak_live, peak_at = live + op.mem_peak, op.action
+                    live += op.mem_delta
                     collective(rank, op, pending)
                     if op.blocking:
                         wait_start = env.now
@@ -250,8 +246,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
             if pending:
                 yield simpy.AllOf(env, pending)
             st.finish = env.now
-            st.memory_static = self._static_memory(rank)
-            st.memory_bytes = st.memory_static + peak_live
+            self._rank_memory(st, rank, peak_live, peak_at)
 
         procs = [env.process(rank_proc(r, programs[r])) for r in reps]
         env.run()

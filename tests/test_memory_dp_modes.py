@@ -8,7 +8,7 @@ import pytest
 from omnibench.specs import costs
 from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
 from omnibench.specs.presets import get_model
-from simulator.engine import RESERVED_BYTES, Engine, SimOptions
+from simulator.engine import Engine, SimOptions
 from simulator.hardware import load_cluster
 from systems import get_planner
 from workloads.sample import Batch, Sample, Segment
@@ -51,7 +51,7 @@ def _params(e: Engine) -> float:
 
 
 def test_static_memory_falls_with_each_zero_stage_and_fsdp():
-    static = {m: _engine(m)._static_memory(0) - RESERVED_BYTES for m in ("ddp", "zero1", "fsdp")}
+    static = {m: _engine(m)._static_memory(0) for m in ("ddp", "zero1", "fsdp")}
     p = _params(_engine("ddp"))
     assert static["ddp"] == pytest.approx(12 * p)  # fp32 weights + AdamW; gradients come with the backward
     assert static["zero1"] == pytest.approx((2 + 4 / 4 + 8 / 4) * p)
@@ -64,14 +64,13 @@ def test_the_simulated_peak_falls_from_ddp_to_zero_to_fsdp():
     assert peak["ddp"] > peak["zero1"] >= peak["zero2"] > peak["fsdp"]
 
 
-def test_eager_zero2_frees_the_whole_gradients_at_grad_sync_and_megatron_never_holds_them():
-    e = _engine("zero2")
-    p = _params(e)
-    appear, at_sync = e._grad_timeline("llm", 0)
-    assert appear == pytest.approx(4 * p) and at_sync == pytest.approx(-4 * p + 4 * p / 4)
+def test_eager_zero_reduces_into_a_slice_at_grad_sync_and_zero2_frees_the_whole_gradients():
+    p = _params(_engine("zero2"))
+    assert _engine("zero2")._grad_sync_delta("llm", 0) == pytest.approx(-4 * p + 4 * p / 4)
+    assert _engine("zero1")._grad_sync_delta("llm", 0) == pytest.approx(4 * p / 4)
     m = _engine("zero2", memory_stack="megatron")
-    assert m._grad_timeline("llm", 0) == (0.0, 0.0)  # a gradient partition allocated at start-up
-    assert m._static_memory(0) - RESERVED_BYTES == pytest.approx((2 + (4 + 4 + 8) / 4) * p)
+    assert m._grad_sync_delta("llm", 0) == 0.0  # a gradient partition allocated at start-up
+    assert m._static_memory(0) == pytest.approx((2 + (4 + 4 + 8) / 4) * p)
 
 
 def test_zero_shards_the_optimizer_step_and_fsdp_the_weights():

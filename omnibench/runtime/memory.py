@@ -23,7 +23,9 @@ from omnibench.specs.model import SpecError
 from omnibench.specs.run import RunSpec
 
 GiB = 1024**3
-HEADROOM = 0.92  # of the device's memory: allocator fragmentation and NCCL buffers beyond the estimate
+# of the device's memory: the estimate (SimResult memory_bytes) already holds the caching allocator's reserve
+# and the CUDA context and NCCL buffers outside it (simulator/memory.py FRAGMENTATION, RESERVED_BYTES)
+HEADROOM = 1.0
 # cheapest first; the encoders' activations (four patches per LLM token) are the largest, so they are
 # recomputed before the LLM is. "selective" saves nothing under a flash-style core (costs.py).
 RECOMPUTE_ORDER = ("none", "vision=full,audio=full", "full")
