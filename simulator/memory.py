@@ -44,9 +44,9 @@ RESERVED_BYTES = 1.0 * GiB
 # of results/validation/published_runs.csv that publish a peak: torchtitan's max_reserved readings
 # (tt-8b-fsdp8, tt-8b-fsdp8-cp1-32k, tt-8b-fsdp1-cp8-256k, tt-8b-fsdp128-compile-fp8,
 # tt-405b-fsdp8-tp8-pp8-1f1b, tt-405b-fsdp4-cp2-64k) over this model's allocated peak, geometric
-# mean 1.171. The allocated model itself is checked against torch's FSDPMemTracker running
+# mean 1.175. The allocated model itself is checked against torch's FSDPMemTracker running
 # torchtitan's Llama 3 8B at full depth (0.98-0.99 of this estimate), so the factor is the allocator's.
-FRAGMENTATION = 1.17
+FRAGMENTATION = 1.175
 ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatron-LM's DDP bucket)
 
 # Whose memory conventions (training-state dtypes, costs.STATE_DTYPES; activations,
@@ -158,6 +158,11 @@ class MemoryMixin:
         if not self._casts(module, rank) or self.policy[module] == "full":
             return 0.0
         dense, expert = self._model_parallel_params(module, rank)
+        if module == "llm":
+            # the blocks' linears; the token embedding is a lookup (no cast) and the chunked loss's
+            # cast of the output projection lives only while the loss runs (`_compute_memory`)
+            return 2 * self.stage_work(module, self.index[module].coords[rank].get("pp", 0)).layers * \
+                self._layer_on_rank(module)
         return 2 * (dense + expert)
 
     def _scores(self, work: Work) -> float:
@@ -276,24 +281,31 @@ class MemoryMixin:
             self._sig_cache[key] = first
         return self._sig_cache[key]
 
-    def _backward_grads(self, rank: int, a) -> tuple[float, float, float, float]:
-        """(gradient bytes one layer's backward leaves for good; those the stage's head leaves at the
-        start of the backward (the LLM's final norm and output projection, an encoder's stem and
-        merger) and its embedding at the end; the transient gradient buffers of one layer) in this
-        backward, per the module's data-parallel mode and the stack:
+    def _backward_grads(self, rank: int, a) -> tuple[float, float, float, float, float, float]:
+        """Gradient bytes of this backward, per the module's data-parallel mode and the stack:
+        (what each layer leaves for good; what appears at the start, for the stage's head (the LLM's
+        final norm and output projection, an encoder's stem and merger); what the end leaves (the
+        embedding's, the root's reduction); the end's transient extra; one layer's transient gradient
+        buffers; held activation bytes the start releases early).
 
         - FSDP2 (this project's runtime, torchtitan): a layer's bf16 gradient is copied into an fp32
-          reduce-scatter input (two of them in flight: FSDP waits for the previous reduce-scatter
-          before it frees its input) and the rank keeps its fp32 shard. Where the stack reduces only
-          in a stage's last backward microbatch (`_defers_reduce`), FSDP2 accumulates the layer's
-          whole (unsharded) gradient in fp32 until then, adding each microbatch's through an fp32 copy;
+          reduce-scatter input (the previous layer's still in flight) and the rank keeps its fp32
+          shard; the root unit (embedding, head) holds its bf16 gradients until it reduces last. Where
+          the stack reduces only in a stage's last backward microbatch (`_defers_reduce`), FSDP2
+          accumulates whole (unsharded) fp32 gradients until then, adding each microbatch's through
+          an fp32 copy;
         - DDP / ZeRO (this project's runtime): the fp32 gradient appears with a stage's first
           backward (its bf16 source is transient); later microbatches add an fp32 copy into it;
-        - Megatron: gradient accumulation fusion writes into the static main-grad buffer."""
+        - Megatron: gradient accumulation fusion writes into the static main-grad buffer.
+
+        This runtime's chunked loss holds the output projection's fp32 weight gradient from the
+        forward (costs.loss_memory); its backward scales it into a new tensor (its transient,
+        `Work.loss_backward`) that becomes the weight's gradient (cast to bf16 under FSDP) and
+        releases the held one."""
         module = a.module
         d = self._dtypes(module, rank)
         if d.grads_static:
-            return 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         mode, n = self._dp_mode(module, rank)
         lay = self.plan.layouts[module]
         lp = self._layer_on_rank(module)
@@ -304,10 +316,13 @@ class MemoryMixin:
         if module == "llm" and a.stage == 0:
             embed = min(root, self.model.llm.vocab * self.model.llm.hidden / lay.tp)
         head = root - embed
+        handover = 0.0
+        if self.memory_stack == "eager" and module == "llm" and a.stage == lay.stages - 1:
+            handover = 4.0 * self.model.llm.vocab * self.model.llm.hidden / lay.tp
         order = self._backward_order(rank, module, a.stage)
         first, last = bool(order) and a.microbatch == order[0], bool(order) and a.microbatch == order[-1]
         if mode in ("fsdp", "hsdp"):
-            reduce = 2 * lp + 2 * 4 * lp  # bf16 gradient, two fp32 reduce-scatter inputs
+            reduce = 2 * lp + 4 * lp  # the layer's bf16 gradient, the previous layer's fp32 reduce-scatter input
             if len(order) <= 1 or not self._defers_reduce(module):
                 # every microbatch reduce-scatters; the first creates the rank's shard, later ones add
                 per, buf = (4 / n if first else 0.0), reduce
@@ -317,14 +332,10 @@ class MemoryMixin:
                 per, buf = -4 + 4 / n, reduce
             else:
                 per, buf = 0.0, 2 * lp + 4 * lp
-            return per * lp, per * head, per * embed, buf
+            return per * lp, 2 * head, per * root - 2 * head, 2 * embed, buf, handover
         if first:
-            if self.memory_stack == "eager" and w.loss_forward:
-                # the chunked loss's fp32 weight gradient, held since the forward, becomes the output
-                # projection's gradient: nothing new appears for it
-                head = max(0.0, head - self.model.llm.vocab * self.model.llm.hidden / lay.tp)
-            return d.grads * lp, d.grads * head, d.grads * embed, 2 * lp
-        return 0.0, 0.0, 0.0, 2 * lp + d.grads * lp
+            return d.grads * lp, d.grads * head, d.grads * embed, 0.0, 2 * lp, handover
+        return 0.0, 0.0, 0.0, 0.0, 2 * lp + d.grads * lp, handover
 
     def _defers_reduce(self, module: str) -> bool:
         """Whether FSDP reduce-scatters only in a stage's last backward microbatch, accumulating whole
@@ -350,29 +361,46 @@ class MemoryMixin:
         module = a.module
         copies = self._weight_copies(module, rank, a.stage)
         held = self._live_activation(work) + (0.0 if work.chunks else copies)
+        residual = self._fp32_residual(module, rank, work)
+        if self.policy[module] != "full":
+            held += work.layers * residual
         if a.kind != BACKWARD:
             extra = work.loss_forward
+            if extra and self._casts(module, rank):
+                extra += 2.0 * self.model.llm.vocab * self.model.llm.hidden / self.plan.layouts[module].tp  # autocast's cast
             if self.policy[module] != "none":
                 extra = max(extra, work.act_working)
             return held + extra, held
         n = work.layers
         lp = self._layer_on_rank(module)
-        layer_held = work.act_layer + (2 * lp if copies else 0.0)
+        layer_held = work.act_layer + (2 * lp if copies else 0.0) + (residual if self.policy[module] != "full" else 0.0)
         if self.policy[module] == "none":
             layer_held += self._scores(work)
-        g_layer, g_head, g_embed, buffers = self._backward_grads(rank, a)
+        g_layer, g_start, g_end, end_extra, buffers, release = self._backward_grads(rank, a)
         recompute = work.act_transient
         if self.policy[module] == "full" and self._casts(module, rank):
-            recompute += 2 * lp  # the recomputed forward casts the block's weights again
+            recompute += 2 * lp + residual  # the recomputed forward casts the block's weights again
         if self.policy[module] != "none":
             recompute += self._scores(work)
         step = recompute + work.act_working + buffers
-        start = max(0.0, g_head)
-        peak = start + work.loss_backward
+        peak = work.loss_backward
+        start = g_start - release
         if n:
             peak = max(peak, start + g_layer + step, start + (n - 1) * (g_layer - layer_held) + g_layer + step)
-        delta = g_head + g_embed + n * g_layer - held
-        return max(peak, delta, delta - g_embed + work.act_working), delta
+        delta = g_start + g_end + n * g_layer - held
+        return max(peak, delta + end_extra), delta
+
+    def _fp32_residual(self, module: str, rank: int, work: Work) -> float:
+        """Per LLM layer, what this runtime's blocks keep beyond costs.llm_layer_bytes when autocast
+        runs them over fp32 weights (one rank, DDP): the fp32 token embedding makes the residual
+        stream fp32, so each RMSNorm keeps three fp32 [T, hidden] tensors (input, normalised, scaled
+        output) instead of one fp32 copy and two bf16 ones, and each of the five linears reading a
+        norm's output (q, k, v; w1, w3) casts it to bf16 for itself: 18 bytes per token and hidden
+        unit more (saved-tensor hooks under autocast, one Qwen2-7B block: 290,836 bytes per token
+        against 225,288 in bf16)."""
+        if module != "llm" or self.memory_stack != "eager" or not self._casts(module, rank) or not work.layers:
+            return 0.0
+        return 18.0 * self.model.llm.hidden * work.tokens / self.plan.layouts[module].tp
 
     def _casts(self, module: str, rank: int) -> bool:
         """Whether autocast casts fp32 weights to bf16 in this module's forward (no FSDP, fp32 weights)."""

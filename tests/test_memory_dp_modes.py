@@ -93,3 +93,30 @@ def test_one_rank_holds_everything_whatever_the_mode():
     for mode in ("zero2", "fsdp"):
         e = _engine(mode, world=1)
         assert e._dp_mode("llm", 0) == ("ddp", 1)
+
+
+def _fsdp_engine(memory_stack: str, pp: int = 1) -> Engine:
+    spec = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 4096),)) for i in range(16)])
+    parallel = ParallelSpec(world_size=4 * pp, pp=pp, microbatches=4)
+    plan = get_planner("homogeneous").plan(spec, parallel, batch)
+    return Engine(plan, spec, load_cluster("h100", 4 * pp),
+                  options=SimOptions(check_memory=False, memory_stack=memory_stack, stack="fused"))
+
+
+def test_this_runtime_accumulates_whole_fsdp_gradients_until_the_last_microbatch():
+    e = _fsdp_engine("eager")
+    acts = [a for a in e.plan.actions[0] if a.kind == "backward"]
+    lp = e._layer_on_rank("llm")
+    assert e._backward_grads(0, acts[0])[0] == pytest.approx(4 * lp)  # whole fp32, unsharded
+    assert e._backward_grads(0, acts[-1])[0] == pytest.approx(-4 * lp + 4 * lp / 4)  # reduced to the shard
+
+
+def test_torchtitan_reduces_every_microbatch_without_pipelining_and_defers_with_it():
+    flat = _fsdp_engine("torchtitan")
+    acts = [a for a in flat.plan.actions[0] if a.kind == "backward"]
+    lp = flat._layer_on_rank("llm")
+    assert flat._backward_grads(0, acts[0])[0] == pytest.approx(4 * lp / 4)
+    assert flat._backward_grads(0, acts[1])[0] == 0.0
+    piped = _fsdp_engine("torchtitan", pp=2)
+    assert piped._defers_reduce("llm") and not _fsdp_engine("composer")._defers_reduce("llm")

@@ -77,7 +77,7 @@ def test_a_gpu_holds_the_allocators_reserve_and_the_context_outside_it():
     assert r.memory_reserved == pytest.approx(FRAGMENTATION * r.memory_allocated)
     assert r.memory_bytes == pytest.approx(r.memory_reserved + RESERVED_BYTES)
     assert r.memory_allocated > r.memory_static > 0
-    assert r.memory_peak_at.startswith("backward(llm")
+    assert r.memory_peak_at.startswith(("forward(llm", "backward(llm"))
 
 
 def test_a_layout_that_does_not_fit_still_gets_its_step_time():

@@ -680,7 +680,7 @@ def loss_memory(llm: LLMSpec, tokens: int, vocab: int | None = None, stack: str 
                 tp: int = 1) -> LossMemory:
     """- eager: the chunked loss (omnibench/models/loss.py): the hidden gradient and an fp32 weight
       gradient held from the forward (it computes both there), one chunk of fp32 logits and their
-      gradient while it runs;
+      gradient while it runs; its backward scales the weight gradient into a new fp32 tensor;
     - torchtitan: `cross_entropy(pred.flatten(0, 1).float(), labels)` on full logits (train.py at
       9dec370): the forward holds the bf16 logits, their fp32 copy and log_softmax's fp32 output at
       once and keeps the last; the backward adds NLL's dense fp32 gradient and log_softmax's (three
@@ -695,9 +695,13 @@ def loss_memory(llm: LLMSpec, tokens: int, vocab: int | None = None, stack: str 
         raise ValueError(f"stack must be one of {', '.join(ACTIVATION_STACKS)}; got {stack!r}")
     logits = float(tokens) * v  # the rank's vocabulary shard (tp: vocabulary-parallel head)
     if stack == "eager":
-        # the final norm (sequence-parallel under tp) and the fp32 weight gradient
+        # the final norm (sequence-parallel under tp) and the fp32 weight gradient; the backward
+        # scales that gradient into a new fp32 tensor (which becomes the weight's gradient)
+        # while a chunk runs: its fp32 logits (made softmax - one-hot in place) and their bf16 copy, and
+        # the bf16 product g.T @ h added into the fp32 weight gradient
         return LossMemory(held=tokens * _rmsnorm_bytes(h, b) / tp + 4.0 * v * h,
-                          forward=float(min(tokens, loss_chunk_tokens(v)) * (4 + b) * v), backward=0.0)
+                          forward=float(min(tokens, loss_chunk_tokens(v)) * (4 + b) * v) + b * v * h,
+                          backward=4.0 * v * h)
     if stack == "torchtitan-compile-loss":
         # one fused graph from the bf16 logits: it keeps them and each token's log-sum-exp, and its
         # backward writes the bf16 gradient directly
