@@ -7,10 +7,13 @@ GQA + SwiGLU of the row's ffn; gpt: multi-head attention and the same 8h^2 MLP w
 of width 8h/3, as simulator/published.py builds it; moe: the row's experts), its layout, data-parallel
 mode, micro batch and recomputation, fixed-length text of the row's sequence length, planned by
 `homogeneous`, with the memory conventions of its software stack (simulator/memory.py
-MEMORY_STACKS: torchtitan -> "torchtitan", or "torchtitan-compile" where the row's notes or table
-say torch.compile, "torchtitan-compile-loss" for the 2025 runs (that torchtitan compiles the loss
-too); llm-foundry -> "composer" (PyTorch FSDP's fp32 shards, MPT's blocks
-as Korthikanti counts them); Megatron-LM, NeMo, DeepSpeed, MegaScale, Llama 3 -> "megatron").
+MEMORY_STACKS, `memory_stack` below): torchtitan -> "torchtitan" (with torch.compile where the
+row says so, its loss compiled too in the 2025 runs, its Triton RMSNorm in the April 2024 A100
+table); llm-foundry -> "composer" (PyTorch FSDP's fp32 shards, MPT's blocks as Korthikanti counts
+them); Megatron-Bridge -> "nemo" (fp32 main gradients; FP8 weights in FP8); Megatron-LM, NeMo 24.07,
+DeepSpeed, MegaScale, Llama 3 -> "megatron" (bf16 main gradients, Megatron-LM's default),
+"megatron-2021" for the 2019-22 papers' runs (unfused attention; DeepSpeed ZeRO-3 gathering module by
+module); "+fp8" where Transformer Engine's FP8 linears ran.
 
 Filled the same way for every row, never per row:
 - torchtitan pipelined rows with an unpublished micro batch: torchtitan's default of as many
@@ -51,8 +54,16 @@ GiB = 2**30
 # A100 40 GB and V100 32 GB by their datasheets.
 CAPACITY_GIB = {"h100-500w": 96.0, "a100-40g": 40.0, "v100-32g": 32.0}
 BASE_PRESET = {"h100-500w": "h100", "a100-40g": "a100-80g", "v100-32g": "a100-80g"}
-MEMORY_STACK = {"torchtitan": "torchtitan", "fsdp": "composer", "megatron": "megatron", "nemo": "megatron",
+MEMORY_STACK = {"torchtitan": "torchtitan", "fsdp": "composer", "megatron": "megatron", "nemo": "nemo",
                 "deepspeed": "megatron", "other": "megatron"}
+# NeMo 24.07's performance runs came from the NeMo(-Megatron) launcher, whose performance example
+# scripts reduce gradients in bf16 (`+training.model.optim.grad_sync_dtype=bf16`,
+# NVIDIA/NeMo-Framework-Launcher examples/training/llama/h100/*.sh): Megatron-LM's bf16 main grads.
+# Megatron-Bridge's performance recipes start from bf16_mixed (grad_reduce_in_fp32) and, in FP8,
+# keep FP8 weights (fp8_param_gather; scripts/performance/utils/helpers.py at da5a1bee8).
+BF16_GRAD_SOURCES = ("nemo-perf",)
+# Megatron-LM before flash attention: the 2019-22 papers' runs (and DeepSpeed inside that codebase)
+UNFUSED_ATTENTION_SOURCES = ("shoeybi2019", "narayanan2021", "korthikanti2022")
 
 
 @dataclass
@@ -83,6 +94,25 @@ def model_of(r: Row) -> MultimodalSpec:
         llm = LLMSpec(name=r.name, layers=layers, hidden=h, heads=heads, kv_heads=kv, ffn=r.i("ffn"), vocab=vocab,
                       head_dim=head_dim, qkv_bias=False, moe=moe)
     return MultimodalSpec(name=r.name, llm=llm)
+
+
+def memory_stack(r: Row) -> str:
+    """The memory conventions of the row's software, as its source dates it (one rule per source kind)."""
+    stack = MEMORY_STACK.get(r.stack, "megatron")
+    if stack == "megatron" and r.source in UNFUSED_ATTENTION_SOURCES:
+        stack = "megatron-2021"
+    if stack == "nemo" and r.source in BF16_GRAD_SOURCES:
+        stack = "megatron"
+    if stack == "torchtitan" and "compile" in r.notes + r.table:
+        # the torchtitan commit the source names: from May 2025 torch.compile covers the loss too
+        stack = "torchtitan-compile-loss" if "2025" in r.table else "torchtitan-compile"
+    elif stack == "torchtitan" and "docs/performance.md" in r.table and r.i("hidden") in (4096, 5120):
+        # the April 2024 A100 table: its Llama 2 13B and Llama 3 8B configs ran torchtitan's Triton
+        # RMSNorm (train_configs at 1ea476e9f, the commit that published the table); the 70B ones did not
+        stack = "torchtitan-fused-norm"
+    if r.precision == "fp8" and stack in ("megatron", "nemo"):
+        stack += "+fp8"  # Transformer Engine's FP8 linears
+    return stack
 
 
 def micro_batch(r: Row) -> int:
@@ -124,24 +154,24 @@ def simulate_row(r: Row, max_gpus: int) -> dict:
     cluster = load_cluster(hw, world)
     if r.hardware in CAPACITY_GIB:
         cluster = replace(cluster, gpu=replace(cluster.gpu, memory_gib=CAPACITY_GIB[r.hardware]))
-    stack = MEMORY_STACK.get(r.stack, "megatron")
-    if stack == "torchtitan" and "compile" in r.notes + r.table:
-        # the torchtitan commit the source names: from May 2025 torch.compile covers the loss too
-        stack = "torchtitan-compile-loss" if "2025" in r.table else "torchtitan-compile"
+    stack = memory_stack(r)
 
     class RowEngine(Engine):
         def _dp_mode(self, module, rank):  # the row's sharding degree at fewer simulated replicas
             m, n = super()._dp_mode(module, rank)
             return (m, n * shard // (sim_dp * cp)) if n > 1 else (m, n)
 
-    opts = SimOptions(recompute=r.recompute or "none", check_memory=False, stack="fused", memory_stack=stack,
-                      communication=False)
+    fields = dict(recompute=r.recompute or "none", check_memory=False, stack="fused", communication=False)
+    if "memory_stack" in SimOptions.__dataclass_fields__:  # (absent before the per-stack memory model)
+        fields["memory_stack"] = stack
+    opts = SimOptions(**fields)
     res = RowEngine(plan, model, cluster, options=opts).run()
     worst = max(res.ranks, key=lambda s: s.memory_bytes)
     cap = cluster.gpu.memory_bytes
-    return {"peak_gib": worst.memory_bytes / GiB, "reserved_gib": getattr(worst, "memory_reserved", 0.0) / GiB,
+    return {"peak_gib": worst.memory_bytes / GiB,
+            "reserved_gib": getattr(worst, "memory_reserved", worst.memory_bytes - 2**30) / GiB,
             "capacity_gib": cap / GiB, "fits": worst.memory_bytes <= cap, "sim_gpus": world, "micro_batch": mb,
-            "stack": stack, "peak_rank": worst.rank, "peak_at": worst.memory_peak_at,
+            "stack": stack, "peak_rank": worst.rank, "peak_at": getattr(worst, "memory_peak_at", ""),
             "static_gib": worst.memory_static / GiB}
 
 
@@ -191,7 +221,9 @@ def main(argv=None) -> int:
     if cal:
         import math
 
-        from simulator.memory import FRAGMENTATION
+        from simulator import memory
+
+        FRAGMENTATION = getattr(memory, "FRAGMENTATION", 1.0)
 
         # reserved / allocated that best fits the calibration rows (geometric mean of published / allocated)
         k = math.exp(sum(math.log(g["published_gib"] / (g["reserved_gib"] / FRAGMENTATION)) for g in cal) / len(cal))

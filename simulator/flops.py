@@ -148,7 +148,7 @@ def _llm_memory(llm: LLMSpec, tokens: int, n: int, first: bool, last: bool, tp: 
     lm = costs.llm_layer_memory(llm, recompute, stack)
     layer = tokens * lm.held / tp
     transient = tokens * lm.recompute / tp if n else 0.0
-    if tp > 1 and stack != "megatron":
+    if tp > 1 and not stack.startswith("megatron"):
         # DTensor tensor parallelism with sequence-parallel norms (this project's runtime, torchtitan):
         # each column-parallel linear saves its all-gathered input, whole, not 1/tp of it (the
         # attention's q/k/v and the MLP's w1/w3 share one each). Megatron saves its sharded input

@@ -51,15 +51,21 @@ ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatr
 
 # Whose memory conventions (training-state dtypes, costs.STATE_DTYPES; activations,
 # costs.ACTIVATION_STACKS) each kernel stack (simulator/kernels.py::Stack) charges: "eager" is this
-# project's runtime, "fused" Megatron-LM's.
+# project's runtime, "fused" Megatron-LM's (of 2021-22 when the kernel profile is unfused attention's).
 MEMORY_OF_STACK = {"eager": "eager", "fused": "megatron"}
 # name -> (training-state convention, activation convention)
+# A name may end in "+fp8": Transformer Engine's FP8 linears (Megatron, NeMo) keep their inputs in FP8.
 MEMORY_STACKS = {
     "eager": ("eager", "eager"),
     "torchtitan": ("torchtitan", "torchtitan"),
+    "torchtitan-fused-norm": ("torchtitan", "torchtitan-fused-norm"),
     "torchtitan-compile": ("torchtitan", "torchtitan-compile"),
     "torchtitan-compile-loss": ("torchtitan", "torchtitan-compile-loss"),
     "megatron": ("megatron", "megatron"),
+    # Megatron-LM before flash attention (2019-22: Shoeybi et al., Narayanan et al., Korthikanti et
+    # al.): softmax and dropout outputs and the dropout mask of every s x s score matrix
+    "megatron-2021": ("megatron", "megatron"),
+    "nemo": ("nemo", "megatron"),
     # MosaicML Composer / llm-foundry: PyTorch FSDP with fp32 shards; MPT's blocks keep Korthikanti's
     # set (low-precision LayerNorm, fused qkv, flash attention, GELU MLP), as Megatron's do
     "composer": ("torchtitan", "megatron"),
@@ -73,18 +79,31 @@ class MemoryMixin:
     def memory_stack(self) -> str:
         """The stack whose memory conventions this simulation charges (SimOptions.memory_stack, else
         the kernel stack's own)."""
-        name = getattr(self.options, "memory_stack", "") or MEMORY_OF_STACK.get(self.options.stack, "eager")
-        return name if name in MEMORY_STACKS else "eager"
+        name = getattr(self.options, "memory_stack", "")
+        if not name:
+            name = MEMORY_OF_STACK.get(self.options.stack, "eager")
+            prof = self.compute.kernels
+            if name == "megatron" and prof is not None and prof.attention_kernel == "unfused":
+                # a kernel profile of Megatron-LM's unfused attention (simulator/data/kernels/
+                # a100-published.json: the 2021-22 runs) describes that stack, scores and all
+                name = "megatron-2021"
+        base = name.removesuffix("+fp8")
+        return name if base in MEMORY_STACKS else "eager"
+
+    @property
+    def _memory_base(self) -> str:
+        return self.memory_stack.removesuffix("+fp8")
 
     @property
     def _state_stack(self) -> str:
         """costs.STATE_DTYPES' name of the memory stack's training-state convention."""
-        return MEMORY_STACKS[self.memory_stack][0]
+        return MEMORY_STACKS[self._memory_base][0]
 
     @property
     def activation_stack(self) -> str:
         """costs.ACTIVATION_STACKS' name of the memory stack's activation convention."""
-        return MEMORY_STACKS[self.memory_stack][1]
+        act = MEMORY_STACKS[self._memory_base][1]
+        return act + "-fp8" if self.memory_stack.endswith("+fp8") and act == "megatron" else act
 
     def _dp_mode(self, module: str, rank: int) -> tuple[str, int]:
         """(data-parallel mode, ranks the state is sharded over) of `module` on `rank`. FSDP and ZeRO
@@ -112,16 +131,22 @@ class MemoryMixin:
         data-parallel mode; experts are sharded over the ranks holding the same experts (dp*cp/ep)."""
         mode, n = self._dp_mode(module, rank)
         dense, expert = self._model_parallel_params(module, rank)
-        stack = self._state_stack
-        a = costs.dp_state_bytes(dense, mode, n, stack)
+        d = self._dtypes(module, rank)
+        a = costs.state_bytes(d, dense, mode, n)
         if not expert:
             return a
         ep = max(1, self.plan.layouts[module].ep)
-        b = costs.dp_state_bytes(expert, mode, max(1, n // ep), stack)
+        b = costs.state_bytes(d, expert, mode, max(1, n // ep))
         return costs.StateBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer)
 
     def _dtypes(self, module: str, rank: int) -> costs.StateDtypes:
-        return costs.state_dtypes(self._state_stack, self._dp_mode(module, rank)[0])
+        d = costs.state_dtypes(self._state_stack, self._dp_mode(module, rank)[0])
+        if self.memory_stack.endswith("+fp8") and d.name == "nemo":
+            # Megatron-Bridge's FP8 recipes keep the weights in FP8 (fp8_param_gather)
+            from dataclasses import replace
+
+            d = replace(d, weights=1)
+        return d
 
     def _grad_sync_delta(self, module: str, rank: int) -> float:
         """Gradient bytes a module's grad_sync adds (+) or frees (-) in this project's runtime: under
@@ -129,7 +154,7 @@ class MemoryMixin:
         the whole ones then (omnibench/runtime/zero.py). Other modes and stacks reduce in place."""
         mode, n = self._dp_mode(module, rank)
         d = self._dtypes(module, rank)
-        if d.grads_static or not mode.startswith("zero") or self.memory_stack != "eager":
+        if d.grads_static or not mode.startswith("zero") or self._memory_base != "eager":
             return 0.0
         dense, expert = self._model_parallel_params(module, rank)
         whole = d.grads * (dense + expert)
@@ -142,7 +167,7 @@ class MemoryMixin:
         zero.BUCKET_ELEMS, Megatron-LM's default bucket, and its slice). FSDP reduce-scatters inside
         the backward; stacks with a contiguous gradient buffer reduce it in place."""
         mode, n = self._dp_mode(module, rank)
-        if n < 2 or mode in ("fsdp", "hsdp") or self.memory_stack != "eager":
+        if n < 2 or mode in ("fsdp", "hsdp") or self._memory_base != "eager":
             return 0.0
         dense, expert = self._model_parallel_params(module, rank)
         grads = self._dtypes(module, rank).grads
@@ -167,13 +192,11 @@ class MemoryMixin:
 
     def _scores(self, work: Work) -> float:
         """Bytes of one layer's s x s attention scores where the stack runs unfused attention: only
-        Megatron-LM of 2021-22 (the `fused` stack with a kernel profile whose attention is unfused)
-        keeps softmax and dropout outputs in bf16 and the dropout mask in bytes, 5 bytes per score
-        (Korthikanti et al. 2022 eq. 1's 5as^2b). This project's runtime and torchtitan run flash
-        attention (varlen / SDPA flash) on every GPU: the stack, not the GPU, decides."""
-        prof = self.compute.kernels
-        if (self.memory_stack != "megatron" or prof is None or prof.attention_kernel != "unfused"
-                or work.shape is None or not work.layers):
+        Megatron-LM of 2019-22 ("megatron-2021") keeps softmax and dropout outputs in bf16 and the
+        dropout mask in bytes, 5 bytes per score (Korthikanti et al. 2022 eq. 1's 5as^2b). Every
+        other stack runs flash attention (this runtime's varlen / SDPA, torchtitan's SDPA, Megatron's
+        and NeMo's Transformer Engine) on every GPU: the stack, not the GPU, decides."""
+        if self._memory_base != "megatron-2021" or work.shape is None or not work.layers:
             return 0.0
         return 5.0 * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
 
@@ -232,6 +255,12 @@ class MemoryMixin:
             reshard = self.reshard_after_forward
         if not reshard:
             return 2 * total
+        if self._memory_base == "megatron-2021" and m == "llm":
+            # DeepSpeed ZeRO-3 (in the Megatron-LM codebase of those rows) gathers module by module:
+            # the current and the prefetched linear, the largest of a block at most
+            llm = self.model.llm
+            q, kv = llm.heads * llm.dim_head, llm.kv_heads * llm.dim_head
+            return 2 * 2 * max(llm.hidden * costs._mlp_width(llm), llm.hidden * (q + 2 * kv)) / lay.tp
         held = 3 if self.memory_stack.startswith("torchtitan") else 2  # torchtitan keeps the last block
         return 2 * (root + min(held, w.layers) * layer)
 

@@ -484,16 +484,24 @@ STATE_DTYPES = {
         "zero": StateDtypes("torchtitan", weights=2, master=4, grads=4),
         "sharded": StateDtypes("torchtitan", weights=4, master=0, grads=4),
     },
-    # Megatron-LM / NeMo (Megatron Core, bf16): bf16 parameters, an fp32 main-grad buffer allocated at
-    # start-up (gradient accumulation fusion writes into it), fp32 master weights and AdamW moments in
-    # the optimizer: 18 bytes per parameter under DDP, 6 + 12/d with the distributed optimizer
-    # (Megatron-LM docs/source/distrib_optimizer.md). DeepSpeed ZeRO-1/2 keeps the same fp32 master and
-    # moments (Rajbhandari et al. 2020: K = 12 bytes per parameter); ZeRO-2 its fp32 gradient
-    # partition, allocated at start-up too.
+    # Megatron-LM (Megatron Core, bf16): bf16 parameters, a main-grad buffer allocated at start-up
+    # (gradient accumulation fusion writes into it) in the parameters' dtype unless
+    # --accumulate-allreduce-grads-in-fp32 (off by default), fp32 master weights and AdamW moments in
+    # the optimizer (which makes an fp32 copy of its gradient shard only while it steps): 16 bytes per
+    # parameter under DDP, 4 + 12/d with the distributed optimizer (Megatron-LM
+    # docs/source/api-guide/dist_optimizer.md: "bf16 param, bf16 grads"). DeepSpeed ZeRO-1/2/3 keeps
+    # the same fp32 master and moments (Rajbhandari et al. 2020: K = 12 bytes per parameter).
     "megatron": {
-        "replicated": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
-        "zero": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
-        "sharded": StateDtypes("megatron", weights=2, master=4, grads=4),
+        "replicated": StateDtypes("megatron", weights=2, master=4, grads=2, grads_static=True),
+        "zero": StateDtypes("megatron", weights=2, master=4, grads=2, grads_static=True),
+        "sharded": StateDtypes("megatron", weights=2, master=4, grads=2),
+    },
+    # NeMo 2.0 on Megatron Core: the same with fp32 main gradients (its bf16 DDP config sets
+    # grad_reduce_in_fp32): 18 bytes per parameter under DDP, 6 + 12/d distributed.
+    "nemo": {
+        "replicated": StateDtypes("nemo", weights=2, master=4, grads=4, grads_static=True),
+        "zero": StateDtypes("nemo", weights=2, master=4, grads=4, grads_static=True),
+        "sharded": StateDtypes("nemo", weights=2, master=4, grads=4),
     },
 }
 STATE_STACKS = tuple(STATE_DTYPES)
@@ -518,7 +526,11 @@ def dp_state_bytes(params: float, dp_mode: str = "ddp", shard: int = 1, stack: s
     - zero2: the gradients too (what a rank keeps after the reduce-scatter);
     - fsdp / hsdp (ZeRO-3; `shard` = the HSDP shard group): everything sharded.
     """
-    d = state_dtypes(stack, dp_mode)
+    return state_bytes(state_dtypes(stack, dp_mode), params, dp_mode, shard)
+
+
+def state_bytes(d: StateDtypes, params: float, dp_mode: str, shard: int = 1) -> StateBytes:
+    """`dp_state_bytes` for given bytes per parameter."""
     if shard < 1:
         raise ValueError(f"shard must be >= 1, got {shard}")
     p = float(params)
@@ -601,7 +613,13 @@ def audio_layer_bytes(enc: AudioEncoderSpec, b: int = 2) -> int:
 # "torchtitan-compile-loss" also compiles the loss (torchtitan from May 2025,
 # components/loss.py `build_cross_entropy_loss`; the December 2024 version left it eager because
 # compiling it "causes CUDA errors", train.py at 9dec370).
-ACTIVATION_STACKS = ("eager", "torchtitan", "torchtitan-compile", "torchtitan-compile-loss", "megatron")
+#
+# "torchtitan-fused-norm" is torchtitan with its Triton RMSNorm (`norm_type = "fused_rmsnorm"`, the
+# Llama 2 13B and Llama 3 8B configs of April 2024): a norm keeps its bf16 input and 1/rms only.
+# "megatron-fp8" is Megatron with Transformer Engine's FP8 linears: each linear keeps its input in
+# FP8 (1 byte) for its weight gradient.
+ACTIVATION_STACKS = ("eager", "torchtitan", "torchtitan-fused-norm", "torchtitan-compile", "torchtitan-compile-loss",
+                     "megatron", "megatron-fp8")
 
 
 @dataclass(frozen=True)
@@ -634,9 +652,10 @@ def llm_layer_memory(llm: LLMSpec, recompute: str = "none", stack: str = "eager"
     moe_extra = llm_layer_bytes(llm, b) - llm_layer_bytes(_dense(llm), b) if llm.moe is not None else 0
     if stack == "eager":
         none = float(llm_layer_bytes(llm, b))
-    elif stack == "torchtitan":
+    elif stack in ("torchtitan", "torchtitan-fused-norm"):
         # norms; q, k and v repeated to every head, the core's output and its contiguous copy; SwiGLU
-        none = 2 * _rmsnorm_bytes(h, b) + b * (q + 2 * q + q + q) + lse + 4 * b * f + moe_extra
+        norm = _rmsnorm_bytes(h, b) if stack == "torchtitan" else 2 * b * h + 4
+        none = 2 * norm + b * (q + 2 * q + q + q) + lse + 4 * b * f + moe_extra
     elif stack.startswith("torchtitan-compile"):
         # normed inputs (with 1/rms), q and k, v repeated for SDPA, its output; w1 and w3 outputs and
         # their product (w2's weight gradient)
@@ -644,12 +663,16 @@ def llm_layer_memory(llm: LLMSpec, recompute: str = "none", stack: str = "eager"
     else:
         # input and normed input twice (attention, MLP), q, k, v, the core's output; fc1 out (2 f), fc2 in
         none = b * (4 * h + 2 * q + 2 * kv + 3 * f) + lse + 8
+        if stack == "megatron-fp8":
+            # FP8 copies for the linears' weight gradients: the two normed inputs and fc2's input in one
+            # byte instead of two, and one more byte per element of the core's output (kept by the core)
+            none += -(b - 1) * (2 * h + f) + q
     # the backward's high point inside a block: the MLP's ffn-wide gradients (two at once, with the
     # tensors they are computed from) and the hidden-wide gradients flowing through the block
     working = b * (2 * f + 2 * h)
     if recompute == "full":
         return LayerMemory(held=b * h, recompute=none, working=working)
-    if recompute == "selective" and stack == "torchtitan":
+    if recompute == "selective" and stack in ("torchtitan", "torchtitan-fused-norm"):
         sac = b * (h + q + kv + q + f + h) + lse  # input; wq, wv, SDPA, w1, w2 outputs
         return LayerMemory(held=sac, recompute=none - sac, working=working)
     if recompute == "selective" and stack.startswith("torchtitan-compile"):
