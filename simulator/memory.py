@@ -406,6 +406,11 @@ class MemoryMixin:
         if self.policy[module] == "none":
             layer_held += self._scores(work)
         g_layer, g_start, g_end, end_extra, buffers, release = self._backward_grads(rank, a)
+        if work.chunks:
+            # a chunked encoder's transient already holds one block's backward working set, measured
+            # with MemTracker (flops._chunked_memory): its gradient buffers and the root's are in it
+            g_end += g_start
+            g_start = buffers = 0.0
         recompute = work.act_transient
         if self.policy[module] == "full" and self._casts(module, rank):
             recompute += 2 * lp + residual  # the recomputed forward casts the block's weights again
