@@ -7,9 +7,12 @@ fitted on some of the runs and validated on the others.
 benchmark's model); `mixed_video` runs the CUDA default (`omni-7b` at the depth and recompute mode
 the memory check picks for the device). Each run is `omnibench run ... --json`; a run the harness
 refuses (noncolocated needs 2 ranks, i.e. 2 GPUs) is listed with its one-line reason.
-Writes DIR/gpu_figures.json, DIR/gpu_figures.md, the record folders under DIR/runs/, and, when at
-least 4 runs trained, DIR/calibration.json (fitted on the text_only runs and half the others) with
-`omnibench validate`'s held-out table in DIR/validate.txt.
+Writes DIR/gpu_figures.json (each row with its record's provenance: commit, torch, CUDA, driver,
+GPU, the exact command), DIR/gpu_figures.md, the record folders under DIR/runs/, and, when at least
+4 runs trained, DIR/calibration.json with `omnibench validate`'s table in DIR/validate.txt. The
+profile is fitted on the first table's runs and validated on the encoder-chunking runs, which are
+other Plans (other recompute modes, chunk sizes, a second workload): on one GPU every system runs
+the same single-rank Plan, so holding out a system would hold out nothing.
 
 Then (skip with `--no-chunk-runs`) encoder chunking (omnibench/runtime/encoder_chunks.py) on
 mixed_video and long_video, homogeneous at `omni-7b@4L`: the ViT bounded by block recomputation
@@ -27,6 +30,10 @@ import re
 import shutil
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from omnibench.provenance import provenance  # noqa: E402
 
 SYSTEMS = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
 MODELS = {"text_only": "llm-7b@4L", "mixed_video": ""}
@@ -52,6 +59,8 @@ def run(system: str, workload: str, steps: int, out: str, extra: list[str], vari
     if done.returncode:
         lines = [x for x in (done.stderr or done.stdout).strip().splitlines() if x.strip()]
         row["error"] = next((x for x in lines if x.startswith("error")), lines[-1] if lines else "failed")
+        # a refusal is a figure too: say which code and which GPU refused
+        row["provenance"] = provenance("cuda", ["omnibench", *cmd[3:]], cuda=True)
         return row
     s = json.loads(done.stdout)
     row.update({k: s[k] for k in ("model", "world_size", "mean_step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
@@ -61,6 +70,8 @@ def run(system: str, workload: str, steps: int, out: str, extra: list[str], vari
     found = [re.search(r"estimated at ([0-9.]+) GiB", n) for n in s.get("notes") or [] if "estimated at" in n]
     row["estimate_gib"] = float(found[0].group(1)) if found else None
     row["record"] = out
+    with open(os.path.join(out, "config.json")) as f:
+        row["provenance"] = json.load(f).get("provenance")
     return row
 
 
@@ -127,10 +138,11 @@ def main() -> None:
     ok = [r for r in rows if "error" not in r and not r.get("variant")]
     if len(ok) < 4:
         return
-    # Fit on every text_only run and every other mixed run; the rest are held out.
-    mixed = [r for r in ok if r["workload"] != "text_only"]
-    fit = [r["record"] for r in ok if r["workload"] == "text_only"] + [r["record"] for r in mixed[::2]]
-    held = [r["record"] for r in mixed[1::2]]
+    # Split before fitting, by Plan: the first table's runs (every system, the same single-rank Plan
+    # per workload on one GPU) are fitted; the chunking runs (other recompute modes and chunk sizes,
+    # long_video too) are held out.
+    fit = [r["record"] for r in ok]
+    held = [r["record"] for r in rows if "error" not in r and r.get("variant")]
     prof = os.path.join(a.out, "calibration.json")
     for cmd, log in ((["calibrate", *fit, "--out", prof], "calibrate.txt"),
                      (["validate", *fit, *held, "--calibration", prof], "validate.txt")):

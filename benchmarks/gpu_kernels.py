@@ -24,7 +24,9 @@ call. FLOP conventions are written into the JSON (``conventions``) so a reader n
 
 Output schema (``schema: "omnibench-kernel-profile/1"``)::
 
-    {schema, device: {kind, name, capability, memory_bytes, multiprocessors},
+    {schema, provenance: {commit, dirty, torch, cuda, driver, gpu_name, gpu_memory_bytes,
+                          gpu_capability, python, hostname, command},
+     device: {kind, name, capability, memory_bytes, multiprocessors},
      torch, cuda, date, quick, dtype, timing, conventions,
      gemm:         [{m, n, k, op, origin, time_s, flops, tflops}],
      attention:    [{impl, pass, batch, heads, seq, head_dim, causal, time_s, flops, tflops}],
@@ -41,7 +43,12 @@ import datetime as _dt
 import inspect
 import json
 import math
+import os
+import platform
+import shlex
+import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -390,6 +397,45 @@ def device_info(dev):
             "multiprocessors": torch.get_num_threads()}
 
 
+def _git(*args: str) -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _driver() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip().splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def provenance(dev, argv: list[str] | None) -> dict:
+    """The same fields as omnibench/provenance.py (this script imports nothing from the project, so
+    that it runs from a bare copy): commit (+ dirty), torch, CUDA, driver, GPU, the command; None
+    where unknown (no git checkout, no NVIDIA driver, a CPU run)."""
+    sha = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if sha else None
+    info = device_info(dev)
+    return {
+        "commit": sha, "dirty": None if status is None else bool(status),
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "driver": _driver() if dev.type == "cuda" else None,
+        "gpu_name": info["name"] if dev.type == "cuda" else None,
+        "gpu_memory_bytes": info["memory_bytes"] if dev.type == "cuda" else None,
+        "gpu_capability": info["capability"] if dev.type == "cuda" else None,
+        "python": platform.python_version(), "hostname": socket.gethostname(),
+        "command": shlex.join(["python", "benchmarks/gpu_kernels.py", *(sys.argv[1:] if argv is None else argv)]),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -415,6 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
     memory = run_memory(dev, dtype, timer, args.quick, 0.15 * budget, skipped)
     result = {
         "schema": SCHEMA,
+        "provenance": provenance(dev, argv),
         "device": device_info(dev),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnibench.models.attention import VarlenAttention, apply_rotary, rope_cos_sin  # noqa: E402
 from omnibench.models.loss import linear_cross_entropy  # noqa: E402
+from omnibench.provenance import provenance  # noqa: E402
 from omnibench.runtime.metrics import peak_tflops  # noqa: E402
 from omnibench.specs.costs import llm_flops  # noqa: E402
 from omnibench.specs.presets import get_model  # noqa: E402
@@ -161,7 +162,8 @@ def main() -> None:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "gpu_llm_stack.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
+            json.dump({"provenance": provenance(torch.cuda.get_device_name(), cuda=True),
+                       "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
                        "peak_tflops": peak, "rows": rows}, f, indent=1)
 
 

@@ -29,6 +29,7 @@ from omnibench.models.attention import rope_cos_sin  # noqa: E402
 from omnibench.models.llm import Transformer  # noqa: E402
 from omnibench.models.loss import linear_cross_entropy  # noqa: E402
 from omnibench.models.vision import VisionTransformer  # noqa: E402
+from omnibench.provenance import provenance  # noqa: E402
 from omnibench.specs.presets import get_model  # noqa: E402
 
 
@@ -70,6 +71,8 @@ def main() -> None:
     record = torch.autograd.profiler.record_function
     sync = torch.cuda.synchronize
     spec, dev = get_model("omni-7b@4L"), "cuda"
+    # the output is kept as a text file: its first line says where it came from
+    print("provenance: " + json.dumps(provenance(torch.cuda.get_device_name(), cuda=True)), flush=True)
 
     llm = Transformer(spec.llm, "varlen").to(dev)
     cu = torch.tensor([0, 8192, 16384], dtype=torch.int32, device=dev)

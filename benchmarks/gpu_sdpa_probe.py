@@ -4,12 +4,22 @@ old call (strided [H, L, D] views, `enable_gqa`) and on the new one (contiguous,
     python benchmarks/gpu_sdpa_probe.py
 """
 
+import json
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from omnibench.provenance import provenance  # noqa: E402
+
 
 def main():
+    # the output is kept as a text file: its first line says where it came from
+    print("provenance: " + json.dumps(provenance(torch.cuda.get_device_name(), cuda=True)), flush=True)
     t, hq, hkv, d = 4096, 28, 4, 128
     q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)

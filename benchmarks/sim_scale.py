@@ -1,14 +1,19 @@
 """The simulator's own cost against cluster size, side by side in one run (issue 21's targets).
 
     python benchmarks/sim_scale.py [--gpus 1024,16384,131072] [--limit-s 600]
+    python benchmarks/sim_scale.py --gpus 16384 --profile 30     # where the time goes (cProfile)
+    python benchmarks/sim_scale.py --reference --gpus 1024,4096  # the simpy loop (SimpyEngine)
 
 One omni `mixed_video` step with full recomputation (the issue's reference case) per size, each in
 a fresh process so its peak memory (max RSS) is its own, and then all five systems at 1,024 GPUs
-(each at its default layout, full recomputation) in one process. Per size: workload generation,
-planning and simulation wall times, total wall time, max RSS, and the ratio to the 1,024-GPU time.
-Targets printed beside the figures: 16,384 GPUs in <= 10 s and <= 4x the 1,024 time, 131,072 in
-<= 60 s and <= 4 GB, all five at 1,024 in <= 5 s together. A size that runs past `--limit-s` is
-reported as such, not guessed.
+(each at its default layout, full recomputation) in one process. Per size: workload generation
+("batch"), the default-layout check (`with_default_layout` plans the step once to see that the
+layout plans: what `simulate` does before it plans), planning, simulation (`sim`: the issue's
+`sim_seconds`), their total, max RSS, and the total's ratio to the 1,024-GPU total. Every phase is
+given in wall seconds and in CPU seconds of the process: on a shared host the wall clock also
+counts other work, the CPU time does not. Targets printed beside the figures: 16,384 GPUs in
+<= 10 s and <= 4x the 1,024 time, 131,072 in <= 60 s and <= 4 GB, all five at 1,024 in <= 5 s
+together. A size that runs past `--limit-s` is reported as such, not guessed.
 """
 
 from __future__ import annotations
@@ -24,33 +29,60 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SYSTEMS = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
+PHASES = ("batch", "layout", "plan", "sim")
 
 
-def one(system: str, gpus: int, workload: str, model_name: str) -> dict:
-    """Generate, plan (at the system's default layout) and simulate one step; wall times."""
+def one(system: str, gpus: int, workload: str, model_name: str, reference: bool = False, profile: int = 0) -> dict:
+    """Generate, check the default layout, plan and simulate one step; wall and CPU seconds."""
     import resource
 
     from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
-    from simulator.engine import SimOptions, simulate
+    from simulator.engine import Engine, SimOptions
     from simulator.hardware import load_cluster
     from systems import get_planner
     from systems.defaults import with_default_layout
     from workloads.stream import WorkloadStream
 
+    engine = Engine
+    if reference:
+        from simulator.engine_simpy import SimpyEngine as engine
     model = get_model(model_name)
     cluster = load_cluster("h100", gpus)
-    t0 = time.perf_counter()
-    batch = WorkloadStream(workload, seed=0, global_batch_tokens=4096 * gpus).batch(0)
-    t1 = time.perf_counter()
-    parallel, _ = with_default_layout(system, model, ParallelSpec(world_size=gpus), batch)
-    plan = get_planner(system).plan(model, parallel, batch)
-    t2 = time.perf_counter()
-    r = simulate(plan, model, cluster, options=SimOptions(recompute="full"))
-    t3 = time.perf_counter()
-    return {"system": system, "gpus": gpus, "batch_s": t1 - t0, "plan_s": t2 - t1, "sim_s": t3 - t2,
-            "total_s": t3 - t0, "step_s": r.step_time, "distinct": r.classes,
-            "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile(time.process_time)
+
+    def timed(name, f):
+        w, c = time.perf_counter(), time.process_time()
+        if prof is not None and name in ("plan", "sim"):
+            prof.enable()
+        out = f()
+        if prof is not None:
+            prof.disable()
+        wall[name], cpu[name] = time.perf_counter() - w, time.process_time() - c
+        return out
+
+    batch = timed("batch", lambda: WorkloadStream(workload, seed=0, global_batch_tokens=4096 * gpus).batch(0))
+    parallel, _ = timed("layout", lambda: with_default_layout(system, model, ParallelSpec(world_size=gpus), batch))
+    plan = timed("plan", lambda: get_planner(system).plan(model, parallel, batch))
+    r = timed("sim", lambda: engine(plan, model, cluster, options=SimOptions(recompute="full")).run())
+    out = {"system": system, "gpus": gpus, "layout": f"tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp}",
+           "wall": wall, "cpu": cpu, "total_s": sum(wall.values()), "total_cpu_s": sum(cpu.values()),
+           "step_s": r.step_time, "distinct": r.classes, "actions": sum(len(a) for a in plan.actions.values()),
+           "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if prof is not None:
+        import io
+        import pstats
+
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(profile)
+        out["profile"] = s.getvalue()
+    return out
 
 
 def main() -> None:
@@ -59,19 +91,26 @@ def main() -> None:
     ap.add_argument("--workload", default="mixed_video")
     ap.add_argument("--model", default="omni-7b")
     ap.add_argument("--limit-s", type=int, default=600, help="per size; a size past it is reported, not guessed")
+    ap.add_argument("--reference", action="store_true", help="simulate with the simpy loop (SimpyEngine)")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N functions of plan + sim per size")
+    ap.add_argument("--no-five", action="store_true", help="skip the five systems at 1,024 GPUs")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         system, gpus = args.child.split(":")
-        print(json.dumps(one(system, int(gpus), args.workload, args.model)))
+        print(json.dumps(one(system, int(gpus), args.workload, args.model, args.reference, args.profile)))
         return
-    print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (timings scale with it)")
-    print(f"omni, {args.model}, {args.workload}, h100, default layout, full recompute, 4,096 tokens/GPU")
-    print(f"{'GPUs':>7} {'batch s':>8} {'plan s':>8} {'sim s':>8} {'total s':>8} {'x1024':>6} {'RSS GiB':>8} "
-          f"{'distinct':>9}  target")
+    print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (wall times scale with "
+          f"it; CPU times much less)")
+    print(f"omni, {args.model}, {args.workload}, h100, default layout, full recompute, 4,096 tokens/GPU"
+          + (", simpy reference loop" if args.reference else ""))
+    print("seconds per phase as wall / CPU")
+    print(f"{'GPUs':>7} {'batch':>11} {'layout':>11} {'plan':>11} {'sim':>11} {'total':>13} {'x1024':>6} "
+          f"{'RSS GiB':>8} {'distinct':>9} {'actions':>10}  target")
     base = None
     for n in [int(x) for x in args.gpus.split(",")]:
-        cmd = [sys.executable, __file__, "--child", f"omni:{n}", "--workload", args.workload, "--model", args.model]
+        cmd = [sys.executable, __file__, "--child", f"omni:{n}", "--workload", args.workload, "--model", args.model,
+               "--profile", str(args.profile)] + (["--reference"] if args.reference else [])
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit_s, check=True)
         except subprocess.TimeoutExpired:
@@ -84,13 +123,19 @@ def main() -> None:
         base = r["total_s"] if n == 1024 else base
         ratio = f"{r['total_s'] / base:.1f}" if base else "-"
         target = {16384: "<= 10 s, <= 4x", 131072: "<= 60 s, <= 4 GB"}.get(n, "")
-        print(f"{n:>7} {r['batch_s']:>8.2f} {r['plan_s']:>8.2f} {r['sim_s']:>8.2f} {r['total_s']:>8.2f} "
-              f"{ratio:>6} {r['max_rss_gib']:>8.2f} {r['distinct']:>9}  {target}")
-    t0 = time.perf_counter()
-    rows = [one(s, 1024, args.workload, args.model) for s in SYSTEMS]
-    total = time.perf_counter() - t0
-    print(f"all five systems at 1,024 GPUs: {total:.2f} s together (target <= 5 s): "
-          + ", ".join(f"{r['system']} {r['total_s']:.2f}" for r in rows))
+        cells = " ".join(f"{r['wall'][p]:>5.2f}/{r['cpu'][p]:<5.2f}" for p in PHASES)
+        print(f"{n:>7} {cells} {r['total_s']:>6.2f}/{r['total_cpu_s']:<6.2f} {ratio:>6} {r['max_rss_gib']:>8.2f} "
+              f"{r['distinct']:>9} {r['actions']:>10}  {target}", flush=True)
+        if args.profile:
+            print(r["profile"])
+    if args.no_five:
+        return
+    w, c = time.perf_counter(), time.process_time()
+    rows = [one(s, 1024, args.workload, args.model, args.reference) for s in SYSTEMS]
+    wall, cpu = time.perf_counter() - w, time.process_time() - c
+    print(f"all five systems at 1,024 GPUs: {wall:.2f} s wall / {cpu:.2f} s CPU together (target <= 5 s): "
+          + ", ".join(f"{r['system']} {r['total_s']:.2f}/{r['total_cpu_s']:.2f}" for r in rows))
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

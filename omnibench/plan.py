@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from itertools import product
 
 from workloads.sample import Sample
@@ -43,6 +44,9 @@ METADATA = "metadata"
 ACTION_KINDS = (FORWARD, BACKWARD, SEND, RECV, BOUNDARY, GRAD_SYNC, OPTIMIZER_STEP, METADATA)
 
 LLM_MESH_DIMS = ("pp", "dp", "cp", "tp")
+# How context parallelism splits attention: Ulysses all-to-alls (the runtime's), a ring of K/V blocks,
+# or an all-gather of K/V before each attention (Llama 3, torchtitan's default rotate method)
+CP_KINDS = ("ulysses", "ring", "allgather")
 ENCODER_MESH_DIMS = ("dp", "sp", "tp")
 
 
@@ -76,34 +80,46 @@ class Layout:
     # Interleaved 1F1B (LLM only): each pipeline rank holds `vpp` model chunks; virtual stage
     # c * pp + (pp coordinate) is chunk c of that rank, and an LLM action's `stage` is the virtual one.
     vpp: int = 1
-    # LLM context parallelism: "ulysses" (the runtime's) or "ring" (simulated only)
+    # LLM context parallelism: "ulysses" (the runtime's), "ring" or "allgather" (all-gather K/V, as
+    # Llama 3 and torchtitan run it; both simulated only)
     cp_kind: str = "ulysses"
+    # LLM pipelines: the embedding and the loss count as one layer each when the layers are cut into
+    # (virtual) stages (Megatron's account_for_embedding/loss_in_pipeline_split): the first stage holds
+    # the embedding and one layer fewer, the last the loss and one layer fewer (simulated only)
+    embedding_loss_stages: bool = False
+    # MoE (LLM): 0 the experts are tensor-parallel like the dense MLP and ep is drawn from dp*cp; 1
+    # Megatron's MoE parallel folding with expert tensor parallelism 1: every expert whole on its rank,
+    # ep drawn from the dp*cp*tp ranks of a stage, each rank dispatching its 1/tp of the tokens
+    # (sequence parallel) (simulated only)
+    expert_tp: int = 0
 
-    @property
+    # Derived sizes are cached on the instance (cached_property writes its __dict__, as `_tables`
+    # does): the simulator asks for them per action. Fields, equality, hashing and JSON are unchanged.
+    @cached_property
     def stages(self) -> int:
         """Pipeline stages the LLM's layers are cut into (virtual stages under interleaving)."""
         return self.pp * self.vpp
 
-    @property
+    @cached_property
     def mesh_dims(self) -> tuple[str, ...]:
         return LLM_MESH_DIMS if self.module == "llm" else ENCODER_MESH_DIMS
 
-    @property
+    @cached_property
     def fsdp_dims(self) -> tuple[str, ...]:
         """The data-like dims FSDP shards over (torchtitan: dp_shard x cp); encoders: dp x sp."""
         return ("dp", "cp") if self.module == "llm" else ("dp", "sp")
 
-    @property
+    @cached_property
     def fsdp_size(self) -> int:
         a, b = self.fsdp_dims
         return getattr(self, a) * getattr(self, b)
 
-    @property
+    @cached_property
     def shard_size(self) -> int:
         """Ranks one copy of the parameters is sharded over (the whole FSDP group unless HSDP)."""
         return self.dp_shard if 0 < self.dp_shard < self.fsdp_size else self.fsdp_size
 
-    @property
+    @cached_property
     def hsdp(self) -> bool:
         return self.fsdp and self.shard_size < self.fsdp_size
 
@@ -117,13 +133,17 @@ class Layout:
     def fsdp_groups(self) -> list[tuple[int, ...]]:
         """Every FSDP group (one per coordinate of the other dims), members in mesh order."""
         a, b = self.fsdp_dims
-        others = [d for d in self.mesh_dims if d not in (a, b)]
-        out = []
-        for vals in product(*(range(getattr(self, d)) for d in others)):
-            base = dict(zip(others, vals, strict=True))
-            out.append(tuple(self.rank_at(**base, **{a: i, b: j})
-                             for i in range(getattr(self, a)) for j in range(getattr(self, b))))
-        return out
+        strides = self._tables()[1]
+        inner = [i * strides[a] + j * strides[b] for i in range(getattr(self, a)) for j in range(getattr(self, b))]
+        return [tuple(self.ranks[base + x] for x in inner) for base in self._bases([a, b])]
+
+    def _bases(self, dims: list[str]) -> list[int]:
+        """Flat mesh index of every combination of the dims other than `dims` (those at 0), in
+        mesh order: the first member of each group spanning `dims`."""
+        strides = self._tables()[1]
+        others = [d for d in self.mesh_dims if d not in dims]
+        return [sum(strides[d] * v for d, v in zip(others, vals, strict=True))
+                for vals in product(*(range(getattr(self, d)) for d in others))]
 
     def shard_groups(self) -> list[tuple[int, ...]]:
         """HSDP shard groups: runs of `shard_size` consecutive members of each FSDP group."""
@@ -135,11 +155,11 @@ class Layout:
         s = self.shard_size
         return [g[j::s] for g in self.fsdp_groups() for j in range(s)]
 
-    @property
+    @cached_property
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in self.mesh_dims)
 
-    @property
+    @cached_property
     def size(self) -> int:
         n = 1
         for s in self.mesh_shape:
@@ -167,9 +187,16 @@ class Layout:
         """Mesh coordinates of a global rank in this layout."""
         return dict(self._tables()[0][rank])
 
+    def coord(self, rank: int, dim: str) -> int:
+        """One mesh coordinate of a global rank (`coords(rank)[dim]` without copying the mapping)."""
+        return self._tables()[0][rank][dim]
+
     def rank_at(self, **coords: int) -> int:
         strides = self._tables()[1]
-        return self.ranks[sum(strides[d] * v for d, v in coords.items())]
+        i = 0
+        for d, v in coords.items():
+            i += strides[d] * v
+        return self.ranks[i]
 
     def group(self, rank: int, dim: str) -> tuple[int, ...]:
         """The ranks sharing every coordinate with `rank` except `dim` (its `dim` group). All of a
@@ -186,12 +213,9 @@ class Layout:
 
     def groups(self, dim: str) -> list[tuple[int, ...]]:
         """All `dim` groups of this layout (every rank in exactly one)."""
-        others = [d for d in self.mesh_dims if d != dim]
-        out = []
-        for vals in product(*(range(getattr(self, d)) for d in others)):
-            base = dict(zip(others, vals, strict=True))
-            out.append(tuple(self.rank_at(**{**base, dim: i}) for i in range(getattr(self, dim))))
-        return out
+        step = self._tables()[1][dim]
+        inner = [i * step for i in range(getattr(self, dim))]
+        return [tuple(self.ranks[base + x] for x in inner) for base in self._bases([dim])]
 
     def validate(self) -> None:
         if len(set(self.ranks)) != len(self.ranks):
@@ -204,8 +228,11 @@ class Layout:
         if self.zero not in (0, 1, 2) or (self.zero and self.fsdp):
             raise PlanError(f"layout.{self.module}.zero: {self.zero} must be 0, 1 or 2, and 0 under fsdp "
                             "(FSDP already shards everything)")
-        if self.cp_kind not in ("ulysses", "ring"):
-            raise PlanError(f"layout.{self.module}.cp_kind: must be ulysses or ring, got {self.cp_kind!r}")
+        if self.expert_tp not in (0, 1) or (self.expert_tp and (self.dp * self.cp * self.tp) % self.ep):
+            raise PlanError(f"layout.{self.module}.expert_tp: {self.expert_tp} must be 0 or 1, and with 1 ep={self.ep} "
+                            f"must divide dp*cp*tp = {self.dp * self.cp * self.tp}")
+        if self.cp_kind not in CP_KINDS:
+            raise PlanError(f"layout.{self.module}.cp_kind: must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}")
         if self.vpp < 1 or (self.vpp > 1 and (self.module != "llm" or self.pp < 2)):
             raise PlanError(f"layout.{self.module}.vpp: {self.vpp} must be 1, or > 1 on the LLM with pp >= 2")
         n, dims = self.fsdp_size, "*".join(self.fsdp_dims)
@@ -217,7 +244,7 @@ class Layout:
                             "(a shard group holds whole expert groups)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a plan at scale holds millions
 class Action:
     kind: str
     module: str
@@ -260,7 +287,7 @@ def loader_group(llm: Layout, rank: int, what: str, group_size: int) -> tuple[in
     return group[start : start + g]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Route:
     """One sample's encoder output crossing the boundary for one encoder module."""
 
@@ -317,26 +344,31 @@ class Plan:
             seen = sorted(once + list(listed))
             if seen != sorted(ids):
                 raise PlanError("assignment.llm: every sample must be assigned to exactly one LLM data rank")
-        for rank, acts in self.actions.items():
-            for a in acts:
-                if a.kind not in ACTION_KINDS:
-                    raise PlanError(f"actions[{rank}]: unknown kind {a.kind!r}; allowed: {', '.join(ACTION_KINDS)}")
-        # Every send has its matching recv (boundary sends too); indexed so this stays linear in size.
+        kinds = set(ACTION_KINDS)
+        # Every send has its matching recv (boundary sends too); indexed so this stays linear in size,
+        # in one pass over the actions (a plan at scale holds hundreds of thousands).
         recvs: set[tuple] = set()
+        sends: list[tuple[int, Action]] = []
         for rank, acts in self.actions.items():
             for b in acts:
-                if b.kind == RECV:
+                kind = b.kind
+                if kind == RECV:
                     recvs.add((RECV, rank, b.peer, b.microbatch, b.what))
-                elif b.kind == BOUNDARY and b.direction == "recv":
-                    recvs.add((BOUNDARY, rank, b.peer, b.module, b.what, b.microbatch, b.peer_microbatch))
-        for rank, acts in self.actions.items():
-            for a in acts:
-                if a.kind == SEND and (RECV, a.peer, rank, a.microbatch, a.what) not in recvs:
+                elif kind == BOUNDARY:
+                    if b.direction == "recv":
+                        recvs.add((BOUNDARY, rank, b.peer, b.module, b.what, b.microbatch, b.peer_microbatch))
+                    elif b.direction == "send":
+                        sends.append((rank, b))
+                elif kind == SEND:
+                    sends.append((rank, b))
+                elif kind not in kinds:
+                    raise PlanError(f"actions[{rank}]: unknown kind {kind!r}; allowed: {', '.join(ACTION_KINDS)}")
+        for rank, a in sends:
+            if a.kind == SEND:
+                if (RECV, a.peer, rank, a.microbatch, a.what) not in recvs:
                     raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
-                if a.kind == BOUNDARY and a.direction == "send":
-                    key = (BOUNDARY, a.peer, rank, a.module, a.what, a.peer_microbatch, a.microbatch)
-                    if key not in recvs:
-                        raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
+            elif (BOUNDARY, a.peer, rank, a.module, a.what, a.peer_microbatch, a.microbatch) not in recvs:
+                raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:

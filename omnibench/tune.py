@@ -244,76 +244,170 @@ def _largest(model: MultimodalSpec, samples) -> tuple[int, dict[str, int]]:
     return tokens, pos
 
 
+@dataclass(frozen=True)
+class _Rules:
+    """What a system does with a layout, as far as the estimates need it (each planner's own rules,
+    read from the layouts the planners build, not planned): the LLM layout; per encoder its layout
+    (ranks, tp, sp, data-parallel mode), the ranks a sample of it can be split over (temporal: its
+    Ulysses degree; omni: its sequence-parallel group), and whether all of a step's encoder outputs
+    are live through the LLM pass (colocated, noncolocated) or only the microbatches in flight; the
+    ranks a long LLM sample is split over beyond the layout's cp (omni's LLM long-short groups);
+    whether encoder work fills pipeline bubbles (omni's joint pipeline) or sits on stage 0
+    (homogeneous)."""
+
+    llm: object
+    encoders: dict
+    split: dict
+    whole_batch_live: bool
+    llm_split: int
+    fills_bubbles: bool
+    stage0_encoders: bool
+    separate_encoders: bool
+
+
+def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
+           options: dict | None = None) -> _Rules:
+    from omnibench.plan import Layout
+    from systems.common import encoder_layout, llm_layout, with_dp_shard
+
+    parallel = c.parallel(world, gpus_per_node, options)
+    n_llm = llm_ranks(system, model, world, c, gpus_per_node)
+    llm = llm_layout(replace(parallel, virtual_stages=1), range(world - n_llm, world))
+    encoders: dict[str, Layout] = {}
+    split = {m: 1 for m in model.encoders}
+    llm_split = 1
+    if system == "omni":
+        from systems.omni.layout import build_layouts, sp_sizes
+        from systems.omni.llm_long_short import llm_group_size
+        from systems.omni.options import OmniOptions
+
+        opts = OmniOptions.parse(parallel.options)
+        flat = replace(parallel, virtual_stages=1)  # omni refuses interleaving when it plans, not here
+        encoders = {m: lay for m, lay in build_layouts(model, flat, opts.encoder_dp).items() if m != "llm"}
+        for m, lay in encoders.items():
+            if opts.long_short_sp and opts.encoder_sp_scheme != "none" and lay.tp == 1:
+                split[m] = max(sp_sizes(model, parallel, m, lay), default=1)
+        if opts.llm_long_short:
+            llm_split = llm_group_size(model, flat, llm)[0]
+    elif system in ("homogeneous", "temporal"):
+        stage0 = [r for r in llm.ranks if llm.coords(r)["pp"] == 0]
+        sp = c.cp if system == "temporal" else 1
+        tp = 1 if system == "temporal" else c.tp
+        for m in model.encoders:
+            encoders[m] = with_dp_shard(encoder_layout(m, stage0, tp=tp, sp=sp, fsdp=parallel.fsdp, zero=parallel.zero),
+                                        parallel)
+            split[m] = sp
+    else:
+        ranks = range(world - n_llm) if system == "noncolocated" else range(world)
+        for m in model.encoders:
+            encoders[m] = with_dp_shard(encoder_layout(m, ranks, tp=c.encoder_tp or 1, fsdp=parallel.fsdp,
+                                                       zero=parallel.zero), parallel)
+    return _Rules(llm, encoders, split, system in ("colocated", "noncolocated"), llm_split,
+                  system == "omni", system == "homogeneous", system == "noncolocated")
+
+
+def _state(params: float, lay) -> costs.StateBytes:
+    """Per rank: a module's training state under its layout's data-parallel mode (this project's
+    runtime's dtypes, costs.STATE_DTYPES["eager"]): FSDP over its shard group, ZeRO over the whole
+    data-parallel group, nothing shared without peers."""
+    n = lay.shard_size if lay.fsdp else lay.fsdp_size
+    return costs.dp_state_bytes(params, lay.dp_mode if n > 1 else "ddp", max(1, n))
+
+
 def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
-                    samples) -> float:
-    """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2)."""
+                    samples, options: dict | None = None) -> float:
+    """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2), under each
+    system's own memory rules (`_rules`): its data-parallel mode per module (omni's encoders ZeRO-2 by
+    default, the others' FSDP), how far the largest sample is split (temporal: over its Ulysses
+    degree; omni: over its sequence-parallel group, its long LLM samples over their group), and
+    which encoder outputs stay live through the LLM pass. `options`: the system's switches
+    (ParallelSpec.options, e.g. omni's encoder_dp)."""
     from simulator.engine import RESERVED_BYTES
     from simulator.flops import audio_work, llm_work, stage_layers, vision_work
-    from systems.common import llm_layout, resolve_dp_shard
 
-    parallel = c.parallel(world, gpus_per_node)
-    n_llm = llm_ranks(system, model, world, c, gpus_per_node)
-    lay = llm_layout(replace(parallel, virtual_stages=1), range(world - n_llm, world))
-    shard = resolve_dp_shard(parallel, lay) or lay.fsdp_size
+    rules = _rules(system, model, world, gpus_per_node, c, options)
+    lay = rules.llm
     tokens, positions = _mean_loads(model, samples)
     big_tokens, big_positions = _largest(model, samples)
     m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
-    if system == "omni" and c.pp == 1 and c.cp == 1:
-        big_tokens //= 8  # its long LLM samples split over a context-parallel group (up to a node)
-    per_mb = max(1, int(tokens / lay.dp / m), big_tokens)
+    per_mb = max(1, int(tokens / lay.dp / m), big_tokens // rules.llm_split)
     w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
                  c.recompute)
+    dense = (w.params - w.expert_params) / c.tp
     expert = w.expert_params / c.tp / max(1, c.ep)
-    # As the simulator's timeline holds them at the LLM's first backward: fp32 weights, AdamW state and
-    # gradients (16 B/param), the activations in flight less a recomputed layer (held only inside a
-    # backward); FSDP's gathered bf16 layers are left out of this lower bound.
-    state = costs.training_state_bytes(int((w.params - w.expert_params) / c.tp + expert), "fp32", shard).total
+    # As the simulator's timeline holds them at the LLM's first backward: its training state, the
+    # activations in flight less a recomputed layer (held only inside a backward); FSDP's gathered
+    # bf16 layers and the step's imbalance are left out of this lower bound.
+    llm_state = _state(dense, lay)
+    if expert:
+        e = costs.dp_state_bytes(expert, lay.dp_mode if lay.fsdp_size > 1 else "ddp",
+                                 max(1, (lay.shard_size if lay.fsdp else lay.fsdp_size) // max(1, c.ep)))
+        llm_state = costs.StateBytes(llm_state.params + e.params, llm_state.grads + e.grads,
+                                     llm_state.optimizer + e.optimizer)
     in_flight = min(c.pp, m)
-    llm_side = RESERVED_BYTES + state + in_flight * (w.act_bytes - w.act_transient)
-    enc_grads = 0.0
-    enc_state = enc_act = 0.0
-    n_enc_ranks = world - n_llm if system == "noncolocated" else (n_llm // c.pp if system in ("homogeneous", "temporal") else world)
-    enc_tp = c.tp if system == "homogeneous" else (c.encoder_tp or 1)
+    llm_act = in_flight * (w.act_bytes - w.act_transient)
+    llm_side = RESERVED_BYTES + llm_state.params + llm_state.optimizer + llm_state.grads + llm_act
+    enc_state = enc_grads = enc_act = 0.0
     for name, enc in model.encoders.items():
         if not positions[name]:
             continue
-        # omni splits a long input over a sequence-parallel group; the others hold the largest whole.
-        big = big_positions[name] / (8 if system == "omni" else 1)
-        per_rank = max(positions[name] / max(1, n_enc_ranks // enc_tp), big)
+        elay = rules.encoders[name]
+        per_rank = max(positions[name] / max(1, elay.dp * elay.sp), big_positions[name] / rules.split[name])
+        sp = max(1, elay.sp)
         if isinstance(enc, VisionEncoderSpec):
-            ew = vision_work(enc, [(1, 1, max(1, int(per_rank)))], enc_tp, 1, c.recompute)
+            ew = vision_work(enc, [(1, 1, max(1, int(per_rank * sp)))], elay.tp, sp, c.recompute)
         else:
-            ew = audio_work(enc, [max(2, int(2 * per_rank))], enc_tp, 1, c.recompute)
-        enc_shard = 1 if system == "omni" else max(1, n_enc_ranks // enc_tp)
-        enc_shard = min(enc_shard, max(64, 8 * gpus_per_node) // enc_tp)
-        enc = costs.training_state_bytes(int(ew.params / enc_tp), "fp32", enc_shard)
-        enc_state += enc.params + enc.optimizer  # its gradients appear only at its own backward
-        enc_grads += enc.grads
-        # Colocated encodes the whole batch before the LLM: all of it stays live; the others hold
-        # what the microbatches in flight need.
-        enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if system in ("colocated", "noncolocated") else in_flight / m)
-    if system == "noncolocated":
+            ew = audio_work(enc, [max(2, int(2 * per_rank * sp))], elay.tp, sp, c.recompute)
+        st = _state(ew.params / elay.tp, elay)
+        enc_state += st.params + st.optimizer  # its gradients appear only at its own backward
+        # whole until grad_sync under this runtime's ZeRO (simulator/memory.py _grad_timeline)
+        enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
+        enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if rules.whole_batch_live else in_flight / m)
+    if rules.separate_encoders:
         return max(llm_side, RESERVED_BYTES + enc_state + enc_grads + enc_act)
     # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
-    return max(llm_side + enc_state + enc_act, llm_side - in_flight * (w.act_bytes - w.act_transient)
-               + enc_state + enc_grads)
+    return max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads)
 
 
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
-                  cluster) -> float:
-    """Seconds, for ordering candidates only: compute at the datasheet's achievable matmul rate,
-    the 1F1B bubble, tp all-reduces and cp all-to-alls over NVLink."""
-    from simulator.flops import model_train_flops
-
-    flops = model_train_flops(model, samples, c.recompute)
+                  cluster, options: dict | None = None) -> float:
+    """Seconds, for ordering candidates only: each module's compute at the datasheet's achievable
+    matmul rate over the ranks the system runs it on, the 1F1B bubble, the largest sample's share of
+    its data rank, tp all-reduces and cp all-to-alls over NVLink. Each system's own balancing:
+    homogeneous encodes on stage 0 only, colocated before the pipeline, noncolocated on ranks of
+    their own beside it, temporal splits every sample over its Ulysses degree, omni puts encoder
+    work in the pipeline's bubbles and splits its largest samples over their groups."""
+    rules = _rules(system, model, world, gpus_per_node, c, options)
+    per_module = costs.batch_flops(model, samples, c.recompute)
     gpu = cluster.gpu
     rate = gpu.peak_flops * gpu.matmul_efficiency
-    n_llm = llm_ranks(system, model, world, c, gpus_per_node)
-    compute = flops / world / rate
+    llm_flops = per_module["llm"].total
+    n_llm = rules.llm.size
     m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
-    bubble = (c.pp - 1) / (c.virtual_stages * m + c.pp - 1) if c.pp > 1 else 0.0
     tokens, _ = _mean_loads(model, samples)
-    dp = n_llm // (c.tp * c.pp * c.cp)
+    # A rank's LLM work is at least the mean and at least the largest sample's (exact FLOPs, attention
+    # quadratic) split over the ranks that share it: its stage's tp x cp, and omni's long-sample group.
+    # Under 1F1B every stage waits (pp - 1) microbatch slots, each at least that sample's.
+    big_tokens, _ = _largest(model, samples)
+    per_rank = llm_flops / n_llm / rate
+    big = costs.llm_flops(model.llm, [big_tokens], recompute=costs.recompute_policy(c.recompute)["llm"]).total
+    big_s = big / (c.tp * c.cp * c.pp * rules.llm_split) / rate if big_tokens else 0.0
+    slot = max(per_rank / (c.virtual_stages * m), big_s)
+    extra = 1.0 + 0.02 * (m - 1) if c.pp == 1 else 1.0  # small microbatches run less efficiently
+    llm_s = max(per_rank, big_s) * extra
+    bubble_s = (c.pp - 1) * slot if c.pp > 1 else 0.0
+    dp = rules.llm.dp
+    _, positions = _mean_loads(model, samples)
+    _, big_positions = _largest(model, samples)
+    enc_s = 0.0
+    for name, f in per_module.items():
+        if name == "llm" or not positions.get(name):
+            continue
+        lay = rules.encoders[name]
+        # the rank holding the largest sample (split over its group, where the system splits one) runs
+        # at least that sample's share
+        biggest = f.total * big_positions[name] / positions[name] / rules.split[name] / lay.tp
+        enc_s += max(f.total / lay.size, biggest) / rate
     per_rank_tokens = tokens / dp / c.cp
     llm = model.llm
     layers = llm.layers / c.pp
@@ -323,8 +417,14 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
         comm += 4 * layers * 2 * (c.tp - 1) / c.tp * per_rank_tokens * llm.hidden * 2 / nvlink
     if c.cp > 1:
         comm += 4 * layers * per_rank_tokens * llm.hidden * 2 / c.tp / nvlink
-    extra = 1.0 + 0.02 * (m - 1) if c.pp == 1 else 1.0  # small microbatches run less efficiently
-    return (compute * extra + comm) / (1 - bubble)
+    pipeline = llm_s + comm + bubble_s
+    if rules.separate_encoders:
+        return max(pipeline, enc_s)
+    if rules.fills_bubbles:  # encoder work goes into the bubbles first
+        return max(pipeline, llm_s + comm + enc_s)
+    if rules.stage0_encoders:  # stage 0 runs every encoder microbatch beside its layers: the slowest stage
+        return pipeline + enc_s * (1 + bubble_s / max(1e-12, llm_s + comm))
+    return pipeline + enc_s
 
 
 # ------------------------------------------------------------------------------------- search
@@ -341,19 +441,20 @@ def _next_recompute(system, model, world, gpn, c: Candidate, samples) -> Candida
     return None
 
 
-def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profile, options) -> None:
+def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profile, options, stack: str = "eager",
+              dp_fields: dict | None = None) -> None:
     from simulator.engine import SimOptions, simulate
     from systems import get_planner
 
     c = trial.candidate
     planner = get_planner(c.system)
-    parallel = c.parallel(world, gpus_per_node, options)
+    parallel = replace(c.parallel(world, gpus_per_node, options), **(dp_fields or {}))
     t = tokens = flops = 0.0
     peak = 0.0
     fits = True
     for batch in batches:
         plan = planner.plan(model, parallel, batch)
-        r = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=c.recompute))
+        r = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=c.recompute, stack=stack))
         t += r.step_time
         tokens += r.tokens
         flops += r.model_flops
@@ -370,8 +471,12 @@ def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profi
 
 
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
-         options: dict | None = None, encoder_search: bool = True, log=None) -> TuneResult:
-    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`."""
+         options: dict | None = None, encoder_search: bool = True, log=None, stack: str = "eager",
+         dp_mode: str | None = None, default: Candidate | None = None) -> TuneResult:
+    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
+    `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated
+    with the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`."""
+    from omnibench.specs.parallel import dp_mode_fields
     from systems import get_planner
 
     get_planner(system)  # one-line error for an unknown system
@@ -409,7 +514,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
             refused += 1
             notes.append(why)
     keep.sort(key=lambda tr: (tr.estimate_s, tr.candidate.label()))
-    start = default_candidate(system, model, world, gpn, per_batch, capacity)
+    start = default or default_candidate(system, model, world, gpn, per_batch, capacity)
     default = settle(start)[0] or Trial(replace(start, recompute="full"))
     queue = keep[:budget]
     if all(tr.candidate != default.candidate for tr in queue):
@@ -433,7 +538,8 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
                 continue
             tr = replace(tr, candidate=c, note="", simulated=False, estimate_gib=est / 2**30)
             try:
-                _evaluate(tr, model, world, gpn, batches, cluster, profile, options)
+                _evaluate(tr, model, world, gpn, batches, cluster, profile, options, stack,
+                          dp_mode_fields(dp_mode) if dp_mode else None)
             except ValueError as e:  # a planner refusing a layout (e.g. interleaving not planned)
                 tr.note = str(e).splitlines()[0]
                 tr.simulated = False

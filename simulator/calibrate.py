@@ -4,11 +4,16 @@ run's own Plan and compare with what was measured).
 Compute: per action kind (forward, backward) and per (kind, module), `time = overhead + (F_matmul + w * F_attention +
 ops * F_half) / (peak * e_max)` over the traced actions, fitted with scipy's curve_fit (bounded,
 non-negative); backward is fitted against the *forward* FLOPs of the same stage and microbatch, so
-the factor 2 and any recomputation are in the fit. Optimizer steps: `time = a + b * parameters
+the factor 2 is in the fit, while a recomputed forward (and a chunked encoder's second forward),
+which the engine adds to a backward at the forward curve's rate, is taken out of each measured
+backward first: calibration builds its engines with the run's recompute mode and chunk budget, as
+validation does (`_options`, `_forward_again`). Optimizer steps: `time = a + b * parameters
 on the rank`. Collectives: `time = alpha * steps + moved /
 beta` (NCCL-style latency per algorithm step plus bytes over bandwidth) over the traced grad_syncs
 and pipeline p2p, each collective instance taken at its fastest participant (the others also wait
-for stragglers). A profile is JSON with its provenance (device, torch version, date, run folders).
+for stragglers). A profile is JSON with its provenance (device, torch version, date, run folders, the commit
+that fitted it, and per run what its record's provenance lacks). `memory_check` compares a run's
+measured peaks with the simulator's memory estimate for the same Plans.
 """
 
 from __future__ import annotations
@@ -137,6 +142,29 @@ def _cluster_of(run: RunRecord, hardware: str | None) -> ClusterSpec:
     return load_cluster(str(name), run.plans[0].world_size)
 
 
+def _options(run: RunRecord, stack: str = "eager") -> SimOptions:
+    """How the run ran, as the engine needs it to cost the run's own Plans: its recompute mode and
+    encoder chunk budget. Calibration and validation both build their engines from this, so a
+    curve is fitted against exactly the work validation later charges it with."""
+    return SimOptions(check_memory=False, recompute=run.recompute, stack=stack,
+                      encoder_chunk_tokens=run.encoder_chunk_tokens)
+
+
+def _forward_again(eng: Engine, work, module: str) -> float:
+    """Seconds of forward the engine runs again inside a backward action of `module` (its
+    recomputation under the run's policy, a chunked encoder's second forward per chunk), at the
+    engine's current compute model. A measured backward span holds them; the engine adds them to
+    the fitted backward curve (ComputeModel.action_time, Engine._compute_op), so a backward point
+    leaves them out or they would be counted twice."""
+    policy = eng.policy.get(module, "none")
+    rec = 0.0
+    if policy != "none":
+        rec = (eng.compute.action_time(work, BACKWARD, policy, module)
+               - eng.compute.action_time(work, BACKWARD, "none", module))
+    again = eng.compute.action_time(work, FORWARD, "none", module) if work.chunks else 0.0
+    return max(0.0, rec) + again
+
+
 def _warmup_step(run: RunRecord) -> int | None:
     """The first step pays one-time costs (allocations, lazy init): left out of fits when others exist."""
     steps = sorted({sp.step for sp in run.spans})
@@ -191,7 +219,7 @@ def _compute_points(runs: list[RunRecord], hardware: str | None, profile: Profil
             eng = engines.get(id(plan))
             if eng is None:
                 eng = engines[id(plan)] = Engine(plan, model, cluster, profile.compute_model(cluster),
-                                                 profile.collective_model(cluster))
+                                                 profile.collective_model(cluster), _options(run))
             try:
                 sig = eng._signature(sp.module, sp.rank, sp.microbatch)
                 sp_group = len(eng._long_group(sp.module, sp.rank, sp.microbatch))
@@ -204,22 +232,23 @@ def _compute_points(runs: list[RunRecord], hardware: str | None, profile: Profil
             action = Action(sp.kind, sp.module, sp.microbatch, stage)
             inputs = eng.input_elements(sp.module, sp.rank, action)
             op = eng._compute_op(sp.rank, action, _Identity())
+            again = _forward_again(eng, w, sp.module) if sp.kind == BACKWARD else 0.0
             if use_cpu:
-                if w.flops > 0 and sp.cpu and sp.cpu > 0:
-                    row = (w.matmul_flops, w.attention_flops, w.ops, w.sequences, inputs, op.calls, sp.cpu)
+                if w.flops > 0 and sp.cpu and sp.cpu - again > 0:
+                    row = (w.matmul_flops, w.attention_flops, w.ops, w.sequences, inputs, op.calls, sp.cpu - again)
                     pts[sp.kind].append(row)
                     pts[f"{sp.kind}.{sp.module}"].append(row)
                 continue
-            exposed = op.exposed
+            not_fitted = op.exposed + again  # what the engine charges beside this curve
             lay = plan.layouts[sp.module]
             if (not profile.inline_overlap and sp.kind == BACKWARD and lay.fsdp
                     and sp.microbatch == eng._last_backward(sp.rank, sp.module)):
-                exposed += eng.grad_sync_cost(sp.module, sp.rank, stage)
+                not_fitted += eng.grad_sync_cost(sp.module, sp.rank, stage)
             lock = eng._lock_group(sp.module, sp.rank)
             base = (sp.step, sp.kind, sp.module, stage, lock if lock is not None else (sp.rank,))
             n = seen[(base, sp.rank)]
             seen[(base, sp.rank)] += 1
-            groups[(*base, n)].append((sp.start, sp.duration - exposed, w, inputs, op.calls))
+            groups[(*base, n)].append((sp.start, sp.duration - not_fitted, w, inputs, op.calls))
         for key, members in groups.items():
             kind, module = key[1], key[2]
             last = max(members, key=lambda m: m[0])
@@ -347,9 +376,9 @@ def _comm_points(runs: list[RunRecord], hardware: str | None, inline_overlap: bo
             plan = plan_for_step(run, step)
             if plan is None:
                 continue
-            eng = Engine(plan, model, cluster)
-            eng_a = Engine(plan, model, cluster, collectives=p_alpha)
-            eng_b = Engine(plan, model, cluster, collectives=p_beta)
+            eng = Engine(plan, model, cluster, options=_options(run))
+            eng_a = Engine(plan, model, cluster, collectives=p_alpha, options=_options(run))
+            eng_b = Engine(plan, model, cluster, collectives=p_beta, options=_options(run))
             names = {r: _named_actions(plan, r) for r in plan.actions}
             taken: dict[tuple, int] = defaultdict(int)
             sends: dict[tuple, list] = defaultdict(list)
@@ -439,8 +468,8 @@ def _inline_points(runs: list[RunRecord], hardware: str | None, inline_overlap: 
             if plan is None or sp.module not in plan.layouts:
                 continue
             if id(plan) not in engines:
-                engines[id(plan)] = (plan, Engine(plan, model, cluster, collectives=p_alpha),
-                                     Engine(plan, model, cluster, collectives=p_beta))
+                engines[id(plan)] = (plan, Engine(plan, model, cluster, collectives=p_alpha, options=_options(run)),
+                                     Engine(plan, model, cluster, collectives=p_beta, options=_options(run)))
             eng = engines[id(plan)][1]
             if sp.rank not in eng.index[sp.module].coords:
                 continue
@@ -481,7 +510,7 @@ def _optimizer_points(runs: list[RunRecord], hardware: str | None) -> list[tuple
         warmup = _warmup_step(run)
         held: dict[int, tuple] = {}
         plan = run.plans[0]  # layouts are the same every step (the runtime builds them once)
-        eng = Engine(plan, model, cluster)
+        eng = Engine(plan, model, cluster, options=_options(run))
         use_cpu = _has_cpu_times(run)
         for sp in run.spans:
             if sp.kind != OPTIMIZER_STEP or sp.step == warmup or sp.duration <= 0:
@@ -538,11 +567,21 @@ WEAK_R2 = 0.5  # a fitted curve explaining less of its points' variance than thi
 WEAK_MAPE = 0.25  # ... or one whose mean |error| over its points is above this
 
 
+def _on_gpu(prof: Profile) -> bool:
+    return any(str(d).startswith("cuda") for d in prof.provenance.get("device", []))
+
+
 def fit_warnings(prof: Profile) -> list[str]:
     """One line per fit a user should not trust as it stands: a curve that explains little (R^2 below
     WEAK_R2 or mean |error| above WEAK_MAPE), an action kind that could not be fitted (its costs stay
-    the datasheet's), a term fixed at 0 because no run constrains it."""
+    the datasheet's), a GPU curve faster than the GPU's peak, a term fixed at 0 because no run
+    constrains it, and runs whose records do not say where they came from."""
     out = []
+    lacking = [x for x in prof.provenance.get("runs_provenance", []) if x != "complete"]
+    if lacking:
+        fields = list(dict.fromkeys(f for x in lacking for f in x.split(", ")))  # in the order records list them
+        out.append(f"provenance: {len(lacking)} of {len(prof.provenance['runs_provenance'])} runs do not record "
+                   f"{', '.join(fields)}: the profile is only as verifiable as they are")
     for name, st in sorted(prof.fit.items()):
         if "not_fitted" in st:
             out.append(f"{name}: not fitted ({st['not_fitted']})")
@@ -557,6 +596,11 @@ def fit_warnings(prof: Profile) -> list[str]:
         if weak:
             out.append(f"{name}: the fit explains little ({', '.join(weak)} over {st.get('points', '?')} points); "
                        "more runs with varied sizes would pin it")
+        curve = prof.compute.get(name.removeprefix("compute."))
+        if curve is not None and curve.e_max > 1.0 and _on_gpu(prof):
+            out.append(f"{name}: fitted efficiency {curve.e_max:.2f} of the GPU's peak, which no kernel reaches: the "
+                       "curve absorbs time the simulator charges elsewhere (e.g. a recomputed forward at the forward "
+                       "curve's rate); trust the step times validation checks, not this curve's per-action times")
         if st.get("fixed_at_zero"):
             out.append(f"{name}: {', '.join(st['fixed_at_zero'])} fixed at 0: the runs do not vary "
                        f"{'it' if len(st['fixed_at_zero']) == 1 else 'them'} independently (e.g. one model "
@@ -673,7 +717,15 @@ def calibrate(run_dirs: list[str], hardware: str | None = None) -> Profile:
         prof.optimizer, prof.fit["optimizer"] = fit_optimizer(opt)
     else:
         prof.fit["optimizer"] = {"points": len(opt), "not_fitted": f"{len(opt)} traced optimizer steps, fewer than 3"}
+    from omnibench.provenance import GPU_FIELDS, git_state, missing, record_provenance
+
+    gpu = not all(r.device.lower().startswith("cpu") for r in runs)
     prof.provenance = {
+        "code": git_state(),  # the checkout that fitted (the runs' own code is in "runs_provenance")
+        # per run, in the order of "runs": what its record's provenance lacks of what a GPU record
+        # needs (on CPU: commit and command only); "complete" where nothing is missing
+        "runs_provenance": [", ".join(missing(record_provenance(d), GPU_FIELDS if gpu else ("commit", "command")))
+                            or "complete" for d in run_dirs],
         "device": sorted({r.device for r in runs}),
         "torch": sorted({str(r.summary.get("torch", r.config.get("torch_version", "not recorded"))) for r in runs}),
         "dtype": sorted({str(r.summary.get("dtype", "not recorded")) for r in runs}),
@@ -724,8 +776,7 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
         steps = sorted(run.step_times)
         if len(steps) > 1:
             steps = steps[1:]
-        options = SimOptions(check_memory=False, recompute=run.recompute, stack=stack,
-                             encoder_chunk_tokens=run.encoder_chunk_tokens)
+        options = _options(run, stack)
         measured, simulated, tokens = [], [], []
         answered = ""
         for s in steps:
@@ -800,8 +851,7 @@ def action_breakdown(run_dir: str, profile: Profile | None = None, hardware: str
             if sp.step == s:
                 wall[(sp.kind, sp.module)] += sp.duration
                 cpu[(sp.kind, sp.module)] += sp.cpu or 0.0
-        res = simulate(plan, model, cluster, calibration=profile, options=SimOptions(
-            check_memory=False, recompute=run.recompute, encoder_chunk_tokens=run.encoder_chunk_tokens))
+        res = simulate(plan, model, cluster, calibration=profile, options=_options(run))
         members = {r.rank: r.members for r in res.ranks}
         for sp in res.spans:
             kind = sp.action.kind if sp.stream != "compute" else sp.kind
@@ -811,3 +861,47 @@ def action_breakdown(run_dir: str, profile: Profile | None = None, hardware: str
     has_cpu = _has_cpu_times(run)
     return [ActionRow(k[0], k[1], wall.get(k, 0.0) / done, cpu.get(k, 0.0) / done if has_cpu else None,
                       sim.get(k, 0.0) / done) for k in sorted(set(wall) | set(sim))]
+
+
+@dataclass
+class MemoryCheck:
+    """One run's measured peak memory against the simulator's estimate for the same Plans."""
+
+    run: str
+    steps: int  # steps compared
+    measured_bytes: float  # the largest per-step peak the run recorded (max allocated, reset per step)
+    estimated_bytes: float  # the simulator's peak for the same steps' Plans (most loaded rank)
+
+    @property
+    def ratio(self) -> float:
+        return self.estimated_bytes / self.measured_bytes if self.measured_bytes > 0 else math.nan
+
+
+def memory_check(run_dir: str, hardware: str | None = None) -> MemoryCheck:
+    """The memory estimate `run` checks before launch and `simulate` reports (`fits`), for each
+    step's own Plan, model and recompute mode, against the peak the run measured in that step.
+    Steps after the first: the first step's peak comes before AdamW has allocated its state (at its
+    end), which the estimate, a steady step, holds."""
+    run = read_run(run_dir)
+    model = _model_of(run)
+    cluster = _cluster_of(run, hardware)
+    peaks = {int(m["step"]): float(m["peak_memory_bytes"]) for m in run.metrics
+             if m.get("peak_memory_bytes") is not None and "step" in m}
+    if not peaks:
+        raise CalibrationError(f"{run_dir}: steps.jsonl records no peak_memory_bytes")
+    steps = sorted(peaks)[1:] or sorted(peaks)
+    measured, estimated = 0.0, 0.0
+    done = 0
+    for s in steps:
+        plan = plan_for_step(run, s)
+        if plan is None:
+            continue
+        res = simulate(plan, model, cluster, options=_options(run))
+        # like with like: the peak of live tensors against max_memory_allocated (not the allocator's
+        # reserve and the context, which the fits check adds)
+        allocated = max(r.memory_allocated for r in res.ranks)
+        measured, estimated = max(measured, peaks[s]), max(estimated, allocated)
+        done += 1
+    if not done:
+        raise CalibrationError(f"{run_dir}: no step with both a measured peak and a known Plan")
+    return MemoryCheck(str(run_dir), done, measured, estimated)

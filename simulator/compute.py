@@ -83,7 +83,11 @@ class ComputeModel:
         if got is None:
             from simulator.kernels import load_kernel_profile
 
-            got = self._kernel_cache["profile"] = load_kernel_profile(self.cluster.kernels, self.cluster.gpu.peak_flops)
+            g = self.cluster.gpu
+            got = load_kernel_profile(self.cluster.kernels, g.peak_flops)
+            if (g.kernel_compute_scale, g.kernel_memory_scale) != (1.0, 1.0):
+                got = got.scaled(g.kernel_compute_scale, g.kernel_memory_scale)
+            self._kernel_cache["profile"] = got
         return got
 
     def describe(self) -> str:
@@ -99,6 +103,12 @@ class ComputeModel:
         prof = self.kernels
         if prof is None or work.shape is None:
             return None
+        # by identity first: Work objects are cached, and hashing a BlockShape (its sequence lengths
+        # and stack) on every lookup cost more than the lookup at thousands of ranks
+        fast = (id(work.shape), passes, recompute)
+        hit = self._kernel_cache.get(fast)
+        if hit is not None and hit[1] is work.shape:
+            return hit[0]
         key = (work.shape, passes, recompute)
         got = self._kernel_cache.get(key)
         if got is None:
@@ -114,7 +124,13 @@ class ComputeModel:
                                                extra_pointwise=0.0), "fwd")
             elif passes == "bwd" and recompute == "selective":
                 got += llm_attention(prof, work.shape, "fwd")
+            elif passes == "bwd" and recompute == "half":
+                # torchtitan's selective checkpointing: every other block whole (layer policy) or every
+                # other matmul and the element-wise ops (op policy): half of the blocks' forward again
+                got += 0.5 * llm_pass(prof, _replace(work.shape, head=False, embed=False, extra_gemms=(),
+                                                     extra_pointwise=0.0), "fwd")
             self._kernel_cache[key] = got
+        self._kernel_cache[fast] = (got, work.shape)
         return got
 
     def curve(self, kind: str, module: str = "") -> EfficiencyCurve:
@@ -144,7 +160,9 @@ class ComputeModel:
         if kind == "forward":
             return fwd.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences, inputs, calls)
         rec = 0.0
-        if recompute != "none" and (work.recompute_matmul or work.recompute_attention):
+        if recompute == "half":
+            rec = 0.5 * fwd.time(work.matmul_flops, work.attention_flops, work.ops, work.sequences)
+        elif recompute != "none" and (work.recompute_matmul or work.recompute_attention):
             ops = work.ops if recompute == "full" else work.layers
             rec = fwd.time(work.recompute_matmul, work.recompute_attention, ops, work.sequences)
         if self.fitted("backward", module):

@@ -1,4 +1,4 @@
-"""The simpy engine: executes one Plan with costs, one process per *distinct* rank.
+"""The engine: executes one Plan with costs, one process per *distinct* rank.
 
 The Engine is put together from one file per idea:
 - `simulator/work.py`: the work of each action (microbatch signature -> `Work` under the layout);
@@ -7,7 +7,8 @@ The Engine is put together from one file per idea:
   with the intra-module communication each compute action implies;
 - `simulator/memory.py`: static training state and the activation timeline per rank;
 - `simulator/result.py`: spans, per-class statistics and the step's metrics;
-- this file: the discrete-event run that plays every class's program against the others.
+- this file: the discrete-event run that plays every class's program against the others (its
+  simpy predecessor, `simulator/engine_simpy.py`, is kept as the reference it is tested against).
 
 A collective completes when all its distinct participants have arrived; a recv completes when the
 matching send's transfer has (the send starts once the recv is posted).
@@ -16,10 +17,11 @@ matching send's transfer has (the send starts once the recv is posted).
 from __future__ import annotations
 
 import gc
+import heapq
+import itertools
+import math
 import time
 from collections import defaultdict, deque
-
-import simpy
 
 from omnibench.plan import (
     BACKWARD,
@@ -41,7 +43,7 @@ from simulator.groups import GroupsMixin, LayoutIndex
 from simulator.hardware import ClusterSpec, GiB
 from simulator.memory import RESERVED_BYTES, MemoryMixin
 from simulator.options import SimOptions, SimulationError
-from simulator.program import ProgramMixin
+from simulator.program import PARAM_GATHER, ProgramMixin
 from simulator.result import RankStats, SimResult, Span
 from simulator.work import WorkMixin
 
@@ -79,9 +81,23 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self._member_ids: dict = {}
         self._sig_cache: dict = {}
         self._data_rank_cache: dict = {}
+        self._params_cache: dict[tuple[str, int], float] = {}
+        self._sig_of_rank: dict[tuple, tuple] = {}  # (module, rank, microbatch) -> its signature
+        self._sig_intern: dict[tuple, tuple] = {}
+        self._grad_tables: dict[str, dict[int, tuple[int, ...]]] = {}
+        self._lock_of: dict[str, dict[int, tuple[int, ...] | None]] = {}
+        self._long_mbs: dict[str, dict[int, set[int]]] = {}
         self.message_tokens: dict[tuple, int] = defaultdict(int)
         for r in plan.routes:
             self.message_tokens[(r.module, r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)] += r.tokens
+
+    def _module_params_on_rank(self, m: str, rank: int) -> float:
+        # asked for by every compute op (weight copies, gradients) and the rank's static memory
+        key = (m, rank)
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._module_params_on_rank(self, m, rank)
+        return got
 
     def run(self) -> SimResult:
         # Hundreds of thousands of small objects (events, spans) and no reference cycles worth
@@ -96,161 +112,240 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
 
     def _run(self) -> SimResult:
         t0 = time.perf_counter()
-        plan = self.plan
         cls = self.classes()
         reps = sorted(set(cls.values()))
         members: dict[int, int] = defaultdict(int)
         for c in cls.values():
             members[c] += 1
         programs = {r: self.program(r, cls) for r in reps}
-
-        env = simpy.Environment()
-        spans: list[Span] = []
         stats = {r: RankStats(rank=r, members=members[r]) for r in reps}
-        rendezvous: dict[tuple, list] = {}  # key -> [arrived, max contribution, event]
-        channels: dict[tuple, list] = {}  # key -> [recv posted event, done event]
-        # The collective and p2p streams of a rank are FIFO queues; each is kept as the time it is
-        # next free (a simpy Resource per rank per stream costs more than the whole step at scale).
-        free = {(r, stream): 0.0 for r in reps for stream in ("collective", "p2p")}
+        spans: list[Span] = []
+        self._play(reps, programs, stats, spans)
+        for r in reps:
+            self._rank_memory(stats[r], r, *activation_peak(programs[r]))
+        return self._result(reps, stats, spans, t0)
 
-        def arrive(key, n, contribution):
-            rv = rendezvous.get(key)
-            if rv is None:
-                rv = rendezvous[key] = [0, 0.0, env.event()]
-            rv[0] += 1
-            if contribution > rv[1]:
-                rv[1] = contribution
-            if rv[0] == n:
-                rv[2].succeed(rv[1])
-            return rv[2]
+    def _play(self, reps: list[int], programs: dict[int, list], stats: dict[int, RankStats],
+              spans: list[Span]) -> None:
+        """Play every class's program against the others; fills `stats` (times) and `spans`.
 
-        def channel(key):
-            ch = channels.get(key)
+        Events are kept in time order on one heap, but only where a rank's process must wait for
+        time to pass: a compute op's end, a message or lock it waits for. Everything else is worked
+        out from times as soon as they are known (a collective's start is its last member's
+        arrival; its members' ends follow), so a step costs about one heap entry per compute op
+        rather than simpy's several events per action. Same semantics as the simpy loop
+        (`simulator/engine_simpy.py`, the reference a test compares against): a rank's collective
+        stream runs its collectives in issue order, each when all its distinct members have
+        arrived; a rank's p2p stream runs transfers in the order they become ready (a send once
+        its receiver has posted the recv); a recv completes when the first transfer of its message
+        has; an optimizer step waits for the rank's outstanding communication.
+        """
+        heap: list = []
+        push, pop = heapq.heappush, heapq.heappop
+        seq = itertools.count()
+        now = 0
+        locks: dict[tuple, list] = {}  # key -> [arrived, max contribution, ready time, [(rank, op)]]
+        colls: dict[tuple, list] = {}  # key -> [arrived, latest arrival, [(rank, op, holder)]]
+        chans: dict[tuple, _Channel] = {}
+        chan_list: list[_Channel] = []
+        p2p_free = dict.fromkeys(reps, 0.0)
+        coll_free = dict.fromkeys(reps, 0.0)
+        coll_next = dict.fromkeys(reps, 0.0)  # when the stream takes its next collective (its last one's end)
+        coll_busy = dict.fromkeys(reps, False)
+        coll_queue: dict[int, deque] = {r: deque() for r in reps}
+        pend_max = dict.fromkeys(reps, 0.0)  # latest end of the rank's outstanding communication
+        pend_open = dict.fromkeys(reps, 0)  # outstanding communication whose end is not known yet
+        pend_wait = dict.fromkeys(reps, False)  # the rank's process waits for pend_open to reach 0
+
+        def channel(key) -> _Channel:
+            ch = chans.get(key)
             if ch is None:
-                ch = channels[key] = [env.event(), env.event()]
+                ch = chans[key] = _Channel(len(chan_list))
+                chan_list.append(ch)
             return ch
 
-        def transfer(rank, op, stream, kind, done):
-            """Queue `op` on a stream now; returns the event of its end and triggers `done` then."""
-            start = max(env.now, free[(rank, stream)])
-            end = start + op.duration
-            free[(rank, stream)] = end
-            stats[rank].comm_busy += op.duration
-            a = op.action
-            spans.append(Span(rank, stream, a, kind, start, op.duration))
-            ev = env.timeout(end - env.now)
-            if done is not None:
-                ev.callbacks.append(lambda _e, d=done: d.triggered or d.succeed())
-            return ev
+        def transfer(rank, op, free, stream, kind, t) -> float:
+            f = free[rank]
+            start = f if f > t else t  # max(t, f) as simpy's loop takes it (int 0 stays int)
+            d = op.duration
+            end = start + d
+            free[rank] = end
+            stats[rank].comm_busy += d
+            spans.append(Span(rank, stream, op.action, kind, start, d))
+            return t + (end - t)  # when it is over, as simpy's timeout rounds it (bit-identical results)
 
-        def send(rank, op, pending):
-            posted, done = channel(op.p2p_keys[0])
-            # NCCL p2p: the transfer starts once the receiver has posted its recv.
-            if posted.triggered:
-                pending.append(transfer(rank, op, "p2p", SEND, done))
+        def delivered(ch: _Channel, end: float) -> None:
+            if end < ch.end:
+                ch.end = end
+                if ch.waiters and end < ch.fire_at:
+                    ch.fire_at = end
+                    push(heap, (end, next(seq), ~ch.index))
+
+        def resolved(rank, end) -> None:
+            pend_open[rank] -= 1
+            if end > pend_max[rank]:
+                pend_max[rank] = end
+            if not pend_open[rank] and pend_wait[rank]:
+                pend_wait[rank] = False
+                t = pend_max[rank]
+                push(heap, (t if t > now else now, next(seq), rank))
+
+        def arrive(rank, op, holder, t) -> None:
+            """`rank`'s collective stream reaches `op` at time t."""
+            key = op.lock_key
+            rv = colls.get(key)
+            if rv is None:
+                rv = colls[key] = [0, t, []]
+            rv[0] += 1
+            if t > rv[1]:
+                rv[1] = t
+            rv[2].append((rank, op, holder))
+            if rv[0] < op.lock_n:
                 return
-            holder = env.event()
-            pending.append(holder)
+            del colls[key]
+            ready = rv[1]
+            for m, mop, h in rv[2]:
+                end = transfer(m, mop, coll_free, "collective", mop.kind, ready)
+                h[0] = coll_next[m] = end
+                if h[1]:  # its process waits for it (a blocking collective)
+                    push(heap, (end, next(seq), m))
+                elif not mop.blocking:
+                    resolved(m, end)
+                q = coll_queue[m]
+                if q:
+                    nop, nh = q.popleft()
+                    arrive(m, nop, nh, end)
+                else:
+                    coll_busy[m] = False
 
-            def go(_e):
-                transfer(rank, op, "p2p", SEND, done).callbacks.append(lambda _x: holder.succeed())
-
-            posted.callbacks.append(go)
-
-        queues = {r: deque() for r in reps}  # collectives issued but not started, per rank
-        busy = dict.fromkeys(reps, False)
-
-        def collective(rank, op, pending):
-            holder = env.event()
-            pending.append(holder)
-            queues[rank].append((op, holder))
-            if not busy[rank]:
-                next_collective(rank)
-
-        def next_collective(rank):
-            q = queues[rank]
-            if not q:
-                busy[rank] = False
-                return
-            busy[rank] = True
-            op, holder = q.popleft()
-            ready = arrive(op.lock_key, op.lock_n, 0.0)
-
-            def run_it(_e=None):
-                ev = transfer(rank, op, "collective", op.kind, holder)
-                ev.callbacks.append(lambda _x: next_collective(rank))
-
-            if ready.triggered:
-                run_it()
-            else:
-                ready.callbacks.append(run_it)
-
-        def rank_proc(rank, ops):
+        def proc(rank, ops):
             st = stats[rank]
-            pending: list = []
-            live = peak_live = 0.0
-            peak_at = None
+            now = yield None
             for op in ops:
                 kind = op.kind
                 if kind == FORWARD or kind == BACKWARD:
-                    dur = op.duration
-                    if op.lock_key is not None:
-                        ev = arrive(op.lock_key, op.lock_n, op.duration)
-                        dur = ev.value if ev.triggered else (yield ev)
-                    start = env.now
-                    total = dur + op.exposed
-                    yield env.timeout(total)
+                    key = op.lock_key
+                    if key is None:
+                        start, dur = now, op.duration
+                        now = yield now + (dur + op.exposed)
+                    else:
+                        rv = locks.get(key)
+                        if rv is None:
+                            rv = locks[key] = [0, op.duration, 0.0, []]
+                        elif op.duration > rv[1]:
+                            rv[1] = op.duration
+                        rv[0] += 1
+                        if rv[0] < op.lock_n:
+                            # the last member to arrive wakes this one at its op's end
+                            rv[3].append((rank, op))
+                            now = yield None
+                            start, dur = rv[2], rv[1]
+                        else:
+                            del locks[key]
+                            start = rv[2] = now
+                            dur = rv[1]
+                            for w, wop in rv[3]:
+                                push(heap, (now + (dur + wop.exposed), next(seq), w))
+                            now = yield now + (dur + op.exposed)
                     st.compute += op.duration
+                    by = st.compute_by_module
+                    by[op.action.module] = by.get(op.action.module, 0.0) + op.duration
                     st.exposed_comm += op.exposed
                     st.comm_busy += op.comm
-                    a = op.action
-                    spans.append(Span(rank, "compute", a, kind, start, total))
-                    if live + op.mem_peak > peak_live:  # memory: the op's high point, what it leaves
-                        peak_live, peak_at = live + op.mem_peak, op.action
-                    live += op.mem_delta
+                    spans.append(Span(rank, "compute", op.action, kind, start, dur + op.exposed))
                 elif kind == SEND:
-                    send(rank, op, pending)
-                elif kind == RECV:
-                    posted, done = channel(op.p2p_keys[0])
-                    if not posted.triggered:
-                        posted.succeed()
-                    if not done.triggered:
-                        yield done
+                    ch = channel(op.p2p_keys[0])
+                    if ch.posted:  # NCCL p2p: the transfer starts once the receiver has posted its recv
+                        end = transfer(rank, op, p2p_free, "p2p", SEND, now)
+                        delivered(ch, end)
+                        if end > pend_max[rank]:
+                            pend_max[rank] = end
+                    else:
+                        ch.senders.append((rank, op))
+                        pend_open[rank] += 1
+                elif kind == RECV or kind == "boundary_recv":
+                    ch = channel(op.p2p_keys[0])
+                    if kind == RECV and not ch.posted:
+                        ch.posted = True
+                        for s, sop in ch.senders:
+                            end = transfer(s, sop, p2p_free, "p2p", SEND, now)
+                            delivered(ch, end)
+                            resolved(s, end)
+                        ch.senders = []
+                    if not ch.fired and ch.end > now:
+                        ch.waiters.append(rank)
+                        if ch.end < ch.fire_at:
+                            ch.fire_at = ch.end
+                            push(heap, (ch.end, next(seq), ~ch.index))
+                        now = yield None
                 elif kind == "boundary_send":
-                    _, done = channel(op.p2p_keys[0])
-                    pending.append(transfer(rank, op, "p2p", BOUNDARY, done))
-                elif kind == "boundary_recv":
-                    done = channel(op.p2p_keys[0])[1]
-                    if not done.triggered:
-                        yield done
-                elif kind == GRAD_SYNC or kind == METADATA:
-                    if live + op.mem_peak > peak_live:  # memory: a grad_sync's flat buffer
-                        peak_live, peak_at = live + op.mem_peak, op.action
-                    live += op.mem_delta
-                    collective(rank, op, pending)
+                    end = transfer(rank, op, p2p_free, "p2p", BOUNDARY, now)
+                    delivered(channel(op.p2p_keys[0]), end)
+                    if end > pend_max[rank]:
+                        pend_max[rank] = end
+                elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
+                    holder = [None, False]  # [end, whether this process waits for it]
+                    if not op.blocking:
+                        pend_open[rank] += 1
+                    if coll_busy[rank]:
+                        coll_queue[rank].append((op, holder))
+                    else:
+                        coll_busy[rank] = True
+                        f = coll_next[rank]
+                        arrive(rank, op, holder, f if f > now else now)
                     if op.blocking:
-                        wait_start = env.now
-                        yield pending.pop()
-                        st.exposed_comm += env.now - wait_start
+                        wait_start = now
+                        if holder[0] is None:
+                            holder[1] = True
+                            now = yield None
+                        elif holder[0] > now:
+                            now = yield holder[0]
+                        st.exposed_comm += now - wait_start
                 elif kind == OPTIMIZER_STEP:
-                    wait_start = env.now
-                    if pending:
-                        yield simpy.AllOf(env, pending)
-                    pending = []
-                    st.exposed_comm += env.now - wait_start
-                    start = env.now
-                    yield env.timeout(op.duration)
+                    wait_start = now
+                    if pend_open[rank]:
+                        pend_wait[rank] = True
+                        now = yield None
+                    elif pend_max[rank] > now:
+                        now = yield pend_max[rank]
+                    pend_max[rank] = 0.0
+                    st.exposed_comm += now - wait_start
+                    start = now
+                    now = yield now + op.duration
                     st.optimizer += op.duration
-                    a = op.action
-                    spans.append(Span(rank, "compute", a, kind, start, op.duration))
-            if pending:
-                yield simpy.AllOf(env, pending)
-            st.finish = env.now
-            self._rank_memory(st, rank, peak_live, peak_at)
+                    spans.append(Span(rank, "compute", op.action, kind, start, op.duration))
+            if pend_open[rank]:
+                pend_wait[rank] = True
+                now = yield None
+            elif pend_max[rank] > now:
+                now = yield pend_max[rank]
+            st.finish = now
+            finished.add(rank)
 
-        procs = [env.process(rank_proc(r, programs[r])) for r in reps]
-        env.run()
-        stuck = [r for r, p in zip(reps, procs, strict=True) if not p.triggered]
+        finished: set[int] = set()
+        gens = {}
+        for r in reps:
+            g = gens[r] = proc(r, programs[r])
+            next(g)
+            push(heap, (0, next(seq), r))  # simpy starts its clock at int 0: spans keep it
+        while heap:
+            now, _, target = pop(heap)
+            if target >= 0:
+                wake = (target,)
+            else:
+                ch = chan_list[~target]
+                if ch.fired or ch.fire_at != now:
+                    continue  # superseded by an earlier delivery of the same message
+                ch.fired = True
+                wake, ch.waiters = ch.waiters, []
+            for r in wake:
+                try:
+                    t = gens[r].send(now)
+                except StopIteration:
+                    continue
+                if t is not None:
+                    push(heap, (t, next(seq), r))
+        stuck = [r for r in reps if r not in finished]
         if stuck:
             r = stuck[0]
             done = sum(1 for s in spans if s.rank == r and s.stream == "compute")
@@ -258,6 +353,9 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                 f"simulated deadlock: {len(stuck)} rank classes never finished (first: rank {r} after "
                 f"{done} compute actions); the plan's sends/recvs or collectives do not match"
             )
+
+    def _result(self, reps: list[int], stats: dict[int, RankStats], spans: list[Span], t0: float) -> SimResult:
+        plan = self.plan
         step = max((s.finish for s in stats.values()), default=0.0)
         ranks = [stats[r] for r in reps]
         capacity = self.cluster.gpu.memory_bytes
@@ -288,6 +386,38 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                 )
         result.sim_seconds = time.perf_counter() - t0
         return result
+
+
+class _Channel:
+    """One message's state: whether its recv is posted, the senders waiting for that, the earliest
+    end of a transfer of it (several ranks of one class may send it), and the ranks waiting for it."""
+
+    __slots__ = ("index", "posted", "senders", "end", "waiters", "fire_at", "fired")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.posted = False
+        self.senders: list = []
+        self.end = math.inf
+        self.waiters: list[int] = []
+        self.fire_at = math.inf
+        self.fired = False
+
+
+def activation_peak(ops: list) -> tuple[float, object]:
+    """Peak bytes of a rank's memory timeline (simulator/memory.py) and the action at it: each op's
+    high point over what was live before it (`_Op.mem_peak`: a forward's activations and its loss,
+    a backward walked layer by layer, a grad_sync's buffer), then what it leaves (`mem_delta`).
+    Depends on the order of actions only, not on times."""
+    live = peak_live = 0.0
+    peak_at = None
+    for op in ops:
+        kind = op.kind
+        if kind == FORWARD or kind == BACKWARD or kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
+            if live + op.mem_peak > peak_live:
+                peak_live, peak_at = live + op.mem_peak, op.action
+            live += op.mem_delta
+    return peak_live, peak_at
 
 
 def simulate(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, *, calibration=None,

@@ -60,11 +60,17 @@ class Work:
         return self.matmul_flops + self.attention_flops
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    """Even split, the first `n_layers % pp` stages one layer longer."""
-    base, extra = divmod(n_layers, pp)
+def stage_layers(n_layers: int, pp: int, stage: int, embedding_loss: bool = False) -> range:
+    """Even split, the first `n_layers % pp` stages one layer longer. `embedding_loss`: the embedding
+    and the loss are cut as one layer each (Megatron's account_for_embedding/loss_in_pipeline_split),
+    so the first and last stages hold one transformer layer fewer (possibly none)."""
+    units = n_layers + (2 if embedding_loss else 0)
+    base, extra = divmod(units, pp)
     start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+    stop = start + base + (1 if stage < extra else 0)
+    if embedding_loss:  # unit 0 is the embedding, unit n_layers + 1 the loss
+        start, stop = max(0, start - 1), min(n_layers, stop - 1)
+    return range(start, max(start, stop))
 
 
 def _split(f: costs.Flops, div: float) -> dict:
@@ -90,13 +96,14 @@ def llm_expert_params(llm: LLMSpec, layers: range) -> float:
 
 def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
              tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses",
-             stack: str = "eager") -> Work:
+             expert_tp: int = 0, stack: str = "eager") -> Work:
     """`stack`: whose kernels keep the activations (costs.ACTIVATION_STACKS)."""
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
     n = len(layers)
     f = costs.llm_flops(llm, seq_lens, layers=layers, embed=first, head=last, recompute=recompute)
-    mlp_ops = 3 if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
+    mats = 3 if llm.mlp == "swiglu" else 2
+    mlp_ops = mats if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
     per_rank_tokens = t // cp
     from simulator.kernels import BlockShape
 
@@ -106,20 +113,29 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     # of its heads, between all-to-alls of q, k, v (in) and the output (back).
     # Ring (cp_kind "ring", simulated only): every rank keeps 1/cp of each sequence with all its heads
     # and computes cp blocks of attention as K/V travel around the ring (`ring` in the shape).
+    # All-gather KV (cp_kind "allgather", simulated only; Llama 3, torchtitan): every rank keeps 1/cp of
+    # each sequence (two opposite chunks, balancing the causal work) and all-gathers the whole K/V of
+    # its sequences before each attention (their gradients reduce-scattered back in the backward).
     ring = cp > 1 and cp_kind == "ring"
-    ulysses = cp if cp > 1 and not ring else 1
+    gather = cp > 1 and cp_kind == "allgather"
+    ulysses = cp if cp > 1 and not ring and not gather else 1
     moe = llm.moe
+    # MoE parallel folding (expert_tp 1): experts whole, each rank routing its sequence-parallel 1/tp
+    # of the tokens over an ep group drawn from the stage's dp*cp*tp ranks
+    folded = moe is not None and expert_tp == 1 and tp > 1
     moe_fields = {} if moe is None else dict(
         moe_experts=max(1, moe.experts // ep), moe_router=moe.experts, moe_top_k=moe.top_k,
-        moe_ffn=-(-moe.expert_ffn // tp), moe_shared_ffn=-(-moe.shared_expert_ffn // tp))
-    mlp_params = 3 * h * ffn if moe is None else (
+        moe_ffn=moe.expert_ffn if folded else -(-moe.expert_ffn // tp),
+        moe_shared_ffn=-(-moe.shared_expert_ffn // tp), moe_token_split=tp if folded else 1)
+    mlp_params = mats * h * ffn if moe is None else (
         3 * h * moe_fields["moe_ffn"] * moe_fields["moe_experts"] + h * moe.experts + 3 * h * moe_fields["moe_shared_ffn"])
     shape = BlockShape(
         **moe_fields,
         hidden=h, heads=heads / ulysses, kv_heads=kvh / ulysses, head_dim=d, ffn=0 if moe is not None else ffn,
         vocab=-(-llm.vocab // tp), seq_lens=tuple(seq_lens), layers=n, head=last, tp=tp,
-        tokens=max(1, per_rank_tokens) if cp > 1 else 0, ring=cp if ring else 1,
+        tokens=max(1, per_rank_tokens) if cp > 1 else 0, ring=cp if ring else 1, kv_gather=cp if gather else 1,
         biased=(heads + 2 * kvh) * d if llm.qkv_bias else 0,
+        mlp=llm.mlp, norm=llm.norm, rope=llm.positions == "rope",
         params=float(h * (heads + 2 * kvh) * d + heads * d * h + mlp_params), embed=first)
     mem = _llm_memory(llm, per_rank_tokens, n, first, last, tp, recompute, stack)
     return Work(
@@ -131,10 +147,13 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         **mem,
         params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
         expert_params=llm_expert_params(llm, layers),
-        tp_bytes=n * 2 * (t / cp) * h * 2 if tp > 1 else 0.0,  # two bf16 all-reduces per layer
+        # two bf16 all-reduces per layer (one where folded experts need none)
+        tp_bytes=n * (1 if folded else 2) * (t / cp) * h * 2 if tp > 1 else 0.0,
         # Ulysses: q, k, v in and the output back, bf16, per layer; ring: the rank's K/V block passed
-        # on cp - 1 times (point to point, overlapped with the block's attention: simulator/engine.py)
+        # on cp - 1 times (point to point, overlapped with the block's attention: simulator/program.py);
+        # all-gather: the gathered K/V of the whole sequences (the all-gather's output), per layer
         seq_bytes=(0.0 if cp == 1 else n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp * (cp - 1) if ring
+                   else n * t * 2 * llm.kv_heads * d * 2 / tp if gather
                    else n * (t / cp) * 2 * (llm.heads + llm.kv_heads) * d * 2 / tp),
         ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
         shape=shape,

@@ -50,6 +50,13 @@ class LayoutIndex:
         """Ranks sharing every coordinate with `rank` except those in `dims`."""
         table = self._groups.get(dims)
         if table is None:
+            table = self.table(dims)
+        return table[rank]
+
+    def table(self, dims: tuple[str, ...]) -> dict[int, tuple[int, ...]]:
+        """rank -> `group(rank, dims)` for every rank of the layout (built once per dims)."""
+        table = self._groups.get(dims)
+        if table is None:
             buckets: dict[tuple, list[int]] = defaultdict(list)
             others = [d for d in self.layout.mesh_dims if d not in dims]
             for r in self.layout.ranks:
@@ -61,7 +68,7 @@ class LayoutIndex:
                 for r in members:
                     table[r] = g
             self._groups[dims] = table
-        return table[rank]
+        return table
 
     def shard_dims(self) -> tuple[str, ...]:
         return self.layout.fsdp_dims
@@ -90,6 +97,15 @@ class GroupsMixin:
     `Engine.__init__` sets up)."""
 
     def _lock_group(self, module: str, rank: int) -> tuple[int, ...] | None:
+        of = self._lock_of.get(module)
+        if of is None:
+            of = self._lock_of[module] = {}
+        got = of.get(rank, 0)
+        if got == 0:
+            got = of[rank] = self._lock_group_of(module, rank)
+        return got
+
+    def _lock_group_of(self, module: str, rank: int) -> tuple[int, ...] | None:
         lay = self.plan.layouts[module]
         g = self._grad_group(module, rank)
         if lay.hsdp:
@@ -106,8 +122,11 @@ class GroupsMixin:
         return self.index[module].hsdp(rank)[1]
 
     def _grad_group(self, module: str, rank: int) -> tuple[int, ...]:
-        idx = self.index[module]
-        return idx.group(rank, idx.shard_dims())
+        table = self._grad_tables.get(module)
+        if table is None:
+            idx = self.index[module]
+            table = self._grad_tables[module] = idx.table(idx.shard_dims())
+        return table[rank]
 
     def _loader_group(self, rank: int, what: str) -> tuple[int, ...]:
         """omnibench.plan.loader_group, computed once per distinct group (a shared tuple)."""
@@ -122,12 +141,17 @@ class GroupsMixin:
     def _long_group(self, module: str, rank: int, mb: int) -> tuple[int, ...]:
         """omni (systems/omni, plan.options["long_short"]): the sequence-parallel group that runs this
         encoder microbatch together (its work split over the group, Ulysses all-to-alls), else ()."""
-        cfg = self.plan.options.get("long_short")  # the LLM's too: omni's long LLM samples
-        if not cfg or mb not in cfg.get("long_microbatches", {}).get(module, {}).get(str(rank), ()):
+        longs = self._long_mbs.get(module)
+        if longs is None:  # rank -> its long microbatches, once per module (str keys: JSON)
+            cfg = self.plan.options.get("long_short")  # the LLM's too: omni's long LLM samples
+            per = cfg.get("long_microbatches", {}).get(module, {}) if cfg else {}
+            longs = self._long_mbs[module] = {int(r): set(mbs) for r, mbs in per.items()}
+        if mb not in longs.get(rank, ()):
             return ()
         of_rank = self._sp_group_of.get(module)
         if of_rank is None:  # rank -> its group, once per module (a scan per call was O(world))
-            of_rank = self._sp_group_of[module] = {r: tuple(g) for g in cfg["groups"][module] for r in g}
+            groups = self.plan.options["long_short"]["groups"][module]
+            of_rank = self._sp_group_of[module] = {r: tuple(g) for g in groups for r in g}
         return of_rank[rank]
 
     def _expert_group(self, rank: int, shard: tuple[int, ...], ep: int) -> tuple[int, ...]:
@@ -173,48 +197,61 @@ class GroupsMixin:
         ranks = sorted(plan.actions)
         base: dict[int, int] = {}
         intern: dict = {}
+        # what each rank's colour is refined with, collected once: the peers of its sends, recvs and
+        # boundary messages, then the groups it synchronises with (the loaders' all-gathers, which
+        # lock their group as grad_sync does, in action order; each module's gradient group, and
+        # under HSDP its shard group, which FSDP locks layer by layer). Equal base colours mean equal
+        # action lists, so two ranks' lists line up entry by entry wherever the refinement compares them.
+        peers: dict[int, list[int]] = {}
+        groups: dict[int, list[tuple[int, ...]]] = {}
+        modules = [(m, self.index[m].coords, lay.hsdp) for m, lay in plan.layouts.items()]
         for r in ranks:
             sig = []
+            ps: list[int] = []
+            gs: list[tuple[int, ...]] = []
             for a in plan.actions[r]:
-                if a.kind in (FORWARD, BACKWARD, SEND, RECV):
+                kind = a.kind
+                if kind == FORWARD or kind == BACKWARD or kind == SEND or kind == RECV:
                     data = self._signature(a.module, r, a.microbatch)
-                    if a.kind == FORWARD:
+                    if kind == FORWARD:
                         data = (data, self.input_elements(a.module, r, a))
-                elif a.kind == BOUNDARY:
+                    elif kind != BACKWARD:
+                        ps.append(a.peer)
+                elif kind == BOUNDARY:
                     data = (a.direction, a.peer_microbatch, self._boundary_tokens(r, a))
+                    ps.append(a.peer)
                 else:
                     data = ()
-                sig.append((a.kind, a.module, a.stage, a.microbatch, a.what, data))
+                    if kind == METADATA:
+                        gs.append(self._loader_group(r, a.what))
+                sig.append((kind, a.module, a.stage, a.microbatch, a.what, data))
+            for m, coords, hsdp in modules:
+                if r in coords:
+                    gs.append(self._grad_group(m, r))
+                    if hsdp:
+                        gs.append(self._shard_group(m, r))
             base[r] = intern.setdefault(tuple(sig), len(intern))
-        colour = dict(base)
-        n_classes = len(set(colour.values()))
+            peers[r] = ps
+            groups[r] = gs
+        colour = base
+        n_classes = len(intern)
         for _ in range(8):
+            if n_classes == len(ranks):
+                break  # every rank its own class already: refining can only split classes
             # keyed by the groups' identity: they are the layout index's shared tuples (kept alive
             # there), and hashing a tuple of thousands of ranks per lookup was quadratic at scale
             group_colour: dict[int, int] = {}
             intern = {}
             new = {}
+            peer_colour = colour.get
             for r in ranks:
                 sig = [colour[r]]
-                for a in plan.actions[r]:
-                    if a.kind in (SEND, RECV, BOUNDARY):
-                        sig.append(colour.get(a.peer, -1))
-                    elif a.kind == METADATA:  # the loaders' all-gathers lock their group as grad_sync does
-                        g = self._loader_group(r, a.what)
-                        got = group_colour.get(id(g))
-                        if got is None:
-                            got = group_colour[id(g)] = hash(frozenset(colour[x] for x in g if x in colour))
-                        sig.append(got)
-                for m in plan.layouts:
-                    if r in self.index[m].coords:
-                        groups = [self._grad_group(m, r)]
-                        if plan.layouts[m].hsdp:  # FSDP locks the shard group layer by layer
-                            groups.append(self._shard_group(m, r))
-                        for g in groups:
-                            got = group_colour.get(id(g))
-                            if got is None:
-                                got = group_colour[id(g)] = hash(frozenset(colour[x] for x in g if x in colour))
-                            sig.append(got)
+                sig += [peer_colour(p, -1) for p in peers[r]]
+                for g in groups[r]:
+                    got = group_colour.get(id(g))
+                    if got is None:
+                        got = group_colour[id(g)] = hash(frozenset(colour[x] for x in g if x in colour))
+                    sig.append(got)
                 new[r] = intern.setdefault(tuple(sig), len(intern))
             colour = new
             if len(intern) == n_classes:

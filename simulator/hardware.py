@@ -8,6 +8,7 @@ GiB, GB/s, microseconds); inside the simulator everything is SI (FLOP/s, bytes, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -38,6 +39,12 @@ class GPUSpec:
     matmul_half_gflop: float = 0.6
     attention_efficiency: float = 0.55  # flash attention reaches less of peak than a GEMM
     memory_efficiency: float = 0.85
+    # A variant of the GPU its kernel profile was measured on (simulator/kernels.py): the profile's
+    # GEMM and attention rates times `kernel_compute_scale` (clocks held under a power cap), its
+    # element-wise bandwidth times `kernel_memory_scale` (another HBM: this preset's bandwidth over
+    # the profiled device's). 1.0: the profiled GPU itself.
+    kernel_compute_scale: float = 1.0
+    kernel_memory_scale: float = 1.0
 
     @property
     def peak_flops(self) -> float:
@@ -112,34 +119,43 @@ class ClusterSpec:
         return -(-self.num_gpus // self.gpus_per_node)
 
     def validate(self) -> None:
+        """Every number finite and in range (a NaN passes `v <= 0`, so finiteness is checked first)."""
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         def pos(where: str, v, integer: bool = False) -> None:
-            ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and not isinstance(v, bool)
+            ok = isinstance(v, int) and not isinstance(v, bool) if integer else number(v)
             if not ok or v <= 0:
-                kind = "a positive integer" if integer else "a positive number"
+                kind = "a positive integer" if integer else "a positive finite number"
                 raise HardwareError(f"{where} must be {kind}, got {v!r}")
+
+        def share(where: str, v) -> None:
+            if not number(v) or not 0 < v <= 1:
+                raise HardwareError(f"{where} must be in (0, 1], got {v!r}")
+
+        def at_least(where: str, v, low: float) -> None:
+            if not number(v) or v < low:
+                raise HardwareError(f"{where} must be a finite number >= {low:g}, got {v!r}")
 
         pos("gpus_per_node", self.gpus_per_node, integer=True)
         for f in ("peak_tflops", "memory_gib", "memory_bandwidth_gbs", "matmul_half_gflop"):
             pos(f"gpu.{f}", getattr(self.gpu, f))
+        for f in ("kernel_compute_scale", "kernel_memory_scale"):
+            pos(f"gpu.{f}", getattr(self.gpu, f))
+
         for f in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
-            v = getattr(self.gpu, f)
-            if not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise HardwareError(f"gpu.{f} must be in (0, 1], got {v!r}")
+            share(f"gpu.{f}", getattr(self.gpu, f))
         for where, link in (("intra", self.intra), ("inter", self.inter)):
             pos(f"{where}.bandwidth_gbs", link.bandwidth_gbs)
-            if not isinstance(link.latency_us, (int, float)) or link.latency_us < 0:
-                raise HardwareError(f"{where}.latency_us must be >= 0, got {link.latency_us!r}")
-            if not isinstance(link.efficiency, (int, float)) or not 0 < link.efficiency <= 1:
-                raise HardwareError(f"{where}.efficiency must be in (0, 1], got {link.efficiency!r}")
+            at_least(f"{where}.latency_us", link.latency_us, 0)
+            share(f"{where}.efficiency", link.efficiency)
         pos("inter.nics_per_node", self.inter.nics_per_node, integer=True)
         if self.collectives not in COLLECTIVE_MODELS:
             raise HardwareError(f"collectives must be one of {', '.join(COLLECTIVE_MODELS)}; got {self.collectives!r}")
-        if not isinstance(self.intra.nvls_busbw_gbs, (int, float)) or self.intra.nvls_busbw_gbs < 0:
-            raise HardwareError(f"intra.nvls_busbw_gbs must be >= 0, got {self.intra.nvls_busbw_gbs!r}")
+        at_least("intra.nvls_busbw_gbs", self.intra.nvls_busbw_gbs, 0)
         if self.inter.topology not in TOPOLOGIES:
             raise HardwareError(f"inter.topology must be one of {', '.join(TOPOLOGIES)}; got {self.inter.topology!r}")
-        if not isinstance(self.inter.oversubscription, (int, float)) or self.inter.oversubscription < 1:
-            raise HardwareError(f"inter.oversubscription must be >= 1, got {self.inter.oversubscription!r}")
+        at_least("inter.oversubscription", self.inter.oversubscription, 1)
 
 
 def available_presets() -> list[str]:

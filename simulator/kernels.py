@@ -64,6 +64,17 @@ class KernelProfile:
         self._gemm_log_rate = np.log(np.array([r[3] for r in self.gemm], dtype=float))
         self._gemm_smallest = min((2 ** (a + b + c) for a, b, c, _ in self.gemm), default=1.0)
 
+    def scaled(self, compute: float, memory: float) -> KernelProfile:
+        """The same profile on a variant of its GPU: GEMM and attention rates times `compute`,
+        element-wise bandwidth times `memory` (hardware.GPUSpec.kernel_compute_scale / _memory_scale)."""
+        from dataclasses import replace as _replace
+
+        c = math.log2(compute)
+        return _replace(self, name=f"{self.name} x{compute:g} compute x{memory:g} memory",
+                        gemm=[(a, b, k, r * compute) for a, b, k, r in self.gemm],
+                        attention={key: [(x, r * compute) for x, r in rows] for key, rows in self.attention.items()},
+                        memory_bandwidth=self.memory_bandwidth * memory) if c or memory != 1.0 else self
+
     # -- queries ---------------------------------------------------------------------------------
     def gemm_rate(self, m: float, n: float, k: float) -> float:
         # Rates are smooth in log size: shapes within 1/64 octave of each other share one lookup (a
@@ -95,11 +106,11 @@ class KernelProfile:
         self._gemm_cache[key] = rate
         return rate
 
-    def gemm_time(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+    def gemm_time(self, m: float, n: float, k: float, count: float = 1.0, fp8: bool = False) -> float:
         if m <= 0 or n <= 0 or k <= 0 or count <= 0:
             return 0.0
-        t = 2.0 * m * n * k / self.gemm_rate(m, n, k)
-        return count * max(t, self.launch_s)
+        rate = self.gemm_rate(m, n, k) * (fp8_speedup(min(m, n, k)) if fp8 else 1.0)
+        return count * max(2.0 * m * n * k / rate, self.launch_s)
 
     def attention_rate(self, passes: str, head_dim: int, seq: float) -> float:
         rows = self.attention.get((passes, head_dim))
@@ -140,6 +151,26 @@ class KernelProfile:
         return (f"kernel profile {self.name} ({self.device}): GEMMs up to {self._best / 1e12:.0f} TFLOP/s, "
                 f"{self.attention_kernel} attention, {self.memory_bandwidth / 1e12:.2f} TB/s element-wise, "
                 f"{self.launch_s * 1e6:.1f} us launch")
+
+
+# FP8 over bf16/fp16 GEMM throughput on Hopper by the GEMM's smallest dimension: the same tuned
+# kernels, M = N = 8192 and K from 256 to 16384, measured on an H800 SXM (H100 compute): fp16 386, 520,
+# 628, 705, 736, 758, 766 TFLOP/s; fp8 569, 858, 1129, 1343, 1467, 1507, 1541 (tile-lang benchmark
+# records, github.com/xwhzz/tilelang benchmark/matmul/README.md and benchmark/matmul_fp8/README.md at
+# b2acfc3). A thin GEMM gains less: its operand traffic, not its math, bounds it.
+FP8_SPEEDUP = ((8, 569 / 386), (9, 858 / 520), (10, 1129 / 628), (11, 1343 / 705), (12, 1467 / 736),
+               (13, 1507 / 758), (14, 1541 / 766))
+
+
+def fp8_speedup(smallest_dim: float) -> float:
+    x = math.log2(max(smallest_dim, 1.0))
+    pts = FP8_SPEEDUP
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, r0), (x1, r1) in zip(pts, pts[1:], strict=False):
+        if x <= x1:
+            return r0 + (x - x0) / (x1 - x0) * (r1 - r0)
+    return pts[-1][1]
 
 
 def _resolve(name_or_path: str) -> Path:
@@ -224,6 +255,9 @@ class Stack:
     `residual_bytes`: bytes per element of the residual stream (4 where the LLM's token embedding is
     an fp32 parameter under autocast: one rank without FSDP); `weight_cast`: autocast casts fp32
     weights to bf16 in every forward and their bf16 gradients back to fp32 in the backward.
+    `attention`: which attention kernel runs (flash, or unfused GEMMs over s x s scores); `gemm`:
+    "fp8" runs the transformer blocks' linear layers as FP8 GEMMs (Transformer Engine, torchao
+    Float8; the head, router and attention core stay bf16) and pays their quantisation (`_fp8_bytes`).
     """
 
     kind: str = "fused"
@@ -231,6 +265,8 @@ class Stack:
     weight_cast: bool = False
     loss: str = "logits"
     loss_chunk_tokens: int = 0  # chunked loss: tokens per chunk (omnibench.specs.costs.loss_chunk_tokens)
+    attention: str = ""  # "" the profile's `attention_kernel`, else "flash" | "unfused"
+    gemm: str = "bf16"  # "fp8": the blocks' linears on FP8 tensor cores with per-tensor scaling
 
 
 FUSED = Stack()
@@ -268,6 +304,9 @@ class BlockShape:
     extra_pointwise: float = 0.0  # bytes of element-wise work outside the blocks, forward
     stack: Stack = FUSED
     ring: int = 1  # ring attention over this many context-parallel ranks (1: whole sequences here)
+    # all-gather-KV context parallelism over this many ranks: the rank's 1/cp of each sequence's
+    # queries attends to the whole gathered sequence (1: whole sequences here)
+    kv_gather: int = 1
     # MoE MLP (omnibench/models/moe.py): experts held by this rank (E / ep), experts routed over,
     # top-k, expert and shared-expert widths; 0 experts: the dense MLP of width `ffn`
     moe_experts: int = 0
@@ -275,6 +314,7 @@ class BlockShape:
     moe_top_k: int = 0
     moe_ffn: int = 0
     moe_shared_ffn: int = 0
+    moe_token_split: int = 1  # the MoE sees 1/this of the rank's tokens (folded experts: its SP shard)
 
     @property
     def ntokens(self) -> float:
@@ -296,11 +336,14 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
         linears += [((2 if s.mlp == "swiglu" else 1) * s.ffn, h), (h, s.ffn)]
     bwd = passes == "bwd"
     time = 0.0
+    fp8 = s.stack.gemm == "fp8"
     for fan_out, fan_in in linears:
         if bwd:
-            time += p.gemm_time(t, fan_in, fan_out) + p.gemm_time(fan_out, fan_in, t)  # dgrad, wgrad
+            time += p.gemm_time(t, fan_in, fan_out, fp8=fp8) + p.gemm_time(fan_out, fan_in, t, fp8=fp8)  # dgrad, wgrad
         else:
-            time += p.gemm_time(t, fan_out, fan_in)
+            time += p.gemm_time(t, fan_out, fan_in, fp8=fp8)
+    if fp8:
+        time += p.memory_time(_fp8_bytes(s, linears, t, bwd), 2 * len(linears))
     time += _attention(p, s, bwd)
     if s.moe_experts:
         time += _moe(p, s, t, bwd)
@@ -322,13 +365,34 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
     return total
 
 
+# FP8 quantisation with per-tensor dynamic ("current") scaling, bytes per element of each GEMM operand:
+# an amax pass (read bf16, 2) then the cast (read bf16 2, write fp8 1); the backward's gradient also
+# gets the transposed fp8 copy Hopper's FP8 GEMMs need for the weight gradient (+1 write) and the saved
+# fp8 input is transposed (read 1, write 1). Fused stacks (Transformer Engine, torch.compile) compute
+# the amax and the cast inside the producing kernel (norm, activation): one extra fp8 write per element
+# (and its transpose in the backward); their fp8 weights are cast once per step, not per microbatch.
+_FP8_EAGER = {"fwd_act": 5.0, "fwd_weight": 5.0, "bwd_act": 6.0 + 2.0, "bwd_weight": 2.0}
+_FP8_FUSED = {"fwd_act": 1.0, "fwd_weight": 0.0, "bwd_act": 2.0 + 2.0, "bwd_weight": 0.0}
+
+
+def _fp8_bytes(s: BlockShape, linears: list[tuple[float, float]], t: float, bwd: bool) -> float:
+    c = _FP8_EAGER if s.stack.kind == "eager" else _FP8_FUSED
+    act = sum(fan_in for _, fan_in in linears) if not bwd else sum(fan_out for fan_out, _ in linears)
+    weights = sum(fo * fi for fo, fi in linears)
+    if bwd:
+        return t * act * c["bwd_act"] + weights * c["bwd_weight"]
+    return t * act * c["fwd_act"] + weights * c["fwd_weight"]
+
+
 def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
-    """The MoE MLP of one layer: router GEMM, then one SwiGLU expert after another (moe.py loops over
-    the rank's experts: three GEMMs and two element-wise kernels each, so small experts are launch
-    bound), the token copies gathered, weighted and added back, and the shared expert. Tokens are
+    """The MoE MLP of one layer: router GEMM, then (eager: this project's moe.py) one SwiGLU expert after
+    another (three GEMMs and two element-wise kernels each, so small experts are launch bound) or
+    (fused: Megatron-Core) grouped GEMMs over the rank's experts, the token copies gathered, weighted
+    and added back, and the shared expert. Tokens are
     spread evenly over experts (the Plan does not know the routing): t * top_k / E per expert of
     each rank's tokens, an expert-parallel rank receiving its experts' share of all ep ranks' tokens."""
     h, f = s.hidden, s.moe_ffn
+    t = t / s.moe_token_split
     routed = t * s.moe_top_k  # token copies this rank's experts process (balanced all-to-all)
     te = routed / s.moe_experts
     out = 0.0
@@ -339,9 +403,23 @@ def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
         return p.gemm_time(m, fan_out, fan_in)
 
     out += linear(t, s.moe_router, h)
-    out += s.moe_experts * (2 * linear(te, f, h) + linear(te, h, f))
     if s.moe_shared_ffn:
         out += 2 * linear(t, s.moe_shared_ffn, h) + linear(t, h, s.moe_shared_ffn) + linear(t, 1, h)
+    if s.stack.kind != "eager":
+        # Megatron-Core / Transformer Engine: the rank's experts as grouped GEMMs (one launch for all
+        # of them, each group at its own shape's rate), fused permute / unpermute of the token copies
+        # (read and write each, bf16) and a fused gated activation
+        fp8 = s.stack.gemm == "fp8"
+        for fan_out, fan_in in ((2 * f, h), (h, f)):
+            shapes = ((fan_in, fan_out, te), (fan_out, fan_in, te)) if bwd else ((te, fan_out, fan_in),)
+            for m, n, k in shapes:
+                if min(m, n, k) > 0:
+                    out += max(s.moe_experts * 2.0 * m * n * k / (p.gemm_rate(m, n, k)
+                                                                  * (fp8_speedup(min(m, n, k)) if fp8 else 1.0)),
+                               p.launch_s)
+        nbytes = routed * (8 * h + 6 * f) * (2 if bwd else 1) + t * s.moe_router * 4 * 3
+        return out + p.memory_time(nbytes, 16 if bwd else 8)
+    out += s.moe_experts * (2 * linear(te, f, h) + linear(te, h, f))
     r = s.stack.residual_bytes if s.stack.kind == "eager" else 2
     # per routed copy and hidden element: gather (r + r), cast for the expert GEMMs (r + 2), the
     # concatenated outputs (4), the routing weight (4), back to the stream's dtype and index-added (3 r)
@@ -365,8 +443,8 @@ def _fused_block_bytes(s: BlockShape, bwd: bool) -> tuple[float, int]:
     fwd_bytes = 2 * (
         2 * 2 * rep  # two norms: read, write
         + 2 * (3 * rep + rep / 2)  # two dropout + residual adds: read x and residual, write; 1-byte mask
-        + 2 * (q + kv)  # rotary on q and k: read, write
-        + 3 * s.ffn  # gated activation: read gate and up, write
+        + (2 * (q + kv) if s.rope else 0)  # rotary on q and k: read, write
+        + (3 if s.mlp == "swiglu" else 2) * s.ffn  # activation: read gate (and up), write
     )
     kernels = 12  # norms, adds/dropouts, rotary, activation, reshapes per layer
     if bwd:
@@ -444,7 +522,7 @@ def llm_attention(p: KernelProfile, s: BlockShape, passes: str) -> float:
 
 def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     d = s.head_dim
-    if p.attention_kernel == "unfused":
+    if (s.stack.attention or p.attention_kernel) == "unfused":
         out = 0.0
         for L in s.seq_lens:
             # scores = Q K^T and out = P V per head: batched GEMMs over the full s x s (masked), then
@@ -456,6 +534,9 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
         return out
     if s.ring > 1:
         return _ring_attention(p, s, bwd)
+    if s.kv_gather > 1:
+        # load-balanced causal: the rank's L/cp queries see on average half of the L keys
+        return sum(_flash_call(p, s.heads, d, L / s.kv_gather, L, s.causal, bwd) for L in s.seq_lens)
     # The profile's flash rows are causal. A full (encoder) attention of length L does the work of a
     # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
     stretch = 1.0 if s.causal else FULL_ATTENTION_STRETCH

@@ -72,6 +72,46 @@ MEMORY_STACKS = {
 }
 
 
+# Megatron-LM before flash attention: the 2019-22 papers' runs (and DeepSpeed inside that codebase)
+UNFUSED_ATTENTION_SOURCES = ("shoeybi2019", "narayanan2021", "korthikanti2022")
+# NeMo 24.07's performance runs came from the NeMo(-Megatron) launcher, whose performance example scripts
+# reduce gradients in bf16 (`+training.model.optim.grad_sync_dtype=bf16`, NVIDIA/NeMo-Framework-Launcher
+# examples/training/llama/h100/*.sh): Megatron-LM's bf16 main gradients. Megatron-Bridge's performance
+# recipes start from bf16_mixed (grad_reduce_in_fp32) and, in FP8, keep FP8 weights (fp8_param_gather;
+# its scripts/performance/utils/helpers.py at da5a1bee8).
+BF16_GRAD_SOURCES = ("nemo-perf",)
+_STACK_COLUMN = {"torchtitan": "torchtitan", "fsdp": "composer", "megatron": "megatron", "nemo": "nemo",
+                 "deepspeed": "megatron", "other": "megatron"}
+
+
+def published_memory_stack(row) -> str:
+    """The memory conventions (MEMORY_STACKS) of a published run (simulator/published.py PublishedRun),
+    as its source dates its software, one rule per stack:
+
+    - torchtitan: with torch.compile where the row says so (its notes or table), the loss compiled too
+      in the 2025 runs (components/loss.py `build_cross_entropy_loss` from May 2025), its Triton
+      RMSNorm in the April 2024 A100 table (the Llama 2 13B and Llama 3 8B configs of 1ea476e9f, the
+      commit that published it; the 70B ones used the eager norm);
+    - llm-foundry ("fsdp"): Composer;
+    - Megatron-LM, DeepSpeed, MegaScale, Meta's Llama 3 stack: Megatron-LM's (bf16 main gradients),
+      unfused attention for the 2019-22 papers' runs;
+    - NeMo 24.07 (launcher) as Megatron-LM; Megatron-Bridge: fp32 main gradients, FP8 weights in FP8;
+    - "+fp8" where Transformer Engine's FP8 linears ran (Megatron and NeMo rows in fp8)."""
+    stack = _STACK_COLUMN.get(row.stack, "megatron")
+    if stack == "megatron" and row.source in UNFUSED_ATTENTION_SOURCES:
+        stack = "megatron-2021"
+    if stack == "nemo" and row.source in BF16_GRAD_SOURCES:
+        stack = "megatron"
+    where = f"{row.notes} {row.table}"
+    if stack == "torchtitan" and "compile" in where:
+        stack = "torchtitan-compile-loss" if "2025" in row.table else "torchtitan-compile"
+    elif stack == "torchtitan" and "docs/performance.md" in row.table and row.hidden in (4096, 5120):
+        stack = "torchtitan-fused-norm"
+    if row.precision == "fp8" and stack in ("megatron", "nemo"):
+        stack += "+fp8"
+    return stack
+
+
 class MemoryMixin:
     """The Engine's memory accounting (needs WorkMixin and GroupsMixin)."""
 
@@ -103,7 +143,8 @@ class MemoryMixin:
     def activation_stack(self) -> str:
         """costs.ACTIVATION_STACKS' name of the memory stack's activation convention."""
         act = MEMORY_STACKS[self._memory_base][1]
-        return act + "-fp8" if self.memory_stack.endswith("+fp8") and act == "megatron" else act
+        fp8 = self.memory_stack.endswith("+fp8") or getattr(self.options, "gemm_dtype", "bf16") == "fp8"
+        return act + "-fp8" if fp8 and act == "megatron" else act
 
     def _dp_mode(self, module: str, rank: int) -> tuple[str, int]:
         """(data-parallel mode, ranks the state is sharded over) of `module` on `rank`. FSDP and ZeRO
@@ -124,7 +165,8 @@ class MemoryMixin:
         if rank not in idx.coords:
             return 0.0, 0.0
         w = self.stage_work(module, idx.coords[rank].get("pp", 0))
-        return (w.params - w.expert_params) / lay.tp, w.expert_params / lay.tp / max(1, lay.ep)
+        etp = 1 if lay.expert_tp == 1 else lay.tp  # folded experts (expert_tp 1) are whole on their rank
+        return (w.params - w.expert_params) / lay.tp, w.expert_params / etp / max(1, lay.ep)
 
     def _module_state(self, module: str, rank: int) -> costs.StateBytes:
         """Weights (with master copies), gradients and AdamW state of `module` on `rank` under its
@@ -141,7 +183,8 @@ class MemoryMixin:
 
     def _dtypes(self, module: str, rank: int) -> costs.StateDtypes:
         d = costs.state_dtypes(self._state_stack, self._dp_mode(module, rank)[0])
-        if self.memory_stack.endswith("+fp8") and d.name == "nemo":
+        if (self.memory_stack.endswith("+fp8") or getattr(self.options, "gemm_dtype", "bf16") == "fp8") \
+                and d.name == "nemo":
             # Megatron-Bridge's FP8 recipes keep the weights in FP8 (fp8_param_gather)
             from dataclasses import replace
 
@@ -192,11 +235,14 @@ class MemoryMixin:
 
     def _scores(self, work: Work) -> float:
         """Bytes of one layer's s x s attention scores where the stack runs unfused attention: only
-        Megatron-LM of 2019-22 ("megatron-2021") keeps softmax and dropout outputs in bf16 and the
-        dropout mask in bytes, 5 bytes per score (Korthikanti et al. 2022 eq. 1's 5as^2b). Every
-        other stack runs flash attention (this runtime's varlen / SDPA, torchtitan's SDPA, Megatron's
-        and NeMo's Transformer Engine) on every GPU: the stack, not the GPU, decides."""
-        if self._memory_base != "megatron-2021" or work.shape is None or not work.layers:
+        Megatron-LM of 2019-22 ("megatron-2021", or SimOptions.attention "unfused") keeps softmax and
+        dropout outputs in bf16 and the dropout mask in bytes, 5 bytes per score (Korthikanti et al.
+        2022 eq. 1's 5as^2b). Every other stack runs flash attention (this runtime's varlen / SDPA,
+        torchtitan's SDPA, Megatron's and NeMo's Transformer Engine) on every GPU: the stack, not the
+        GPU, decides."""
+        attention = getattr(self.options, "attention", "")
+        unfused = attention == "unfused" or (not attention and self._memory_base == "megatron-2021")
+        if not unfused or work.shape is None or not work.layers:
             return 0.0
         return 5.0 * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
 
@@ -372,6 +418,8 @@ class MemoryMixin:
         torchtitan under pipelining (torch.distributed.pipelining's `backward_maybe_with_nosync`);
         torchtitan's gradient accumulation without pipelining, Composer and Megatron reduce-scatter
         every microbatch into the sharded gradient."""
+        if getattr(self.options, "fsdp_reduce_every_microbatch", False):
+            return False
         if self.memory_stack == "eager":
             return True
         return self.memory_stack.startswith("torchtitan") and self.plan.layouts[module].pp > 1
@@ -391,8 +439,10 @@ class MemoryMixin:
         copies = self._weight_copies(module, rank, a.stage)
         held = self._live_activation(work) + (0.0 if work.chunks else copies)
         residual = self._fp32_residual(module, rank, work)
+        replicated = self._replicated_norms(module, work)
         if self.policy[module] != "full":
             held += work.layers * residual
+        held += work.layers * replicated
         if a.kind != BACKWARD:
             extra = work.loss_forward
             if extra and self._casts(module, rank):
@@ -402,7 +452,8 @@ class MemoryMixin:
             return held + extra, held
         n = work.layers
         lp = self._layer_on_rank(module)
-        layer_held = work.act_layer + (2 * lp if copies else 0.0) + (residual if self.policy[module] != "full" else 0.0)
+        layer_held = (work.act_layer + (2 * lp if copies else 0.0) + (residual if self.policy[module] != "full" else 0.0)
+                      + replicated)
         if self.policy[module] == "none":
             layer_held += self._scores(work)
         g_layer, g_start, g_end, end_extra, buffers, release = self._backward_grads(rank, a)
@@ -435,6 +486,19 @@ class MemoryMixin:
         if module != "llm" or self.memory_stack != "eager" or not self._casts(module, rank) or not work.layers:
             return 0.0
         return 18.0 * self.model.llm.hidden * work.tokens / self.plan.layouts[module].tp
+
+    def _replicated_norms(self, module: str, work: Work) -> float:
+        """Per LLM layer, what Megatron's blocks keep beyond 1/tp without sequence parallelism
+        (SimOptions.sequence_parallel off, tensor parallelism on): the layer-norm regions run on every
+        tp rank whole, so their inputs and outputs (the two norms' inputs, the attention's and the
+        MLP's inputs) are not split (Korthikanti et al. 2022 Table 2: 10sbh of 34sbh, less the dropout
+        masks); under full recomputation the block's input too."""
+        lay = self.plan.layouts[module]
+        if (module != "llm" or lay.tp < 2 or not self.activation_stack.startswith("megatron")
+                or getattr(self.options, "sequence_parallel", True) or not work.layers):
+            return 0.0
+        per_token = 2 * self.model.llm.hidden * (1 if self.policy[module] == "full" else 4)
+        return per_token * work.tokens * (1 - 1 / lay.tp)
 
     def _casts(self, module: str, rank: int) -> bool:
         """Whether autocast casts fp32 weights to bf16 in this module's forward (no FSDP, fp32 weights)."""

@@ -25,3 +25,30 @@ class SimOptions:
     # (eager: this project's runtime, fused: Megatron-LM); "torchtitan", "torchtitan-compile",
     # "torchtitan-compile-loss", "megatron", "composer" describe other stacks' published runs
     memory_stack: str = ""
+    # What else the software stack does (defaults: this project's runtime). `validate --published` sets
+    # them from each row's stack (simulator/published.py::options_of).
+    attention: str = ""  # "" the kernel profile's own | "flash" | "unfused" (s x s scores through HBM)
+    gemm_dtype: str = "bf16"  # "fp8": the blocks' linear layers on FP8 tensor cores (Transformer Engine, Float8)
+    sequence_parallel: bool = False  # Megatron SP: norms, dropout and residual adds over 1/tp of the tokens
+    overlap_grad_reduce: bool = False  # DDP/ZeRO gradients reduced bucket by bucket behind the backward
+    overlap_param_gather: bool = False  # ZeRO: the updated weights gathered behind the next forward
+    tp_overlap: bool = False  # TP collectives overlapped with the GEMMs (TE userbuffers, torchtitan AsyncTP)
+    # what "selective" recomputation re-runs: "attention" (Megatron: the attention core) or "half"
+    # (torchtitan: every other block, or every other matmul and the element-wise ops: half the forward)
+    selective: str = "attention"
+    # FSDP reduce-scatters gradients in every microbatch's backward (PyTorch FSDP without no_sync,
+    # as Composer runs it), not only in the last one's
+    fsdp_reduce_every_microbatch: bool = False
+    # parameters per FSDP / ZeRO-3 all-gather and per reduce-scatter call; 0: one call per layer (FSDP
+    # wraps each block). DeepSpeed ZeRO-3 gathers in prefetch buckets of 5e7 parameters and reduces in
+    # buckets of 5e8 (its stage3_prefetch_bucket_size / reduce_bucket_size defaults): on a group of
+    # thousands of ranks every call pays the ring's latency, once per hop
+    fsdp_gather_bucket: float = 0.0
+    fsdp_reduce_bucket: float = 0.0
+    # under full recomputation a sharded layer is gathered for its recomputed forward and again for
+    # its backward (DeepSpeed ZeRO-3 releases parameters after every forward, the recomputed one
+    # included); FSDP gathers once for both
+    gather_for_recompute: bool = False
+    # pipeline sends carry each tp rank's 1/tp of the activation (Megatron's scatter/gather optimisation,
+    # Narayanan et al. SC'21 sec. 4.1; a sequence-parallel stage output), not the whole of it
+    p2p_scatter_gather: bool = False

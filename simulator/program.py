@@ -13,6 +13,14 @@ plus the root.
 
 HSDP (`Layout.dp_shard`): gathers, reduce-scatters and the layer-by-layer lock run over the shard
 group only; grad_sync adds one all-reduce of the gradient shard across the replicate group.
+
+ZeRO-1/2 (`Layout.zero`, without FSDP: Megatron's distributed optimizer, DeepSpeed ZeRO-1/2): the
+forward and backward run on whole bf16 weights with no peer lock; grad_sync reduce-scatters the
+gradients (instead of DDP's all-reduce), the optimizer steps the rank's 1/dp shard of the fp32
+master weights and moments, and after the step an all-gather of the updated bf16 parameters
+(`PARAM_GATHER`, on the collective stream) hands every rank whole weights again. Both stages cost
+the same time here: the gradients are reduced once, at grad_sync (ZeRO-2's smaller gradient
+footprint is memory's business, simulator/memory.py).
 """
 
 from __future__ import annotations
@@ -35,8 +43,12 @@ from simulator.flops import (
     Work,
 )
 
+# Op kind of ZeRO-1/2's all-gather of the updated bf16 parameters after the optimizer step: a
+# collective on the rank's collective stream, like grad_sync (simulator/engine.py runs both alike).
+PARAM_GATHER = "param_gather"
 
-@dataclass
+
+@dataclass(slots=True)
 class _Op:
     action: Action
     kind: str
@@ -65,6 +77,8 @@ class ProgramMixin:
         work = self.work(module, a.stage if module == "llm" else 0, self._signature(module, rank, a.microbatch),
                          len(long_group))
         recompute = self.policy[module] if a.kind == BACKWARD else "none"
+        if recompute == "selective" and self.options.selective == "half":
+            recompute = "half"  # torchtitan's selective checkpointing (SimOptions.selective)
         inputs = self.input_elements(module, rank, a)
         # chunked encoders: each chunk runs its forward again inside the backward action
         again = self.compute.action_time(work, FORWARD, "none", module) if work.chunks and a.kind == BACKWARD else 0.0
@@ -78,12 +92,30 @@ class ProgramMixin:
             if work.tp_bytes and len(tp_group) > 1:
                 t = calls * self.coll_inline.cost("all_reduce", work.tp_bytes / calls, tp_group)
                 comm += t
-                exposed += t
+                if self.options.tp_overlap and self.coll.inline_overlap:
+                    # TE userbuffers / AsyncTP cut each TP GEMM into tp pieces and pass one piece's
+                    # all-gather or reduce-scatter while the next computes: what the GEMMs cannot
+                    # hide stays exposed, and the first piece always does
+                    exposed += max(t / len(tp_group), t - own)
+                else:
+                    exposed += t
                 n_calls += calls
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
             ring = module == "llm" and lay.cp_kind == "ring" and not long_group
-            if work.seq_bytes and len(seq_group) > 1 and ring:
+            gather = module == "llm" and lay.cp_kind == "allgather" and not long_group
+            if work.seq_bytes and len(seq_group) > 1 and gather:
+                # All-gather KV: one all-gather of the layer's K/V before its attention (forward); the
+                # backward reduce-scatters their gradients, and gathers again where it recomputes the
+                # attention. Not overlapped (Llama 3 sec. 3.3.2: exposed, small next to attention).
+                per = work.seq_bytes / work.layers
+                t = self.coll_inline.cost("all_gather", per, seq_group)
+                if a.kind == BACKWARD:
+                    t = self.coll_inline.cost("reduce_scatter", per, seq_group) + (t if recompute != "none" else 0.0)
+                comm += work.layers * t
+                exposed += work.layers * t
+                n_calls += work.layers * (2 if a.kind == BACKWARD and recompute != "none" else 1)
+            elif work.seq_bytes and len(seq_group) > 1 and ring:
                 # Ring attention: cp - 1 K/V hand-offs per layer to the next cp rank (backward: K/V again
                 # and their gradients back, twice the bytes), each hidden behind one block's attention.
                 steps = len(seq_group) - 1
@@ -104,10 +136,20 @@ class ProgramMixin:
                 comm += t
                 exposed += t
                 n_calls += work.layers
+            if module != "llm" and len(seq_group) > 1 and work.tokens:
+                # Encoder sequence parallelism ends with every member holding the whole output: the
+                # members' chunks all-gathered after the blocks, reduce-scattered back in the backward
+                # (omnibench/runtime/long_short.py `_gather`): temporal's sp groups and omni's alike.
+                op_name = "all_gather" if a.kind == FORWARD else "reduce_scatter"
+                t = self.coll_inline.cost(op_name, self._sp_output_bytes(module, work, len(seq_group)), seq_group)
+                comm += t
+                exposed += t
+                n_calls += 1
             shard = self._grad_group(module, rank)
             if work.ep_bytes and lay.ep > 1:
-                i = shard.index(rank)
-                ep_group = shard[i - i % lay.ep: i - i % lay.ep + lay.ep]
+                scope = self._expert_scope(module, rank)
+                i = scope.index(rank)
+                ep_group = scope[i - i % lay.ep: i - i % lay.ep + lay.ep]
                 t = calls * self.coll_inline.cost("all_to_all", work.ep_bytes / calls, ep_group)
                 comm += t
                 exposed += t
@@ -128,16 +170,29 @@ class ProgramMixin:
                 dense = (work.params - work.expert_params) / lay.tp
                 n = max(1, work.layers)
                 calls = n if self.coll.inline_overlap else n + 1
-                g = self.coll_inline.cost("all_gather", 2 * dense / calls, shard)
+                g = self._bucketed("all_gather", 2 * dense / calls, shard, self.options.fsdp_gather_bucket)
                 if work.expert_params:
-                    edp = self._expert_group(rank, shard, lay.ep)
-                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / lay.tp / lay.ep / calls, edp)
+                    edp = self._expert_group(rank, self._expert_scope(module, rank, shard), lay.ep)
+                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / self._expert_split(lay) / calls,
+                                               edp)
                 # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
                 reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
+                if a.kind == BACKWARD and recompute == "full" and self.options.gather_for_recompute:
+                    reps += 1  # DeepSpeed ZeRO-3 releases a layer after its recomputed forward, gathers again
                 comm += reps * calls * g
                 n_calls += reps * calls
+                # FSDP without no_sync (SimOptions.fsdp_reduce_every_microbatch) also reduce-scatters each
+                # layer's gradients in every backward; grad_sync holds the last microbatch's
+                r = 0.0
+                if (a.kind == BACKWARD and self.options.fsdp_reduce_every_microbatch and self.coll.inline_overlap
+                        and a.microbatch != self._last_backward(rank, module)):
+                    r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
+                                       self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
+                    comm += n * r
+                    n_calls += n
                 if self.coll.inline_overlap:
-                    exposed += reps * g + (reps * n - reps) * max(0.0, g - own / (reps * n))
+                    # the last layer's reduce-scatter finishes after the backward's compute
+                    exposed += reps * g + (reps * n - reps) * max(0.0, g + r - own / (reps * n)) + r
                 else:
                     exposed += reps * calls * g
             op.comm, op.exposed, op.calls = comm, exposed, n_calls
@@ -154,6 +209,20 @@ class ProgramMixin:
                 op.lock_n = n
         op.mem_peak, op.mem_delta = self._compute_memory(rank, a, work)
         return op
+
+    def _bucketed(self, op: str, nbytes: float, group: tuple[int, ...], bucket: float, elem: float = 2.0) -> float:
+        """One layer's FSDP collective of `nbytes`, issued in buckets of `bucket` parameters (`elem`
+        bytes each) when the stack buckets it (SimOptions.fsdp_gather_bucket / _reduce_bucket)."""
+        k = max(1, -(-int(nbytes / elem) // int(bucket))) if bucket > 0 else 1
+        return k * self.coll_inline.cost(op, nbytes / k, group)
+
+    def _sp_output_bytes(self, module: str, work: Work, k: int) -> float:
+        """Bytes of a sequence-parallel encoder microbatch's gathered output (bf16): the vision
+        merger's tokens at the LLM's width, or the audio blocks' hidden states (pooled after)."""
+        enc = self.model.encoders[module]
+        if module == "vision":
+            return work.tokens * k / (enc.merge * enc.merge) * (enc.out_hidden or self.model.llm.hidden) * 2
+        return work.tokens * k * enc.hidden * 2
 
     def _last_backward(self, rank: int, module: str) -> int:
         key = ("last_bwd", rank, module)
@@ -216,6 +285,9 @@ class ProgramMixin:
                 group = self._grad_group(module, rank)
                 stage = self._stage(module, rank, a)
                 cost = self.grad_sync_cost(module, rank, stage) if comm_on else 0.0
+                lay = self.plan.layouts[module]
+                if cost and self.coll.inline_overlap and (lay.fsdp or self.options.overlap_grad_reduce):
+                    cost = self._behind_backward(cost, module, stage, ops)
                 gid, n_members = self._members(group, cls)
                 key = ("coll", module, stage, gid)
                 n = seen[key]
@@ -238,16 +310,80 @@ class ProgramMixin:
                 seen[key] += 1
                 ops.append(_Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members))
             elif a.kind == OPTIMIZER_STEP:
-                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._params_on_rank(rank),
+                ops.append(_Op(a, a.kind, duration=self.compute.optimizer_time(self._stepped_params_on_rank(rank),
                                                                                *self.layers_on_rank(rank))))
+                if comm_on:
+                    ops += self._param_gathers(rank, cls, seen, ops)
+        return ops
+
+    def _synced_modules(self, rank: int) -> list[str]:
+        return [a.module for a in self.plan.actions.get(rank, []) if a.kind == GRAD_SYNC]
+
+    def _expert_scope(self, module: str, rank: int, default: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The ranks a module's experts are spread over: its data-parallel group (dp*cp), or under MoE
+        parallel folding (Layout.expert_tp 1) the stage's dp*cp*tp ranks."""
+        lay = self.plan.layouts[module]
+        if module == "llm" and lay.expert_tp == 1 and lay.tp > 1:
+            return self.index[module].group(rank, ("dp", "cp", "tp"))
+        return default if default is not None else self._grad_group(module, rank)
+
+    @staticmethod
+    def _expert_split(lay) -> int:
+        """Ranks one copy of the experts is cut over: ep, times tp unless the experts are folded."""
+        return max(1, lay.ep) * (1 if lay.expert_tp == 1 else lay.tp)
+
+    def _behind_backward(self, cost: float, module: str, stage: int, ops: list[_Op]) -> float:
+        """What of a gradient reduction the rank still waits for when it runs bucket by bucket behind
+        the backward (FSDP's per-layer reduce-scatters; DDP/ZeRO with overlap_grad_reduce): the last
+        microbatch's backward of each model chunk hides all but the last layer's bucket."""
+        lay = self.plan.layouts[module]
+        chunks = lay.vpp if module == "llm" else 1
+        layers = max(1, self.stage_work(module, stage).layers // chunks)
+        backs = [op for op in ops if op.kind == BACKWARD and op.action.module == module][-chunks:]
+        hide = sum(op.duration + op.exposed for op in backs) * (1 - 1 / layers)
+        return max(cost / layers, cost - hide)
+
+    def _param_gathers(self, rank: int, cls: dict[int, int], seen: dict, done: list[_Op]) -> list[_Op]:
+        """ZeRO-1/2: after the step, one all-gather per module of its updated bf16 parameters over
+        the data-parallel group (experts over the ranks holding the same experts), for every
+        module this rank reduced gradients of. The next step's forward needs the weights, so the
+        rank waits for it (blocking: its wait counts as exposed communication); with
+        `overlap_param_gather` (Megatron's distributed optimizer) each layer's gather runs behind the
+        next step's first forward, which hides all but the first layer's."""
+        ops = []
+        for module in self._synced_modules(rank):
+            lay = self.plan.layouts[module]
+            group = self._grad_group(module, rank)
+            if lay.fsdp or not lay.zero or len(group) < 2:
+                continue
+            stage = self.index[module].coords[rank].get("pp", 0)
+            w = self.stage_work(module, stage)
+            dense = 2.0 * (w.params - w.expert_params) / lay.tp
+            cost = self.coll.cost("all_gather", dense, group)
+            if w.expert_params:
+                experts = 2.0 * w.expert_params / self._expert_split(lay)
+                scope = self._expert_scope(module, rank, group)
+                cost += self.coll.cost("all_gather", experts, self._expert_group(rank, scope, lay.ep))
+            if self.options.overlap_param_gather and self.coll.inline_overlap:
+                first = next((op for op in done if op.kind == FORWARD and op.action.module == module), None)
+                layers = max(1, w.layers)
+                hide = (first.duration + first.exposed) * (1 - 1 / layers) if first is not None else 0.0
+                cost = max(cost / layers, cost - hide)
+            gid, n_members = self._members(group, cls)
+            key = ("params", module, stage, gid)
+            n = seen[key]
+            seen[key] += 1
+            ops.append(_Op(Action(GRAD_SYNC, module, what="params"), PARAM_GATHER, duration=cost,
+                           lock_key=(*key, n), lock_n=n_members, blocking=True))
         return ops
 
     def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
         """Seconds of a module's data-parallel gradient reduction on `rank` (0 without peers).
 
-        GPU: one reduce-scatter (FSDP) or all-reduce of the stage's gradients. Without overlap
-        (`inline_overlap` False, a CPU rank) FSDP2's reduce-scatters go one per layer plus the root,
-        in line; a plain all-reduce stays one flat (bucketed) call, as the runtime issues it."""
+        GPU: one reduce-scatter (FSDP, ZeRO-1/2) or all-reduce (DDP) of the stage's gradients.
+        Without overlap (`inline_overlap` False, a CPU rank) FSDP2's reduce-scatters go one per layer
+        plus the root, in line; a DDP all-reduce or a ZeRO reduce-scatter stays one flat (bucketed)
+        call, as the runtime issues it."""
         lay = self.plan.layouts[module]
         group = self._grad_group(module, rank)
         if len(group) < 2:
@@ -255,17 +391,25 @@ class ProgramMixin:
         w = self.stage_work(module, stage)
         nbytes = self.options.grad_reduce_bytes * w.params / lay.tp
         calls = 1 if self.coll.inline_overlap or not lay.fsdp else max(1, w.layers) + 1
-        op_name = "reduce_scatter" if lay.fsdp else "all_reduce"
+        op_name = "reduce_scatter" if lay.fsdp or lay.zero else "all_reduce"
         # FSDP2 reduce-scatters from inside the backward (per layer): communication inside compute
         coll = self.coll_inline if lay.fsdp else self.coll
         dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
         if lay.hsdp:
             return self._hsdp_grad_sync_cost(module, rank, w, nbytes, dense, calls)
-        cost = calls * coll.cost(op_name, dense / calls, group)
+        if lay.fsdp and self.coll.inline_overlap:
+            # FSDP reduce-scatters layer by layer (in the stack's buckets): at thousands of ranks each
+            # call's ring latency counts
+            n = max(1, w.layers)
+            cost = n * self._bucketed(op_name, dense / n, group, self.options.fsdp_reduce_bucket,
+                                      self.options.grad_reduce_bytes)
+        else:
+            cost = calls * coll.cost(op_name, dense / calls, group)
         if w.expert_params and lay.ep > 1:
-            # Experts are split over ep; their grads reduce over the remaining replicas.
-            cost += calls * coll.cost(op_name, (nbytes - dense) / lay.ep / calls,
-                                      self._expert_group(rank, group, lay.ep))
+            # Experts are split over ep (and tp unless folded); their grads reduce over the replicas.
+            experts = self.options.grad_reduce_bytes * w.expert_params / self._expert_split(lay)
+            cost += calls * coll.cost(op_name, experts / calls,
+                                      self._expert_group(rank, self._expert_scope(module, rank, group), lay.ep))
         elif w.expert_params:
             cost += calls * coll.cost(op_name, (nbytes - dense) / calls, group)
         return cost

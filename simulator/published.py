@@ -1,38 +1,54 @@
-"""Validate the simulator against published large-scale training results (`omnibench validate --published`).
+"""Validate the simulator against published large-scale training runs (`omnibench validate --published`).
 
-A published table is a CSV, one training run per row (see `results/validation/README.md`):
+The validation set is `results/validation/published_runs.csv` (README there: columns, sources, fill
+rules, the calibration/held-out split, FLOP formulas). Each row becomes what a user would type: a
+text-only model of the row's shape (`model_of`), the fixed-length text workload at the row's `seq`,
+the row's layout and data-parallel mode (`parallel_of`), its software stack and precision
+(`options_of`: kernels, attention, GEMM dtype, what the stack overlaps), on the row's hardware
+preset, planned by `homogeneous` (Megatron-style 1F1B, interleaved when `vpp` > 1) and simulated.
+The measured step time comes from the row's own figure (`measured`): a published step time, tokens
+per second per GPU, or a FLOP rate turned back into seconds with the formula the publication used.
+Nothing is fitted per row or per source.
 
-    name, source, layers, hidden, heads, vocab, seq, gpus, tp, pp, vpp, global_batch, micro_batch,
-    data_parallel, recompute, tflops_per_gpu, step_time_s, flop_formula, hardware
-
-Each row becomes what a user would type: a dense text model of the row's shape (`gpt_model`: a GPT
-block's 12h^2 matmul weights per layer expressed in this project's decoder, SwiGLU width 8h/3),
-the fixed-length text workload (`workloads/specs/pretrain_2048.toml` or the same at the row's
-`seq`), the row's layout and batch on the row's hardware, planned by `homogeneous` (Megatron-style
-1F1B, interleaved when `vpp` > 1) and simulated. The measured step time is the row's
-`step_time_s`, or the row's TFLOP/s per GPU turned back into seconds with the formula that
-publication used (`flop_formula`), never with this project's counter. Nothing is fitted per row.
+The older table `megatron_a100.csv` (one schema before: `data_parallel`, no model columns) is read
+too: its rows are converted to the new schema (GPT blocks, Megatron stack, bf16, no split column).
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from omnibench.specs.model import LLMSpec, MultimodalSpec
-from omnibench.specs.parallel import ParallelSpec
+from omnibench.specs.model import LLMSpec, MoESpec, MultimodalSpec
+from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
 
-COLUMNS = ("name", "source", "layers", "hidden", "heads", "vocab", "seq", "gpus", "tp", "pp", "vpp",
-           "global_batch", "micro_batch", "data_parallel", "recompute", "tflops_per_gpu", "step_time_s",
-           "flop_formula", "hardware")
-DATA_PARALLEL = ("ddp", "fsdp")
+COLUMNS = ("name", "source", "table", "url", "split", "hardware", "gpus", "model_kind", "layers", "hidden", "heads",
+           "kv_heads", "ffn", "glu", "vocab", "experts", "top_k", "expert_ffn", "seq", "tp", "pp", "vpp", "cp",
+           "cp_kind", "ep", "dp_mode", "global_batch", "micro_batch", "recompute", "precision", "stack",
+           "tflops_per_gpu", "mfu", "step_time_s", "tokens_per_s_per_gpu", "flop_formula", "peak_memory_gib",
+           "verified", "notes")
+LEGACY_COLUMNS = ("name", "source", "layers", "hidden", "heads", "vocab", "seq", "gpus", "tp", "pp", "vpp",
+                  "global_batch", "micro_batch", "data_parallel", "recompute", "tflops_per_gpu", "step_time_s",
+                  "flop_formula", "hardware")
+MEASURED = ("tflops_per_gpu", "mfu", "step_time_s", "tokens_per_s_per_gpu")
+SPLITS = ("calibration", "heldout")
+MODEL_KINDS = ("gpt", "llama", "moe")
+DP_MODE_NAMES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+STACKS = ("megatron", "nemo", "torchtitan", "deepspeed", "fsdp", "other")
+PRECISIONS = ("bf16", "fp16", "fp8")
+RECOMPUTES = ("none", "selective", "full")
+CP_KINDS = {"": "ulysses", "ulysses": "ulysses", "ring": "ring", "allgather-kv": "allgather"}
 FLOP_FORMULAS = {
     # Narayanan et al. SC'21, eq. (3): forward, backward and the full recomputation's forward,
     # attention over full s x s scores, logits counted 3x (no recomputation of the head).
     "megatron-hfu": "96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))",
     # The same without recomputation (model FLOPs, Korthikanti et al. MFU): 72*B*s*l*h^2*(...).
     "megatron-mfu": "72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))",
+    # The publication does not say how it counted: converted with this project's model-FLOP counter
+    # (costs.batch_flops: exact matmul FLOPs, causal attention, no recomputation) and reported apart.
+    "unstated": "costs.batch_flops (model FLOPs, causal attention, no recomputation)",
 }
 
 
@@ -41,52 +57,72 @@ class PublishedError(ValueError):
 
 
 @dataclass(frozen=True)
-class PublishedRow:
+class PublishedRun:
     name: str
     source: str
+    split: str  # calibration | heldout | "" (a table without a split column)
+    hardware: str
+    gpus: int
+    model_kind: str
     layers: int
     hidden: int
     heads: int
+    kv_heads: int
+    ffn: int
+    glu: bool
     vocab: int
     seq: int
-    gpus: int
     tp: int
     pp: int
     vpp: int
+    cp: int
+    cp_kind: str  # the CSV's word: "", ring, allgather-kv, ulysses
+    ep: int
+    dp_mode: str
     global_batch: int
     micro_batch: int
-    data_parallel: str
     recompute: str
-    tflops_per_gpu: float | None
-    step_time_s: float | None
-    flop_formula: str
-    hardware: str
+    precision: str
+    stack: str
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    tflops_per_gpu: float | None = None
+    mfu: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+    flop_formula: str = ""
+    peak_memory_gib: float | None = None
+    notes: str = ""
+    table: str = ""
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
     def microbatches(self) -> int:
         """Microbatches per data-parallel rank per step."""
         return self.global_batch // (self.dp * self.micro_batch)
 
-    def publication_flops(self) -> float:
-        """FLOPs of one step by the publication's own formula (`flop_formula`)."""
-        b, s, n, h, v = self.global_batch, self.seq, self.layers, self.hidden, self.vocab
-        if self.flop_formula == "megatron-hfu":
-            return 96.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
-        return 72.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+    @property
+    def head_dim(self) -> int:
+        """The notes' `head_dim=N` (Qwen3: 128 whatever hidden/heads), else hidden / heads."""
+        m = re.search(r"head_dim\s*=\s*(\d+)", self.notes)
+        return int(m.group(1)) if m else 0
 
     @property
-    def measured_step_s(self) -> float:
-        if self.step_time_s is not None:
-            return self.step_time_s
-        assert self.tflops_per_gpu is not None
-        return self.publication_flops() / (self.tflops_per_gpu * 1e12 * self.gpus)
+    def unstated(self) -> bool:
+        """The measured figure is a FLOP rate whose counting the publication does not give."""
+        return self.flop_formula == "unstated"
+
+    @property
+    def compiled(self) -> bool:
+        """torch.compile ran the model (torchtitan's rows say so in their notes)."""
+        return "torch.compile" in self.notes
 
 
-def _parse_row(raw: dict, where: str) -> PublishedRow:
+def _parse_row(raw: dict, where: str) -> PublishedRun:
     def text(col: str, allowed: tuple[str, ...] | None = None, default: str | None = None) -> str:
         v = (raw.get(col) or "").strip()
         if not v and default is not None:
@@ -121,57 +157,195 @@ def _parse_row(raw: dict, where: str) -> PublishedRow:
             raise PublishedError(f"{where}: {col} must be a positive number, got {v!r}")
         return out
 
-    row = PublishedRow(
-        name=text("name"), source=text("source"), layers=integer("layers"), hidden=integer("hidden"),
-        heads=integer("heads"), vocab=integer("vocab"), seq=integer("seq"), gpus=integer("gpus"),
-        tp=integer("tp"), pp=integer("pp"), vpp=integer("vpp", 1), global_batch=integer("global_batch"),
-        micro_batch=integer("micro_batch", 1), data_parallel=text("data_parallel", DATA_PARALLEL, "ddp"),
-        recompute=text("recompute", ("none", "full", "selective"), "none"),
-        tflops_per_gpu=number("tflops_per_gpu"), step_time_s=number("step_time_s"),
-        flop_formula=text("flop_formula", tuple(FLOP_FORMULAS), "megatron-hfu"),
-        hardware=text("hardware", None, "a100-80g"),
+    kind = text("model_kind", MODEL_KINDS)
+    row = PublishedRun(
+        name=text("name"), source=text("source"), table=(raw.get("table") or "").strip(),
+        split=text("split", SPLITS), hardware=text("hardware"), gpus=integer("gpus"), model_kind=kind,
+        layers=integer("layers"), hidden=integer("hidden"), heads=integer("heads"), kv_heads=integer("kv_heads"),
+        ffn=integer("ffn"), glu=text("glu", ("yes", "no")) == "yes", vocab=integer("vocab"),
+        experts=integer("experts", 0) if kind != "moe" else integer("experts"),
+        top_k=integer("top_k", 0) if kind != "moe" else integer("top_k"),
+        expert_ffn=integer("expert_ffn", 0) if kind != "moe" else integer("expert_ffn"),
+        seq=integer("seq"), tp=integer("tp", 1), pp=integer("pp", 1), vpp=integer("vpp", 1), cp=integer("cp", 1),
+        cp_kind=text("cp_kind", tuple(k for k in CP_KINDS if k), ""), ep=integer("ep", 1),
+        dp_mode=text("dp_mode", DP_MODE_NAMES), global_batch=integer("global_batch"),
+        micro_batch=integer("micro_batch", 1), recompute=text("recompute", RECOMPUTES, "none"),
+        precision=text("precision", PRECISIONS, "bf16"), stack=text("stack", STACKS),
+        tflops_per_gpu=number("tflops_per_gpu"), mfu=number("mfu"), step_time_s=number("step_time_s"),
+        tokens_per_s_per_gpu=number("tokens_per_s_per_gpu"),
+        flop_formula=text("flop_formula", tuple(FLOP_FORMULAS), ""),
+        peak_memory_gib=number("peak_memory_gib"), notes=(raw.get("notes") or "").strip(),
     )
-    if (row.tflops_per_gpu is None) == (row.step_time_s is None):
-        raise PublishedError(f"{where}: give exactly one of tflops_per_gpu and step_time_s")
-    if row.gpus % (row.tp * row.pp):
-        raise PublishedError(f"{where}: tp*pp = {row.tp * row.pp} does not divide gpus = {row.gpus}")
+    return _check(row, where)
+
+
+def _check(row: PublishedRun, where: str) -> PublishedRun:
+    given = [c for c in MEASURED if getattr(row, c) is not None]
+    if len(given) != 1:
+        raise PublishedError(f"{where}: give exactly one of {', '.join(MEASURED)}; got {', '.join(given) or 'none'}")
+    if given[0] in ("tflops_per_gpu", "mfu") and not row.flop_formula:
+        raise PublishedError(f"{where}: flop_formula must be one of {', '.join(FLOP_FORMULAS)} for a FLOP rate")
+    if row.gpus % (row.tp * row.pp * row.cp):
+        raise PublishedError(f"{where}: tp*pp*cp = {row.tp * row.pp * row.cp} does not divide gpus = {row.gpus}")
     if row.global_batch % (row.dp * row.micro_batch):
         raise PublishedError(f"{where}: global_batch {row.global_batch} is not a multiple of dp*micro_batch = "
                              f"{row.dp}*{row.micro_batch}")
-    if row.hidden % row.heads:
-        raise PublishedError(f"{where}: heads {row.heads} does not divide hidden {row.hidden}")
+    if row.heads % row.kv_heads or (not row.head_dim and row.hidden % row.heads):
+        raise PublishedError(f"{where}: heads {row.heads} must divide hidden {row.hidden} (or notes give head_dim) "
+                             f"and be a multiple of kv_heads {row.kv_heads}")
     return row
 
 
-def load_published(path: str | Path) -> list[PublishedRow]:
+def _legacy_row(raw: dict, where: str) -> PublishedRun:
+    """A row of the schema before published_runs.csv (megatron_a100.csv): dense GPT, Megatron-LM."""
+    h, heads = (raw.get("hidden") or "").strip(), (raw.get("heads") or "").strip()
+    data_parallel = (raw.get("data_parallel") or "ddp").strip() or "ddp"
+    if data_parallel not in ("ddp", "fsdp"):
+        raise PublishedError(f"{where}: data_parallel must be one of ddp, fsdp; got {data_parallel!r}")
+    hidden = int(h) if h.isdigit() else 0
+    new = {**raw, "split": raw.get("split") or "heldout", "model_kind": "gpt", "kv_heads": heads,
+           "ffn": str(4 * hidden) if hidden else "", "glu": "no", "cp": "1", "ep": "1", "dp_mode": data_parallel,
+           "precision": "bf16", "stack": "megatron", "hardware": (raw.get("hardware") or "").strip() or "a100-80g",
+           "flop_formula": (raw.get("flop_formula") or "").strip() if (raw.get("tflops_per_gpu") or "").strip()
+           else ""}
+    if (raw.get("tflops_per_gpu") or "").strip() and not new["flop_formula"]:
+        new["flop_formula"] = "megatron-hfu"
+    row = _parse_row(new, where)
+    return replace(row, split="")
+
+
+def load_published(path: str | Path) -> list[PublishedRun]:
     p = Path(path)
     if not p.is_file():
         raise PublishedError(f"published: no such file {str(path)!r}")
     with p.open(newline="") as fh:
         lines = [ln for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
     reader = csv.DictReader(lines)
-    missing = [c for c in ("name", "source", "layers", "hidden", "heads", "vocab", "seq", "gpus", "tp", "pp",
-                           "global_batch") if c not in (reader.fieldnames or [])]
+    names = tuple(reader.fieldnames or ())
+    legacy = "model_kind" not in names
+    expected = LEGACY_COLUMNS if legacy else COLUMNS
+    required = ("name", "source", "layers", "hidden", "heads", "vocab", "seq", "gpus", "tp", "pp", "global_batch")
+    missing = [c for c in (required if legacy else COLUMNS) if c not in names]
     if missing:
-        raise PublishedError(f"{p.name}: missing column {missing[0]}; columns: {', '.join(COLUMNS)}")
-    unknown = [c for c in reader.fieldnames or [] if c not in COLUMNS]
+        raise PublishedError(f"{p.name}: missing column {missing[0]}; columns: {', '.join(expected)}")
+    unknown = [c for c in names if c not in expected]
     if unknown:
-        raise PublishedError(f"{p.name}: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMNS)}")
-    rows = [_parse_row(r, f"{p.name} row {i + 1}") for i, r in enumerate(reader)]
+        raise PublishedError(f"{p.name}: unknown column {unknown[0]!r}; allowed: {', '.join(expected)}")
+    parse = _legacy_row if legacy else _parse_row
+    rows = [parse(r, f"{p.name} row {i + 1} ({(r.get('name') or '').strip() or '?'})") for i, r in enumerate(reader)]
     if not rows:
         raise PublishedError(f"{p.name}: no rows")
+    seen: set[str] = set()
+    for r in rows:
+        if r.name in seen:
+            raise PublishedError(f"{p.name}: row name {r.name!r} appears twice")
+        seen.add(r.name)
     return rows
 
 
-def gpt_model(row: PublishedRow) -> MultimodalSpec:
-    """A GPT-style dense decoder of the row's shape in this project's LLM spec: multi-head attention
-    (kv heads = heads), no biases, a gated MLP of width 8h/3 (rounded to a multiple of 8) so its three
-    matrices hold GPT's 8h^2 MLP weights, tied input/output embeddings (as Megatron GPT)."""
-    h = row.hidden
-    ffn = max(8, round(8 * h / 3 / 8) * 8)
-    llm = LLMSpec(name=f"gpt-{row.name}", layers=row.layers, hidden=h, heads=row.heads, kv_heads=row.heads,
-                  ffn=ffn, vocab=row.vocab, qkv_bias=False, tie_embeddings=True, rope_theta=10_000.0)
+# -- what each row runs -------------------------------------------------------------------------------------
+
+
+def model_of(row: PublishedRun) -> MultimodalSpec:
+    """The row's text model in this project's LLM spec.
+
+    gpt: multi-head attention, a GELU MLP of width `ffn` (two matrices), LayerNorm, no rotary
+    embedding (learned positions for GPT-3/Megatron, ALiBi for MPT: neither runs a per-layer kernel
+    worth costing), tied input/output embeddings (Megatron GPT and MPT both tie them).
+    llama: grouped-query attention, SwiGLU of width `ffn`, RMSNorm, RoPE, untied embeddings.
+    moe (Qwen3-MoE): as llama with every MLP a top-k MoE of `experts` experts of width `expert_ffn`,
+    q/k norms, the head dimension the notes give (128)."""
+    gated = row.glu
+    llm = LLMSpec(
+        name=f"{row.model_kind}-{row.name}", layers=row.layers, hidden=row.hidden, heads=row.heads,
+        kv_heads=row.kv_heads, ffn=row.ffn, vocab=row.vocab, head_dim=row.head_dim, qkv_bias=False,
+        qk_norm=row.model_kind == "moe", tie_embeddings=row.model_kind == "gpt",
+        mlp="swiglu" if gated else "gelu", norm="layer" if row.model_kind == "gpt" else "rms",
+        positions="learned" if row.model_kind == "gpt" else "rope",
+        moe=MoESpec(experts=row.experts, top_k=row.top_k, expert_ffn=row.expert_ffn) if row.model_kind == "moe"
+        else None,
+    )
     return MultimodalSpec(name=llm.name, llm=llm)
+
+
+def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
+    """The row's layout: dp = gpus / (tp pp cp), its data-parallel mode as `--dp-mode` names it
+    (fsdp: one shard group over the whole data-parallel group, as the stacks ran it). Megatron-Core
+    stacks cut a pipeline whose virtual stages do not divide the layers with the embedding and the
+    loss counted as a layer each (the recipes' account_for_embedding/loss_in_pipeline_split). MoE rows
+    with tp > 1 keep their experts whole (expert tensor parallelism 1: the MoE model zoo's ETP column
+    for every H100 row; for Megatron-Bridge's TP 2 x EP 32 on 256 GPUs the only ETP the layout
+    allows), ep drawn from the dp*cp*tp ranks (Megatron's MoE parallel folding)."""
+    stages = row.pp * row.vpp
+    split = (row.stack in ("megatron", "nemo") and row.pp > 1 and row.layers % stages != 0
+             and (row.layers + 2) % stages == 0)
+    return ParallelSpec(world_size=row.gpus, gpus_per_node=gpus_per_node, dp=row.dp, tp=row.tp, pp=row.pp,
+                        cp=row.cp, cp_kind=CP_KINDS[row.cp_kind], ep=row.ep, virtual_stages=row.vpp,
+                        microbatches=row.microbatches, recompute=row.recompute, embedding_loss_stages=split,
+                        expert_tp=1 if row.model_kind == "moe" and row.tp > 1 else 0, **dp_mode_fields(row.dp_mode))
+
+
+HOPPER = ("h100", "h200", "h800")
+
+
+def options_of(row: PublishedRun, stack: str | None = None):
+    """What the row's software runs, as simulation options (`simulator/options.py`), by one rule per
+    stack read off its code and documents at the row's date (README, "What each stack runs"):
+
+    - megatron on V100/A100 (Megatron-LM 2019-2023, Narayanan et al., MegaScale's baseline): fused
+      kernels, unfused attention (s x s scores through HBM), DP all-reduce after the backward;
+      on H100 (Megatron-Core 2025, the MoE model zoo): Transformer Engine kernels and fused
+      attention, sequence parallelism, distributed optimizer with overlapped gradient reduction and
+      parameter gather;
+    - nemo (NeMo 2 / Megatron-Bridge recipes): the same H100 Megatron-Core stack, plus TP
+      communication overlap (userbuffers) wherever tp > 1;
+    - torchtitan: PyTorch eager blocks (fp32 norm and RoPE math) unless the notes say torch.compile,
+      SDPA flash attention, FSDP2 (per-layer gathers prefetched, reduce-scatters behind the
+      backward), TP with sequence parallelism, AsyncTP where the notes say so, Float8 linears at fp8;
+      its selective checkpointing recomputes half of each block's forward (every other matmul and
+      the element-wise ops, or every other block: torchtitan's `selective_ac_option` "op" / "2");
+    - fsdp (MosaicML Composer + llm-foundry MPT): FSDP with flash attention and low-precision
+      LayerNorm, fused-kernel costs; Composer runs no no_sync under FSDP, so gradients are
+      reduce-scattered in every microbatch's backward;
+    - deepspeed (ZeRO-3 rows of Narayanan et al.: Megatron's GPT model under DeepSpeed): as megatron,
+      parameters gathered in prefetch buckets of 5e7 and gradients reduced in buckets of 5e8 (the
+      ZeRO-3 config defaults), and gathered again for the recomputed forward (ZeRO-3 releases a
+      layer's parameters after every forward);
+    - other (MegaScale, Meta's Llama 3 stack): fused kernels and flash attention; what the notes
+      say the publication overlaps ("overlap") is overlapped.
+    `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
+    from simulator.engine import SimOptions
+    from simulator.memory import published_memory_stack
+
+    hopper = row.hardware.startswith(HOPPER)
+    tp = row.tp > 1
+    notes = row.notes.lower()
+    kernels, attention, selective = "fused", "flash", "attention"
+    sp = overlap_grad = overlap_params = tp_overlap = reduce_every = False
+    gather_bucket = reduce_bucket = 0.0
+    if row.stack == "deepspeed":
+        # ZeRO-3's stage3_prefetch_bucket_size and reduce_bucket_size defaults (DeepSpeed config docs)
+        gather_bucket, reduce_bucket = 5e7, 5e8
+    regather = row.stack == "deepspeed"
+    if row.stack in ("megatron", "deepspeed") and not hopper:
+        attention = "unfused"
+    elif row.stack in ("megatron", "nemo"):
+        sp, overlap_grad, overlap_params = tp, True, True
+        tp_overlap = row.stack == "nemo" and tp
+    elif row.stack == "torchtitan":
+        kernels = "fused" if row.compiled else "eager"
+        sp, tp_overlap, selective = tp, "asynctp" in notes, "half"
+    elif row.stack == "fsdp":
+        reduce_every = True
+    elif row.stack == "other":
+        overlap = "overlap" in notes
+        sp, overlap_grad, overlap_params, tp_overlap = tp, overlap, overlap, overlap and tp
+    return SimOptions(recompute=row.recompute, stack=stack or kernels, attention=attention,
+                      gemm_dtype="fp8" if row.precision == "fp8" and hopper else "bf16", sequence_parallel=sp,
+                      overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap,
+                      selective=selective, fsdp_reduce_every_microbatch=reduce_every,
+                      fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket, gather_for_recompute=regather,
+                      p2p_scatter_gather=True, memory_stack=published_memory_stack(row))
 
 
 def fixed_text_workload(seq: int):
@@ -183,15 +357,39 @@ def fixed_text_workload(seq: int):
                            "schedule": {"kind": "constant", "weights": {"text": 1.0}}}, origin="published")
 
 
-def parallel_spec(row: PublishedRow, gpus_per_node: int) -> ParallelSpec:
-    return ParallelSpec(world_size=row.gpus, gpus_per_node=gpus_per_node, dp=row.dp, tp=row.tp, pp=row.pp,
-                        virtual_stages=row.vpp, microbatches=row.microbatches, recompute=row.recompute,
-                        fsdp=row.data_parallel == "fsdp", dp_shard=-1)
+# -- the measured side ----------------------------------------------------------------------------------------
+
+
+def publication_flops(row: PublishedRun) -> float:
+    """FLOPs of one step as the publication counts them (`flop_formula`)."""
+    b, s, n, h, v = row.global_batch, row.seq, row.layers, row.hidden, row.vocab
+    if row.flop_formula == "megatron-hfu":
+        return 96.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+    if row.flop_formula == "megatron-mfu":
+        return 72.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+    from simulator.flops import model_train_flops
+    from workloads.sample import Sample, Segment
+
+    samples = [Sample(0, "text", (Segment("text", s),))]
+    return b * model_train_flops(model_of(row), samples)
+
+
+def measured(row: PublishedRun, peak_tflops: float = 0.0) -> float:
+    """The published step time in seconds (README, "What each measured figure means")."""
+    if row.step_time_s is not None:
+        return row.step_time_s
+    if row.tokens_per_s_per_gpu is not None:
+        return row.global_batch * row.seq / (row.tokens_per_s_per_gpu * row.gpus)
+    rate = row.tflops_per_gpu if row.tflops_per_gpu is not None else row.mfu * peak_tflops
+    return publication_flops(row) / (rate * 1e12 * row.gpus)
+
+
+# -- one row ------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class PublishedCheck:
-    row: PublishedRow
+    row: PublishedRun
     measured_s: float
     simulated_s: float
     fits: bool
@@ -201,34 +399,208 @@ class PublishedCheck:
     hfu_tflops: float  # simulated TFLOP/s per GPU counting the recomputed forward
     breakdown: dict = field(default_factory=dict)
     compute_model: str = ""
+    sim_seconds: float = 0.0
 
     @property
     def error(self) -> float:
         """(simulated - measured) / measured: negative = the simulator is optimistic."""
         return (self.simulated_s - self.measured_s) / self.measured_s
 
+    @property
+    def memory_error(self) -> float | None:
+        if self.row.peak_memory_gib is None:
+            return None
+        return (self.peak_memory_gib - self.row.peak_memory_gib) / self.row.peak_memory_gib
 
-def check_row(row: PublishedRow, calibration=None, kernels: str | None = None) -> PublishedCheck:
+
+def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, stack: str | None = None,
+              gpu: dict | None = None) -> PublishedCheck:
     """Simulate one row. `kernels`: a kernel profile for the row's hardware instead of its preset's
-    ("none": the datasheet roofline fallback)."""
-    from simulator.engine import SimOptions, simulate
+    ("none": the datasheet roofline fallback); `stack`: eager|fused for every row instead of the
+    row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies)."""
+    from simulator.engine import simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
-    from workloads.spec import get_workload
+    from workloads.registry import get_workload
     from workloads.stream import WorkloadStream
 
     cluster = load_cluster(row.hardware, row.gpus)
+    if gpu:
+        cluster = replace(cluster, gpu=replace(cluster.gpu, **gpu))
     if kernels is not None:
         cluster = cluster.with_kernels("" if kernels == "none" else kernels)
-    model = gpt_model(row)
-    parallel = parallel_spec(row, cluster.gpus_per_node)
+    model = model_of(row)
+    parallel = parallel_of(row, cluster.gpus_per_node)
     parallel.validate(model)
     spec = get_workload("pretrain_2048") if row.seq == 2048 else fixed_text_workload(row.seq)
     stream = WorkloadStream(spec, seed=0, global_batch_tokens=row.global_batch * row.seq)
     plan = get_planner("homogeneous").plan(model, parallel, stream.batch(0))
-    res = simulate(plan, model, cluster, calibration=calibration, options=SimOptions(recompute=row.recompute, stack="fused"))
-    return PublishedCheck(row=row, measured_s=row.measured_step_s, simulated_s=res.step_time, fits=res.fits,
-                          fit_message=res.fit_message, peak_memory_gib=res.peak_memory / 2**30, mfu=res.mfu,
-                          hfu_tflops=res.hardware_tflops_per_gpu,
+    res = simulate(plan, model, cluster, calibration=calibration, options=options_of(row, stack))
+    return PublishedCheck(row=row, measured_s=measured(row, cluster.gpu.peak_tflops), simulated_s=res.step_time,
+                          fits=res.fits, fit_message=res.fit_message, peak_memory_gib=res.peak_memory / 2**30,
+                          mfu=res.mfu, hfu_tflops=res.hardware_tflops_per_gpu,
                           breakdown={"bubble": res.bubble, "exposed_comm": res.exposed_comm},
-                          compute_model=res.compute_model)
+                          compute_model=res.compute_model, sim_seconds=res.sim_seconds)
+
+
+# -- statistics and the committed table ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One row as the validation table prints it: step times at 4 significant digits, and every
+    statistic computed from those printed figures (so a committed table is checkable on its own)."""
+
+    name: str
+    source: str
+    split: str
+    unstated: bool
+    gpus: int
+    layout: str  # tp/pp/vpp/cp/ep
+    dp_mode: str
+    measured_s: float
+    simulated_s: float
+    fits: bool
+    published_gib: float | None
+    simulated_gib: float
+
+    @property
+    def error(self) -> float:
+        return (self.simulated_s - self.measured_s) / self.measured_s
+
+    @property
+    def memory_error(self) -> float | None:
+        if self.published_gib is None:
+            return None
+        return (self.simulated_gib - self.published_gib) / self.published_gib
+
+    def line(self) -> str:
+        split = f"{self.split} (unstated FLOPs)" if self.unstated else (self.split or "all")
+        mem = f"{self.published_gib:g}" if self.published_gib is not None else "-"
+        return (f"| {self.name} | {self.source} | {split} | {self.gpus} | {self.layout} | {self.dp_mode} | "
+                f"{self.measured_s:.4g} | {self.simulated_s:.4g} | {self.error:+.1%} | {'yes' if self.fits else 'no'} | "
+                f"{mem} / {self.simulated_gib:.1f} |")
+
+
+def table_row(c: PublishedCheck) -> TableRow:
+    r = c.row
+    return TableRow(name=r.name, source=r.source, split=r.split, unstated=r.unstated, gpus=r.gpus,
+                    layout=f"{r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep}", dp_mode=r.dp_mode,
+                    measured_s=float(f"{c.measured_s:.4g}"), simulated_s=float(f"{c.simulated_s:.4g}"), fits=c.fits,
+                    published_gib=r.peak_memory_gib, simulated_gib=float(f"{c.peak_memory_gib:.1f}"))
+
+
+@dataclass
+class Stats:
+    rows: int
+    mean_abs: float
+    worst: float  # signed error of the worst row
+    worst_row: str
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "mean_abs_error": self.mean_abs, "worst_error": self.worst,
+                "worst_row": self.worst_row}
+
+
+def stats(pairs: list[tuple[str, float]]) -> Stats | None:
+    if not pairs:
+        return None
+    worst = max(pairs, key=lambda p: abs(p[1]))
+    return Stats(len(pairs), sum(abs(e) for _, e in pairs) / len(pairs), worst[1], worst[0])
+
+
+def groups(rows: list) -> dict:
+    """Step-time error by split (calibration, heldout; rows of an `unstated` FLOP formula apart,
+    and a table without a split column as "all"), by source and split, and memory error where
+    a peak memory is published. `rows`: PublishedChecks or TableRows."""
+    rows = [table_row(r) if isinstance(r, PublishedCheck) else r for r in rows]
+    out: dict = {"split": {}, "source": {}, "memory": {}}
+    stated = [r for r in rows if not r.unstated]
+    for split in sorted({r.split for r in stated}):
+        out["split"][split or "all"] = stats([(r.name, r.error) for r in stated if r.split == split])
+    unstated = [(r.name, r.error) for r in rows if r.unstated]
+    if unstated:
+        out["split"]["unstated"] = stats(unstated)
+    for src in sorted({r.source for r in rows}):
+        for split in sorted({r.split for r in stated if r.source == src}):
+            out["source"][(src, split or "all")] = stats([(r.name, r.error) for r in stated
+                                                          if r.source == src and r.split == split])
+        sel = [(r.name, r.error) for r in rows if r.source == src and r.unstated]
+        if sel:
+            out["source"][(src, "unstated")] = stats(sel)
+    for split in sorted({r.split for r in rows}):
+        mem = [(r.name, r.memory_error) for r in rows if r.split == split and r.memory_error is not None]
+        if mem:
+            out["memory"][split or "all"] = stats(mem)
+    return out
+
+
+def to_json(checks: list[PublishedCheck]) -> dict:
+    g = groups(checks)
+    return {
+        "rows": [{"name": c.row.name, "source": c.row.source, "split": c.row.split, "hardware": c.row.hardware,
+                  "gpus": c.row.gpus, "stack": c.row.stack, "flop_formula": c.row.flop_formula or None,
+                  "measured_s": c.measured_s, "simulated_s": c.simulated_s, "error": c.error, "fits": c.fits,
+                  "fit_message": c.fit_message, "peak_memory_gib": c.peak_memory_gib,
+                  "published_memory_gib": c.row.peak_memory_gib, "memory_error": c.memory_error, "mfu": c.mfu,
+                  "hfu_tflops": c.hfu_tflops, **c.breakdown} for c in checks],
+        "split": {k: v.to_dict() for k, v in g["split"].items() if v},
+        "source": {f"{s}/{sp}": v.to_dict() for (s, sp), v in g["source"].items() if v},
+        "memory": {k: v.to_dict() for k, v in g["memory"].items() if v},
+        "unstated_formula": FLOP_FORMULAS["unstated"],
+    }
+
+
+ROW_HEADER = ("| run | source | split | GPUs | tp/pp/v/cp/ep | dp | published s | simulated s | error | fits "
+              "| memory GiB pub. / sim. |")
+
+
+def render(rows: list[TableRow], command: str, failed: list[tuple[str, str]] = ()) -> str:
+    """The validation table as committed (written by `validate --published ... --markdown`)."""
+    g = groups(rows)
+    lines = [f"<!-- written by `{command}`; do not edit by hand -->", "",
+             "| split | rows | mean abs. step-time error | worst row |", "|---|---:|---:|---|"]
+    for split, s in g["split"].items():
+        lines.append(f"| {split} | {s.rows} | {s.mean_abs:.1%} | {s.worst_row} ({s.worst:+.1%}) |")
+    lines += ["", "| source | split | rows | mean abs. error | worst row |", "|---|---|---:|---:|---|"]
+    for (src, split), s in g["source"].items():
+        lines.append(f"| {src} | {split} | {s.rows} | {s.mean_abs:.1%} | {s.worst_row} ({s.worst:+.1%}) |")
+    if g["memory"]:
+        lines += ["", "| peak memory | rows | mean abs. error | worst row |", "|---|---:|---:|---|"]
+        for split, s in g["memory"].items():
+            lines.append(f"| {split} | {s.rows} | {s.mean_abs:.1%} | {s.worst_row} ({s.worst:+.1%}) |")
+    lines += ["", ROW_HEADER, "|---|---|---|---:|---|---|---:|---:|---:|---|---|"]
+    lines += [r.line() for r in rows]
+    if failed:
+        lines += ["", "Not simulated (the simulator cannot express the row; kept out of every statistic above):", ""]
+        lines += [f"- {name}: {why}" for name, why in failed]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(checks: list[PublishedCheck], command: str, failed: list[tuple[str, str]] = ()) -> str:
+    return render([table_row(c) for c in checks], command, failed)
+
+
+def parse_table(text: str) -> tuple[str, list[TableRow], list[tuple[str, str]]]:
+    """(command, rows, not simulated) of a table `render` wrote."""
+    lines = text.splitlines()
+    m = re.match(r"<!-- written by `(.*)`; do not edit by hand -->", lines[0]) if lines else None
+    if m is None:
+        raise PublishedError("validation table: the first line must name the command that wrote it")
+    start = lines.index(ROW_HEADER) + 2
+    rows, failed = [], []
+    for ln in lines[start:]:
+        if ln.startswith("- "):
+            name, why = ln[2:].split(": ", 1)
+            failed.append((name, why))
+        if not ln.startswith("| "):
+            continue
+        cells = [x.strip() for x in ln.strip("|").split("|")]
+        split = cells[2].replace(" (unstated FLOPs)", "")
+        pub, sim = cells[10].split(" / ")
+        rows.append(TableRow(name=cells[0], source=cells[1], split="" if split == "all" else split,
+                             unstated=cells[2].endswith("(unstated FLOPs)"), gpus=int(cells[3]), layout=cells[4],
+                             dp_mode=cells[5], measured_s=float(cells[6]), simulated_s=float(cells[7]),
+                             fits=cells[9] == "yes", published_gib=None if pub == "-" else float(pub),
+                             simulated_gib=float(sim)))
+    return m.group(1), rows, failed

@@ -5,7 +5,7 @@ memory)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omnibench.plan import (
     BACKWARD,
@@ -15,7 +15,7 @@ from omnibench.plan import (
 from simulator.hardware import GiB
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     rank: int  # representative rank of the class
     stream: str  # "compute" | "collective" | "p2p"
@@ -51,6 +51,7 @@ class RankStats:
     memory_allocated: float = 0.0  # peak of live tensors (torch.cuda.max_memory_allocated's measure)
     memory_reserved: float = 0.0  # the caching allocator's peak reserve (max_memory_reserved's)
     memory_peak_at: str = ""  # the action during which the peak happens
+    compute_by_module: dict = field(default_factory=dict)  # module -> own compute seconds
 
 
 @dataclass
@@ -130,6 +131,28 @@ class SimResult:
                 out[sp.module] += sp.duration * weight[sp.rank] / n
         return dict(out)
 
+    def breakdown(self) -> dict[str, float]:
+        """Where a rank's step goes, in seconds averaged over ranks (each class weighted by the ranks it
+        stands for): its own encoder and LLM compute, the optimizer step, communication the compute
+        stream waited for (exposed), and idle time (pipeline bubbles, waiting for slower peers or for
+        the boundary: the step minus everything else); `idle_max`/`idle_min` are the idlest and the
+        busiest rank's idle seconds, so a reader sees imbalance apart from bubbles."""
+        if not self.ranks:
+            return {}
+        n = sum(r.members for r in self.ranks)
+        out = dict.fromkeys(("encoder", "llm", "optimizer", "exposed_comm", "idle"), 0.0)
+        idles = []
+        for r in self.ranks:
+            enc = sum(v for m, v in r.compute_by_module.items() if m != "llm")
+            llm = r.compute_by_module.get("llm", 0.0)
+            idle = max(0.0, self.step_time - (r.compute + r.exposed_comm + r.optimizer))
+            idles.append(idle)
+            for k, v in (("encoder", enc), ("llm", llm), ("optimizer", r.optimizer),
+                         ("exposed_comm", r.exposed_comm), ("idle", idle)):
+                out[k] += v * r.members / n
+        out["idle_max"], out["idle_min"] = max(idles), min(idles)
+        return out
+
     @property
     def peak_memory(self) -> float:
         return max((r.memory_bytes for r in self.ranks), default=0.0)
@@ -158,6 +181,7 @@ class SimResult:
             "peak_memory_gib": self.peak_memory / GiB,
             "memory_capacity_gib": self.memory_capacity / GiB,
             "compute_s_by_module": self.compute_by_module(),
+            "breakdown_s": self.breakdown(),
             "distinct_ranks": self.classes,
             "sim_seconds": self.sim_seconds,
         }

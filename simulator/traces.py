@@ -231,10 +231,26 @@ def _replan(config: dict, plan0: Plan, steps: list[int]) -> tuple[list[Plan], st
         return [], f"cannot re-plan later steps: {e}"
 
 
+def _unfinished(folder: Path) -> str:
+    """How far an unfinished run got, from its config.json and progress.jsonl."""
+    try:
+        done = sum(1 for line in (folder / "progress.jsonl").read_text().splitlines() if line.strip())
+    except OSError:
+        done = 0
+    try:
+        total = json.loads((folder / "config.json").read_text())["run"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{done} step(s) finished"
+    return f"{done} of {total} steps finished"
+
+
 def read_run(path: str | Path) -> RunRecord:
     folder = Path(path)
     if not folder.is_dir():
         raise TraceError(f"run folder {str(path)!r} does not exist")
+    if folder.name.endswith(".incomplete"):  # omnibench/runtime/records.py: a run that never finished
+        raise TraceError(f"{folder}: unfinished run ({_unfinished(folder)}); only a finished run's record can be "
+                         "compared or fitted")
     cfg_path = _first(folder, ["config.json", "run.json", "resolved_config.json"])
     config = _load(cfg_path) if cfg_path else {}
     summary = _load(folder / "summary.json") if (folder / "summary.json").is_file() else {}

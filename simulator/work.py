@@ -50,6 +50,11 @@ class WorkMixin:
         return mbs[mb]
 
     def _signature(self, module: str, rank: int, mb: int) -> tuple:
+        """The cost-relevant lengths of a microbatch: one shared tuple per distinct value (so the
+        work of equal microbatches on different ranks is looked up by identity, never rehashed)."""
+        by_rank = self._sig_of_rank.get((module, rank, mb))
+        if by_rank is not None:
+            return by_rank
         key = (module, self._data_rank(module, rank), mb)
         got = self._sig_cache.get(key)
         if got is None:
@@ -61,7 +66,8 @@ class WorkMixin:
                 got = tuple(s.grid_thw for i in ids for s in sample(i).segments if s.encoder == "vision")
             else:
                 got = tuple(s.mel_frames for i in ids for s in sample(i).segments if s.encoder == "audio")
-            self._sig_cache[key] = got
+            got = self._sig_cache[key] = self._sig_intern.setdefault((module, got), got)
+        self._sig_of_rank[(module, rank, mb)] = got
         return got
 
     def input_elements(self, module: str, rank: int, a: Action) -> float:
@@ -82,6 +88,10 @@ class WorkMixin:
         return 0
 
     def work(self, module: str, stage: int, sig: tuple, sp: int = 0) -> Work:
+        fast = (id(sig), module, stage, sp)  # signatures are shared tuples (`_signature`)
+        hit = self._work_cache.get(fast)
+        if hit is not None and hit[1] is sig:
+            return hit[0]
         key = (module, stage, sig, sp)
         got = self._work_cache.get(key)
         if got is None:
@@ -92,10 +102,10 @@ class WorkMixin:
                 lay = _replace(lay, sp=sp)
             if module == "llm":
                 llm = self.model.llm
-                layers = stage_layers(llm.layers, lay.stages, stage)
+                layers = stage_layers(llm.layers, lay.stages, stage, lay.embedding_loss_stages)
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
-                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, lay.cp * lay.sp,
-                               lay.ep, self.policy["llm"], lay.cp_kind, self.activation_stack)
+                got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, sp or lay.cp,
+                               lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp, self.activation_stack)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
                 chunk = self.options.encoder_chunk_tokens if not sp and lay.sp == 1 else 0
@@ -103,24 +113,28 @@ class WorkMixin:
                 got = make(getattr(self.model, module), list(sig), lay.tp, lay.sp, self.policy[module], chunk)
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
-            if got.shape is not None and self.options.stack == "eager":
-                from dataclasses import replace as _replace
-
-                got = _replace(got, shape=_replace(got.shape, stack=self._eager_stack(module, lay)))
+            if got.shape is not None:
+                got = self._with_stack(got, module, lay)
             self._work_cache[key] = got
+        self._work_cache[fast] = (got, sig)
         return got
 
-    def _eager_stack(self, module: str, lay):
-        """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
-        its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy);
-        otherwise its weights stay fp32 under autocast, and the LLM's fp32 token embedding makes the
-        residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
-        from simulator.kernels import Stack
+    def _with_stack(self, got: Work, module: str, lay) -> Work:
+        """The Work's kernel shape under the simulated software stack (SimOptions)."""
+        from dataclasses import replace as _replace
 
-        fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
-        chunk = costs.loss_chunk_tokens(-(-self.model.llm.vocab // lay.tp)) if module == "llm" else 0
-        return Stack(kind="eager", residual_bytes=4 if module == "llm" and not fsdp else 2,
-                     weight_cast=not fsdp, loss="chunked", loss_chunk_tokens=chunk)
+        from simulator.kernels import FUSED
+
+        o = self.options
+        stack = self._eager_stack(module, lay) if o.stack == "eager" else FUSED
+        stack = _replace(stack, attention=o.attention, gemm=o.gemm_dtype)
+        return _replace(got, shape=_replace(got.shape, stack=stack,
+                                            sequence_parallel=o.sequence_parallel and lay.tp > 1))
+
+    def _eager_stack(self, module: str, lay):
+        stack = eager_stack(self.model, module, lay)
+        # one object per distinct stack: shapes holding equal stacks then hash and compare cheaply
+        return self._work_cache.setdefault(("stack", stack), stack)
 
     def stage_work(self, module: str, stage: int) -> Work:
         """Parameters of what pipeline rank `stage` holds (no data): the work of an empty microbatch;
@@ -148,7 +162,25 @@ class WorkMixin:
         sig = self._signature(module, rank, mb)
         lay = self.plan.layouts[module]
         if module == "llm":
-            return sum(sig) / lay.cp * self.model.llm.hidden * 2
+            # each member of omni's long-sample group passes on its chunk of the row; Megatron's
+            # scatter/gather (and sequence parallelism) sends each tp rank's 1/tp slice
+            split = lay.tp if self.options.p2p_scatter_gather else 1
+            return sum(sig) / (len(self._long_group(module, rank, mb)) or lay.cp) / split * self.model.llm.hidden * 2
         enc = self.model.encoders[module]
         w = self.work(module, 0, sig)
         return w.tokens * enc.hidden * 2
+
+
+def eager_stack(model, module: str, lay):
+    """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
+    its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy); ZeRO
+    (omnibench/runtime/zero.py) holds its replicated weights in bf16 too; otherwise (one rank, DDP)
+    its weights stay fp32 under autocast, cast per forward, and the LLM's fp32 token embedding makes
+    the residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+    from simulator.kernels import Stack
+
+    fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
+    bf16 = fsdp or (not lay.fsdp and getattr(lay, "zero", 0) > 0 and lay.fsdp_size > 1)
+    chunk = costs.loss_chunk_tokens(-(-model.llm.vocab // lay.tp)) if module == "llm" else 0
+    return Stack(kind="eager", residual_bytes=4 if module == "llm" and not bf16 else 2,
+                 weight_cast=not bf16, loss="chunked", loss_chunk_tokens=chunk)

@@ -6,6 +6,8 @@ registers it in `_PLANNERS` below.
 
 from __future__ import annotations
 
+import functools
+import gc
 import importlib
 from typing import Protocol
 
@@ -41,4 +43,27 @@ def get_planner(name: str) -> Planner:
     if name not in _PLANNERS:
         raise SpecError(f"system must be one of {', '.join(available_systems()) or '(none yet)'}; got {name!r}")
     mod, cls = _PLANNERS[name].split(":")
-    return getattr(importlib.import_module(mod), cls)()
+    planner_cls = getattr(importlib.import_module(mod), cls)
+    if not getattr(planner_cls.plan, "_without_cyclic_gc", False):
+        # on the class, once: instances stay plain (picklable) objects
+        planner_cls.plan = _without_cyclic_gc(planner_cls.plan)
+    return planner_cls()
+
+
+def _without_cyclic_gc(plan):
+    """A plan is hundreds of thousands of small objects at scale (actions, routes) and no reference
+    cycles worth collecting: the cyclic GC would rescan them again and again while they are built
+    (a third of a 16,384-rank omni plan's time). Paused for the call, as the simulator's run is."""
+
+    @functools.wraps(plan)
+    def planned(*args, **kwargs) -> Plan:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return plan(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    planned._without_cyclic_gc = True
+    return planned

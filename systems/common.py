@@ -22,6 +22,7 @@ Conventions the runtime and the simulator rely on
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import defaultdict
@@ -67,11 +68,15 @@ def llm_layout(parallel: ParallelSpec, ranks: Sequence[int], interleaved: bool =
             f"dp: dp*tp*pp*cp = {dp}*{parallel.tp}*{parallel.pp}*{parallel.cp} = {dp * per} "
             f"but the LLM gets {n} ranks"
         )
-    if (dp * parallel.cp) % parallel.ep:
+    if parallel.expert_tp == 1 and (dp * parallel.cp * parallel.tp) % parallel.ep:
+        raise PlanError(f"ep={parallel.ep} must divide dp*cp*tp = {dp * parallel.cp * parallel.tp} (expert_tp 1: "
+                        "experts spread over the data and tensor ranks)")
+    if parallel.expert_tp != 1 and (dp * parallel.cp) % parallel.ep:
         raise PlanError(f"ep={parallel.ep} must divide dp*cp = {dp * parallel.cp} (experts spread over data ranks)")
     lay = Layout(
         "llm", tuple(ranks), dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, ep=parallel.ep, fsdp=parallel.fsdp,
         zero=0 if parallel.fsdp else parallel.zero, vpp=parallel.virtual_stages, cp_kind=parallel.cp_kind,
+        embedding_loss_stages=parallel.embedding_loss_stages, expert_tp=parallel.expert_tp,
     )
     return with_dp_shard(lay, parallel)
 
@@ -115,15 +120,14 @@ def with_dp_shard(layout: Layout, parallel: ParallelSpec) -> Layout:
 
 
 def stage_of(layout: Layout, rank: int) -> int:
-    return layout.coords(rank)["pp"]
+    return layout.coord(rank, "pp")
 
 
 def data_rank(layout: Layout, rank: int) -> int:
     """The rank holding the assignment of `rank`'s data group (LLM: pp=cp=tp=0; encoders: sp=tp=0)."""
-    c = layout.coords(rank)
     if layout.module == "llm":
-        return layout.rank_at(pp=0, dp=c["dp"], cp=0, tp=0)
-    return layout.rank_at(dp=c["dp"], sp=0, tp=0)
+        return layout.rank_at(pp=0, dp=layout.coord(rank, "dp"), cp=0, tp=0)
+    return layout.rank_at(dp=layout.coord(rank, "dp"), sp=0, tp=0)
 
 
 def data_ranks(layout: Layout) -> list[int]:
@@ -207,9 +211,16 @@ def make_routes(
     llm_mbs: list[list[tuple[int, ...]]],
     enc: Layout,
     enc_mbs: dict[int, list[tuple[int, ...]]],
+    holders: dict[tuple[int, int], tuple[int, ...]] | None = None,
+    leaders: dict[int, int] | None = None,
 ) -> list[Route]:
     """Routes for one encoder given where each sample is encoded (enc_mbs: encoder data rank ->
-    microbatches) and consumed (llm_mbs: per LLM dp index)."""
+    microbatches) and consumed (llm_mbs: per LLM dp index).
+
+    `holders[(src, mb)]`: every rank that ends that encoder microbatch with its whole output, at the
+    same microbatch index (omni's sequence-parallel groups); a holder that is the sample's primary
+    consumer (cp 0, tp 0, or `leaders[sample]`) is then its primary source too (no transfer, and the
+    gradient comes back on the same rank), and any other consumer holding it reads its own copy."""
     where: dict[int, tuple[int, int]] = {}
     for src, mbs in enc_mbs.items():
         for j, mb in enumerate(mbs):
@@ -217,6 +228,7 @@ def make_routes(
                 where[i] = (src, j)
     by_id = {s.sample_id: s for s in batch.samples}
     routes = []
+    base_holders: dict[int, set[int]] = {}  # per source rank (asked once per sample it encodes otherwise)
     for d, mbs in enumerate(llm_mbs):
         dsts = consumers(llm, d)
         for j, mb in enumerate(mbs):
@@ -224,11 +236,19 @@ def make_routes(
                 if i not in where:
                     continue
                 src, src_mb = where[i]
-                producers = output_holders(enc, src)
+                group = (holders or {}).get((src, src_mb))
+                producers = group
+                if producers is None:
+                    producers = base_holders.get(src)
+                    if producers is None:
+                        producers = base_holders[src] = set(output_holders(enc, src))
+                first = (leaders or {}).get(i, dsts[0])
+                if group and first in group:
+                    src = first
+                tokens = encoder_tokens(by_id[i], module)
                 for dst in dsts:
-                    primary = dst == dsts[0]
-                    s = dst if (dst in producers and not primary) else src
-                    routes.append(Route(module, i, s, src_mb, dst, j, encoder_tokens(by_id[i], module)))
+                    s = dst if (dst in producers and dst != first) else src
+                    routes.append(Route(module, i, s, src_mb, dst, j, tokens))
     return routes
 
 
@@ -236,7 +256,7 @@ def output_holders(enc: Layout, src: int) -> list[int]:
     """Ranks that hold an encoder microbatch's whole output after its forward: the data rank's tp
     peers (they compute together) and, under Ulysses sequence parallelism, its sp peers (each
     embeds 1/sp of the positions, then the outputs are all-gathered)."""
-    d = enc.coords(src)["dp"]
+    d = enc.coord(src, "dp")
     return [enc.rank_at(dp=d, sp=s, tp=t) for s in range(enc.sp) for t in range(enc.tp)]
 
 
@@ -245,8 +265,7 @@ def is_primary(route: Route, llm: Layout, leaders: dict[int, int] | None = None)
     for samples an LLM context-parallel group of data ranks runs together (omni's long LLM samples)."""
     if leaders and route.sample_id in leaders:
         return route.dst_rank == leaders[route.sample_id]
-    c = llm.coords(route.dst_rank)
-    return c["cp"] == 0 and c["tp"] == 0
+    return llm.coord(route.dst_rank, "cp") == 0 and llm.coord(route.dst_rank, "tp") == 0
 
 
 def long_llm_leaders(options: dict) -> dict[int, int]:
@@ -274,11 +293,19 @@ class BoundaryIndex:
         by_module: dict[str, list[Route]] = defaultdict(list)
         for r in routes:
             by_module[r.module].append(r)
+        # is_primary's rule, with the LLM ranks at cp 0 and tp 0 listed once
+        lead = {r for r in llm.ranks if llm.coord(r, "cp") == 0 and llm.coord(r, "tp") == 0}
+        leaders = leaders or {}
+
+        def primary(r: Route) -> bool:
+            got = leaders.get(r.sample_id)
+            return r.dst_rank in lead if got is None else r.dst_rank == got
+
         for module, rs in by_module.items():
             for (src, smb, dst, dmb) in sorted(_messages(rs)):
                 self.act_out[(module, src, smb)].append((dst, dmb))
                 self.act_in[(module, dst, dmb)].append((src, smb))
-            for (src, smb, dst, dmb) in sorted(_messages(r for r in rs if is_primary(r, llm, leaders))):
+            for (src, smb, dst, dmb) in sorted(_messages(r for r in rs if primary(r))):
                 self.grad_out[(module, dst, dmb)].append((src, smb))
                 self.grad_in[(module, src, smb)].append((dst, dmb))
         for d in (self.act_in, self.grad_out):
@@ -360,10 +387,17 @@ def pipeline_neighbours(llm: Layout, rank: int, chunk: int = 0) -> tuple[int, in
     return s, prev, nxt
 
 
+@functools.lru_cache(maxsize=4096)
+def shared_action(kind: str, module: str, microbatch: int = 0, stage: int = 0) -> Action:
+    """One object for an action every rank of a step holds alike (Actions are immutable): a plan at
+    scale would otherwise build the same step tail and stage compute actions once per rank."""
+    return Action(kind, module, microbatch, stage)
+
+
 def llm_forward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]:
     """One LLM microbatch's forward on a stage: receive activations, compute, pass them on."""
     out = [Action(RECV, "llm", j, stage, "act", prev)] if prev >= 0 else []
-    out.append(Action(FORWARD, "llm", j, stage))
+    out.append(shared_action(FORWARD, "llm", j, stage))
     if nxt >= 0:
         out.append(Action(SEND, "llm", j, stage, "act", nxt))
     return out
@@ -372,7 +406,7 @@ def llm_forward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]
 def llm_backward_actions(j: int, stage: int, prev: int, nxt: int) -> list[Action]:
     """One LLM microbatch's backward on a stage: receive gradients, compute, pass them back."""
     out = [Action(RECV, "llm", j, stage, "grad", nxt)] if nxt >= 0 else []
-    out.append(Action(BACKWARD, "llm", j, stage))
+    out.append(shared_action(BACKWARD, "llm", j, stage))
     if prev >= 0:
         out.append(Action(SEND, "llm", j, stage, "grad", prev))
     return out
@@ -404,7 +438,7 @@ def llm_stage_actions(
 
 
 def step_tail(modules: Iterable[str]) -> list[Action]:
-    return [Action(GRAD_SYNC, m) for m in modules] + [Action(OPTIMIZER_STEP, "all")]
+    return [shared_action(GRAD_SYNC, m) for m in modules] + [shared_action(OPTIMIZER_STEP, "all")]
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -421,18 +455,22 @@ def check_p2p_order(plan: Plan) -> None:
     split = "llm" in plan.layouts and plan.layouts["llm"].vpp > 1
     for rank, acts in plan.actions.items():
         for a in acts:
-            lane = a.what if split else ""
-            if a.kind == SEND:
-                sent[(rank, a.peer, lane)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
-            elif a.kind == RECV:
-                got[(a.peer, rank, lane)].append(("p2p", a.module, a.what, a.microbatch, a.microbatch))
-            elif a.kind == BOUNDARY and a.direction == "send":
-                sent[(rank, a.peer, "")].append(("boundary", a.module, a.what, a.microbatch, a.peer_microbatch))
-            elif a.kind == BOUNDARY and a.direction == "recv":
-                got[(a.peer, rank, "")].append(("boundary", a.module, a.what, a.peer_microbatch, a.microbatch))
-    for pair in set(sent) | set(got):
-        if sent.get(pair, []) != got.get(pair, []):
-            raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
+            kind = a.kind
+            if kind == BOUNDARY:
+                if a.direction == "send":
+                    sent[(rank, a.peer, "")].append(("boundary", a.module, a.what, a.microbatch, a.peer_microbatch))
+                elif a.direction == "recv":
+                    got[(a.peer, rank, "")].append(("boundary", a.module, a.what, a.peer_microbatch, a.microbatch))
+            elif kind == SEND:
+                sent[(rank, a.peer, a.what if split else "")].append(("p2p", a.module, a.what, a.microbatch,
+                                                                      a.microbatch))
+            elif kind == RECV:
+                got[(a.peer, rank, a.what if split else "")].append(("p2p", a.module, a.what, a.microbatch,
+                                                                     a.microbatch))
+    if len(sent) != len(got) or sent != got:
+        for pair in set(sent) | set(got):
+            if sent.get(pair, []) != got.get(pair, []):
+                raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
 
 
 def resolve_common(model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> None:
@@ -452,8 +490,9 @@ def resolve_common(model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) 
 def notes_for(plan: Plan) -> dict:
     """Figures a person reads first: per LLM data rank tokens, per encoder rank positions."""
     per_rank: dict[str, list[int]] = {}  # str keys: notes must survive a JSON round trip
+    tokens = {s.sample_id: s.llm_tokens for s in plan.samples}
     for r, mbs in plan.assignment.get("llm", {}).items():
-        per_rank[str(r)] = [sum(plan.sample(i).llm_tokens for i in mb) for mb in mbs]
+        per_rank[str(r)] = [sum(tokens[i] for i in mb) for mb in mbs]
     return {"llm_tokens_per_microbatch": per_rank}
 
 

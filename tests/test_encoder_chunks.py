@@ -158,31 +158,42 @@ def _inputs(plan, ids, module):
     return encoder_inputs([plan.sample(i) for i in ids] or [dummy_sample(module)], module)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("system", ["homogeneous", pytest.param("colocated", marks=pytest.mark.slow),
-                                    pytest.param("temporal", marks=pytest.mark.slow)])
-def test_chunked_fsdp_encoders_train_like_a_single_process(tmp_path, system):
+CHUNK_SYSTEMS = ("homogeneous", "colocated", "temporal")
+
+
+@pytest.fixture(scope="module")
+def chunk_runs(tmp_path_factory):
+    """Every chunked-encoder parity run in one launch of ranks (tests/parity.py)."""
+    from parity import Run, make_batches, run_all
+    from test_omni_parity import long_batches
+
+    runs = [Run(s, s, "tiny-omni", make_batches(), {"encoder_chunk_tokens": CHUNK_TOKENS}) for s in CHUNK_SYSTEMS]
+    runs.append(Run("omni", "omni", "tiny-omni", long_batches(), {
+        "options": {}, "encoder_chunk_tokens": CHUNK_TOKENS, "recompute": "vision=full,audio=full"}))
+    return run_all(tmp_path_factory.mktemp("chunks"), runs)
+
+
+@pytest.mark.timeout(900)  # the first test's setup launches all of them
+@pytest.mark.xdist_group("parity-chunks")
+@pytest.mark.parametrize("system", CHUNK_SYSTEMS)
+def test_chunked_fsdp_encoders_train_like_a_single_process(chunk_runs, system):
     """FSDP encoders, chunk counts that differ between members: same losses and parameters as the
     single process (no hang: every member runs the agreed count, dummies for the rest)."""
-    from test_runtime_parity import assert_parity, make_batches, reference, run_distributed
+    from parity import assert_parity, make_batches, reference
 
-    batches = make_batches(3, samples=8)
-    assert _uneven_counts(system, batches)
-    losses, params = run_distributed(tmp_path, system, "tiny-omni", batches, encoder_chunk_tokens=CHUNK_TOKENS)
-    assert_parity(losses, params, *reference("tiny-omni", batches))
+    assert _uneven_counts(system, make_batches())
+    assert_parity(*chunk_runs[system].get(), *reference("tiny-omni", make_batches()))
 
 
-@pytest.mark.timeout(240)
-def test_chunked_encoders_keep_omni_long_short_exact(tmp_path):
+@pytest.mark.timeout(900)
+@pytest.mark.xdist_group("parity-chunks")
+def test_chunked_encoders_keep_omni_long_short_exact(chunk_runs):
     """omni: replicated encoders, long inputs over the sequence-parallel group (left whole), short
     ones chunked; full recompute inside the chunks too (nested checkpoints)."""
+    from parity import assert_parity, reference
     from test_omni_parity import long_batches
-    from test_runtime_parity import assert_parity, reference, run_distributed
 
-    batches = long_batches()
-    losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options={},
-                                     encoder_chunk_tokens=CHUNK_TOKENS, recompute="vision=full,audio=full")
-    assert_parity(losses, params, *reference("tiny-omni", batches))
+    assert_parity(*chunk_runs["omni"].get(), *reference("tiny-omni", long_batches()))
 
 
 def test_the_simulator_counts_chunks_less_memory_one_more_encoder_forward():

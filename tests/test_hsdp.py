@@ -199,21 +199,29 @@ RUNTIME_CELLS = [
 ]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("cell", [
-    pytest.param(c, id=f"{c[0]}-" + "-".join(f"{k}{v}" for k, v in c[1].items()),
-                 marks=[] if i == 0 else [pytest.mark.slow])
-    for i, c in enumerate(RUNTIME_CELLS)
-])
-def test_hsdp_training_matches_single_process(tmp_path, cell):
-    from test_runtime_parity import STEPS, assert_parity, make_batches, reference, run_distributed
+def _cell_id(c) -> str:
+    return f"{c[0]}-" + "-".join(f"{k}{v}" for k, v in c[1].items())
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory):
+    """Every HSDP cell in one launch of ranks (tests/parity.py)."""
+    from parity import Run, make_batches, run_all
+
+    return run_all(tmp_path_factory.mktemp("hsdp"), [Run(_cell_id(c), c[0], c[2], make_batches(), c[1])
+                                                     for c in RUNTIME_CELLS])
+
+
+@pytest.mark.timeout(900)  # the first cell's setup launches all of them
+@pytest.mark.xdist_group("parity-hsdp")
+@pytest.mark.parametrize("cell", [pytest.param(c, id=_cell_id(c)) for c in RUNTIME_CELLS])
+def test_hsdp_training_matches_single_process(hsdp_runs, cell):
+    from parity import assert_parity, make_batches, reference
 
     system, layout, model = cell
-    batches = make_batches(STEPS, samples=8)
-    ref = reference(model, batches)
-    losses, params = run_distributed(tmp_path, system, model, batches, **layout)
-    assert_parity(losses, params, *ref)
-    summary = json.loads(next((tmp_path / "run").rglob("summary.json")).read_text())
+    run = hsdp_runs[_cell_id(cell)]
+    assert_parity(*run.get(), *reference(model, make_batches()))
+    summary = json.loads((run.folder / "summary.json").read_text())
     assert any(n.startswith("llm: HSDP, parameters sharded over") for n in summary["notes"]), summary["notes"]
 
 

@@ -240,7 +240,7 @@ def test_moe_experts_are_called_with_tokens_grouped_by_expert():
 
 def test_workload_stream_batch_trains_on_tiny_omni_moe():
     """A real generator batch (omni_av: video, image, audio, text; shrunk for CPU) trains end to end."""
-    from workloads.spec import get_workload
+    from workloads.registry import get_workload
     from workloads.stream import WorkloadStream
 
     stream = WorkloadStream(get_workload("omni_av"), seed=0, global_batch_tokens=1024, length_scale=0.05)

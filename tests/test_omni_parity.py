@@ -1,14 +1,16 @@
 """omni trains exactly like a single process (fp32, 4 gloo ranks, 1e-4), with every technique on and
 with each one switched off, on batches that exercise them: long videos and audio clips that take the
 sequence-parallel path (Ulysses inside one attention sequence, or whole frame groups / windows per
-rank), and skewed loads that make resharding move samples."""
+rank), and skewed loads that make resharding move samples.
+
+Every case runs in the default test run; all of them share one launch of ranks (tests/parity.py)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from test_runtime_parity import assert_parity, make_batches, reference, run_distributed
+from parity import Run, assert_parity, make_batches, reference, run_all, run_distributed
 
 from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.presets import get_model
@@ -42,8 +44,13 @@ def long_batches(steps: int = STEPS, seed: int = 1) -> list[Batch]:
     return out
 
 
+# At tiny-omni's sizes an all-to-all's latency outweighs any encoder work, so the per-batch choice
+# (`encoder_sp_scheme=auto`) would keep every sample data-parallel: these tests name the scheme.
+LONG_SHORT = {"encoder_sp_scheme": "long_short"}
+
+
 def _plan(batch: Batch, **options):
-    parallel = ParallelSpec(world_size=4, options=options)
+    parallel = ParallelSpec(world_size=4, options={**LONG_SHORT, **options})
     return get_planner("omni").plan(get_model("tiny-omni"), parallel, batch)
 
 
@@ -61,52 +68,65 @@ def test_long_batches_take_both_sequence_parallel_paths_and_resharding_moves_sam
                     else [w for s in segs for w in (1500,) * (s.mel_frames // 2 // 1500) + ((s.mel_frames // 2) % 1500,) if w]
                 kinds.add((module, split_whole_sequences(lens, len(x["group"])) is None))
     assert kinds == {("vision", True), ("vision", False), ("audio", True), ("audio", False)}
+    # group sizes change between steps: the runtime builds a step's groups when first named
+    assert len({p.notes["long_short"]["audio"]["sp_group_size"] for p in plans}) > 1
     assert all(p.notes["long_short"]["vision"]["long_samples"] for p in plans)
     assert any(p.notes["long_short"]["audio"]["long_samples"] for p in plans)
     assert any(p.notes["reshard"]["samples_moved_off_loader"] > 0 for p in plans)
 
 
-_REF: dict = {}
-
 CASES = [
     pytest.param({}, {}, id="all-on"),
+    pytest.param({"encoder_sp_scheme": "all"}, {}, id="sp-for-all"),
+    pytest.param({"encoder_sp_scheme": "all"}, {"cp": 2}, id="sp-for-all-cp2"),
+    pytest.param({"encoder_sp_scheme": "auto"}, {"pp": 2}, id="sp-auto-pp2"),
     pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline"),
-    pytest.param({"reorder": False}, {}, id="no-reorder", marks=pytest.mark.slow),
-    pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups", marks=pytest.mark.slow),
-    pytest.param({"reshard": False}, {}, id="no-reshard", marks=pytest.mark.slow),
-    pytest.param({"long_short_sp": False}, {}, id="no-long-short-sp", marks=pytest.mark.slow),
-    pytest.param({"llm_long_short": False}, {}, id="no-llm-long-short", marks=pytest.mark.slow),
+    pytest.param({"reorder": False}, {}, id="no-reorder"),
+    pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups"),
+    pytest.param({"reshard": False}, {}, id="no-reshard"),
+    pytest.param({"long_short_sp": False}, {}, id="no-long-short-sp"),
+    pytest.param({"llm_long_short": False}, {}, id="no-llm-long-short"),
     pytest.param({}, {"pp": 2}, id="all-on-pp2"),
-    pytest.param({"joint_pipeline": False}, {"pp": 2}, id="no-joint-pipeline-pp2", marks=pytest.mark.slow),
-    pytest.param({}, {"tp": 2}, id="all-on-tp2", marks=pytest.mark.slow),
-    pytest.param({}, {"encoder_tp": 2, "pp": 2}, id="all-on-encoder-tp2-pp2", marks=pytest.mark.slow),
-    pytest.param({}, {"cp": 2}, id="all-on-cp2", marks=pytest.mark.slow),
+    pytest.param({"joint_pipeline": False}, {"pp": 2}, id="no-joint-pipeline-pp2"),
+    pytest.param({}, {"tp": 2}, id="all-on-tp2"),
+    pytest.param({}, {"encoder_tp": 2, "pp": 2}, id="all-on-encoder-tp2-pp2"),
+    pytest.param({}, {"cp": 2}, id="all-on-cp2"),
+    pytest.param({}, {"cp": 2, "pp": 2}, id="all-on-cp2-pp2"),
 ]
+LONG_SHORT_STEPS = 5
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def omni_runs(tmp_path_factory):
+    """Every case, and omni against homogeneous over five steps, in one launch."""
+    runs = [Run(c.id, "omni", "tiny-omni", long_batches(), {"options": {**LONG_SHORT, **c.values[0]}, **c.values[1]})
+            for c in CASES]
+    five = long_batches(LONG_SHORT_STEPS)
+    runs += [Run("long-short-omni", "omni", "tiny-omni", five, {"options": dict(LONG_SHORT)}),
+             Run("long-short-homogeneous", "homogeneous", "tiny-omni", five)]
+    return run_all(tmp_path_factory.mktemp("omni"), runs)
+
+
+@pytest.mark.timeout(1200)  # the first case's setup launches all of them
+@pytest.mark.xdist_group("parity-omni")
 @pytest.mark.parametrize("options,layout", CASES)
-def test_omni_matches_single_process(tmp_path, options, layout):
-    batches = long_batches()
-    if "ref" not in _REF:
-        _REF["ref"] = reference("tiny-omni", batches)
-    losses, params = run_distributed(tmp_path, "omni", "tiny-omni", batches, options=options, **layout)
-    assert_parity(losses, params, *_REF["ref"])
+def test_omni_matches_single_process(omni_runs, request, options, layout):
+    losses, params = omni_runs[request.node.callspec.id].get()
+    assert_parity(losses, params, *reference("tiny-omni", long_batches()))
 
 
-@pytest.mark.timeout(300)
-def test_llm_long_short_matches_homogeneous_over_five_steps(tmp_path):
+@pytest.mark.timeout(1200)
+@pytest.mark.xdist_group("parity-omni")
+def test_llm_long_short_matches_homogeneous_over_five_steps(omni_runs):
     """omni's LLM long-short split (systems/omni/llm_long_short.py): long LLM samples run on a
     context-parallel group of two data ranks (Ulysses), the other ranks run short ones, including
     empty microbatches that keep FSDP in step; losses match homogeneous to 1e-4 over 5 steps."""
-    batches = long_batches(5)
+    batches = long_batches(LONG_SHORT_STEPS)
     plans = [_plan(b) for b in batches]
     assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 3
     assert any(() in mbs for p in plans for mbs in p.assignment["llm"].values())  # an empty microbatch
-    (tmp_path / "omni").mkdir()
-    (tmp_path / "homogeneous").mkdir()
-    omni, _ = run_distributed(tmp_path / "omni", "omni", "tiny-omni", batches, options={})
-    homo, _ = run_distributed(tmp_path / "homogeneous", "homogeneous", "tiny-omni", batches)
+    omni, _ = omni_runs["long-short-omni"].get()
+    homo, _ = omni_runs["long-short-homogeneous"].get()
     assert len(omni) == len(homo) == 5
     for step, (a, b) in enumerate(zip(omni, homo, strict=True)):
         assert abs(a - b) < 1e-4, f"step {step}: omni {a} vs homogeneous {b}"
@@ -139,3 +159,39 @@ def test_plan_notes_say_which_techniques_acted():
     off = _plan(long_batches(2)[1], llm_long_short=False, long_short_sp=False, reorder=False, reshard=False)
     assert off.notes["acted"] == {"reorder": False, "reshard": False, "long_short_sp": {}, "llm_long_short": 0,
                                   "joint_pipeline": off.notes["acted"]["joint_pipeline"]}
+
+
+# tiny-omni's LLM has 2 kv heads: too few for Ulysses over a long-sample group of 2 data ranks x cp 2.
+KV4 = """name = "tiny-omni-kv4"
+vision = "tiny-vit"
+audio = "tiny-whisper"
+
+[llm]
+name = "tiny-llm-kv4"
+layers = 4
+hidden = 64
+heads = 8
+kv_heads = 4
+ffn = 128
+vocab = 512
+rope_theta = 10000.0
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [{"cp": 2}, {"pp": 2}], ids=["cp2", "pp2"])
+def test_llm_long_short_at_any_cp_and_pp_matches_single_process(tmp_path, layout):
+    """The LLM long-short split under the layout's own cp (a long sample over 2 data ranks x cp 2:
+    Ulysses over 4 ranks, replacing the cp group's exchange) and with pipeline stages (every stage's
+    members of the group run the long microbatch; chunks travel stage to stage)."""
+    model = tmp_path / "kv4.toml"
+    model.write_text(KV4)
+    batches = long_batches(5)
+    from omnibench.specs.presets import get_model
+
+    plans = [get_planner("omni").plan(get_model(str(model)), ParallelSpec(world_size=4, options=LONG_SHORT, **layout), b)
+             for b in batches]
+    assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 2
+    assert all(len(p.options["long_short"]["groups"]["llm"][0]) == 2 * layout.get("cp", 1) for p in plans)
+    losses, params = run_distributed(tmp_path, "omni", str(model), batches, options=LONG_SHORT, **layout)
+    assert_parity(losses, params, *reference(str(model), batches))

@@ -129,7 +129,7 @@ def test_every_encoded_sample_is_routed_once_to_each_consumer(layout):
 
 def test_long_samples_are_those_above_the_balanced_share():
     b = batch_of("long_video", 950, tokens=4096)
-    p = plan(b, world=16)
+    p = plan(b, world=16, options={"encoder_sp_scheme": "long_short"})
     notes = p.notes["long_short"]["vision"]
     from omnibench.specs.cost_model import CostModel
 
@@ -222,7 +222,7 @@ def _runs_to_completion(p: Plan) -> bool:
     return all(pos[r] == len(acts) for r, acts in p.actions.items())
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 4}, {"pp": 2, "tp": 2}])
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 4}, {"pp": 2, "tp": 2}, {"pp": 2, "cp": 2}])
 @pytest.mark.parametrize("step", [100, 900])
 def test_plans_run_to_completion_without_deadlock(layout, step):
     b = batch_of("mixed_video", step, tokens=6144)
@@ -251,3 +251,116 @@ def test_plan_survives_a_json_round_trip():
     q = Plan.from_json(p.to_json())
     q.validate()
     assert q.options == p.options and q.notes == p.notes and q.actions == p.actions
+
+
+# -- encoder sequence-parallel scheme (systems/omni/long_short.py) ------------------------------------
+
+
+def _omni7b_plan(world: int = 64, workload: str = "mixed_video", **kw) -> Plan:
+    options = {"hardware": "h100", **kw.pop("options", {})}
+    b = WorkloadStream(workload, seed=0, global_batch_tokens=8192 * world).batch(0)
+    return get_planner("omni").plan(get_model("omni-7b"), ParallelSpec(world_size=world, options=options, **kw), b)
+
+
+def test_auto_scheme_is_the_checked_fastest_of_every_scheme_and_group_size():
+    p = _omni7b_plan(cp=4, microbatches=1)
+    notes = p.notes["long_short"]["vision"]
+    cands = notes["candidates"]
+    assert {c["scheme"] for c in cands} == {"none", "long_short", "all"}
+    assert {c["group_size"] for c in cands if c["scheme"] == "all"} == {2, 4, 8}  # ViT 16 heads, 8 per node
+    best = min(cands, key=lambda c: c["checked_s"])
+    assert (notes["scheme"], notes["sp_group_size"]) == (best["scheme"], best["group_size"])
+    for scheme in ("none", "long_short", "all"):
+        forced = _omni7b_plan(cp=4, microbatches=1, options={"encoder_sp_scheme": scheme}).notes["long_short"]["vision"]
+        assert forced["scheme"] == scheme and {c["scheme"] for c in forced["candidates"]} == {scheme}
+        # what auto weighed for a scheme is what that scheme, forced, weighs
+        assert [c for c in cands if c["scheme"] == scheme] == forced["candidates"]
+
+
+def test_group_samples_are_packed_per_group_and_llm_microbatch():
+    p = _omni7b_plan(cp=4, microbatches=2, options={"encoder_sp_scheme": "all"})
+    groups = [tuple(g) for g in p.options["long_short"]["groups"]["vision"]]
+    long_mb = p.options["long_short"]["long_microbatches"]["vision"]
+    due = {i: j for mbs in p.assignment["llm"].values() for j, mb in enumerate(mbs) for i in mb}
+    seen = []
+    for g in groups:
+        lists = [[p.assignment["vision"][r][j] for j in long_mb[str(r)]] for r in g if str(r) in long_mb]
+        assert all(x == lists[0] for x in lists), "every member runs the same microbatches in the same order"
+        for mb in lists[0] if lists else []:
+            assert len({due[i] for i in mb}) == 1  # one LLM microbatch's samples per group microbatch
+        seen += [i for mb in (lists[0] if lists else []) for i in mb]
+        dues = [due[mb[0]] for mb in (lists[0] if lists else [])]
+        assert dues == sorted(set(dues)), "one microbatch per LLM microbatch, in the order the LLM needs them"
+    with_vision = {s.sample_id for s in p.samples if s.encoder_seq_lens("vision")}
+    assert sorted(seen) == sorted(with_vision)
+    assert p.notes["long_short"]["vision"]["group_microbatches"] < len(with_vision)
+
+
+def test_a_group_member_that_consumes_a_sample_reads_its_own_copy():
+    """Every member of a sequence-parallel group ends with the whole output: consumers inside the group
+    get no boundary transfer, and the primary consumer, when inside, is the primary source (the
+    gradient comes back without crossing ranks)."""
+    p = _omni7b_plan(cp=4, microbatches=1, options={"encoder_sp_scheme": "all", "reorder": False},
+                     encoder_sp=4)
+    llm = p.layouts["llm"]
+    member_of = {r: tuple(g) for g in p.options["long_short"]["groups"]["vision"] for r in g}
+    local = crossing = 0
+    for rt in p.routes:
+        if rt.module != "vision":
+            continue
+        group = member_of[rt.src_rank]
+        if rt.dst_rank in group:
+            assert rt.src_rank == rt.dst_rank
+            local += 1
+        else:
+            crossing += 1
+        if is_primary(rt, llm) and rt.dst_rank in group:
+            assert rt.src_rank == rt.dst_rank
+    assert local > crossing  # groups equal to the LLM's cp groups: samples mostly stay with their consumers
+
+
+def test_long_samples_of_one_group_and_llm_microbatch_share_a_microbatch():
+    """Three long videos feeding the one LLM microbatch, one sequence-parallel group over all 4
+    ranks: one group microbatch holds all three (one packed row), not one microbatch each."""
+    short = [Sample(i, "s", (Segment("text", 8), Segment("image", 4, 16, grid_thw=(1, 4, 4)))) for i in range(8)]
+    long = [Sample(100 + i, "v", (Segment("text", 5), Segment("video", 45, 180, grid_thw=(3, 6, 10)))) for i in range(3)]
+    p = plan(Batch(0, short + long), microbatches=1, encoder_sp=4, options={"encoder_sp_scheme": "long_short"})
+    notes = p.notes["long_short"]["vision"]
+    assert {x["sample"] for x in notes["long_samples"]} == {100, 101, 102}
+    assert notes["group_microbatches"] == 1
+    long_mb = p.options["long_short"]["long_microbatches"]["vision"]
+    assert {p.assignment["vision"][int(r)][js[0]] for r, js in long_mb.items()} == {(100, 101, 102)}
+
+
+def test_reorder_counts_long_samples_at_their_loader():
+    """A loader holding a sample far above the balanced share takes fewer of the others: the long
+    sample runs by its loader's ranks (it is no longer counted as free)."""
+    from systems.omni.reorder import EncoderShare
+
+    spec = LoaderSpec(loaders=2, group_size=2, reorder=True, count_llm=False, floor=0,
+                      encoders=(EncoderShare("vision", 1, 2),))
+    big = [(0.0, 0.0, 100.0, 1.0)]
+    small = [(float(k), float(k), 10.0, 1.0) for k in range(1, 11)]
+    d = decide(spec, [0, 1], [big + small[:5], small[5:]])
+    holder = next(r for r, ids in d.shards.items() if 0 in ids)
+    assert len(d.shards[holder]) < len(d.shards[1 - holder])
+    assert d.after[holder] == pytest.approx(100.0) and d.after[1 - holder] == pytest.approx(100.0)
+
+
+def test_lock_stepped_microbatches_are_levelled_to_the_costliest():
+    """Two data ranks whose microbatch j runs in lock-step: rank 0 holds one costly sample, rank 1
+    four small ones split two and two. Rank 1 moves work into its first microbatch up to rank 0's
+    level and tokens, so the step pays max(j=0) + max(j=1) = 10 + 0 instead of 10 + 5."""
+    from systems.omni.reshard import level_microbatches
+
+    cost = {0: 10.0, 1: 4.0, 2: 4.0, 3: 1.0, 4: 1.0}
+    tokens = {0: 100, 1: 40, 2: 40, 3: 10, 4: 10}
+    before = [[(0,), ()], [(1, 3), (2, 4)]]
+    after = level_microbatches(before, cost, tokens, [[0, 1]])
+    assert after[0] == [(0,), ()]
+    assert after[1] == [(1, 2, 3, 4), ()]
+    steps = [sum(max(sum(cost[i] for i in mbs[j]) for mbs in x) for j in range(2)) for x in (before, after)]
+    assert steps == [10 + 5, 10 + 0]
+    # the token cap: a rank never grows a microbatch beyond the group's largest in tokens
+    capped = level_microbatches(before, cost, {**tokens, 2: 90}, [[0, 1]])
+    assert capped[1] == [(1, 3, 4), (2,)]

@@ -90,9 +90,11 @@ def _expect(cmd: str, out: str, work: Path) -> None:
         assert str(runs[0]) in out  # the record path, whole, in piped output
     elif cmd.startswith("omnibench simulate"):
         assert "record: results/sims/" in out and "…" not in out
-        systems = ("homogeneous", "colocated", "noncolocated", "omni") if "--system all" in cmd else ("omni",)
+        systems = ("homogeneous", "temporal", "colocated", "noncolocated", "omni") if "--system all" in cmd else ("omni",)
         for s in systems:
             assert re.search(rf"│\s+64 │ {s}\s+│\s+[\d,]+ │", out), s  # a throughput row, not "does not fit"
+            # no --recompute: each system at the cheapest recomputation that fits, and the output says which
+            assert re.search(rf"64 GPUs, {s}: .*recompute=\S+ \(auto: the cheapest that fits\)", out), s
     elif cmd.startswith("omnibench calibrate"):
         assert (work / "profile.json").is_file() and "profile: profile.json" in out
     elif cmd.startswith("omnibench validate --published"):
@@ -130,3 +132,41 @@ def test_the_tours_reproduce_in_its_small_form_makes_the_figures_and_the_report(
         assert (work / "results" / "figures" / f"{fig}.png").is_file(), fig
     assert (work / "results" / "report.html").is_file()
     assert not [p for p in work.rglob(".*")]  # no hidden temporary folder or file left behind
+
+
+def slow_marked() -> list[str]:
+    """Where the suite uses `pytest.mark.slow` (read from the source, nothing imported): a test whose
+    decorators hold it, or file:line for any other use (a parameter list, a module's pytestmark)."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        inside: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for deco in node.decorator_list:
+                    if "mark.slow" in ast.unparse(deco):
+                        found.append(node.name)
+                        inside.update(n.lineno for n in ast.walk(deco) if hasattr(n, "lineno"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr == "slow" and ast.unparse(node.value).endswith("mark")
+                    and node.lineno not in inside):
+                found.append(f"{path.name}:{node.lineno}")
+    return sorted(found)
+
+
+def test_the_readme_says_exactly_what_ci_runs():
+    """.ci/run runs the README's test command; the tests it leaves out are the four marked slow, which
+    the README names (no loss-parity cell is among them)."""
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "ruff check ." in ci and re.search(r"python3? -m pytest -n 2 -q\b", ci)
+    assert 'pip install -e ".[dev]" && python -m pytest -n 2 -q' in README
+    assert slow_marked() == sorted([
+        "test_chunks_without_block_recompute_stay_within_15_percent_of_the_tracker",
+        "test_committed_slow_tables_are_what_the_script_writes_from_the_records",
+        "test_encoder_chunking_lowers_the_peak_of_the_whole_vit",
+        "test_the_tours_reproduce_in_its_small_form_makes_the_figures_and_the_report",
+    ])
+    assert "but the four marked slow" in README and "`omnibench reproduce --quick`" in README
+    assert "tests/test_memory_tracker.py" in README and "tests/test_tables.py" in README

@@ -248,3 +248,51 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(start_run):
         time.sleep(0.1)
     assert alive(ranks.values()) == []
     assert not out.exists() and Path(f"{out}{records.INCOMPLETE}").is_dir()
+
+
+@linux_only
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_named_long_before_the_collective_timeout_not_the_ranks_waiting_on_it(start_run):
+    """SIGSTOP on rank 1: the healthy ranks wait for it in a collective (--timeout 600 s, longer than this
+    test may take), so only the launcher's watch of the ranks can end the run, and it must blame rank 1."""
+    proc, out, ranks = start_run("--json")
+    os.kill(ranks[1], signal.SIGSTOP)
+    stdout, stderr = proc.communicate(timeout=240)  # hang guard only: the collective timeout is 600 s
+    assert proc.returncode == 1, stderr
+    assert error_lines(stderr) == [
+        f"error: rank 1 stopped making progress: it was stopped by a signal (SIGSTOP or SIGTSTP) for 2 s while the "
+        f"other ranks waited for it; the partial record is in {out}{records.INCOMPLETE}"]
+    assert alive(ranks.values()) == []  # the stopped rank too (SIGTERM + SIGCONT, then SIGKILL)
+
+
+@linux_only
+@pytest.mark.timeout(300)
+def test_an_interrupted_runs_folder_says_what_ran_and_is_never_written_into_again(start_run):
+    proc, out, ranks = start_run("--json")
+    work = Path(f"{out}{records.INCOMPLETE}")
+    # A second run into the same --out while the first is live: refused, nothing of the first touched.
+    second = omnibench("run", "--system", "temporal", "--device", "cpu", "--steps", "1", "--out", str(out))
+    assert second.returncode == 2 and error_lines(second.stderr) == [
+        f"error: out: {out} is in use: another run (pid {proc.pid}) is writing {work}; wait for it or give another "
+        "--out"]
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT and not out.exists()
+    # What ran, how, from which code, and every step that finished.
+    config = json.loads((work / "config.json").read_text())
+    assert config["finished"] is False and config["run"]["system"] == "homogeneous" and config["run"]["steps"] == 1000
+    assert config["provenance"]["command"].startswith("omnibench run --system homogeneous")
+    assert {"commit", "dirty", "torch", "hostname"} <= set(config["provenance"])
+    finished = [json.loads(line) for line in (work / "progress.jsonl").read_text().splitlines()]
+    assert finished and [s["step"] for s in finished] == list(range(len(finished)))
+    assert all({"loss", "step_time_s", "tokens", "plan"} <= set(s) for s in finished)
+    plans = (work / "plans.jsonl").read_text().splitlines()
+    assert len(plans) >= len(finished) and json.loads(plans[0])["step"] == 0
+    # The stale folder is never reused, and validate / calibrate say what it is.
+    again = omnibench("run", "--system", "homogeneous", "--device", "cpu", "--steps", "1", "--out", str(out))
+    assert again.returncode == 2 and "is left from an unfinished run" in again.stderr
+    for cmd in (["validate", str(work)], ["calibrate", str(work), "--out", str(out.parent / "p.json")]):
+        res = omnibench(*cmd)
+        assert res.returncode == 2, res.stderr
+        assert "unfinished run" in res.stdout and "of 1000 steps finished" in res.stdout, res.stdout
+        assert "no plan" not in res.stdout + res.stderr

@@ -49,7 +49,7 @@ def test_simulate_table_output(app, tmp_path, monkeypatch):
     assert "homogeneous" in r.output and "tok/s/GPU" in r.output and "record:" in r.output
 
 
-def test_a_plan_that_does_not_fit_is_reported_not_timed(app, tmp_path):
+def test_a_plan_that_does_not_fit_is_timed_with_fits_false_beside_it(app, tmp_path):
     r = CliRunner().invoke(app, ["simulate", "-w", "long_video", "-s", "homogeneous", "--gpus", "8",
                                  "--model", "vl-72b", "--global-batch-tokens", "262144", "--out", str(tmp_path),
                                  "--json"])
@@ -57,13 +57,13 @@ def test_a_plan_that_does_not_fit_is_reported_not_timed(app, tmp_path):
     out = json.loads(r.output)
     row = out["results"][0]
     assert row["fits"] is False and row["fit_message"].startswith("does not fit: rank")
-    assert "tokens_per_s" not in row and "mfu" not in row and "per_step" not in row
+    assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0 and row["mfu"] > 0
     assert out["record"] is None and list(tmp_path.iterdir()) == []  # no trace, no record, no temp folder
 
 
 def test_when_nothing_fits_or_plans_the_table_names_each_systems_reason_and_exits_non_zero(app, tmp_path):
     r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "homogeneous,temporal", "--gpus", "16",
-                                 "--tp", "4", "--pp", "4", "--out", str(tmp_path)])
+                                 "--tp", "4", "--pp", "4", "--recompute", "none", "--out", str(tmp_path)])
     assert r.exit_code == 1, r.output
     assert "homogeneous: does not fit: rank" in r.output
     assert "temporal: cannot plan: pp:" in r.output
@@ -71,15 +71,18 @@ def test_when_nothing_fits_or_plans_the_table_names_each_systems_reason_and_exit
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_row_that_does_not_fit_among_rows_that_do_keeps_no_throughput_and_no_trace():
+def test_a_row_that_does_not_fit_keeps_its_step_time_and_throughput_with_fits_false():
     from types import SimpleNamespace
 
     res = SimpleNamespace(fits=False, fit_message="does not fit: rank 3 needs 90.0 GiB of 80.0 GiB",
                           peak_memory=90 * 2**30, memory_capacity=80 * 2**30, classes=4, sim_seconds=0.1,
-                          step_time=1.0, tokens=1000)
+                          step_time=2.0, tokens=1000, model_flops=1e15, world_size=8, peak_flops=1e15, bubble=0.1,
+                          exposed_comm=0.05, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0})
     row = sim_cli._summary([res])
     assert row["fits"] is False and row["fit_message"] == res.fit_message and row["peak_memory_gib"] == 90
-    assert not {"tokens_per_s", "tokens_per_s_per_gpu", "mfu", "tflops_per_gpu", "per_step"} & set(row)
+    assert row["step_time_s"] == 2.0 and row["tokens_per_s"] == 500 and row["tokens_per_s_per_gpu"] == 62.5
+    steps = sim_cli._step_rows({"gpus": 8, "system": "homogeneous", "per_step": [dict(res.metrics(), step=0)]})
+    assert steps[0]["fits"] is False and steps[0]["step_time_s"] == 2.0 and "does not fit" not in steps[0]["why"]
 
 
 def test_a_simulation_record_holds_a_flat_results_csv_provenance_and_the_users_permissions(app, tmp_path):
@@ -113,6 +116,11 @@ def test_a_simulation_record_holds_a_flat_results_csv_provenance_and_the_users_p
         (["--gpus", "16", "--recompute", "some"], "recompute must be one of"),
         (["--gpus", "16", "--tp", "3"], "tp=3"),
         (["--gpus", "16", "--model", "nosuch-model"], "nosuch-model"),
+        (["--gpus", "16", "--stack", "turbo"], "stack must be one of fused, eager; got 'turbo'"),
+        (["--gpus", "16", "--dp-mode", "zero3"], "dp_mode must be one of ddp, zero1, zero2, fsdp, hsdp"),
+        (["--gpus", "16", "--dp-mode", "zero1", "--dp-shard", "8"], "dp-shard=8 needs --dp-mode hsdp"),
+        (["--gpus", "16", "--cp", "2", "--cp-kind", "tree"], "cp_kind must be one of ulysses, ring, allgather"),
+        (["--gpus", "16", "--micro-batch", "2", "--microbatches", "4"], "micro-batch must be"),
     ],
 )
 def test_simulate_bad_input_is_one_line_naming_the_field(app, tmp_path, args, needle):
@@ -165,3 +173,95 @@ def test_simulate_bad_system_option_is_one_line(app, tmp_path):
                                  "--option", "reorder_group", "--out", str(tmp_path)])
     assert r.exit_code == 2
     assert "--option must look like key=value" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def _sim_json(app, tmp_path, *args):
+    r = CliRunner().invoke(app, ["simulate", "-w", "pretrain_2048", "-s", "homogeneous", "--model", "llm-7b@4L",
+                                 "--gpus", "16", "--tp", "2", "--global-batch-tokens", "131072", "--out",
+                                 str(tmp_path), "--json", *args])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    rec = tmp_path / out["record"].split("/")[-1]
+    plan = json.loads(next(rec.glob("plan_homogeneous_16_step*.json")).read_text())
+    return out["results"][0], json.loads((rec / "config.json").read_text()), plan
+
+
+def test_simulate_stack_option_costs_the_chosen_kernels(app, tmp_path):
+    eager, config, _ = _sim_json(app, tmp_path / "e", "--stack", "eager")
+    fused, config_f, _ = _sim_json(app, tmp_path / "f", "--stack", "fused")
+    assert (config["stack"], config_f["stack"]) == ("eager", "fused")
+    assert fused["step_time_s"] < eager["step_time_s"]  # fused norms and activations move fewer bytes
+
+
+@pytest.mark.parametrize(("mode", "fsdp", "zero"), [("ddp", False, 0), ("zero1", False, 1), ("zero2", False, 2),
+                                                     ("fsdp", True, 0)])
+def test_simulate_dp_mode_reaches_the_plans_layouts(app, tmp_path, mode, fsdp, zero):
+    row, config, plan = _sim_json(app, tmp_path, "--dp-mode", mode)
+    lay = plan["layouts"]["llm"]
+    assert (lay["fsdp"], lay["zero"], config["dp_mode"]) == (fsdp, zero, mode)
+    assert row["step_time_s"] > 0
+
+
+def test_an_explicit_fsdp_dp_mode_never_shards_within_nodes_where_the_default_would():
+    from omnibench.specs.parallel import ParallelSpec
+    from systems.common import llm_layout
+
+    default = ParallelSpec(world_size=1024, tp=8, **sim_cli._dp_fields(None, 0))
+    explicit = ParallelSpec(world_size=1024, tp=8, **sim_cli._dp_fields("fsdp", 0))
+    hsdp = ParallelSpec(world_size=1024, tp=8, **sim_cli._dp_fields("hsdp", 16))
+    assert llm_layout(default, range(1024)).hsdp  # automatic: shard groups within 8 nodes
+    assert not llm_layout(explicit, range(1024)).hsdp and llm_layout(explicit, range(1024)).dp_mode == "fsdp"
+    assert llm_layout(hsdp, range(1024)).shard_size == 16
+
+
+def test_simulate_micro_batch_sets_the_microbatches_from_samples_per_data_rank(app, tmp_path):
+    _, config, plan = _sim_json(app, tmp_path, "--micro-batch", "2")
+    # 131,072 tokens of 2,048-token samples = 64 samples over dp 8: 8 per rank, 4 microbatches of 2
+    assert config["micro_batch"] == 2 and plan["options"]["microbatches"] == 4
+    assert all(len(mb) == 2 for mbs in plan["assignment"]["llm"].values() for mb in mbs)
+
+
+def test_simulate_allgather_context_parallelism(app, tmp_path):
+    ring, _, _ = _sim_json(app, tmp_path / "r", "--cp", "2", "--cp-kind", "ring")
+    gather, config, plan = _sim_json(app, tmp_path / "g", "--cp", "2", "--cp-kind", "allgather")
+    assert plan["layouts"]["llm"]["cp_kind"] == "allgather" and config["cp_kind"] == "allgather"
+    assert gather["step_time_s"] > 0 and gather["step_time_s"] != ring["step_time_s"]
+
+
+@pytest.mark.parametrize("hardware", ["h100-500w", "h800", "a100-40g", "v100-32g"])
+def test_simulate_hardware_variants(app, tmp_path, hardware):
+    row, config, _ = _sim_json(app, tmp_path, "--hardware", hardware)
+    assert config["hardware"] == hardware and row["step_time_s"] > 0
+
+
+def test_simulate_help_lists_the_new_options(app):
+    r = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "200"})
+    for opt in ("--stack", "--dp-mode", "--micro-batch", "--cp-kind", "allgather", "h100-500w", "h800"):
+        assert opt in r.output, opt
+
+
+def test_tune_simulates_every_layout_with_the_stack_and_dp_mode_asked_for(monkeypatch):
+    from omnibench import tune as tune_mod
+    from omnibench.cli import tune as tune_cli
+
+    seen = []
+    real = tune_mod._evaluate
+
+    def spy(trial, model, world, gpn, batches, cluster, profile, options, stack="eager", dp_fields=None):
+        seen.append((stack, dict(dp_fields or {})))
+        return real(trial, model, world, gpn, batches, cluster, profile, options, stack, dp_fields)
+
+    monkeypatch.setattr(tune_mod, "_evaluate", spy)
+    app = typer.Typer()
+    tune_cli.register(app)
+    app.command("noop")(lambda: None)
+    r = CliRunner().invoke(app, ["tune", "--system", "homogeneous", "--workload", "pretrain_2048", "--model",
+                                 "llm-7b@4L", "--gpus", "8", "--global-batch-tokens", "65536", "--budget", "1",
+                                 "--stack", "fused", "--dp-mode", "zero1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert seen and all(s == ("fused", {"fsdp": False, "zero": 1, "dp_shard": -1}) for s in seen)
+    r = CliRunner().invoke(app, ["tune", "--system", "homogeneous", "--workload", "pretrain_2048", "--gpus", "8",
+                                 "--stack", "turbo"])
+    assert r.exit_code == 2 and "stack must be one of" in r.output
+    r = CliRunner().invoke(app, ["tune", "--help"], env={"COLUMNS": "200"})
+    assert "--stack" in r.output and "--dp-mode" in r.output

@@ -15,7 +15,7 @@ from omnibench.specs.model import SpecError
 from omnibench.specs.parallel import ParallelSpec
 from simulator.hardware import load_cluster
 from simulator.kernels import KernelProfileError, load_kernel_profile
-from simulator.published import PublishedError, check_row, gpt_model, load_published
+from simulator.published import PublishedError, check_row, load_published, model_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "results" / "validation" / "megatron_a100.csv"
@@ -65,7 +65,8 @@ def test_hardware_tflops_count_the_recomputed_forward_and_mfu_does_not(tmp_path)
     full = check_row(row)
     none = check_row(replace(row, recompute="none"))
     model_tflops = full.mfu * 312
-    assert full.hfu_tflops > 1.25 * model_tflops  # the recomputed forward is about a third more
+    # the recomputed forward: a fifth to a third more (checkpointing stops before a block's last GEMM)
+    assert full.hfu_tflops > 1.2 * model_tflops
     assert none.hfu_tflops == pytest.approx(none.mfu * 312)
 
 
@@ -77,20 +78,19 @@ def test_published_layouts_fit_and_drop_out_without_recomputation(tmp_path):
     assert not check_row(replace(row, recompute="none")).fits
 
 
-def test_the_gpt_model_file_matches_gpt_matmul_flops():
+def test_the_gpt_model_is_a_gelu_mlp_of_four_times_the_hidden_size():
     row = load_published(TABLE)[0]
-    llm = gpt_model(row).llm
-    h = row.hidden
-    assert 3 * llm.ffn * h == pytest.approx(8 * h * h, rel=1e-3)
+    llm = model_of(row).llm
+    assert (llm.mlp, llm.norm, llm.ffn, llm.kv_heads) == ("gelu", "layer", 4 * row.hidden, row.heads)
 
 
 def test_a_bad_published_row_names_the_column(tmp_path):
     p = tmp_path / "t.csv"
     p.write_text(HEADER + ROW_17B.replace(",32,1,1,1,512", ",30,4,1,1,512"))
-    with pytest.raises(PublishedError, match="tp\\*pp"):
+    with pytest.raises(PublishedError, match="tp\\*pp\\*cp"):
         load_published(p)
     p.write_text(HEADER + ROW_17B.replace(",137,", ",137,3.5"))
-    with pytest.raises(PublishedError, match="exactly one of tflops_per_gpu and step_time_s"):
+    with pytest.raises(PublishedError, match="exactly one of tflops_per_gpu, mfu, step_time_s"):
         load_published(p)
 
 
@@ -109,7 +109,7 @@ def test_validate_published_prints_each_rows_error_and_the_mean(tmp_path):
 
 
 def test_virtual_stages_are_validated_and_refused_by_the_runtime():
-    model = gpt_model(load_published(TABLE)[0])
+    model = model_of(load_published(TABLE)[0])
     with pytest.raises(SpecError, match="virtual_stages=2 needs pp >= 2"):
         ParallelSpec(world_size=8, tp=8, virtual_stages=2).validate(model)
     with pytest.raises(SpecError, match="not supported by the runtime"):

@@ -10,20 +10,17 @@ Imports no torch (a test checks it): planners, the simulator and the CLI use it 
 """
 
 from workloads.distributions import PRESETS, Dist, DistributionError, parse_dist
-from workloads.sample import ENCODER_OF, MODALITIES, Batch, Sample, Segment
+from workloads.registry import get_workload, list_workloads, load_spec_file, workload_names
+from workloads.sample import ENCODER_OF, ID_STRIDE, MODALITIES, Batch, Sample, Segment
 from workloads.spec import (
     MixPhase,
     ScheduleSpec,
     SourceSpec,
     WorkloadError,
     WorkloadSpec,
-    get_workload,
-    list_workloads,
-    load_spec_file,
     spec_from_dict,
-    workload_names,
 )
-from workloads.stream import ID_STRIDE, WorkloadStream, pack_sequences
+from workloads.stream import WorkloadStream, pack_sequences
 from workloads.tokens import (
     HF_RULE,
     UTILS_RULE,

@@ -10,10 +10,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+import numpy as np
+
 Modality = Literal["text", "image", "video", "audio"]
 MODALITIES: tuple[str, ...] = ("text", "image", "video", "audio")
 # Which encoder consumes each non-text modality.
 ENCODER_OF: dict[str, str] = {"image": "vision", "video": "vision", "audio": "audio"}
+ID_STRIDE = 1 << 20  # sample_id = step * ID_STRIDE + position; a batch holds < 2**20 samples
+
+
+def step_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of one step of a stream (generated or replayed): a function of (seed, step) only."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step])))
 
 
 @dataclass(frozen=True, slots=True)  # slots: the generator builds >100k of these per second

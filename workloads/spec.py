@@ -234,12 +234,20 @@ class WorkloadSpec:
         return self.schedule.mix(step, total_steps or self.total_steps, seed)
 
 
+# Bounds that keep every size the generator computes finite and every sample trainable: no model
+# has a context of 2**24 tokens (the longest published, 10M, is below it), and a length multiplier
+# of 1000 already makes a 3-minute video 50 hours long.
+MAX_SAMPLE_TOKENS = 1 << 24
+MAX_LENGTH = 1000.0
+
+
 # ---- parsing ------------------------------------------------------------------------------------
-def _positive_int(v: Any, fld: str, allow_none: bool = False) -> int | None:
+def _positive_int(v: Any, fld: str, allow_none: bool = False, maximum: int | None = None) -> int | None:
     if v is None and allow_none:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise WorkloadError(f"{fld}: must be a positive integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or (maximum is not None and v > maximum):
+        most = f" (at most {maximum:,})" if maximum is not None else ""
+        raise WorkloadError(f"{fld}: must be a positive integer{most}, got {v!r}")
     return v
 
 
@@ -312,8 +320,8 @@ def _phase(d: Any, names: tuple[str, ...], fld: str, default_name: str) -> MixPh
     for k, v in length.items():
         if k not in names:
             raise WorkloadError(f"{fld}.length.{k}: unknown source; allowed: {', '.join(names)}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
-            raise WorkloadError(f"{fld}.length.{k}: must be a number > 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_LENGTH:
+            raise WorkloadError(f"{fld}.length.{k}: must be a number in (0, {MAX_LENGTH:g}], got {v!r}")
     s = sum(w)
     until = d.get("until", 1.0)
     if isinstance(until, bool) or not isinstance(until, (int, float)) or not 0 < until <= 1:
@@ -328,7 +336,8 @@ def _phase(d: Any, names: tuple[str, ...], fld: str, default_name: str) -> MixPh
         name=str(d.get("name", default_name)),
         weights=tuple(x / s for x in w),
         length=tuple(float(length.get(n, 1.0)) for n in names),
-        max_sample_tokens=_positive_int(d.get("max_sample_tokens"), f"{fld}.max_sample_tokens", True),
+        max_sample_tokens=_positive_int(d.get("max_sample_tokens"), f"{fld}.max_sample_tokens", True,
+                                        MAX_SAMPLE_TOKENS),
         until=float(until),
         mean_steps=float(mean_steps),
         weight=float(weight),
@@ -421,7 +430,7 @@ def spec_from_dict(d: Any, origin: str = "<dict>") -> WorkloadSpec:
             sources=srcs,
             schedule=sched,
             total_steps=_positive_int(d.get("total_steps", 1000), "total_steps"),
-            max_sample_tokens=_positive_int(d.get("max_sample_tokens"), "max_sample_tokens", True),
+            max_sample_tokens=_positive_int(d.get("max_sample_tokens"), "max_sample_tokens", True, MAX_SAMPLE_TOKENS),
             vision=parse_vision(d.get("vision")),
             origin=origin,
             raw=d,
@@ -435,7 +444,7 @@ SPEC_DIR = Path(__file__).with_name("specs")
 FILE_SUFFIXES = (".toml", ".yaml", ".yml", ".json", ".jsonl")
 
 
-def _read_file(path: Path) -> Any:
+def read_spec_file(path: Path) -> Any:
     suffix = path.suffix.lower()
     try:
         text = path.read_text()
@@ -457,55 +466,3 @@ def _read_file(path: Path) -> Any:
     except Exception as e:  # parser errors carry line numbers; keep them on one line
         raise WorkloadError(f"{path}: not valid {suffix[1:].upper()}: {str(e).splitlines()[0]}") from None
     raise WorkloadError(f"{path}: unsupported file type {suffix!r}; allowed: {', '.join(FILE_SUFFIXES)}")
-
-
-def load_spec_file(path: str | Path) -> WorkloadSpec:
-    path = Path(path)
-    if path.suffix.lower() == ".jsonl":
-        from workloads.trace import load_trace
-
-        return load_trace(path)
-    return spec_from_dict(_read_file(path), origin=str(path))
-
-
-_REGISTRY: dict[str, WorkloadSpec] = {}
-
-
-def list_workloads() -> dict[str, str]:
-    """Named workloads -> one-line description, in name order."""
-    out = {}
-    for p in sorted(SPEC_DIR.glob("*.toml")):
-        out[p.stem] = get_workload(p.stem).description
-    return out
-
-
-def workload_names() -> list[str]:
-    return sorted(p.stem for p in SPEC_DIR.glob("*.toml"))
-
-
-def get_workload(name_or_path: str | Path | WorkloadSpec) -> WorkloadSpec:
-    """A named workload, or one read from a TOML/YAML/JSON spec or a JSONL trace file."""
-    if isinstance(name_or_path, WorkloadSpec):
-        return name_or_path
-    s = str(name_or_path)
-    if s in _REGISTRY:
-        return _REGISTRY[s]
-    builtin = SPEC_DIR / f"{s}.toml"
-    if "/" not in s and "." not in s and builtin.is_file():
-        spec = load_spec_file(builtin)
-        if spec.name != s:
-            raise WorkloadError(f"{builtin}: name {spec.name!r} does not match the file name {s!r}")
-        spec = WorkloadSpec(
-            **{**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, "origin": "builtin"}
-        )
-        _REGISTRY[s] = spec
-        return spec
-    p = Path(s)
-    if p.suffix.lower() in FILE_SUFFIXES:
-        if not p.is_file():
-            raise WorkloadError(f"workload: file {s} does not exist")
-        return load_spec_file(p)
-    raise WorkloadError(
-        f"workload: unknown name {s!r}; allowed: {', '.join(workload_names())} "
-        f"or a path to a {'/'.join(x[1:] for x in FILE_SUFFIXES)} file"
-    )

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workloads.sample import Batch, Sample, Segment
-from workloads.spec import Mix, SourceSpec, WorkloadError, WorkloadSpec, get_workload
+from workloads.registry import get_workload
+from workloads.sample import ID_STRIDE, Batch, Sample, Segment, step_rng
+from workloads.spec import MAX_SAMPLE_TOKENS, Mix, SourceSpec, WorkloadError, WorkloadSpec
 from workloads.tokens import (
     PIXELS_PER_TOKEN,
     TEMPORAL_PATCH,
@@ -59,7 +60,6 @@ from workloads.tokens import (
     video_grid_np,
 )
 
-ID_STRIDE = 1 << 20  # sample_id = step * ID_STRIDE + position; a batch holds < 2**20 samples
 _MAX_ROUNDS = 64
 _MAX_ASPECT = 150.0  # sampled aspect ratios stay well inside Qwen2-VL's 200:1 limit
 
@@ -298,11 +298,6 @@ def _build_many(d: _Draw, loc: list[int], sids: list[int], cache: _SegmentCache)
     return out
 
 
-def step_rng(seed: int, step: int) -> np.random.Generator:
-    """The generator of one step: a function of (seed, step) only."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step])))
-
-
 class WorkloadStream:
     """Global batches of a workload, one per step; see the module docstring for the knobs."""
 
@@ -327,6 +322,8 @@ class WorkloadStream:
         ):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
                 raise WorkloadError(f"{name}: must be a positive integer, got {v!r}")
+        if max_sample_tokens is not None and max_sample_tokens > MAX_SAMPLE_TOKENS:
+            raise WorkloadError(f"max_sample_tokens: must be at most {MAX_SAMPLE_TOKENS:,}, got {max_sample_tokens!r}")
         if global_batch_size is not None and global_batch_size >= ID_STRIDE:
             raise WorkloadError(f"global_batch_size: must be < {ID_STRIDE}, got {global_batch_size}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:

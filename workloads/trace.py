@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from workloads.sample import Batch, Sample
+from workloads.sample import ID_STRIDE, Batch, Sample, step_rng
 from workloads.spec import MixPhase, ScheduleSpec, SourceSpec, WorkloadError, WorkloadSpec
 from workloads.tokens import (
     HF_RULE,
@@ -242,8 +242,6 @@ class _TraceState:
         self._bounds: dict[tuple, list[int]] = {}
 
     def batch(self, stream: WorkloadStream, step: int) -> Batch:
-        from workloads.stream import ID_STRIDE, step_rng
-
         cap = stream.sample_cap(stream.mix(step))
         eligible = np.flatnonzero(self.tokens <= cap) if cap is not None else np.arange(self.tokens.size)
         if eligible.size == 0:

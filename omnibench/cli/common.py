@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -42,10 +45,40 @@ class PipeSafeConsole(Console):
 console = PipeSafeConsole()
 err_console = PipeSafeConsole(stderr=True)
 
+MAX_GPUS = 1 << 20  # ranks of a planned or simulated cluster: far beyond any built; more would never finish
+MAX_LOCAL_RANKS = 1024  # processes `run` starts on one machine (torchrun for more)
+
+
+def batch_error(e: Exception, gpus: int, global_batch_tokens: int) -> str:
+    """A workload stream's refusal of a batch, naming the flag the user set: without
+    --global-batch-tokens the batch follows the GPU count (8,192 tokens per GPU)."""
+    text = str(e).splitlines()[0]
+    if global_batch_tokens or not text.startswith("global_batch_tokens"):
+        return text
+    return (f"gpus: {gpus:,} GPUs make a global batch of 8,192 x {gpus:,} = {8192 * gpus:,} tokens, more than the "
+            f"workload stream can form ({text}); use fewer GPUs or set --global-batch-tokens")
+
+
+# Said once, in the description of each command with --tp/--pp/--cp (each option's own help is one line).
+DEFAULT_LAYOUT_TEXT = (
+    "Layout: without --tp, --pp and --cp each system runs its anchor's usual layout (systems/defaults.py): "
+    "homogeneous, colocated, noncolocated and omni Megatron-style (tp: the largest inside a node that divides the "
+    "heads, pp only where the model state needs it); temporal VeOmni's (tp 1, pp 1, FSDP over all ranks, cp: one "
+    "Ulysses degree for encoders and LLM, the smallest that splits the longest sample into one rank's share of the "
+    "batch). Any of the three given, the others are 1.")
+RECOMPUTE_TEXT = (
+    "Memory: --recompute auto (the default) takes the cheapest recomputation per module that fits: none, then each "
+    "set of modules recomputed in full, cheapest first (e.g. vision=full,audio=full before full), by the simulator's "
+    "memory estimate of the first batches; the output says which. One function settles layout and recompute for "
+    "plan, run, simulate and tune (omnibench/resolve.py).")
+TP_HELP = "LLM tensor-parallel degree; 0: default layout."
+PP_HELP = "LLM pipeline stages; 0: default layout."
+CP_HELP = "LLM context-parallel degree; 0: default layout."
+RECOMPUTE_HELP = "auto | none | selective | full | vision=full,..."
+
 # --dp-shard on run, plan and simulate.
 DpShard = Annotated[int, typer.Option(
-    "--dp-shard", help="HSDP: ranks each FSDP shard group holds (replicated across groups); 0: automatic "
-    "(within 8 nodes); -1: the whole group (plain FSDP).")]
+    "--dp-shard", help="HSDP shard group; 0: automatic (not under an explicit --dp-mode fsdp), -1: plain FSDP.")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -53,3 +86,28 @@ def fail(message: str, code: int = 2) -> NoReturn:
     # Escaped: messages quote user input and library errors, whose brackets are not rich markup.
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
+
+
+def writable_folder(path: str | Path, field: str = "out") -> Path:
+    """`path` as a folder this process can write in (made if missing), checked before any work
+    starts; else a one-line failure naming the field (a file in the way, no permission, read-only)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        fail(f"{field}: {p} is a file, not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".omnibench-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        fail(f"{field}: cannot write in {p} ({e.strerror or e})")
+    return p
+
+
+def writable_file(path: str | Path, field: str = "out") -> Path:
+    """`path` as a file this process can create or replace, checked before the work that fills it."""
+    p = Path(path)
+    if p.is_dir():
+        fail(f"{field}: {p} is a folder; give a file name")
+    writable_folder(p.parent if str(p.parent) else Path("."), field)
+    return p

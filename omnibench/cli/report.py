@@ -34,7 +34,7 @@ DYNAMIC_RUNS = {"bursty_mix": ("--seed", "14", "--steps", "16"),
                 "drifting_video": ("--steps", "12", "--step-stride", "90")}
 DYNAMIC_RUNS_QUICK = {"bursty_mix": ("--seed", "14", "--steps", "10"),
                       "drifting_video": ("--steps", "4", "--step-stride", "300")}
-KINDS = ("throughput", "scaling", "dynamic", "speedup", "timeline", "validation", "ablation", "workload")
+KINDS = ("throughput", "scaling", "dynamic", "speedup", "breakdown", "conditions", "timeline", "validation", "ablation", "workload")
 
 _PLOT_EXAMPLES = """
 Examples:
@@ -93,6 +93,10 @@ def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, sy
             return figures.dynamic(recs, workload, gpus)
         if kind == "speedup":
             return figures.speedup(recs)
+        if kind == "breakdown":
+            return figures.breakdown(recs, gpus)
+        if kind == "conditions":
+            return figures.conditions(recs)
         if kind == "timeline":
             if len(recs.all) > 1 and system is None:
                 fail(f"plot timeline draws one record; got {len(recs.all)}: give one folder or pick with --system")

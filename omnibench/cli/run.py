@@ -11,7 +11,21 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import DpShard, console, err_console, fail
+from omnibench.cli.common import (
+    CP_HELP,
+    DEFAULT_LAYOUT_TEXT,
+    MAX_GPUS,
+    MAX_LOCAL_RANKS,
+    PP_HELP,
+    RECOMPUTE_HELP,
+    RECOMPUTE_TEXT,
+    TP_HELP,
+    DpShard,
+    console,
+    err_console,
+    fail,
+    writable_folder,
+)
 
 
 def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, dp_shard=0) -> dict:
@@ -19,12 +33,6 @@ def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, 
                 encoder_ranks=encoder_ranks, dp_shard=dp_shard)
 
 
-# The help of --tp/--pp/--cp on run and plan (simulate's says the same).
-LAYOUT_HELP = ("0 (--tp, --pp and --cp all 0): the system's default layout, its anchor's usual one: homogeneous, "
-               "colocated, noncolocated, omni Megatron-style (tp: the largest inside a node dividing the heads, pp only "
-               "where the model state needs it); temporal VeOmni's (tp 1, pp 1, FSDP over all ranks, cp = Ulysses sp for "
-               "encoders and LLM: the smallest that splits the longest sample into one rank's share of the batch). "
-               "Any of them given: the others are 1.")
 NOT_IN_CONFIG = ("config", "as_json")  # options a run config file cannot set
 
 
@@ -82,7 +90,10 @@ def systems_help() -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("run")
+    @app.command("run", help="\n\n".join([
+        "Train for a few steps with real tensors and collectives; write a record folder.", DEFAULT_LAYOUT_TEXT,
+        RECOMPUTE_TEXT + " On CPU (tiny presets) auto is none; on CUDA it is settled against the device's memory "
+        "before any rank starts, with the depth of the default model."]))
     def run(
         ctx: typer.Context,
         system: str = typer.Option("", "--system", help=systems_help()),
@@ -91,9 +102,9 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("", "--model", help="model preset (default: tiny-omni on CPU, omni-7b on CUDA)"),
         steps: int = typer.Option(5, "--steps"),
         seed: int = typer.Option(0, "--seed"),
-        tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
-        pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
-        cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
+        tp: int = typer.Option(0, "--tp", help=TP_HELP),
+        pp: int = typer.Option(0, "--pp", help=PP_HELP),
+        cp: int = typer.Option(0, "--cp", help=CP_HELP),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: what is left"),
         dp_shard: DpShard = 0,
@@ -101,9 +112,11 @@ def register(app: typer.Typer) -> None:
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
         fsdp: bool = typer.Option(True, "--fsdp/--no-fsdp", help="shard data-parallel state (FSDP2) or replicate"),
-        recompute: str = typer.Option("auto", "--recompute",
-                                      help="activation checkpointing: none | selective | full, or per module "
-                                           "(vision=full,audio=full); auto: the cheapest the memory check admits"),
+        dp_mode: str = typer.Option(None, "--dp-mode", help="how data parallelism holds the training state: ddp | "
+                                    "zero1 | zero2 (weights replicated, optimizer state and, zero2, gradients "
+                                    "sharded) | fsdp | hsdp; overrides --fsdp/--no-fsdp. omni's encoders keep their "
+                                    "own (--option encoder_dp=..., default zero2)"),
+        recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
         compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block"),
         encoder_chunk_tokens: str = typer.Option(
             "0", "--encoder-chunk-tokens",
@@ -130,7 +143,6 @@ def register(app: typer.Typer) -> None:
         config: Path = typer.Option(None, "--config", help="a TOML run config (any of these options, by name, "
                                     "in any tables); options given on the command line override it"),
     ) -> None:
-        """Train for a few steps with real tensors and collectives; write a record folder."""
         if config is not None and not ctx.meta.get("omnibench.config_applied"):
             ctx.meta["omnibench.config_applied"] = True  # the call below runs with the file's values applied
             return run(ctx, **with_run_config(ctx, config))
@@ -149,17 +161,32 @@ def register(app: typer.Typer) -> None:
             fail(f"system must be one of {', '.join(allowed)}; got {system!r}")
         try:
             chunk = chunk_tokens_option(encoder_chunk_tokens, allow_auto=True)
-        except SpecError as e:
+            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
+                                         no_llm_long_short)
+        except (SpecError, PlanError) as e:
             fail(str(e))
+        if nproc > MAX_LOCAL_RANKS:
+            fail(f"nproc must be at most {MAX_LOCAL_RANKS:,} (the processes run starts on this machine; torchrun "
+                 f"starts more), got {nproc:,}")
+        _check_out(out)
         spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
                        global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
                        out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
                        dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
                        encoder_chunk_tokens=chunk,
-                       options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
-                                                  no_llm_long_short), **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
+                       options=options, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
+        if dp_mode is not None:
+            from omnibench.specs.parallel import dp_mode_fields
+
+            try:
+                fields = dp_mode_fields(dp_mode)
+            except SpecError as e:
+                fail(str(e))
+            if dp_shard and dp_mode != "hsdp":
+                fail(f"dp-shard={dp_shard} needs --dp-mode hsdp (or no --dp-mode); got --dp-mode {dp_mode}")
+            spec.fsdp, spec.zero, spec.dp_shard = fields["fsdp"], fields["zero"], dp_shard or fields["dp_shard"]
         try:
             spec = resolve(spec)
             spec, fit_note = fit_to_device(spec, model_given=bool(model))  # settles recompute=auto on CUDA
@@ -194,7 +221,10 @@ def register(app: typer.Typer) -> None:
             return
         _print_summary(summary, folder)
 
-    @app.command("plan")
+    @app.command("plan", help="\n\n".join([
+        "Print the Plan a system makes for one step: layouts, data, routes, per-rank actions, and each rank's "
+        "estimated peak memory on an H100 (the estimate `run` checks and `simulate` reports).", DEFAULT_LAYOUT_TEXT,
+        RECOMPUTE_TEXT]))
     def plan_cmd(
         system: str = typer.Option(..., "--system", help=systems_help()),
         workload: str = typer.Option("mixed_video", "--workload"),
@@ -202,9 +232,9 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("tiny-omni", "--model"),
         step: int = typer.Option(0, "--step"),
         seed: int = typer.Option(0, "--seed"),
-        tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
-        pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
-        cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
+        tp: int = typer.Option(0, "--tp", help=TP_HELP),
+        pp: int = typer.Option(0, "--pp", help=PP_HELP),
+        cp: int = typer.Option(0, "--cp", help=CP_HELP),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp"),
         dp_shard: DpShard = 0,
@@ -221,65 +251,77 @@ def register(app: typer.Typer) -> None:
         no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
                                                help="omni: long LLM samples stay data-parallel (no context-parallel group)"),
         option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
-        recompute: str = typer.Option("none", "--recompute", help="none | selective | full: for the memory estimate"),
+        recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
         encoder_chunk_tokens: str = typer.Option(
             "0", "--encoder-chunk-tokens", help="encoders in chunks (recomputed in the backward) of at most N tokens, for the memory "
                                                 "estimate; 0: off"),
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
-        """Print the Plan a system makes for one step: layouts, data, routes, per-rank actions, and
-        each rank's estimated peak memory (the estimate `run` checks and `simulate` reports)."""
         from omnibench.plan import PlanError
+        from omnibench.resolve import resolve_layout
+        from omnibench.specs.costs import recompute_policy
         from omnibench.specs.model import SpecError
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
+        from simulator.hardware import load_cluster
         from systems import get_planner
+        from systems.omni.options import options_from_flags
+        from workloads.stream import WorkloadStream
 
+        if not 1 <= nproc <= MAX_GPUS:
+            fail(f"nproc must be a positive integer, at most {MAX_GPUS:,}; got {nproc:,}")
         try:
-            from workloads.stream import WorkloadStream
-
             spec = get_model(model)
-            from systems.omni.options import options_from_flags
-
-            parallel = ParallelSpec(world_size=nproc, **_parallel_opts(tp or 1, pp or 1, cp or 1, ep, dp, microbatches,
-                                                                       encoder_tp, encoder_ranks, dp_shard),
+            parallel = ParallelSpec(world_size=nproc, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
+                                                                       encoder_ranks, dp_shard),
                                     options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
                                                                no_long_short_sp, option, no_llm_long_short))
             stream = WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens,
                                     length_scale=length_scale, max_sample_tokens=max_sample_tokens or None)
-            batch = stream.batch(step)
-            layout_note = "given: " + ", ".join(f"{k} {v or 1}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp)))
-            if (tp, pp, cp) == (0, 0, 0):
-                from simulator.hardware import load_cluster
-                from systems.defaults import with_default_layout
-
-                parallel, layout_note = with_default_layout(system, spec, parallel, batch,
-                                                            load_cluster("h100", nproc).gpu.memory_bytes)
-            p = get_planner(system).plan(spec, parallel, batch)
+            if recompute != "auto":
+                recompute_policy(recompute)
             chunk = chunk_tokens_option(encoder_chunk_tokens)
+            cluster = load_cluster("h100", nproc)
+            batches = [stream.batch(step + k) for k in range(4 if recompute == "auto" else 1)]
+            resolved = resolve_layout(system, spec, parallel, batches, cluster, tp=tp, pp=pp, cp=cp,
+                                      recompute=recompute, encoder_chunk_tokens=chunk)
+            parallel = resolved.parallel
+            p = get_planner(system).plan(spec, parallel, batches[0])
         except (SpecError, PlanError, ValueError, KeyError) as e:
             fail(str(e).strip("'\""))
         if as_json:
             print(p.to_json())
             return
-        console.print(f"[bold]layout[/]: tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp} ({layout_note})",
+        console.print(f"[bold]layout[/]: tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp} ({resolved.layout_note})",
                       highlight=False, soft_wrap=True)
         print_plan(p)
         try:
             from simulator.engine import Engine, SimOptions
-            from simulator.hardware import load_cluster
 
-            res = Engine(p, spec, load_cluster("h100", nproc),
-                         options=SimOptions(recompute=recompute, check_memory=False,
-                                            encoder_chunk_tokens=chunk)).run()
+            res = Engine(p, spec, cluster, options=SimOptions(recompute=parallel.recompute, check_memory=False,
+                                                              encoder_chunk_tokens=chunk)).run()
         except ValueError as e:
             fail(str(e).strip("'\""))
         worst = max(res.ranks, key=lambda r: r.memory_bytes)
         chunked = f", encoder chunks of {chunk} tokens" if chunk else ""
-        console.print(f"[bold]memory[/] (estimate, bf16, recompute={recompute}{chunked}): peak {worst.memory_bytes / 2**30:.2f} GiB "
+        how = " (auto: the cheapest that fits an H100)" if resolved.chosen and resolved.fits else ""
+        if resolved.chosen and not resolved.fits:
+            how = " (auto: nothing fits an H100; the most recomputation)"
+        console.print(f"[bold]memory[/] (estimate, bf16, recompute={parallel.recompute}{how}{chunked}): peak {worst.memory_bytes / 2**30:.2f} GiB "
                       f"on rank {worst.rank}; " + ", ".join(f"rank {r.rank}: {r.memory_bytes / 2**30:.2f}"
                                                             for r in sorted(res.ranks, key=lambda r: r.rank)[:16]),
                       highlight=False, soft_wrap=True)
+
+
+def _check_out(out: str) -> None:
+    """--out names the record folder a run creates: refuse a file in the way or a parent this
+    process cannot write in, before any work (records.start refuses a folder that exists or is in use)."""
+    from omnibench.runtime.records import new_run_dir
+
+    final = Path(new_run_dir(out, "x", "y")) if out else Path("results/runs")
+    if out and final.exists() and not final.is_dir():
+        fail(f"out: {out} is a file; --out names the record folder the run creates")
+    writable_folder(final.parent if out else final)
 
 
 def chunk_tokens_option(text: str, allow_auto: bool = False) -> int:
@@ -364,8 +406,8 @@ def _launch_with_progress(spec, launch) -> str:
         task = bar.add_task(f"{spec.system} x{spec.nproc} {spec.model}", total=spec.steps, info="starting ranks")
 
         def on_progress(line: dict) -> None:
-            bar.update(task, completed=line["step"] + 1,
-                       info=f"loss {line['loss']:.4f}  {line['step_time_s'] * 1e3:.0f} ms/step")
+            loss = "not finite" if line["loss"] is None else f"{line['loss']:.4f}"
+            bar.update(task, completed=line["step"] + 1, info=f"loss {loss}  {line['step_time_s'] * 1e3:.0f} ms/step")
 
         return launch(spec, on_progress)
 
@@ -376,7 +418,7 @@ def _print_summary(s: dict, folder: str) -> None:
     t.add_column("value", justify="right")
     rows = [
         ("steps", str(s["steps"])),
-        ("final loss", f"{s['final_loss']:.5f}"),
+        ("final loss", "not finite (see the notes)" if s["final_loss"] is None else f"{s['final_loss']:.5f}"),
         ("step time", f"{s['mean_step_time_s'] * 1e3:.1f} ms ({s['timed_steps']} steps)"),
         ("tokens/s", f"{s['tokens_per_s']:.0f}"),
         ("tokens/s/GPU", f"{s['tokens_per_s_per_gpu']:.0f}"),

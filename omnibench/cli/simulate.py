@@ -10,16 +10,31 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import DpShard, console, fail
-from omnibench.cli.run import LAYOUT_HELP
+from omnibench.cli.common import (
+    CP_HELP,
+    DEFAULT_LAYOUT_TEXT,
+    MAX_GPUS,
+    PP_HELP,
+    RECOMPUTE_HELP,
+    RECOMPUTE_TEXT,
+    TP_HELP,
+    DpShard,
+    batch_error,
+    console,
+    fail,
+    writable_file,
+    writable_folder,
+)
 from omnibench.provenance import provenance, publish, write_csv
 
 BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
@@ -27,7 +42,7 @@ SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces 
 TRACE_RANKS = 512  # simulated ranks drawn in a record's timeline (the lowest ones; the rest are noted)
 INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a run's)
 # results.csv: results.json's rows, flat (per-step metrics stay in results.json's "per_step").
-RESULT_COLUMNS = ["gpus", "system", "layout", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
+RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
                   "sim_seconds", "tuned_at_step", "tune_seconds", "steps_failed"]
@@ -36,23 +51,58 @@ STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "st
                 "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
 
 
-def _free_name(out: Path, name: str) -> Path:
-    """out/name, or out/name-2, -3, ... when a record (or one being written) already has that name."""
-    k, final = 1, out / name
-    while final.exists() or final.with_name(final.name + INCOMPLETE).exists():
+def _claim(out: Path, name: str) -> Path:
+    """The record's final path, out/name (or name-2, -3, ...), claimed by making its `.incomplete`
+    folder: mkdir is atomic, so two simulations started in the same second into one --out never
+    take the same name (the loser moves on to the next one)."""
+    k = 1
+    while True:
+        final = out / (name if k == 1 else f"{name}-{k}")
         k += 1
-        final = out / f"{name}-{k}"
-    return final
+        if final.exists():
+            continue
+        try:
+            final.with_name(final.name + INCOMPLETE).mkdir()
+        except FileExistsError:
+            continue
+        if final.exists():  # finished (and renamed) between the check and the claim
+            final.with_name(final.name + INCOMPLETE).rmdir()
+            continue
+        return final
 
 
 def _ints(text: str, field: str) -> list[int]:
+    """`--gpus 256,1024`: positive integers up to MAX_GPUS, no empty item."""
+    items = [x.strip() for x in text.split(",")]
+    usage = f"{field} must be a comma-separated list of positive integers (at most {MAX_GPUS:,})"
+    if any(not x for x in items):
+        fail(f"{usage}; got {text!r}, which has an empty item")
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in items]
     except ValueError:
-        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
-    if not out or any(v < 1 for v in out):
-        fail(f"{field} must be a comma-separated list of positive integers, got {text!r}")
+        fail(f"{usage}; got {text!r}")
+    if any(v < 1 or v > MAX_GPUS for v in out):
+        fail(f"{usage}; got {text!r}")
     return out
+
+
+def _finished_runs(dirs: list[str], command: str) -> list[str]:
+    """The run folders that finished; each unfinished one (`.incomplete`: interrupted or failed) is
+    named with how far it got and left out, and none finished is a one-line failure."""
+    from simulator.traces import TraceError, read_run
+
+    done = []
+    for d in dirs:
+        if Path(d).name.endswith(INCOMPLETE):
+            try:
+                read_run(d)
+            except TraceError as e:
+                console.print(f"{command}: skipped {e}", highlight=False, soft_wrap=True)
+            continue
+        done.append(d)
+    if not done:
+        fail(f"{command}: no finished run among the folders given (unfinished runs keep the {INCOMPLETE} suffix)")
+    return done
 
 
 def _fit_text(fit: dict) -> str:
@@ -82,8 +132,58 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
     return [k * stride for k in range(steps)]
 
 
+HARDWARE_HELP = ("Preset or a .toml/.yaml file: h100 (HGX H100 SXM, 700 W), h100-500w (H100 96 GB HBM2e at a "
+                 "500 W power cap), h800 (NVLink limited to 200 GB/s per direction), h200, a100-80g, a100-40g, "
+                 "v100-32g, cpu-gloo.")
+STACK_HELP = ("Software whose kernels are costed: eager (this project's runtime: PyTorch ops one by one, fp32 "
+              "norm/RoPE math, chunked loss) | fused (Megatron-style fused norm/bias/dropout/activation kernels).")
+DP_MODE_HELP = ("How data parallelism holds the training state: ddp | zero1 | zero2 | fsdp | hsdp. Default: FSDP, "
+                "sharded within at most 8 nodes (HSDP) on large clusters unless --dp-shard says otherwise. An "
+                "explicit fsdp never shards within nodes (one shard group over all data ranks); hsdp shards "
+                "within 8 nodes, or --dp-shard ranks.")
+MICRO_BATCH_HELP = ("Samples per LLM microbatch: sets --microbatches to step 0's samples per data rank divided by "
+                    "N (rounded up); 0: --microbatches (or the system's default) decides. Ignored with --tuned.")
+CP_KIND_HELP = ("How context parallelism splits attention: ulysses (all-to-alls; what the runtime runs) | ring "
+                "(K/V blocks passed around the cp ranks) | allgather (each rank all-gathers K/V before its "
+                "attention: Llama 3, torchtitan). ring and allgather are simulated only.")
+
+
+def _dp_fields(dp_mode: str | None, dp_shard: int) -> dict:
+    """ParallelSpec fields of `--dp-mode` and `--dp-shard` together (one-line error otherwise)."""
+    from omnibench.specs.parallel import dp_mode_fields
+
+    if dp_mode is None:
+        return {"dp_shard": dp_shard}
+    try:
+        fields = dp_mode_fields(dp_mode)
+    except ValueError as e:
+        fail(str(e))
+    if dp_shard:
+        if dp_mode != "hsdp":
+            fail(f"dp-shard={dp_shard} needs --dp-mode hsdp (or no --dp-mode); got --dp-mode {dp_mode}")
+        fields["dp_shard"] = dp_shard
+    return fields
+
+
+def _check_stack(stack: str) -> None:
+    from simulator.kernels import STACK_KINDS
+
+    if stack not in STACK_KINDS:
+        fail(f"stack must be one of {', '.join(STACK_KINDS)}; got {stack!r}")
+
+
+def with_micro_batch(parallel, batch, micro_batch: int):
+    """`parallel` with as many microbatches per LLM data rank as `micro_batch` samples each take."""
+    dp = parallel.dp or max(1, parallel.world_size // (parallel.tp * parallel.pp * parallel.cp))
+    per_rank = -(-len(batch.samples) // dp)
+    m = max(1, -(-per_rank // micro_batch))
+    if parallel.virtual_stages > 1:
+        m = -(-m // parallel.pp) * parallel.pp  # the interleaved schedule wants a multiple of pp
+    return replace(parallel, microbatches=m)
+
+
 def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
-                  chunk_tokens=0):
+                  chunk_tokens=0, stack="eager"):
     """Plan and simulate `system` at one fixed layout (`parallel`, `recompute`) on each of the
     batches `step_indices(steps, stride)`: the layout is never revisited between steps."""
     from dataclasses import replace
@@ -95,7 +195,7 @@ def _simulate_one(system, model, parallel, stream, steps, cluster, profile, reco
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     planner = get_planner(system)
     results, plans, failed = [], [], []
-    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens)
+    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack)
     for s in step_indices(steps, stride):
         try:
             plan = planner.plan(model, parallel, stream.batch(s))
@@ -133,7 +233,7 @@ def read_tune_cache(path: Path | None) -> dict:
 
 
 def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, options: dict, hardware: str,
-                 cache: dict, key: str):
+                 cache: dict, key: str, stack: str = "eager", dp_mode: str | None = None):
     """(Candidate, seconds spent tuning) for `system`: `omnibench tune` on step 0's batch `batch0`
     with every omni technique on (the ablation keeps the full system's layout), or the layout
     `cache[key]` holds from an earlier tune with the same inputs (0 s)."""
@@ -144,7 +244,8 @@ def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, optio
         return Candidate(**cache[key]["candidate"]), 0.0
     full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
     res = _tune(system, spec, [batch0], cluster, profile=profile, budget=budget,
-                options=planner_options(system, full, hardware) if profile is None else full)
+                options=planner_options(system, full, hardware) if profile is None else full, stack=stack,
+                dp_mode=dp_mode)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     from dataclasses import asdict
@@ -154,26 +255,42 @@ def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, optio
     return res.best.candidate, res.seconds
 
 
+def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
+              cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int):
+    """The layout and recompute mode `system` is simulated with (omnibench/resolve.py: the flags, else
+    its default layout; `auto`: the cheapest recompute that the simulator's memory estimate of the
+    first simulated batches fits); what was settled goes into `row`."""
+    from dataclasses import replace
+
+    from omnibench.resolve import ESTIMATE_STEPS, resolve_layout
+
+    if hardware and profile is None:  # the plans estimated are the plans simulated
+        parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
+    batches = [stream.batch(i) for i in step_indices(min(steps, ESTIMATE_STEPS), stride)]
+    res = resolve_layout(system, model, parallel, batches, cluster, tp=tp, pp=pp, cp=cp, recompute=recompute,
+                         encoder_chunk_tokens=chunk_tokens)
+    if (tp, pp, cp) == (0, 0, 0):
+        row["layout"] = f"tp{res.parallel.tp} pp{res.parallel.pp} cp{res.parallel.cp}"
+        row["layout_note"] = res.layout_note
+    row["recompute"] = res.recompute
+    if res.chosen:
+        row["recompute_note"] = res.memory_note()
+    return replace(res.parallel, options=options), res.recompute
+
+
 def _summary(results) -> dict:
-    if not all(r.fits for r in results):
-        # A plan that does not fit in memory has no throughput: report why, and its memory, nothing else.
-        return {
-            "fits": False,
-            "fit_message": next(r.fit_message for r in results if not r.fits),
-            "steps": len(results),
-            "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
-            "memory_capacity_gib": results[0].memory_capacity / 2**30,
-            "distinct_ranks": max(r.classes for r in results),
-            "sim_seconds": sum(r.sim_seconds for r in results),
-        }
+    """A (size, system) row over its simulated steps. A plan that does not fit in memory still gets its
+    step time and throughput, with `fits: false` and why beside them (the simulator times the step as
+    if memory were no object; the record keeps no trace of it)."""
+    fits = all(r.fits for r in results)
     t = sum(r.step_time for r in results)
     tokens = sum(r.tokens for r in results)
     flops = sum(r.model_flops for r in results)
     n = results[0].world_size
     first = results[0]
     return {
-        "fits": True,
-        "fit_message": "",
+        "fits": fits,
+        "fit_message": "" if fits else next(r.fit_message for r in results if not r.fits),
         "steps": len(results),
         "step_time_s": t / len(results),
         "tokens_per_s": tokens / t if t else 0.0,
@@ -187,15 +304,22 @@ def _summary(results) -> dict:
         "memory_capacity_gib": first.memory_capacity / 2**30,
         "distinct_ranks": max(r.classes for r in results),
         "sim_seconds": sum(r.sim_seconds for r in results),
+        "breakdown_s": _mean_breakdown(results),
         "per_step": [r.metrics() for r in results],
     }
+
+
+def _mean_breakdown(results) -> dict:
+    """Each part of SimResult.breakdown averaged over the steps (they add up to the mean step time)."""
+    parts = [r.breakdown() for r in results]
+    return {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]} if parts and parts[0] else {}
 
 
 def _step_rows(row: dict) -> list[dict]:
     """steps.csv's rows of one (gpus, system) result."""
     out = []
     for m in row.get("per_step", []):
-        ran = m["fits"]  # a step that does not fit or cannot plan has no throughput, only why
+        ran = "step_time_s" in m  # a step that cannot plan has no time, only why (one that does not fit has both)
         out.append({"gpus": row["gpus"], "system": row["system"], "step": m["step"], "layout": row.get("layout", ""),
                     "fits": m["fits"], "why": m.get("error") or m.get("fit_message") or "",
                     **{k: m.get(k) if ran else None for k in ("tokens", "step_time_s", "tokens_per_s",
@@ -204,95 +328,142 @@ def _step_rows(row: dict) -> list[dict]:
     return out
 
 
-def _validate_published(path: Path, kernels: str | None) -> None:
-    from simulator.published import check_row, load_published
+def _check_published(row, kernels: str | None = None, stack: str | None = None):
+    """One published row, or (row, error text) when it cannot be simulated (a worker of the sweep)."""
+    from simulator.published import check_row
 
     try:
-        rows = load_published(path)
-        checks = [check_row(r, kernels=kernels) for r in rows]
+        return check_row(row, kernels=kernels, stack=stack)
     except ValueError as e:
+        return row, str(e).splitlines()[0]
+
+
+def _validate_published(path: Path, kernels: str | None, stack: str | None = None, rows: str = "",
+                        as_json: bool = False, markdown: Path | None = None, workers: int = 1) -> None:
+    from functools import partial
+
+    from omnibench.sweep import map_ordered
+    from simulator.published import groups, load_published, to_json
+    from simulator.published import markdown as to_markdown
+
+    try:
+        table_rows = load_published(path)
+        if rows:
+            pattern = re.compile(rows)
+            table_rows = [r for r in table_rows if pattern.search(r.name)]
+            if not table_rows:
+                fail(f"rows: no row name matches {rows!r}")
+        done = map_ordered(partial(_check_published, kernels=kernels, stack=stack), table_rows, workers=workers,
+                           label="published rows")
+    except (ValueError, re.error) as e:
         fail(str(e))
+    failed = [d for d in done if isinstance(d, tuple)]
+    checks = [d for d in done if not isinstance(d, tuple)]
+    if markdown is not None:
+        command = f"python -m omnibench validate --published {path} --markdown {markdown}"
+        if rows:
+            command += f" --rows '{rows}'"
+        if stack:
+            command += f" --stack {stack}"
+        if kernels:
+            command += f" --kernels {kernels}"
+        markdown.write_text(to_markdown(checks, command, [(r.name, e) for r, e in failed]))
+    if as_json:
+        out = to_json(checks)
+        out["failed"] = [{"name": r.name, "error": e} for r, e in failed]
+        print(json.dumps(out, indent=1))
+        return
     table = Table(title=f"simulated vs published: {path}")
-    for col in ("run", "GPUs", "tp/pp/v", "batch", "pub. s", "sim. s", "error", "MFU", "HW TF/s", "GiB"):
-        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+    for col in ("run", "split", "GPUs", "tp/pp/v/cp/ep", "dp", "batch", "pub. s", "sim. s", "error", "MFU",
+                "GiB pub/sim"):
+        table.add_column(col, justify="left" if col in ("run", "split", "dp") else "right", no_wrap=True)
     for c in checks:
         r = c.row
-        table.add_row(r.name, str(r.gpus), f"{r.tp}/{r.pp}/{r.vpp}", f"{r.global_batch}x{r.micro_batch}",
-                      f"{c.measured_s:.3f}", f"{c.simulated_s:.3f}", f"{c.error:+.1%}", f"{c.mfu:.1%}",
-                      f"{c.hfu_tflops:.0f}", f"{c.peak_memory_gib:.0f}" if c.fits else f"[red]{c.peak_memory_gib:.0f}[/]")
+        mem = f"{r.peak_memory_gib:.0f}/" if r.peak_memory_gib else "-/"
+        mem += f"{c.peak_memory_gib:.0f}" if c.fits else f"[red]{c.peak_memory_gib:.0f}[/]"
+        table.add_row(r.name, ("unstated" if r.unstated else r.split) or "-", str(r.gpus),
+                      f"{r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep}", r.dp_mode, f"{r.global_batch}x{r.micro_batch}",
+                      f"{c.measured_s:.3f}", f"{c.simulated_s:.3f}", f"{c.error:+.1%}", f"{c.mfu:.1%}", mem)
     console.print(table)
-    for src in sorted({c.row.source for c in checks}):
-        console.print(f"source {src}: " + ", ".join(c.row.name for c in checks if c.row.source == src), highlight=False)
-    errs = [abs(c.error) for c in checks]
-    console.print(f"mean |error| {sum(errs) / len(errs):.1%}, worst {max(errs):.1%} over {len(checks)} rows "
-                  "(error = simulated / published step time - 1; negative: the simulator is optimistic)",
+    g = groups(checks)
+    for split, st in g["split"].items():
+        console.print(f"{split}: mean |error| {st.mean_abs:.1%} over {st.rows} rows, worst {st.worst_row} "
+                      f"{st.worst:+.1%}", highlight=False)
+    for (src, split), st in g["source"].items():
+        console.print(f"  {src} ({split}): mean |error| {st.mean_abs:.1%} over {st.rows} rows, worst "
+                      f"{st.worst_row} {st.worst:+.1%}", highlight=False)
+    for split, st in g["memory"].items():
+        console.print(f"peak memory ({split}): mean |error| {st.mean_abs:.1%} over {st.rows} rows, worst "
+                      f"{st.worst_row} {st.worst:+.1%} (memory: simulator/memory.py's model)", highlight=False)
+    console.print("error = simulated / published step time - 1 (negative: the simulator is optimistic); a row "
+                  "that does not fit still gets its step time (memory in red).", highlight=False)
+    console.print("published s: the row's step time; B*s / (tokens/s/GPU * GPUs); or its FLOP rate turned into "
+                  "seconds with the publication's formula (megatron-hfu: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))). "
+                  "Rows whose publication does not state its FLOP counting ('unstated') are converted with this "
+                  "project's model-FLOP counter (costs.batch_flops, no recomputation) and reported apart.",
                   highlight=False)
-    console.print(f"compute model: {checks[0].compute_model}", highlight=False)
-    console.print("published s: the row's step time, or its TFLOP/s/GPU turned into seconds with the publication's "
-                  "own formula (megatron-hfu: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)), counting the recomputed "
-                  "forward)", highlight=False)
-    console.print("MFU (simulated): model FLOPs (costs.batch_flops: causal attention, no recomputation) / (step x "
-                  "GPUs x peak); HW TF/s (simulated): the same counter plus the recomputed forward, per GPU; GiB: "
-                  "simulated peak memory per GPU (red: does not fit)", highlight=False)
-    bad = [c for c in checks if not c.fits]
-    for c in bad:
-        console.print(f"{c.row.name}: {c.fit_message}", highlight=False)
+    for model in sorted({c.compute_model for c in checks}):
+        console.print(f"compute model: {model}", highlight=False)
+    for r, e in failed:
+        console.print(f"[red]{r.name}: not simulated: {e}[/]", highlight=False)
+    if markdown is not None:
+        console.print(f"wrote {markdown}", highlight=False)
+
+
+SIMULATE_HELP = "\n\n".join([
+    "Simulate systems at cluster sizes nobody here has; one row per (size, system), and a record folder.",
+    DEFAULT_LAYOUT_TEXT,
+    RECOMPUTE_TEXT,
+    "Steps: --steps N simulates batches 0..N-1 of the stream (with --step-stride K: 0, K, 2K, ..., a mix drifting "
+    "over training), each system's layout kept for all of them.",
+    "Tuned: --tuned puts each system at its own best layout, `omnibench tune` on step 0's batch only, kept for every "
+    "step (a static deployment, never re-tuned); the layout flags are then ignored, and with --no-* switches omni "
+    "keeps the layout tuned with every technique on.",
+    "The --no-* switches turn off one omni technique each, for the ablation a paper shows.",
+])
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(help=SIMULATE_HELP)
     def simulate(
         workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
         system: str = typer.Option("all", "--system", "-s", help="A system name, a comma list, or 'all'."),
         gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
-        hardware: str = typer.Option("h100", "--hardware", help="Preset (h100, h200, a100-80g, cpu-gloo) or file."),
+        hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
-        steps: int = typer.Option(1, "--steps", help="Steps to simulate (batches 0..N-1 of the stream, or every "
-                                  "--step-stride-th batch)."),
-        step_stride: int = typer.Option(1, "--step-stride", help="With --steps N: simulate batches 0, K, 2K, ... "
-                                        "(N-1)K, steps spread over training (a drifting mix)."),
+        stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
+        dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
+        micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
+        steps: int = typer.Option(1, "--steps", help="Steps (batches) to simulate."),
+        step_stride: int = typer.Option(1, "--step-stride", help="With --steps: every K-th batch of the stream."),
         calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
-        tp: int = typer.Option(0, "--tp", help=LAYOUT_HELP),
-        pp: int = typer.Option(0, "--pp", help=LAYOUT_HELP),
-        cp: int = typer.Option(0, "--cp", help=LAYOUT_HELP),
-        cp_kind: str = typer.Option("ulysses", "--cp-kind", help="ulysses (what the runtime runs) | ring "
-                                    "(simulated only: long sequences past what the heads allow)"),
-        ep: int = typer.Option(1, "--ep"),
-        dp: int = typer.Option(0, "--dp", help="0: whatever is left."),
+        tp: int = typer.Option(0, "--tp", help=TP_HELP),
+        pp: int = typer.Option(0, "--pp", help=PP_HELP),
+        cp: int = typer.Option(0, "--cp", help=CP_HELP),
+        cp_kind: str = typer.Option("ulysses", "--cp-kind", help=CP_KIND_HELP),
+        ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models)."),
+        dp: int = typer.Option(0, "--dp", help="Data-parallel degree; 0: what is left."),
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
-        virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B: model chunks per "
-                                           "pipeline rank (homogeneous, colocated; simulator only)."),
+        virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B model chunks per pipeline rank."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
-        recompute: str = typer.Option("none", "--recompute",
-                                      help="none | full | selective, or per module: vision=full,audio=full"),
+        recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
         encoder_chunk_tokens: int = typer.Option(
-            0, "--encoder-chunk-tokens", help="Encoder microbatches in chunks (recomputed in the backward) of at most N encoder "
-                                              "tokens (patches, audio positions); 0: off."),
-        seed: int = typer.Option(0, "--seed"),
+            0, "--encoder-chunk-tokens", help="Encoder chunks of at most N tokens; 0: off."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the workload's sample stream."),
         out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
-        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work all before/after the LLM pipeline"),
+        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work before/after the LLM pipeline"),
         no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
         no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
-        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
-                                               help="omni: long LLM samples stay on one data rank (no cp group)"),
-        option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
-        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout: `omnibench tune` "
-                                   "on step 0's batch only, that layout then kept for every step (a static "
-                                   "deployment: tuned at step 0, never re-tuned); the layout flags are ignored. "
-                                   "With --no-* switches omni keeps its own tuned layout (every technique on)."),
+        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short", help="omni: long LLM samples stay on one data rank"),
+        option: list[str] = typer.Option([], "--option", help="System option key=value (repeatable)."),
+        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout, tuned at step 0."),
         tune_budget: int = typer.Option(12, "--tune-budget", help="With --tuned: layouts simulated per system."),
-        tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts per "
-                                        "(system, workload, gpus, model, hardware, seed, batch, budget); a layout "
-                                        "found there is used as is, a new one is added."),
+        tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
     ) -> None:
-        """Simulate systems at cluster sizes nobody here has; one row per (size, system).
-
-        The --no-* switches turn off one omni technique each, for the ablation a paper shows.
-        """
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
         from simulator.calibrate import Profile
@@ -302,6 +473,7 @@ def register(app: typer.Typer) -> None:
         from systems.omni.options import options_from_flags
 
         sizes = _ints(gpus, "gpus")
+        writable_folder(out)
         try:
             options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
                                          no_llm_long_short)
@@ -314,6 +486,11 @@ def register(app: typer.Typer) -> None:
         if tune_budget < 1:
             fail(f"tune-budget must be a positive integer, got {tune_budget}")
         cache = read_tune_cache(tune_cache) if tuned else {}
+        dp_fields = _dp_fields(dp_mode, dp_shard)
+        _check_stack(stack)
+        if micro_batch < 0 or (micro_batch and microbatches):
+            fail(f"micro-batch must be a positive number of samples (or 0: --microbatches decides), and not given "
+                 f"with --microbatches; got --micro-batch {micro_batch} --microbatches {microbatches}")
         if encoder_chunk_tokens < 0:
             fail(f"encoder-chunk-tokens must be a token budget N >= 1 or 0 (off), got {encoder_chunk_tokens}")
         if global_batch_tokens < 0:
@@ -321,9 +498,10 @@ def register(app: typer.Typer) -> None:
         from omnibench.specs.costs import recompute_policy
 
         try:
-            recompute_policy(recompute)
+            if recompute != "auto":
+                recompute_policy(recompute)
         except ValueError as e:
-            fail(str(e))
+            fail(f"{e} (or auto)")
         registered = available_systems()
         if system == "all":
             systems = registered
@@ -343,14 +521,13 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             fail(str(e))
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        name = f"{stamp}-{Path(workload).stem}-{spec.name}-{Path(hardware).stem}"
+        # the systems in the name: two simulations of one workload started in the same second differ by it
+        name = f"{stamp}-{Path(workload).stem}-{system.replace(',', '+')}-{spec.name}-{Path(hardware).stem}"
         off = sorted(k for k, v in options.items() if v is False)
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
-        out.mkdir(parents=True, exist_ok=True)
-        final = _free_name(out, name)
+        final = _claim(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
-        tmp.mkdir()
         # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
         sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         rows: list[dict] = []
@@ -360,12 +537,16 @@ def register(app: typer.Typer) -> None:
                 try:
                     stream = _stream(workload, seed, gbt)
                     parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp or 1,
-                                            pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches, recompute=recompute,
-                                            virtual_stages=virtual_stages, cp_kind=cp_kind,
-                                            dp_shard=dp_shard, options=options)
+                                            pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
+                                            virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
+                                            **dp_fields)
                     parallel.validate(spec)
                 except ValueError as e:
                     fail(str(e))
+                try:
+                    stream.batch(step_indices(steps, step_stride)[0])
+                except ValueError as e:
+                    fail(batch_error(e, n, global_batch_tokens))
                 for s in systems:
                     row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
                     sys_parallel, sys_recompute = parallel, recompute
@@ -375,29 +556,32 @@ def register(app: typer.Typer) -> None:
                                             seed=seed, global_batch_tokens=gbt, budget=tune_budget,
                                             calibration=calibration)
                             c, row["tune_seconds"] = tuned_layout(s, spec, stream.batch(0), clusters[n], profile,
-                                                                  tune_budget, options, hardware, cache, key)
+                                                                  tune_budget, options, hardware, cache, key, stack,
+                                                                  dp_mode)
                             if tune_cache is not None:
                                 write_json_atomic(tune_cache, cache)
                             sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
+                            if dp_mode is not None:
+                                sys_parallel = replace(sys_parallel, **dp_fields)
                             sys_recompute = c.recompute
                             row["layout"] = c.label()
                             row["tuned_at_step"] = 0
-                        elif (tp, pp, cp) == (0, 0, 0):
-                            from systems.defaults import with_default_layout
-
-                            sys_parallel, note = with_default_layout(s, spec, parallel, stream.batch(0),
-                                                                     clusters[n].gpu.memory_bytes)
-                            row["layout"] = f"tp{sys_parallel.tp} pp{sys_parallel.pp} cp{sys_parallel.cp}"
-                            row["layout_note"] = note
+                        else:
+                            sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps, step_stride,
+                                                                    clusters[n], tp, pp, cp, recompute, options,
+                                                                    hardware, profile, encoder_chunk_tokens)
+                        if micro_batch and not tuned:
+                            sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                         results, plans, failed = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n],
                                                                profile, sys_recompute, hardware, step_stride,
-                                                               encoder_chunk_tokens)
+                                                               encoder_chunk_tokens, stack)
                     except ValueError as e:
                         if len(systems) == 1:
-                            fail(f"{s} at {n} GPUs: {e}")
+                            fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
                         row["error"] = str(e).splitlines()[0]
                         rows.append(row)
                         continue
+                    row.setdefault("recompute", sys_recompute)
                     row.update(_summary(results))
                     # each step's own metrics (a step that did not fit says so: a figure shows which ran)
                     row.setdefault("per_step", [r.metrics() for r in results])
@@ -435,7 +619,8 @@ def register(app: typer.Typer) -> None:
                 "model": spec.name, "steps": steps, "calibration": calibration,
                 # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
                 **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
-                "ep": ep, "dp": dp, "dp_shard": dp_shard, "microbatches": microbatches, "global_batch_tokens": global_batch_tokens,
+                "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
+                "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
                 # a static deployment: each system's layout tuned once on step 0's batch, kept for every step
@@ -473,15 +658,14 @@ def register(app: typer.Typer) -> None:
         for r in rows:
             if "error" in r:
                 table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 7)
-            elif not r["fits"]:
-                table.add_row(str(r["gpus"]), r["system"], "[red]does not fit[/]", *[""] * 5,
-                              f"[red]{r['peak_memory_gib']:.1f} > {r['memory_capacity_gib']:.0f}[/]", "")
             else:
                 sp = r.get("speedup_over_best_baseline")
+                mem = (f"{r['peak_memory_gib']:.1f}" if r["fits"] else
+                       f"[red]{r['peak_memory_gib']:.1f} > {r['memory_capacity_gib']:.0f}[/]")
                 table.add_row(
                     str(r["gpus"]), r["system"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                     f"{r['tflops_per_gpu']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}", f"{r['exposed_comm']:.1%}",
-                    f"{r['peak_memory_gib']:.1f}", f"{sp:.2f}x" if sp else "-",
+                    mem, (f"{sp:.2f}x" if sp else "-") if r["fits"] else "[red]does not fit[/]",
                 )
         console.print(table)
         for r in rows:
@@ -490,15 +674,17 @@ def register(app: typer.Typer) -> None:
             elif not r["fits"]:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
         for r in rows:
-            if r.get("layout"):
-                if tuned:
-                    kept = f", kept for all {steps} steps" if steps > 1 else ""
-                    spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
-                    console.print(f"{r['gpus']} GPUs, {r['system']}: tuned layout {r['layout']} (budget {tune_budget}, "
-                                  f"tuned at step 0{kept}{spent})", highlight=False)
-                else:
-                    console.print(f"{r['gpus']} GPUs, {r['system']}: default layout {r['layout']}"
-                                  + (f" ({r['layout_note']})" if r.get("layout_note") else ""), highlight=False)
+            said = []
+            if r.get("layout") and tuned:
+                kept = f", kept for all {steps} steps" if steps > 1 else ""
+                spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
+                said.append(f"tuned layout {r['layout']} (budget {tune_budget}, tuned at step 0{kept}{spent})")
+            elif r.get("layout"):
+                said.append(f"default layout {r['layout']}" + (f" ({r['layout_note']})" if r.get("layout_note") else ""))
+            if r.get("recompute_note"):
+                said.append(r["recompute_note"])
+            if said:
+                console.print(f"{r['gpus']} GPUs, {r['system']}: " + "; ".join(said), highlight=False, soft_wrap=True)
         if missing:
             console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
@@ -506,7 +692,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"MFU = {formula} / (step time x GPUs x peak)", highlight=False)
         if not fitting:
             fail("no system fits or plans this layout (the reason per system is above), so no throughput and no "
-                 "record; try --recompute full, a larger --tp or --pp, or a smaller --global-batch-tokens", code=1)
+                 "record; try a larger --tp or --pp, more GPUs, or a smaller --global-batch-tokens"
+                 + ("" if recompute == "auto" else ", or --recompute auto"), code=1)
         console.print(f"record: {final}", soft_wrap=True)
 
     @app.command()
@@ -518,12 +705,13 @@ def register(app: typer.Typer) -> None:
         """Fit compute efficiency curves and collective alpha/beta from run traces."""
         from simulator.calibrate import calibrate as fit
 
-        try:
-            prof = fit([str(d) for d in run_dirs], hardware)
-        except ValueError as e:
-            fail(str(e))
         if out is None:
             out = Path("results/sims") / f"calibration-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}.json"
+        writable_file(out)  # before the fit, which a profile that cannot be written would lose
+        try:
+            prof = fit(_finished_runs([str(d) for d in run_dirs], "calibrate"), hardware)
+        except ValueError as e:
+            fail(str(e))
         prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
                                                *(["--hardware", hardware] if hardware else [])])
         prof.save(out)
@@ -569,11 +757,22 @@ def register(app: typer.Typer) -> None:
                                        "(results/validation/*.csv): simulate each row, print the error."),
         kernels: str = typer.Option(None, "--kernels", help="With --published: kernel profile for every row "
                                     "(name or .json); 'none' = the datasheet roofline fallback."),
+        stack: str = typer.Option(None, "--stack", help="With --published: cost every row's blocks with this "
+                                  "software stack (eager | fused) instead of the row's own."),
+        rows: str = typer.Option("", "--rows", help="With --published: only rows whose name matches this "
+                                 "regular expression."),
+        as_json: bool = typer.Option(False, "--json", help="With --published: print rows and statistics as JSON."),
+        markdown: Path = typer.Option(None, "--markdown", help="With --published: also write the validation "
+                                      "table (per split, per source, per row) to this Markdown file."),
+        workers: int = typer.Option(1, "--workers", help="With --published: rows simulated in parallel "
+                                    "(processes)."),
     ) -> None:
         """Simulate each run's own Plan and compare with the measured step time (or, with --published,
         each row of a table of published large-scale results)."""
         if published is not None:
-            _validate_published(published, kernels)
+            if stack is not None and stack not in ("eager", "fused"):
+                fail(f"stack must be one of eager, fused; got {stack!r}")
+            _validate_published(published, kernels, stack, rows, as_json, markdown, workers)
             return
         from simulator.calibrate import Profile
         from simulator.calibrate import validate as check
@@ -584,7 +783,7 @@ def register(app: typer.Typer) -> None:
             fail("validate: no run folders given and none in results/runs")
         try:
             prof = Profile.load(calibration) if calibration else None
-            rows = check(dirs, prof, hardware)
+            rows = check(_finished_runs(dirs, "validate"), prof, hardware)
         except ValueError as e:
             fail(str(e))
         table = Table(title="simulated vs measured" + (" (calibrated)" if prof else ""))

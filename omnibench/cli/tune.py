@@ -7,7 +7,8 @@ import json
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import console, fail
+from omnibench.cli.common import MAX_GPUS, batch_error, console, fail
+from omnibench.cli.simulate import HARDWARE_HELP, STACK_HELP
 
 TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print the fastest few.
 
@@ -40,10 +41,14 @@ def _batches(workload: str, seed: int, tokens: int, steps: int, start: int):
 
 def run_tune(system: str, workload: str, n: int, model: str, hardware: str, steps: int, start_step: int,
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
-             log=None):
-    """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message."""
+             log=None, stack: str = "eager", dp_mode: str | None = None):
+    """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
+    starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
+    each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
+    from omnibench.resolve import resolve_layout
+    from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
-    from omnibench.tune import tune
+    from omnibench.tune import Candidate, tune
     from simulator.calibrate import Profile
     from simulator.hardware import load_cluster
 
@@ -55,7 +60,11 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
         from omnibench.cli.simulate import planner_options
 
         options = planner_options(system, options or {}, hardware)
-    return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log)
+    laid = resolve_layout(system, spec, ParallelSpec(world_size=n, gpus_per_node=cluster.gpus_per_node,
+                                                     options=dict(options or {})), batches, cluster, recompute="none")
+    start = Candidate(system, tp=laid.parallel.tp, pp=laid.parallel.pp, cp=laid.parallel.cp)
+    return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log,
+                stack=stack, dp_mode=dp_mode, default=start)
 
 
 def register(app: typer.Typer) -> None:
@@ -65,7 +74,12 @@ def register(app: typer.Typer) -> None:
         workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
         gpus: int = typer.Option(..., "--gpus", help="Cluster size."),
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
-        hardware: str = typer.Option("h100", "--hardware", help="Preset (h100, h200, a100-80g) or file."),
+        hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
+        stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
+        dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp: every layout "
+                                    "simulated with this data-parallel mode (fsdp: one shard group over all data "
+                                    "ranks; hsdp: sharded within 8 nodes); default: the system's (FSDP, HSDP "
+                                    "within 8 nodes on large clusters)."),
         steps: int = typer.Option(1, "--steps", help="Batches each layout is simulated on."),
         start_step: int = typer.Option(0, "--start-step", help="First batch of the stream."),
         seed: int = typer.Option(0, "--seed"),
@@ -76,21 +90,26 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every layout as it is simulated."),
     ) -> None:
+        from omnibench.cli.simulate import _check_stack, _dp_fields
         from systems import available_systems
 
+        _check_stack(stack)
+        _dp_fields(dp_mode, 0)
         if system not in available_systems():
             fail(f"system must be one of {', '.join(available_systems())}; got {system!r}")
         for name, v in (("gpus", gpus), ("steps", steps), ("budget", budget), ("top", top)):
             if v < 1:
                 fail(f"{name} must be a positive integer, got {v}")
+        if gpus > MAX_GPUS:
+            fail(f"gpus must be at most {MAX_GPUS:,}, got {gpus:,}")
         log = (lambda t: console.print(f"  {t.candidate.label():48s} "
                                        + (f"{t.step_s:.3f} s, {t.peak_gib:.1f} GiB" if t.simulated else t.note),
                                        highlight=False)) if verbose else None
         try:
             res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
-                           budget, calibration, log=log)
+                           budget, calibration, log=log, stack=stack, dp_mode=dp_mode)
         except ValueError as e:
-            fail(str(e).splitlines()[0])
+            fail(batch_error(e, gpus, global_batch_tokens))
         if as_json:
             print(json.dumps({"system": system, "gpus": gpus, "enumerated": res.enumerated,
                               "pruned_memory": res.pruned_memory, "refused": res.refused,

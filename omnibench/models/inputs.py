@@ -21,7 +21,7 @@ import torch
 
 from omnibench.models.loss import IGNORE_INDEX
 from omnibench.specs.model import MultimodalSpec, SpecError
-from workloads.sample import Sample
+from workloads.sample import Sample, Segment
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -105,6 +105,16 @@ def loss_token_count(sample: Sample) -> int:
         return 0
     starts_sequence = all(s.llm_tokens == 0 for s in sample.segments[:last])
     return max(0, int(sample.segments[last].llm_tokens) - (1 if starts_sequence else 0))
+
+
+def dummy_sample(module: str) -> Sample:
+    """The smallest input `module`'s encoder accepts: a rank with no work for an encoder runs it, so
+    the encoder's collectives (FSDP, tp, sp) stay in step on every rank."""
+    if module == "vision":
+        seg = Segment("image", llm_tokens=1, encoder_seq_len=4, grid_thw=(1, 2, 2))
+    else:
+        seg = Segment("audio", llm_tokens=1, encoder_seq_len=2, mel_frames=4)
+    return Sample(-1, "dummy", (Segment("text", 1), seg))
 
 
 def synthesize(sample: Sample, spec: MultimodalSpec, media: bool = True, device=None) -> SampleInputs:

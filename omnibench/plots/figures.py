@@ -29,6 +29,7 @@ from omnibench.plots.load import (
     SimRecord,
     mix_table,
     steps_table,
+    stream_of,
     throughput_table,
     trace_table,
     validation_table,
@@ -75,14 +76,20 @@ def setup_text(sims, workload: str | None = None) -> str:
             text = f"{c.get('model')} on {c.get('hardware')}, {tuned_text(c)}, {batch}"
         elif c.get("default_layouts"):
             text = (f"{c.get('model')} on {c.get('hardware')}, each system's default layout, "
-                    f"recompute {c.get('recompute', 'none')}, {batch}")
+                    f"{recompute_text(c)}, {batch}")
         else:
             layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
                 f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)
-            text = f"{c.get('model')} on {c.get('hardware')}, {layout}, recompute {c.get('recompute', 'none')}, {batch}"
+            text = f"{c.get('model')} on {c.get('hardware')}, {layout}, {recompute_text(c)}, {batch}"
         if text not in parts:
             parts.append(text)
     return "; ".join(parts)
+
+
+def recompute_text(config: dict) -> str:
+    """A simulation's recomputation as a title says it: `auto` settled per system (rows say which mode)."""
+    mode = config.get("recompute", "none")
+    return "recompute: the cheapest that fits, per system" if mode == "auto" else f"recompute {mode}"
 
 
 def tuned_text(config: dict) -> str:
@@ -451,6 +458,145 @@ def speedup(recs: Records) -> Drawn:
     return Drawn("speedup", fig, table, caption)
 
 
+# -- 3b. where the step goes -------------------------------------------------------------------------
+BREAKDOWN_PARTS = (("encoder", "encoder compute"), ("llm", "LLM compute"), ("optimizer", "optimizer step"),
+                   ("exposed_comm", "exposed communication"), ("idle", "idle (bubbles, waiting on peers)"))
+
+
+def _best_rows(recs: Records) -> pd.DataFrame:
+    """Per (workload, cluster size, system): the fastest record's row that fits, with its breakdown."""
+    rows = []
+    for rec in recs.sims:
+        for row in rec.rows:
+            if "error" in row or not row.get("fits", False) or not row.get("breakdown_s"):
+                continue
+            rows.append({"workload": rec.workload, "gpus": int(row["gpus"]), "system": row["system"],
+                         "tokens_per_s": row["tokens_per_s"], "step_time_s": row["step_time_s"],
+                         "layout": row.get("layout", ""), **row["breakdown_s"]})
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows)
+    return df.loc[df.groupby(["workload", "gpus", "system"]).tokens_per_s.idxmax()].reset_index(drop=True)
+
+
+def breakdown(recs: Records, gpus: int | None = None) -> Drawn:
+    """Where each system's step goes at one cluster size, one panel per workload: mean seconds per
+    rank of encoder compute, LLM compute, optimizer, exposed communication and idle time, stacked;
+    a tick marks the idlest rank's idle time (imbalance apart from bubbles)."""
+    if not recs.sims:
+        raise PlotInputError("breakdown needs simulation records (omnibench simulate ...); got only runs")
+    df = _best_rows(recs)
+    if df.empty:
+        raise PlotInputError("breakdown needs simulation records written by this version (rows with breakdown_s) "
+                             "that fit; simulate again")
+    sizes = sorted(df.gpus.unique())
+    n = gpus if gpus is not None else sizes[0]
+    if n not in sizes:
+        raise PlotInputError(f"breakdown: no records at {n} GPUs; records hold {', '.join(map(str, sizes))}")
+    df = df[df.gpus == n]
+    wls = list(dict.fromkeys(df.workload))
+    style.apply_theme()
+    cols = min(3, len(wls))
+    rows_n = -(-len(wls) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(style.DOUBLE_IN, 0.4 + 1.45 * rows_n), squeeze=False)
+    colors = dict(zip([k for k, _ in BREAKDOWN_PARTS], [style.MODULE_COLORS["vision"], style.MODULE_COLORS["llm"],
+                                                         "0.55", "0.3", "0.85"], strict=True))
+    for ax, wl in zip(axes.flat, wls, strict=False):
+        g = df[df.workload == wl].set_index("system")
+        order = [s for s in style.order_systems(g.index)]
+        left = np.zeros(len(order))
+        for key, _label in BREAKDOWN_PARTS:
+            vals = np.array([g.loc[s, key] for s in order])
+            ax.barh(range(len(order)), vals, left=left, color=colors[key], edgecolor="white", linewidth=0.3)
+            left += vals
+        ax.plot([g.loc[s, "idle_max"] + left[i] - g.loc[s, "idle"] for i, s in enumerate(order)], range(len(order)),
+                "|", color="0.1", markersize=7)
+        ax.set_yticks(range(len(order)))
+        ax.set_yticklabels(order, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(wl, fontsize=8)
+        ax.set_xlabel("seconds per step (mean over ranks)", fontsize=7)
+    for ax in list(axes.flat)[len(wls):]:
+        ax.set_visible(False)
+    fig.legend(handles=[Patch(color=colors[k], label=lab) for k, lab in BREAKDOWN_PARTS], loc="lower center",
+               ncol=len(BREAKDOWN_PARTS), fontsize=6, frameon=False)
+    fig.suptitle(f"Where the step goes, {n:,} GPUs (simulated)\n{setup_text(recs.sims)}", fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    table = df[["workload", "system", "layout", "step_time_s", *[k for k, _ in BREAKDOWN_PARTS], "idle_max",
+                "idle_min"]].reset_index(drop=True)
+    caption = (f"Simulated step at {n:,} GPUs, each system's fastest record per workload: per rank, the mean seconds "
+               "of its own encoder and LLM compute, the optimizer step, communication its compute stream waited "
+               "for, and idle time (pipeline bubbles, waiting on slower peers or on the encoder->LLM boundary); the "
+               "tick marks where the idlest rank's idle time would end. The parts add up to the step time.")
+    return Drawn("breakdown", fig, table, caption)
+
+
+# -- 3c. where decoupling pays -----------------------------------------------------------------------
+def _encoder_share(rec, gpus: int) -> float:
+    """Encoder share of the step-0 batch's model FLOPs (costs.batch_flops), for the record's model."""
+    from omnibench.specs import costs
+    from omnibench.specs.presets import get_model
+
+    batch, _ = stream_of(rec, gpus)
+    flops = costs.batch_flops(get_model(str(rec.config.get("model") or "omni-7b")), batch(0).samples)
+    total = sum(f.total for f in flops.values())
+    return 1.0 - flops["llm"].total / total if total else 0.0
+
+
+def conditions(recs: Records) -> Drawn:
+    """omni over the best baseline on the condition grid (workloads/conditions.py): x the encoder share
+    of the step's model FLOPs (measured on step 0's batch), one line per video-length sigma and model,
+    one panel per cluster size."""
+    from workloads.conditions import parse_cell
+
+    sims = [r for r in recs.sims if parse_cell(r.workload)]
+    if not sims:
+        raise PlotInputError("conditions needs simulations of the condition grid's workloads "
+                             "(workloads/conditions.py write_grid; omnibench reproduce makes them)")
+    full = throughput_table(Records(sims=sims))
+    df = full[full.variant == full.system]
+    by_path = {str(r.path): r for r in sims}
+    rows = []
+    for (rec_path, n), g in df.groupby(["record", "gpus"], sort=False):
+        rec = by_path[rec_path]
+        best = g.loc[g.groupby("system").tokens_per_s.idxmax()]
+        omni, base = best[best.system == "omni"], best[best.system.isin(BASELINES)]
+        if omni.empty or base.empty:
+            continue
+        b = base.loc[base.tokens_per_s.idxmax()]
+        share, sigma = parse_cell(rec.workload)
+        rows.append({"workload": rec.workload, "model": str(rec.config.get("model") or "omni-7b"), "gpus": int(n),
+                     "video_share": share, "sigma": sigma, "encoder_flop_share": _encoder_share(rec, int(n)),
+                     "speedup": omni.iloc[0].tokens_per_s / b.tokens_per_s, "best_baseline": b.system,
+                     "omni_layout": omni.iloc[0].layout, "baseline_layout": b.layout})
+    if not rows:
+        raise PlotInputError("conditions needs omni and at least one baseline simulated on the same grid cell")
+    table = pd.DataFrame(rows).sort_values(["model", "gpus", "sigma", "encoder_flop_share"]).reset_index(drop=True)
+    sizes = sorted(table.gpus.unique())
+    style.apply_theme()
+    fig, axes = plt.subplots(1, len(sizes), figsize=(min(style.DOUBLE_IN, 2.4 * len(sizes) + 0.8), 2.4),
+                             squeeze=False, sharey=True)
+    markers = dict(zip(sorted(table.model.unique()), "osD^v", strict=False))
+    dashes = dict(zip(sorted(table.sigma.unique()), ["-", "--", ":", "-."], strict=False))
+    for ax, n in zip(axes[0], sizes, strict=True):
+        for (model, sigma), g in table[table.gpus == n].groupby(["model", "sigma"]):
+            ax.plot(100 * g.encoder_flop_share, g.speedup, linestyle=dashes[sigma], marker=markers[model],
+                    markersize=3.5, color=style.system_color("omni"), label=f"{model}, length sigma {sigma:g}")
+        ax.axhline(1.0, color="0.4", linewidth=0.7)
+        ax.set_title(f"{n:,} GPUs", fontsize=8)
+        ax.set_xlabel("encoder share of model FLOPs (%)", fontsize=7)
+    axes[0][0].set_ylabel("omni / best baseline", fontsize=7)
+    axes[0][-1].legend(fontsize=6, frameon=False)
+    fig.suptitle(f"Where decoupling pays: the condition grid (simulated)\n{setup_text(sims)}", fontsize=8)
+    fig.tight_layout()
+    caption = ("Simulated throughput of omni over the fastest baseline on synthetic workloads that move one "
+               "condition at a time (workloads/conditions.py): the share of video samples (text-only SFT samples "
+               "the rest), which sets the encoder share of the step's FLOPs (x axis, measured on step 0's batch), "
+               "and the spread of video durations (lognormal sigma, line style), per model and cluster size; each "
+               "system at the layout its record holds.")
+    return Drawn("conditions", fig, table, caption)
+
+
 # -- 4. timeline -----------------------------------------------------------------------------------
 def timeline(rec, system: str | None = None, gpus: int | None = None, step: int | None = None,
              max_ranks: int = 16) -> Drawn:
@@ -716,6 +862,6 @@ def record_of(recs: Records, system: str | None):
     raise PlotInputError(f"timeline: no record of system {system!r}; records hold {', '.join(have) or 'none'}")
 
 
-__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "throughput_table", "dynamic", "record_of", "scaling",
+__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "breakdown", "conditions", "throughput_table", "dynamic", "record_of", "scaling",
            "speedup", "throughput",
            "timeline", "validation", "workload"]

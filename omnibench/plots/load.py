@@ -47,7 +47,7 @@ _SIM_FLAGS = ("hardware", "model", "steps", "calibration", "tp", "pp", "cp", "ep
               "global_batch_tokens", "recompute", "seed")
 # tp/pp/cp 0: the CLI's "each system's default layout" (a record with an explicit layout stores all three)
 _SIM_DEFAULTS = {"hardware": "h100", "model": "omni-7b", "steps": 1, "calibration": None, "tp": 0, "pp": 0,
-                 "cp": 0, "ep": 1, "dp": 0, "dp_shard": 0, "microbatches": 0, "global_batch_tokens": 0, "recompute": "none",
+                 "cp": 0, "ep": 1, "dp": 0, "dp_shard": 0, "microbatches": 0, "global_batch_tokens": 0, "recompute": "auto",
                  "seed": 0}
 _MB = re.compile(r"\bmb(\d+)")
 
@@ -198,8 +198,11 @@ def _unfinished(folder: Path) -> str | None:
 
 def read_run(folder: Path) -> RunRecord:
     config = _read_json(folder / "config.json")
-    if not isinstance(config, dict) or "run" not in config:
+    if not isinstance(config, dict) or not isinstance(config.get("run"), dict):
         raise PlotInputError(f"{folder}/config.json: not a run config (no 'run' entry)")
+    missing = [k for k in ("system", "workload") if not isinstance(config["run"].get(k), str)]
+    if missing:
+        raise PlotInputError(f"{folder}/config.json: run.{missing[0]} is missing (a record from omnibench run has it)")
     summary = _read_json(folder / "summary.json") if (folder / "summary.json").is_file() else {}
     steps = []
     for i, line in enumerate((folder / "steps.jsonl").read_text().splitlines()):
@@ -217,13 +220,20 @@ def read_run(folder: Path) -> RunRecord:
     return RunRecord(folder, config, summary, steps, options)
 
 
+SIM_CONFIG_KEYS = ("workload", "systems", "gpus", "hardware", "model")
+
+
 def read_sim(folder: Path) -> SimRecord:
     config = _read_json(folder / "config.json")
     if not isinstance(config, dict) or config.get("command") != "simulate":
         raise PlotInputError(f"{folder}/config.json: not a simulation config (no \"command\": \"simulate\")")
+    missing = [k for k in SIM_CONFIG_KEYS if k not in config]
+    if missing:
+        raise PlotInputError(f"{folder}/config.json: {missing[0]} is missing (a record from omnibench simulate has "
+                             f"{', '.join(SIM_CONFIG_KEYS)})")
     rows = _read_json(folder / "results.json")
-    if not isinstance(rows, list):
-        raise PlotInputError(f"{folder}/results.json: expected a list of result rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "gpus" in r and "system" in r for r in rows):
+        raise PlotInputError(f"{folder}/results.json: expected a list of result rows, each with gpus and system")
     return SimRecord(folder, config, rows)
 
 

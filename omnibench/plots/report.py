@@ -88,9 +88,9 @@ def _steps(rec) -> int:
     return max((len(r.get("per_step", [])) for r in rec.rows), default=0)
 
 
-def _png(fig) -> str:
+def _png(fig, prov: dict) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=150)
+    fig.savefig(buf, format="png", dpi=150, metadata=figures.style.png_metadata(prov))
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -112,16 +112,25 @@ img{max-width:100%;border:1px solid #eee}p.cap{color:#444;font-size:.92em}
 table.t{border-collapse:collapse;font-size:.78em;margin:.5em 0}table.t td,table.t th{padding:2px 8px;
 border-bottom:1px solid #eee;text-align:right}table.t th{background:#f6f6f6}
 pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:.8em}.miss{color:#a33}
+p.prov{color:#777;font-size:.75em;margin-top:0}
 details{margin:.4em 0}
 """
 
 
-def write_html(sections: list[Section], recs: Records, path, title: str = "omnibench report") -> None:
+def write_html(sections: list[Section], recs: Records, path, title: str = "omnibench report",
+               prov: dict | None = None) -> None:
+    """The page, and under it and every figure which code (commit, dirty flag) and command made it
+    (`prov`, default: this process's); each inline PNG carries the same in its metadata."""
+    from omnibench.provenance import figure_provenance, provenance_text
+
+    prov = prov or figure_provenance()
+    made = html.escape(provenance_text(prov))
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<meta name='generator' content='{made}'>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<p>Generated {stamp} by <code>omnibench report</code> from {len(recs.runs)} run record(s) and "
-             f"{len(recs.sims)} simulation record(s).</p>"]
+             f"<p>Generated {stamp} from {len(recs.runs)} run record(s) and {len(recs.sims)} simulation record(s); "
+             f"{made}.</p>"]
     drawn = [s for s in sections if s.drawn]
     missing = [s for s in sections if not s.drawn]
     parts.append("<ul>" + "".join(f"<li><a href='#f{i}'>{html.escape(s.title)}</a></li>" for i, s in
@@ -129,7 +138,8 @@ def write_html(sections: list[Section], recs: Records, path, title: str = "omnib
     for i, s in enumerate(drawn):
         d = s.drawn
         parts.append(f"<h2 id='f{i}'>{html.escape(s.title)}</h2><img alt='{html.escape(s.title)}' "
-                     f"src='data:image/png;base64,{_png(d.fig)}'><p class='cap'>{html.escape(d.caption)}</p>"
+                     f"src='data:image/png;base64,{_png(d.fig, prov)}'><p class='cap'>{html.escape(d.caption)}</p>"
+                     f"<p class='prov'>Figure {made}.</p>"
                      f"<details><summary>table ({len(d.table)} rows)</summary>{_table_html(d.table)}</details>")
         plt.close(d.fig)
     if missing:
@@ -140,6 +150,6 @@ def write_html(sections: list[Section], recs: Records, path, title: str = "omnib
         parts.append("<p class='miss'>Skipped unfinished folders: " + html.escape("; ".join(recs.skipped)) + "</p>")
     parts.append("<h2>Commands that produced the data</h2><pre>" + html.escape(
         "\n".join(r.command for r in recs.all) or "(no records)") + "</pre>")
-    parts.append("</body></html>")
+    parts.append(f"<hr><p class='prov'>This page was {made}.</p></body></html>")
     with open(path, "w") as f:
         f.write("\n".join(parts))

@@ -63,14 +63,35 @@ def apply_theme() -> None:
     })
 
 
-def save(fig, out_dir: str | Path, name: str) -> list[Path]:
-    """Write `<name>.png` (dpi 200) and `<name>.pdf`; return both paths."""
+def save(fig, out_dir: str | Path, name: str, prov: dict | None = None) -> list[Path]:
+    """Write `<name>.png` (dpi 200) and `<name>.pdf`, each naming in its metadata the commit (and
+    dirty flag) and the command that drew it (`provenance.figure_provenance`); return both paths."""
+    from omnibench.provenance import figure_provenance
+
+    prov = prov or figure_provenance()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=DPI)
-    fig.savefig(paths[1])
+    fig.savefig(paths[0], dpi=DPI, metadata=png_metadata(prov))
+    fig.savefig(paths[1], metadata=pdf_metadata(prov))
     return paths
+
+
+def png_metadata(prov: dict) -> dict:
+    """PNG text chunks: the standard Software / Source / Comment keys, and machine-readable ones."""
+    from omnibench.provenance import provenance_text
+
+    return {"Software": f"omnibench {prov.get('omnibench') or ''}".strip(), "Source": provenance_text(prov),
+            "Comment": prov.get("command", ""), "omnibench:commit": str(prov.get("commit")),
+            "omnibench:dirty": str(prov.get("dirty")), "omnibench:command": prov.get("command", "")}
+
+
+def pdf_metadata(prov: dict) -> dict:
+    """PDF document info (standard keys only): Creator, and the provenance line as Subject."""
+    from omnibench.provenance import provenance_text
+
+    return {"Creator": f"omnibench {prov.get('omnibench') or ''}".strip(), "Subject": provenance_text(prov),
+            "Keywords": f"commit={prov.get('commit')} dirty={prov.get('dirty')}"}
 
 
 def lighten(color, amount: float = 0.5):

@@ -158,6 +158,31 @@ class BuildMixin:
             apply_fsdp(enc, list(enc.layers.values()), dp_mesh, mp)
         self.modules[name] = enc
 
+    def _make_optimizers(self, optimizer: str, lr: float):
+        """The rank's optimizers: a ZeRO-sharded state (zero.py) for every module whose layout asks
+        for ZeRO-1/2 over a data-parallel group of more than one rank, one plain optimizer for the
+        rest (and for experts split over ep, which keep their own reduction)."""
+        from omnibench.runtime.zero import Optimizers, ShardedState
+
+        sharded, plain = {}, []
+        experts = {id(p) for p in getattr(self, "expert_params", [])}
+        for name, module in self.modules.items():
+            lay = self.layouts[name]
+            group, ranks = self.groups.mine.get((name, "dpcp" if name == "llm" else "dp"), (None, ()))
+            params = list(module.parameters())
+            if lay.zero and not self.fsdp.get(name) and len(ranks) > 1:
+                dense = [p for p in params if id(p) not in experts]
+                # bf16 runs hold the replicated weights in bf16, the fp32 master in the shards
+                sharded[name] = ShardedState(name, dense, group, lay.zero, optimizer, lr, param_dtype=self.dtype)
+                self.notes.append(f"{name}: ZeRO-{lay.zero}, optimizer state{' and gradients' if lay.zero == 2 else ''} "
+                                  f"sharded over {len(ranks)} data-parallel ranks, weights replicated")
+                plain += [p for p in params if id(p) in experts]
+            else:
+                plain += params
+        if not sharded:
+            return make_optimizer(optimizer, plain, lr) if plain else None
+        return Optimizers(make_optimizer(optimizer, plain, lr) if plain else None, sharded)
+
     def _ac_and_compile(self, module: nn.Module, name: str) -> None:
         """Between the TP/CP/EP swaps and FSDP, as torchtitan orders them (parallelize.py)."""
         apply_ac(module, self.recompute[name])

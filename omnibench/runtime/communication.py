@@ -87,7 +87,8 @@ class CommunicationMixin:
 
     def _grad_sync(self, a: Action) -> None:
         """FSDP2 reduce-scattered in the last microbatch's backward; without FSDP the gradients are
-        summed here: experts over the ranks holding the same experts, the rest over dp (x cp)."""
+        summed here: experts over the ranks holding the same experts, the rest over dp (x cp), by
+        an all-reduce (DDP) or, under ZeRO-1/2, a reduce-scatter into each rank's slice (zero.py)."""
         module = self.modules.get(a.module)
         if module is None:
             return
@@ -95,7 +96,10 @@ class CommunicationMixin:
         g, ranks = self.groups.mine.get((a.module, dim), (None, ()))
         experts = self.expert_params if a.module == "llm" else []
         expert_ids = {id(p) for p in experts}
-        if not self.fsdp.get(a.module) and len(ranks) > 1:
+        zero = getattr(self.optimizer, "sharded", {}).get(a.module)
+        if zero is not None:
+            zero.reduce()
+        elif not self.fsdp.get(a.module) and len(ranks) > 1:
             # One flat all-reduce (DDP-style bucket; a tensor-parallel DTensor gradient goes in through
             # its local shard): per-tensor calls each pay the collective's latency.
             grads = [getattr(p.grad, "_local_tensor", p.grad) for p in module.parameters()

@@ -6,21 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from omnibench.models.inputs import pack, synthesize
+from omnibench.models.inputs import dummy_sample, pack, synthesize
 from omnibench.plan import (
     Action,
 )
 from systems.common import data_rank, encoder_tokens
-from workloads.sample import Sample, Segment
-
-
-def dummy_sample(module: str) -> Sample:
-    # The smallest input an encoder accepts: keeps its collectives in step when a rank has no work.
-    if module == "vision":
-        seg = Segment("image", llm_tokens=1, encoder_seq_len=4, grid_thw=(1, 2, 2))
-    else:
-        seg = Segment("audio", llm_tokens=1, encoder_seq_len=2, mel_frames=4)
-    return Sample(-1, "dummy", (Segment("text", 1), seg))
 
 
 class EncoderActionsMixin:
@@ -61,12 +51,17 @@ class EncoderActionsMixin:
 
     def _enc_backward(self, a: Action) -> None:
         module = a.module
-        out, ids, _ = self.state.enc_out.pop((module, a.microbatch))
+        out, ids, tokens = self.state.enc_out.pop((module, a.microbatch))
         lay = self.layouts[module]
         enc = self.modules[module]
         if ids:
             if self.rank == data_rank(lay, self.rank):
-                grad = torch.cat([self.state.enc_grad.pop((module, i)) for i in ids]).to(out.dtype)
+                # Each sample's gradient comes back to its primary route's source only: every member of
+                # an omni sequence-parallel group holds the whole output, the others give zeros (the
+                # gather's backward sums the members' gradients).
+                grad = torch.cat([self.state.enc_grad.pop((module, i)) if self.primary_src.get((module, i)) == self.rank
+                                  else out.new_zeros(n, out.shape[1]) for i, n in zip(ids, tokens, strict=True)])
+                grad = grad.to(out.dtype)
             else:
                 # tp peers: overwritten by the broadcast below; sp peers hold the gathered output too
                 # and take zeros (the gather's backward hands every member its chunk of the leader's).

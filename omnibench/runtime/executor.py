@@ -126,8 +126,7 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             else:
                 self._build_encoder(name, getattr(full, name), lay, dev)
         del full
-        params = [p for m in self.modules.values() for p in m.parameters()]
-        self.optimizer = make_optimizer(optimizer, params, lr) if params else None
+        self.optimizer = self._make_optimizers(optimizer, lr)  # ZeRO-sharded modules: runtime/zero.py
         self.spans: list[Span] = []
 
     def run_step(self, plan: Plan, global_loss_tokens: int, t0: float,
@@ -136,6 +135,8 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
         took (omnibench/runtime/loading.py), which ran before the Plan existed."""
         self.plan = plan
         self._index_routes(plan)
+        if self.long_short is not None:
+            self.long_short.prepare(plan)  # omni: this step's sequence-parallel groups (long_short.py)
         self.state = StepState()
         leaders = long_llm_leaders(plan.options)
         if leaders:
@@ -143,7 +144,8 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             # (each data rank's assignment) holds them k times.
             from omnibench.models.inputs import loss_token_count
 
-            k = len(plan.options["long_short"]["groups"]["llm"][0])
+            cfg = plan.options["long_short"]
+            k = cfg.get("llm_data_ranks", len(cfg["groups"]["llm"][0]))
             global_loss_tokens -= (k - 1) * sum(loss_token_count(plan.sample(i)) for i in leaders)
         self.global_loss_tokens = global_loss_tokens
         # FSDP reduces gradients in the last backward of each module on this rank.

@@ -7,6 +7,12 @@ the launcher stop every rank (SIGTERM, SIGKILL after STOP_GRACE_S) before it ret
 and ranks ask Linux to kill them if the launcher itself is killed (worker.py). The record folder
 then keeps its `.incomplete` suffix.
 
+A rank that stops making progress is found long before the ranks waiting on it time out (--timeout,
+120 s): the launcher watches each rank's process state (a rank stopped by SIGSTOP/SIGTSTP, state T,
+for STOPPED_S) and its heartbeat (worker.py touches one every records.HEARTBEAT_S from a thread that runs
+while the rank waits in a collective; none for HANG_S means the rank is frozen, e.g. in a C call
+holding the GIL), and names that rank, not the healthy ones waiting for it.
+
 Inside an existing torchrun environment (`torchrun ... -m omnibench run ...`) this process *is*
 a rank: it runs its share and rank 0 completes the record folder.
 """
@@ -16,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,9 +30,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+from omnibench.runtime.run_inputs import batch_source, parallel_spec, runtime_limits
 from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.run import RunSpec
-from workloads.sample import Batch, Sample
 
 CPU_DEFAULT_MODEL = "tiny-omni"
 CUDA_DEFAULT_MODEL = "omni-7b"
@@ -36,6 +41,8 @@ CUDA_TOKENS_PER_GPU = 16384  # global batch per GPU on CUDA when none is given (
 
 POLL_S = 0.05  # how often the launcher looks at its ranks
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL for a rank still alive after this
+STOPPED_S = 2.0  # a rank in state T (stopped by a signal) this long has stopped the run
+HANG_S = 30.0  # a rank whose heartbeat is this old has stopped making progress (well under --timeout)
 # Signals that stop a run. Each one's default would kill the launcher and orphan the ranks (they run
 # in sessions of their own), and SIGINT arrives ignored when the launcher was started as a
 # background job of a non-interactive shell (CI scripts, `cmd &`): Python then never raises
@@ -128,19 +135,27 @@ def resolve(spec: RunSpec) -> RunSpec:
 
 
 def resolve_layout(spec: RunSpec, memory_bytes: float | None = None) -> RunSpec:
-    """tp, pp, cp all 0: the system's default layout for this model, world size and the run's first
-    batch (systems/defaults.py; a note in the record says which and why); some 0: those are 1."""
-    if (spec.tp, spec.pp, spec.cp) != (0, 0, 0):
-        return replace(spec, tp=spec.tp or 1, pp=spec.pp or 1, cp=spec.cp or 1)
+    """tp, pp, cp as omnibench/resolve.py settles them for every command: the flags, some 0 (those
+    are 1), or all 0: the system's default layout for this model, world size and the run's first
+    batch, within the runtime's limits (a note in the record says which and why)."""
+    from omnibench.resolve import resolve_layout as resolve_for_all
     from omnibench.specs.presets import get_model
-    from systems.defaults import DEVICE_BYTES, with_default_layout
+    from simulator.hardware import load_cluster
+    from systems.defaults import DEVICE_BYTES
 
     model = get_model(spec.model)
     plain = replace(spec, tp=1, pp=1, cp=1)
-    parallel, note = with_default_layout(spec.system, model, parallel_spec(plain, spec.nproc), batch_source(plain)(0),
-                                         memory_bytes or DEVICE_BYTES, check=_runtime_check)
-    extra = {**spec.extra, "notes": [*spec.extra.get("notes", []), note]}
-    return replace(spec, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, extra=extra)
+    cluster = load_cluster("h100", spec.nproc)
+    cluster = replace(cluster, gpu=replace(cluster.gpu, memory_gib=(memory_bytes or DEVICE_BYTES) / 2**30))
+    # recompute is the memory check's to settle (runtime/memory.py::fit_to_device), after the layout
+    res = resolve_for_all(spec.system, model, parallel_spec(replace(plain, recompute="none"), spec.nproc),
+                          [batch_source(plain)(0)], cluster, tp=spec.tp, pp=spec.pp, cp=spec.cp,
+                          recompute="none", check=_runtime_check)
+    notes = spec.extra.get("notes", [])
+    if (spec.tp, spec.pp, spec.cp) == (0, 0, 0):
+        notes = [*notes, res.layout_note]
+    return replace(spec, tp=res.parallel.tp, pp=res.parallel.pp, cp=res.parallel.cp,
+                   extra={**spec.extra, "notes": notes})
 
 
 def _runtime_check(model, parallel: ParallelSpec) -> None:
@@ -156,48 +171,6 @@ def _device_bytes() -> float:
 
 def _cuda_default(names: list[str]) -> str:
     return CUDA_DEFAULT_MODEL if CUDA_DEFAULT_MODEL in names else next(n for n in names if not n.startswith("tiny"))
-
-
-def parallel_spec(spec: RunSpec, world: int) -> ParallelSpec:
-    return ParallelSpec(
-        world_size=world, dp=spec.dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep,
-        microbatches=spec.microbatches, encoder_tp=spec.encoder_tp, encoder_ranks=spec.encoder_ranks, fsdp=spec.fsdp, dp_shard=spec.dp_shard,
-        recompute=spec.recompute, options=dict(spec.options),
-    )
-
-
-def batch_source(spec: RunSpec) -> Callable[[int], Batch]:
-    """Batches by step: replayed from --batches-file, else the workload stream (same on every rank)."""
-    if spec.batches_file:
-        with open(spec.batches_file) as f:
-            raw = json.load(f)
-        batches = [Batch(int(b["step"]), [Sample.from_dict(s) for s in b["samples"]]) for b in raw]
-        return lambda step: batches[step % len(batches)]
-    from workloads.stream import WorkloadStream
-
-    stream = WorkloadStream(
-        spec.workload, seed=spec.seed, global_batch_tokens=spec.global_batch_tokens,
-        length_scale=spec.length_scale, max_sample_tokens=spec.max_sample_tokens or None,
-    )
-    return stream.batch
-
-
-def runtime_limits(model, parallel: ParallelSpec) -> None:
-    """Layouts a planner (and the simulator) accepts but this runtime cannot execute yet."""
-    from omnibench.specs.model import SpecError
-
-    llm, tp, cp = model.llm, parallel.tp, parallel.cp
-    # Ulysses context parallelism splits each tp rank's heads again over cp ranks.
-    if (llm.heads // tp) % cp or (llm.kv_heads // tp) % cp:
-        raise SpecError(
-            f"cp={cp} must divide the LLM's heads per tp rank ({llm.heads}/{tp} query, {llm.kv_heads}/{tp} kv) "
-            "for Ulysses attention (the runtime has no ring attention yet)"
-        )
-    if parallel.pp > 1 and llm.tie_embeddings:
-        raise SpecError(
-            f"pp={parallel.pp} with tied embeddings ({llm.name}) is not supported by the runtime: the first and "
-            "last stage would each train their own copy"
-        )
 
 
 def check_layout(spec: RunSpec) -> None:
@@ -233,38 +206,93 @@ def launch(spec: RunSpec, on_progress: Callable[[dict], None] | None = None) -> 
     final = records.new_run_dir(spec.out, spec.system, spec.workload)
     if under_torchrun():
         return _as_torchrun_rank(spec, final)
-    work = records.start(final)
+    return _launch([spec], [final], on_progress)[0]
+
+
+def launch_many(specs: list[RunSpec]) -> list[str]:
+    """Run several resolved specs of one world size (each with its own --out) in ONE launch of ranks:
+    each rank process runs the runs one after the other, each in a process group of its own, and
+    each run writes its own record. Start-up (a Python interpreter and torch per rank, the
+    rendezvous) is paid once for all of them: what the loss-parity suite does to run every cell in
+    CI. Fails as `launch` does, naming the rank (and the run's folder) that failed first."""
+    from omnibench.runtime import records
+
+    if not specs or len({s.nproc for s in specs}) != 1:
+        raise ValueError(f"launch_many: runs of one world size; got {sorted({s.nproc for s in specs})}")
+    if under_torchrun():
+        raise RuntimeError("launch_many starts its own ranks; under torchrun launch each run on its own")
+    return _launch(specs, [records.new_run_dir(s.out, s.system, s.workload) for s in specs])
+
+
+def _launch(specs: list[RunSpec], finals: list[str], on_progress=None) -> list[str]:
+    """Claim every record folder (all or none), run the ranks, release what did not complete."""
+    from omnibench.runtime import records
+
+    works: list[str] = []
+    try:
+        for final in finals:
+            works.append(records.start(final))
+        return _launch_ranks(specs, works, on_progress)
+    finally:
+        for work in works:
+            records.release(work)  # a run that ended unfinished leaves a stale folder, never one in use
+
+
+def _launch_ranks(specs: list[RunSpec], works: list[str], on_progress) -> list[str]:
+    import tempfile
+
+    from omnibench.runtime import records
+    from omnibench.specs.presets import get_model
+
+    spec, work = specs[0], works[0]  # the first run's folder holds the ranks' heartbeats
+    for s, w in zip(specs, works, strict=True):
+        records.begin(w, s, get_model(s.model), f"{s.extra.get('device', 'cpu')} x{s.nproc} ranks")
     store = _rendezvous_store(spec)  # lives as long as this call: the ranks' rendezvous
     env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "OMNIBENCH_LAUNCHER_PID": str(os.getpid()),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
            "WORLD_SIZE": str(spec.nproc), "OMP_NUM_THREADS": str(spec.extra.get("threads", 1)),
            "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH", "")]))}
-    spec_json = json.dumps(spec.to_dict())
+    if len(specs) == 1:
+        argv = [json.dumps(spec.to_dict()), work]
+        cells = None
+    else:  # the runs' list in a file: a command line has a length limit
+        fd, cells = tempfile.mkstemp(prefix="omnibench-runs-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([{"spec": s.to_dict(), "work": w} for s, w in zip(specs, works, strict=True)], f)
+        argv = ["--runs", cells]
     ranks = _Ranks()
-    with _stop_signals_recorded() as received:
-        try:
-            for r in range(spec.nproc):
-                if received:
-                    break
-                # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the ranks in order
-                # (each rank raising KeyboardInterrupt on its own would print one traceback per rank).
-                ranks.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "omnibench.runtime.worker", spec_json, work],
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
-                ))
-            seen, failed = 0, False
-            while not received and not failed:
-                seen = _report_progress(work, seen, on_progress)
-                codes = ranks.poll()
-                failed = any(c not in (None, 0) for c in codes)
-                if not failed and all(c == 0 for c in codes):
-                    _report_progress(work, seen, on_progress)
-                    return records.complete(work)
-                time.sleep(POLL_S)
-        finally:
-            ranks.stop()  # whatever ended the watch, even an exception of our own
+    try:
+        with _stop_signals_recorded() as received:
+            try:
+                for r in range(spec.nproc):
+                    if received:
+                        break
+                    # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the ranks in
+                    # order (each rank raising KeyboardInterrupt on its own would print one traceback per rank).
+                    ranks.procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "omnibench.runtime.worker", *argv],
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
+                    ))
+                seen, failed, stalled = 0, False, None
+                while not received and not failed:
+                    seen = _report_progress(work, seen, on_progress)
+                    codes = ranks.poll()
+                    failed = any(c not in (None, 0) for c in codes)
+                    stalled = None if failed else ranks.stalled(work)
+                    failed = failed or stalled is not None
+                    if not failed and all(c == 0 for c in codes):
+                        _report_progress(work, seen, on_progress)
+                        return [records.complete(w) for w in works]
+                    time.sleep(POLL_S)
+            finally:
+                ranks.stop()  # whatever ended the watch, even an exception of our own
+    finally:
+        if cells is not None:
+            os.unlink(cells)
+    if stalled is not None:
+        raise RunFailed(stalled[0], stalled[1], work)
     if failed:
-        raise _first_failure(work, ranks)
+        raise _first_failure(works, ranks)
     raise RunInterrupted(received[0], work)
 
 
@@ -311,6 +339,7 @@ class _Ranks:
         self.procs: list[subprocess.Popen] = []
         self.ended: dict[int, float] = {}  # rank -> time.time() when the launcher first saw it gone
         self.stopped: set[int] = set()
+        self.stopped_since: dict[int, float] = {}  # rank -> when it was first seen in state T
 
     def poll(self) -> list[int | None]:
         codes = [p.poll() for p in self.procs]
@@ -319,6 +348,26 @@ class _Ranks:
             if code is not None:
                 self.ended.setdefault(r, now)
         return codes
+
+    def stalled(self, work: str) -> tuple[int, str] | None:
+        """(rank, why) for the first rank that stopped making progress: stopped by a signal for
+        STOPPED_S, or no heartbeat for HANG_S; None while every rank moves (or waits while moving)."""
+        now, wall = time.monotonic(), time.time()
+        for r, p in enumerate(self.procs):
+            if p.returncode is not None:
+                continue
+            if _process_state(p.pid) == "T":
+                since = self.stopped_since.setdefault(r, now)
+                if now - since >= STOPPED_S:
+                    return r, (f"stopped making progress: it was stopped by a signal (SIGSTOP or SIGTSTP) for "
+                               f"{now - since:.0f} s while the other ranks waited for it")
+                continue
+            self.stopped_since.pop(r, None)
+            beat = _heartbeat_age(work, r, wall)
+            if beat is not None and beat >= HANG_S:
+                return r, (f"stopped making progress: no heartbeat for {beat:.0f} s (frozen, e.g. in a call that "
+                           "holds the interpreter) while the other ranks waited for it")
+        return None
 
     def stop(self) -> None:
         """End every rank still running: SIGTERM to its process group (a rank's own children, e.g.
@@ -338,13 +387,40 @@ class _Ranks:
         self.stopped.add(r)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.procs[r].pid, sig)
+            if sig == signal.SIGTERM:  # a stopped rank acts on SIGTERM only once it runs again
+                os.killpg(self.procs[r].pid, signal.SIGCONT)
 
 
-def _first_failure(work: str, ranks: _Ranks) -> RunFailed:
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat (R, S, D, T, Z, ...); "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text.rsplit(")", 1)[-1].split()[0] if ")" in text else ""
+
+
+def _heartbeat_age(work: str, rank: int, now: float) -> float | None:
+    """Seconds since rank `rank` last touched its heartbeat (worker.py); None before its first."""
+    from omnibench.runtime import records
+
+    try:
+        return now - os.stat(records.heartbeat_path(work, rank)).st_mtime
+    except OSError:
+        return None
+
+
+def _first_failure(works: list[str], ranks: _Ranks) -> RunFailed:
     """The rank whose failure came first, not one that failed because of it: a rank that reports a
     lost peer or a timed-out wait (worker.py marks those) only counts when no rank failed on its own;
     a rank killed by a signal (not ours) or exiting without a report counts from when it was seen gone."""
-    reports = _error_reports(work)
+    reports: dict[int, tuple[float, bool, str, str]] = {}
+    for w in works:  # launch_many: a rank reports into the folder of the run it failed in
+        for r, rep in _error_reports(w).items():
+            if r not in reports or rep[0] < reports[r][0]:
+                reports[r] = rep
+    work = works[0]
     found = []  # (secondary, time, rank, reason, report path)
     for r, p in enumerate(ranks.procs):
         code = p.returncode
@@ -392,9 +468,8 @@ def _as_torchrun_rank(spec: RunSpec, final: str) -> str:
         final = records.torchrun_run_dir(os.path.dirname(final), spec.system, spec.workload, spec.timeout_s)
     work = final + records.INCOMPLETE
     if int(os.environ["RANK"]) == 0:
-        if os.path.exists(work):
-            shutil.rmtree(work)
-        os.makedirs(work)
+        records.start(final)  # never reuses a folder: a stale .incomplete or one in use is refused
+        records.begin(work, spec, get_model(spec.model), f"{spec.extra.get('device', 'cpu')} x{spec.nproc} ranks")
     else:
         deadline = time.monotonic() + spec.timeout_s
         while not os.path.isdir(work):

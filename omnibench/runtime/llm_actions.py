@@ -52,10 +52,13 @@ class LLMActionsMixin:
         return packed, chunk
 
     def _stage_input_tokens(self, mb: int) -> int:
+        """Rows of this rank's stage input, as `_llm_packed` cuts them: an empty microbatch is a
+        2-token row, split over omni's long-sample group or the cp group (padded to a multiple)."""
         ids = self.plan.assignment["llm"][data_rank(self.llm_layout, self.rank)][mb]
-        n = sum(self.plan.sample(i).llm_tokens for i in ids)
-        cp = self.llm_layout.cp
-        return -(-n // cp) if cp > 1 else n
+        n = sum(self.plan.sample(i).llm_tokens for i in ids) or 2
+        long = self._llm_long(mb)
+        k = len(long[1]) if long is not None else self.llm_layout.cp
+        return -(-n // k)
 
     def _llm_long(self, mb: int):
         return self.long_short.llm_group(self.plan, mb) if self.long_short is not None else None

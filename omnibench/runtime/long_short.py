@@ -2,9 +2,11 @@
 one long LLM sample split over a context-parallel group of data ranks (`llm_group`, `llm_ulysses`;
 the executor chunks the row, the planner's systems/omni/llm_long_short.py says which).
 
-The plan marks, per encoder and rank, which encoder microbatches are *long*
-(`plan.options["long_short"]["long_microbatches"]`); every member of the sample's fixed group
-(`plan.options["long_short"]["groups"]`) runs that microbatch together:
+The plan marks, per encoder and rank, which encoder microbatches run over a group ("long" in the
+options' names, though under omni's SP-for-all scheme every sample does:
+`plan.options["long_short"]["long_microbatches"]`); every member of the fixed group
+(`plan.options["long_short"]["groups"]`) runs that microbatch, one or several samples packed into
+one row, together:
 
 - when the sample's attention sequences (vision frame groups, audio 30 s windows) split into k
   contiguous runs of whole sequences within 25% of an even share, each member takes one run and
@@ -15,15 +17,15 @@ The plan marks, per encoder and rank, which encoder microbatches are *long*
   UlyssesAttention: all-to-all to whole sequence x 1/k heads, the usual varlen core over the full
   cu_seqlens, all-to-all back), so the result is exact either way;
 - the chunks are all-gathered (autograd-aware: the backward hands each member its chunk's
-  gradient) and the group's first rank, the route source in the plan, finishes the module
-  (vision: the 2x2 merger runs per chunk, as merge windows never straddle a chunk; audio: pool,
-  norm and projector on the gathered sequence, run by every member so all hold gradients for all
-  parameters) and sends the outputs across the boundary.
+  gradient) and every member finishes the module (vision: the 2x2 merger runs per chunk, as merge
+  windows never straddle a chunk; audio: pool, norm and projector on the gathered sequence, run by
+  every member so all hold gradients for all parameters) and holds the whole output: a member that
+  consumes a sample on the LLM side reads its own copy, the plan's routes name who sends the rest.
 
-Backward needs no special path: the executor's encoder backward runs `backward(out, grad)` with
-the routed gradient on the first rank and zeros on the others, which walks the same collectives
-in reverse on every member. Encoder parameters are replicated (omni's encoder layout has
-fsdp=False), so the members' partial gradients add up in grad_sync's all-reduce.
+Backward needs no special path: the executor's encoder backward runs `backward(out, grad)` with each
+sample's routed gradient on its primary source (encoder_actions.py) and zeros elsewhere, which walks
+the same collectives in reverse on every member. The members' partial gradients of the replicated
+parameters add up in grad_sync (ZeRO's reduce-scatter, DDP's all-reduce, or FSDP's own).
 """
 
 from __future__ import annotations
@@ -35,59 +37,58 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from omnibench.models.inputs import pack, synthesize
+from omnibench.models.inputs import dummy_sample, pack, synthesize
 from omnibench.models.vision import vision_cu_seqlens, vision_position_ids, vision_rope
-from omnibench.runtime.encoder_actions import dummy_sample
 from omnibench.runtime.parallelize import UlyssesAttention
 from omnibench.specs.costs import audio_windows
 from systems.common import encoder_tokens
 
 
 class LongShortRuntime:
-    """Process groups of the long-input groups, built once (collectively, on every rank)."""
+    """Process groups of omni's sequence-parallel and long-sample groups. A step's plan may name groups
+    of another size than earlier steps (the planner weighs group sizes per batch): `prepare` creates
+    the ones not built yet at the start of the step, collectively (every rank plans the same step, so
+    every rank creates the same new groups in the same order), and keeps them for later steps."""
 
-    def __init__(self, plan, rank: int, timeout):
-        cfg = plan.options.get("long_short", {})
-        self.rank = rank
+    def __init__(self, rank: int, timeout):
+        self.rank, self.timeout = rank, timeout
+        self.built: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.groups: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
-        self.layout = {m: [tuple(g) for g in gs] for m, gs in cfg.get("groups", {}).items()}
-        for module in sorted(self.layout):
-            for ranks in self.layout[module]:
-                g = dist.new_group(list(ranks), timeout=timeout)
-                if rank in ranks:
-                    self.groups[module] = (g, ranks)
 
     @staticmethod
     def create(plan, rank: int, timeout) -> LongShortRuntime | None:
-        return LongShortRuntime(plan, rank, timeout) if plan.options.get("long_short", {}).get("groups") else None
+        if "long_short" not in plan.options:
+            return None
+        rt = LongShortRuntime(rank, timeout)
+        rt.prepare(plan)
+        return rt
+
+    def prepare(self, plan) -> None:
+        """This step's groups: this rank's per module, every one the plan names built (collectively)."""
+        cfg = plan.options.get("long_short", {}).get("groups", {})
+        self.groups = {}
+        for module in sorted(cfg):
+            for ranks in cfg[module]:
+                key = tuple(ranks)
+                if key not in self.built:
+                    self.built[key] = dist.new_group(list(key), timeout=self.timeout)
+                if self.rank in key:
+                    self.groups[module] = (self.built[key], key)
 
     def handles(self, plan, module: str, microbatch: int) -> bool:
         cfg = plan.options.get("long_short", {})
-        long = cfg.get("long_microbatches", {}).get(module, {}).get(str(self.rank), ())
-        if microbatch not in long:
-            return False
-        step_groups = [tuple(g) for g in cfg.get("groups", {}).get(module, [])]
-        if step_groups != self.layout.get(module):
-            raise RuntimeError(f"step {plan.step}: {module} long-input groups changed; the runtime builds them once")
-        return True
+        return microbatch in cfg.get("long_microbatches", {}).get(module, {}).get(str(self.rank), ())
 
     def llm_group(self, plan, microbatch: int) -> tuple[dist.ProcessGroup, tuple[int, ...]] | None:
         """omni's long LLM sample (systems/omni/llm_long_short.py): the context-parallel group that
         runs this LLM microbatch together, or None for a data-parallel microbatch."""
-        cfg = plan.options.get("long_short", {})
-        if microbatch not in cfg.get("long_microbatches", {}).get("llm", {}).get(str(self.rank), ()):
-            return None
-        if [tuple(g) for g in cfg.get("groups", {}).get("llm", [])] != self.layout.get("llm"):
-            raise RuntimeError(f"step {plan.step}: llm long-sample groups changed; the runtime builds them once")
-        return self.groups["llm"]
+        return self.groups["llm"] if self.handles(plan, "llm", microbatch) else None
 
     def forward(self, ex, a) -> None:
         module, mb = a.module, a.microbatch
         ids = ex._enc_microbatch(module, mb)
-        if len(ids) != 1:
-            raise RuntimeError(f"{module} long microbatch {mb} on rank {self.rank} holds {len(ids)} samples, not 1")
         group, ranks = self.groups[module]
-        encode_over_group(ex, module, mb, ids, group, ranks, swap_cores=True, outputs_on_all=False)
+        encode_over_group(ex, module, mb, ids, group, ranks, swap_cores=True, outputs_on_all=True)
 
 
 def call_as_forward(module, fn, *args):
@@ -105,11 +106,10 @@ def encode_over_group(ex, module: str, mb: int, ids, group, ranks: tuple[int, ..
                       outputs_on_all: bool) -> None:
     """One encoder microbatch (its samples packed into one row) over a sequence-parallel group.
 
-    omni's long inputs (`swap_cores=True`, `outputs_on_all=False`): one sample, the cores swapped for
-    Ulysses per call (or no exchange where whole sequences split evenly); only the group's first rank
-    keeps the outputs (the route source). temporal (`swap_cores=False`, `outputs_on_all=True`): the
-    blocks' cores are Ulysses for good (executor `_build_encoder`), every member keeps the outputs
-    for the LLM rows of its cp rank. Either way the other members' encoder backward gets zeros."""
+    omni (`swap_cores=True`): the cores swapped for Ulysses per call (or no exchange where whole
+    sequences split evenly). temporal (`swap_cores=False`): the blocks' cores are Ulysses for good
+    (executor `_build_encoder`). `outputs_on_all`: every member keeps the outputs (both systems
+    today), else only the group's first rank. A sample's gradient comes back on one member only."""
 
     k, c = len(ranks), ranks.index(ex.rank)
     samples = [ex.plan.sample(i) for i in ids] or [dummy_sample(module)]
@@ -174,7 +174,10 @@ def llm_ulysses(stage, group, k: int):
     cores = [m.core for m in swapped]
     try:
         for m, core in zip(swapped, cores, strict=True):
-            m.core = UlyssesAttention(core, group, k)
+            # under the layout's own cp the core is already Ulysses over the cp group, whose ranks are
+            # members of this group too: the group's exchange replaces it (one degree, k = dp x cp ranks)
+            inner = core.inner if isinstance(core, UlyssesAttention) else core
+            m.core = UlyssesAttention(inner, group, k)
         yield
     finally:
         for m, core in zip(swapped, cores, strict=True):

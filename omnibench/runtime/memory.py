@@ -5,7 +5,9 @@ state of each rank's parameter shard, FSDP's gathered layers, and the activation
 as its schedule runs, under the recompute mode), applied to the run's own Plans on a cluster of
 the local device's memory (on CPU: the host's available memory shared by the ranks). On CUDA:
 
-- `--recompute auto` takes the cheapest mode that fits (none, then selective, then full);
+- `--recompute auto` takes the cheapest mode that fits (omnibench/resolve.py, the one place every
+  command settles a layout: none, then each set of modules recomputed in full, cheapest first, e.g.
+  `vision=full` before `full`);
 - `--encoder-chunk-tokens auto` (opt-in; the default is 0, off, until chunked runs are measured on a GPU) tries each mode first unchunked, then with encoder
   microbatches in chunks recomputed in the backward (`auto_chunk_tokens`: the largest power of two whose chunk
   activations take at most 1/8 of the device), so a long video that would not fit is chunked;
@@ -26,11 +28,7 @@ GiB = 1024**3
 # of the device's memory: the estimate (SimResult memory_bytes) already holds the caching allocator's reserve
 # and the CUDA context and NCCL buffers outside it (simulator/memory.py FRAGMENTATION, RESERVED_BYTES)
 HEADROOM = 1.0
-# cheapest first; the encoders' activations (four patches per LLM token) are the largest, so they are
-# recomputed before the LLM is. "selective" saves nothing under a flash-style core (costs.py).
-RECOMPUTE_ORDER = ("none", "vision=full,audio=full", "full")
 DEPTHS = (0, 16, 8, 4, 2)  # 0: the preset's own depth
-ESTIMATE_STEPS = 4  # batches looked at: the largest sample of a few steps sets the peak
 
 
 CHUNK_SHARE = 8  # auto chunk budget: one chunk's encoder activations at most 1/8 of the device
@@ -70,11 +68,9 @@ def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None
              tp: int | None = None, pp: int | None = None, memory_gib: float = 80.0,
              encoder_chunk_tokens: int | None = None) -> Estimate:
     """Peak bytes of the most loaded rank over the run's first batches, as `simulate` counts them."""
-    from omnibench.runtime.launch import batch_source, parallel_spec
+    from omnibench.resolve import ESTIMATE_STEPS, peak_memory
+    from omnibench.runtime.run_inputs import batch_source, parallel_spec
     from omnibench.specs.presets import get_model
-    from simulator.engine import Engine, SimOptions
-    from simulator.hardware import load_cluster
-    from systems import get_planner
 
     name = model_name or spec.model
     mode = recompute or spec.recompute
@@ -83,18 +79,18 @@ def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None
     model = get_model(name)
     parallel = parallel_spec(trial, trial.nproc)
     parallel.validate(model)
-    cluster = load_cluster("h100", trial.nproc)
-    cluster = replace(cluster, gpu=replace(cluster.gpu, memory_gib=memory_gib))
-    planner, batches = get_planner(trial.system), batch_source(trial)
-    worst = Estimate(0.0, 0, name, mode, chunk)
-    options = SimOptions(recompute=mode, check_memory=False, encoder_chunk_tokens=chunk)
-    for step in range(min(trial.steps, ESTIMATE_STEPS)):
-        plan = planner.plan(model, parallel, batches(step))
-        result = Engine(plan, model, cluster, options=options).run()
-        top = max(result.ranks, key=lambda r: r.memory_bytes)
-        if top.memory_bytes > worst.peak_bytes:
-            worst = Estimate(top.memory_bytes, top.rank, name, mode, chunk)
-    return worst
+    batches = batch_source(trial)
+    peak, rank = peak_memory(trial.system, model, parallel, [batches(s) for s in range(min(trial.steps, ESTIMATE_STEPS))],
+                             _cluster(trial.nproc, memory_gib), chunk)
+    return Estimate(peak, rank, name, mode, chunk)
+
+
+def _cluster(nproc: int, memory_gib: float):
+    """The cluster a run is estimated on: the h100 preset's network, the device's memory."""
+    from simulator.hardware import load_cluster
+
+    cluster = load_cluster("h100", nproc)
+    return replace(cluster, gpu=replace(cluster.gpu, memory_gib=memory_gib))
 
 
 def device_memory_gib(device: str) -> float:
@@ -124,34 +120,53 @@ def fit_to_device(spec: RunSpec, model_given: bool, memory_gib: float | None = N
     if device != "cuda" and not memory_gib:
         cap /= max(1, spec.nproc)
     budget = HEADROOM * cap * GiB
-    modes = RECOMPUTE_ORDER if spec.recompute == "auto" else (spec.recompute,)
     models = [spec.model] if model_given else _depths(spec.model)
     # auto chunking only where a device is measured against: CPU runs never chunk unasked
     auto_chunk = spec.encoder_chunk_tokens == -1 and device == "cuda"
     chunk_fixed = max(0, spec.encoder_chunk_tokens)
     first = None
     for name in models:
-        for mode in modes:
-            chunks = (0, auto_chunk_tokens(name, mode, cap)) if auto_chunk else (chunk_fixed,)
-            for chunk in chunks:
-                est = estimate(spec, name, mode, memory_gib=cap, encoder_chunk_tokens=chunk)
-                first = first or est
-                if est.peak_bytes <= budget:
-                    fitted = replace(spec, model=name, recompute=mode, encoder_chunk_tokens=chunk)
-                    if device != "cuda":
-                        return fitted, ""
-                    chosen = ("" if model_given and spec.recompute != "auto" and spec.encoder_chunk_tokens != -1
-                              else " (chosen to fit)")
-                    chunked = f", encoder chunks of {chunk} tokens" if chunk else ""
-                    note = (f"memory: {name} with recompute={mode}{chunked} estimated at {est.gib():.1f} GiB on "
-                            f"rank {est.rank} of {cap:.1f} GiB{chosen}")
-                    return fitted, note
+        trial = replace(spec, model=name)
+        res = _settle(trial, cap, budget, lambda mode, n=name: (0, auto_chunk_tokens(n, mode, cap)) if auto_chunk
+                      else (chunk_fixed,))
+        est = Estimate(res.peak_bytes, res.peak_rank, name, res.recompute, res.encoder_chunk_tokens)
+        if first is None:
+            first = est if spec.recompute != "auto" else _first_tried(trial, cap, chunk_fixed)
+        if res.fits:
+            fitted = replace(trial, recompute=res.recompute, encoder_chunk_tokens=res.encoder_chunk_tokens)
+            if device != "cuda":
+                return fitted, ""
+            chosen = ("" if model_given and spec.recompute != "auto" and spec.encoder_chunk_tokens != -1
+                      else " (chosen to fit)")
+            chunk = res.encoder_chunk_tokens
+            chunked = f", encoder chunks of {chunk} tokens" if chunk else ""
+            note = (f"memory: {name} with recompute={res.recompute}{chunked} estimated at {est.gib():.1f} GiB on "
+                    f"rank {est.rank} of {cap:.1f} GiB{chosen}")
+            return fitted, note
     where = "the device has" if device == "cuda" else "each of its ranks has about"
     chunked = f" and encoder chunks of {first.encoder_chunk_tokens} tokens" if first.encoder_chunk_tokens else ""
     raise SpecError(
         f"{first.model} with recompute={first.recompute}{chunked} needs an estimated {first.gib():.1f} GiB on rank "
         f"{first.rank}, {where} {cap:.1f} GiB; " + _would_fit(spec, models[0], budget, cap)
     )
+
+
+def _settle(spec: RunSpec, cap: float, budget: float, chunk_options):
+    """omnibench/resolve.py's answer for this run's (already laid out) spec: recompute and chunks."""
+    from omnibench.resolve import ESTIMATE_STEPS, resolve_layout
+    from omnibench.runtime.run_inputs import batch_source, parallel_spec
+    from omnibench.specs.presets import get_model
+
+    batches = batch_source(spec)
+    return resolve_layout(spec.system, get_model(spec.model), parallel_spec(replace(spec, recompute="none"), spec.nproc),
+                          [batches(s) for s in range(min(spec.steps, ESTIMATE_STEPS))], _cluster(spec.nproc, cap),
+                          tp=spec.tp, pp=spec.pp, cp=spec.cp, recompute=spec.recompute, budget_bytes=budget,
+                          chunk_options=chunk_options, estimate=True)
+
+
+def _first_tried(spec: RunSpec, cap: float, chunk: int) -> Estimate:
+    """What a refusal quotes under `auto`: the cheapest mode's estimate (none, unchunked)."""
+    return estimate(spec, recompute="none", memory_gib=cap, encoder_chunk_tokens=chunk)
 
 
 def _depths(name: str) -> list[str]:
@@ -163,7 +178,12 @@ def _depths(name: str) -> list[str]:
 
 def _would_fit(spec: RunSpec, model: str, budget: float, cap: float) -> str:
     """The single changes that would fit: recompute modes, tp / pp within the ranks, shallower models."""
-    tries = [dict(recompute=m) for m in RECOMPUTE_ORDER if m != spec.recompute]
+    from omnibench.resolve import recompute_modes
+    from omnibench.runtime.run_inputs import batch_source
+    from omnibench.specs.presets import get_model
+
+    modes = recompute_modes(get_model(model), batch_source(spec)(0).samples)
+    tries = [dict(recompute=m) for m in modes if m != spec.recompute]
     if spec.encoder_chunk_tokens <= 0:
         mode = spec.recompute if spec.recompute != "auto" else "none"
         tries.append(dict(encoder_chunk_tokens=auto_chunk_tokens(model, mode, cap), recompute=mode))

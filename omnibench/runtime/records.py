@@ -8,13 +8,24 @@ want one file to look at), steps.jsonl (per-step metrics), steps.csv (the
 same, flat: one row per step, one column per scalar metric), summary.json, trace.json
 (Chrome/Perfetto: one track per rank, one span per action, args {step, rank, kind, module,
 microbatch, stage, what, cpu_s}; cpu_s: the rank thread's CPU seconds in the span, which tells
-compute from waiting and from a loaded host), progress.jsonl (written while running).
+compute from waiting and from a loaded host).
+
+While it runs, and in an interrupted run's `.incomplete` folder: config.json from the start (the
+RunSpec, model, command and provenance; "finished": false until the last step), progress.jsonl
+(each finished step's figures, as rank 0 saw them), plans.jsonl (each finished step's Plan), and
+`.lock`, which the process writing the folder holds (flock) so no second run writes into it.
+
+JSON here is strict: a value that is not a finite number (a diverged loss) is written as null, never
+as a bare NaN or Infinity, which JSON does not have.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
+import shutil
 from dataclasses import asdict
 from datetime import datetime, timezone
 
@@ -22,6 +33,29 @@ from omnibench.plan import METADATA
 from omnibench.provenance import provenance, write_csv
 
 INCOMPLETE = ".incomplete"
+LOCK = ".lock"  # inside a folder being written: flock-held by the process writing it, with its pid
+_held: dict[str, int] = {}  # work folder -> fd of the lock this process holds on it
+HEARTBEATS = ".heartbeat"  # inside a folder being written: one file per rank, touched while it lives
+HEARTBEAT_S = 1.0  # how often a rank touches its heartbeat (launch.py reads how old it is)
+
+
+def heartbeat_path(work: str, rank: int) -> str:
+    return os.path.join(work, HEARTBEATS, f"rank{rank}")
+
+
+def finite(obj):
+    """`obj` with every float that is not finite (nan, inf) replaced by None, for strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
 def new_run_dir(out: str, system: str, workload: str) -> str:
@@ -60,21 +94,77 @@ def torchrun_run_dir(parent: str, system: str, workload: str, timeout_s: float) 
 
 
 def start(final_dir: str) -> str:
+    """Claim `final_dir` for a new run: make `<final_dir>.incomplete` (mkdir is atomic: of two runs
+    started at once into one --out only one gets it) and hold its lock until `complete` or
+    `release`. Never reuses a folder: a finished record, a live run's folder or a stale `.incomplete`
+    (an interrupted run's, with its error reports) is refused with FileExistsError in one line."""
     if os.path.exists(final_dir):
         raise FileExistsError(f"out: {final_dir} already exists")
     work = final_dir + INCOMPLETE
-    os.makedirs(work, exist_ok=True)
+    os.makedirs(os.path.dirname(work) or ".", exist_ok=True)
+    try:
+        os.mkdir(work)
+    except FileExistsError:
+        holder = lock_holder(work)
+        if holder is not None:
+            raise FileExistsError(f"out: {final_dir} is in use: another run (pid {holder}) is writing {work}; "
+                                  "wait for it or give another --out") from None
+        raise FileExistsError(f"out: {work} is left from an unfinished run (its partial record and error "
+                              "reports); remove it or give another --out") from None
+    fd = os.open(os.path.join(work, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can hold it: the folder is new
+    os.write(fd, str(os.getpid()).encode())
+    _held[work] = fd
     return work
 
 
-def progress(work_dir: str, step: int, steps: int, loss: float, step_time: float) -> None:
+def lock_holder(work: str) -> int | None:
+    """The pid of the live process writing `work`, or None when nobody holds its lock (a stale folder)."""
+    path = os.path.join(work, LOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.read(fd, 32).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def release(work: str) -> None:
+    """Let go of `work`'s lock (a run that ended unfinished keeps its folder, stale from now on)."""
+    fd = _held.pop(work, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def begin(work_dir: str, spec, model, device_text: str) -> None:
+    """config.json at the start of a run, so an interrupted run's folder says what ran and how."""
+    _write(os.path.join(work_dir, "config.json"), {
+        "run": spec.to_dict(), "model": asdict(model), "finished": False,
+        "provenance": provenance(device_text, spec.extra.get("argv"), cuda=spec.extra.get("device") == "cuda")})
+
+
+def progress(work_dir: str, step: int, steps: int, loss: float, step_time: float, record: dict | None = None,
+             plan=None) -> None:
+    """After each finished step (rank 0): its figures to progress.jsonl, its Plan to plans.jsonl."""
+    line = {"step": step, "steps": steps, "loss": loss, "step_time_s": step_time, **(record or {})}
     with open(os.path.join(work_dir, "progress.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "steps": steps, "loss": loss, "step_time_s": step_time}) + "\n")
+        f.write(dumps(line) + "\n")
+    if plan is not None:
+        with open(os.path.join(work_dir, "plans.jsonl"), "a") as f:
+            f.write(plan.to_json(indent=None) + "\n")
 
 
 def _write(path: str, obj) -> None:
     with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(dumps(obj, indent=1))
     os.replace(path + ".tmp", path)
 
 
@@ -94,7 +184,7 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
         s["peak_memory_bytes"] = max(g["steps"][s["step"]]["peak_memory_bytes"] for g in gathered)
     with open(os.path.join(work_dir, "steps.jsonl"), "w") as f:
         for s in steps:
-            f.write(json.dumps(s) + "\n")
+            f.write(dumps(s) + "\n")
     flat = [flat_step(s) for s in steps]
     write_csv(os.path.join(work_dir, "steps.csv"), flat, list(dict.fromkeys(k for s in flat for k in s)))
     timed = steps[1:] or steps  # the first step pays one-time costs (allocations, warm-up)
@@ -121,11 +211,14 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
         summary[k] = sum(s[k] for s in timed) / len(timed)
     summary["mfu"] = summary["tflops_per_gpu"] / peak if peak else None
     summary["peak_memory_bytes"] = max(s["peak_memory_bytes"] for s in steps)
+    diverged = [s["step"] for s in steps if not math.isfinite(s["loss"])]
+    if diverged:
+        summary["notes"].append(f"the loss is not a finite number from step {diverged[0]} on (written as null)")
     _write(os.path.join(work_dir, "summary.json"), summary)
     device_text = f"{summary['device_name']} ({device})" if device.type == "cuda" else f"cpu x{world} ranks"
     _write(os.path.join(work_dir, "config.json"), {
-        "run": spec.to_dict(), "model": asdict(model),
-        "provenance": provenance(device_text, spec.extra.get("argv"))})
+        "run": spec.to_dict(), "model": asdict(model), "finished": True,
+        "provenance": provenance(device_text, spec.extra.get("argv"), cuda=device.type == "cuda")})
     with open(os.path.join(work_dir, "plan_step0.json"), "w") as f:
         f.write(plans[0].to_json())
     with open(os.path.join(work_dir, "plans.jsonl"), "w") as f:
@@ -171,6 +264,12 @@ def chrome_trace(spans_by_rank: dict[int, list[dict]]) -> dict:
 
 
 def complete(work_dir: str) -> str:
+    """The finished record: lock file gone, `.incomplete` suffix dropped."""
     final = work_dir.removesuffix(INCOMPLETE)
+    lock = os.path.join(work_dir, LOCK)
+    if os.path.exists(lock):
+        os.unlink(lock)
+    shutil.rmtree(os.path.join(work_dir, HEARTBEATS), ignore_errors=True)
+    release(work_dir)
     os.replace(work_dir, final)
     return final

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from omnibench.plan import Plan
 from omnibench.runtime import metrics, records
 from omnibench.runtime.executor import Executor
-from omnibench.runtime.launch import batch_source, parallel_spec
 from omnibench.runtime.loading import LoaderExchange
+from omnibench.runtime.run_inputs import batch_source, parallel_spec
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.run import RunSpec
 from systems import get_planner
@@ -44,7 +44,10 @@ def loss_tokens(plan: Plan, rank: int) -> int:
     return sum(loss_token_count(plan.sample(i)) for mb in plan.assignment["llm"][rank] for i in mb)
 
 
-def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
+def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str, store=None) -> None:
+    """This rank's share of one run. `store`: the rendezvous of this run's process group (launch_many
+    runs several in one process, each under a prefix of the launcher's store); None: from the
+    environment (MASTER_ADDR/MASTER_PORT), as torchrun and `launch` set it."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device(spec.extra["device"])
     if device.type == "cuda":
@@ -54,7 +57,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
         torch.set_num_threads(int(spec.extra.get("threads", 1)))
     dtype = torch.bfloat16 if spec.extra["dtype"] == "bf16" else torch.float32
     timeout = timedelta(seconds=spec.timeout_s)
-    dist.init_process_group(spec.extra["backend"], rank=rank, world_size=world, timeout=timeout,
+    dist.init_process_group(spec.extra["backend"], rank=rank, world_size=world, timeout=timeout, store=store,
                             device_id=device if device.type == "cuda" else None)
     planner = get_planner(spec.system)
     parallel = parallel_spec(spec, world)
@@ -108,7 +111,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str) -> None:
                       "loss_tokens": int(counts.item())})
         if rank == 0:  # the record takes step figures from rank 0 (other ranks: peak memory only)
             steps[-1].update(**metrics.batch_figures(model, plan), plan={"options": plan.options, **plan.notes})
-            records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]))
+            records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]), steps[-1], plan)
     if exchange is not None:
         exchange.close()
     params = ex.full_parameters() if spec.dump_params else None
@@ -150,16 +153,46 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
-def main(spec_json: str, run_dir: str) -> None:
-    """Entry of one rank process (also under torchrun); errors go to run_dir/errors/rank<r>.txt: a
-    JSON line {time, lost_peer, error} (what the launcher reads), then the traceback."""
+def _heartbeat(run_dir: str, rank: int) -> None:
+    """Touch this rank's heartbeat every records.HEARTBEAT_S from a daemon thread: it keeps beating
+    while the rank computes or waits in a collective (which releases the interpreter), and stops when
+    the process is stopped or frozen, which is how the launcher tells the rank everyone waits for."""
+    import threading
+
+    path = records.heartbeat_path(run_dir, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def beat() -> None:
+        while True:
+            with open(path, "a"):
+                os.utime(path)
+            time.sleep(records.HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="omnibench-heartbeat", daemon=True).start()
+
+
+def main(runs: list[tuple[RunSpec, str]]) -> None:
+    """Entry of one rank process (also under torchrun): each (spec, record folder) in turn, each in a
+    process group of its own (launch_many; `launch` passes one). Errors go to the failing run's
+    folder, errors/rank<r>.txt: a JSON line {time, lost_peer, error} (what the launcher reads), then
+    the traceback; the process then ends, and the runs after it never start."""
     _die_with_launcher()
-    spec = RunSpec.from_dict(json.loads(spec_json))
     rank = int(os.environ.get("RANK", 0))
+    if os.environ.get("OMNIBENCH_LAUNCHER") == "1":
+        _heartbeat(runs[0][1], rank)
+    run_dir = runs[0][1]
     try:
         from omnibench.specs.presets import get_model
 
-        run_rank(spec, get_model(spec.model), run_dir)
+        if len(runs) == 1:
+            run_rank(runs[0][0], get_model(runs[0][0].model), run_dir)
+        else:
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 int(os.environ["WORLD_SIZE"]), is_master=False,
+                                 timeout=timedelta(seconds=max(s.timeout_s for s, _ in runs)))
+            for i, (spec, run_dir) in enumerate(runs):
+                run_rank(spec, get_model(spec.model), run_dir, store=dist.PrefixStore(f"run{i}", base))
+                _forget_meshes()
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher once
         os.makedirs(os.path.join(run_dir, "errors"), exist_ok=True)
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
@@ -180,5 +213,29 @@ def main(spec_json: str, run_dir: str) -> None:
     os._exit(0)
 
 
+def _forget_meshes() -> None:
+    """Between the runs of one process (launch_many): DTensor caches its redistribution planners and
+    sharding decisions by device mesh, and meshes compare by ranks and dim names, not by process
+    group, so the next run's equal mesh would be handed this run's destroyed groups ("could not
+    resolve the process group"). torch has no public call for this; these are its own clearers."""
+    import gc
+
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _clear_sharding_prop_cache()
+    gc.collect()
+
+
+def _runs_from_argv(argv: list[str]) -> list[tuple[RunSpec, str]]:
+    """`SPEC_JSON RUN_DIR` (one run) or `--runs FILE` (launch_many: a JSON list of {spec, work})."""
+    if argv[0] == "--runs":
+        with open(argv[1]) as f:
+            return [(RunSpec.from_dict(c["spec"]), c["work"]) for c in json.load(f)]
+    return [(RunSpec.from_dict(json.loads(argv[0])), argv[1])]
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(_runs_from_argv(sys.argv[1:]))

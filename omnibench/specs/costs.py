@@ -146,7 +146,7 @@ def llm_flops(
     core = 4 * d * llm.heads * pairs
     tail = 0.0
     if llm.moe is None:
-        mlp = {"mlp": 3 * 2 * t * h * llm.ffn}
+        mlp = {"mlp": (3 if llm.mlp == "swiglu" else 2) * 2 * t * h * llm.ffn}
         tail = 2 * t * llm.ffn * h  # w2
     else:
         moe = llm.moe
@@ -185,7 +185,7 @@ def llm_params(
     if llm.qk_norm:
         attn += 2 * d
     if llm.moe is None:
-        mlp = 3 * h * llm.ffn
+        mlp = (3 if llm.mlp == "swiglu" else 2) * h * llm.ffn
     else:
         moe = llm.moe
         mlp = h * moe.experts + (moe.top_k if active else moe.experts) * 3 * h * moe.expert_ffn
@@ -563,7 +563,8 @@ def llm_layer_bytes(llm: LLMSpec, b: int = 2) -> int:
     if llm.qk_norm:
         out += (4 + b) * (q + kv) + 4 * (llm.heads + llm.kv_heads)
     if llm.moe is None:
-        return out + 4 * b * llm.ffn  # w1 out, w3 out, silu out, w2 input
+        # w1 out, w3 out, silu out, w2 input (GELU MLP: fc1 out, fc2 input)
+        return out + (4 if llm.mlp == "swiglu" else 2) * b * llm.ffn
     moe = llm.moe
     k = moe.top_k
     out += 4 * moe.experts + 24 * k  # router probabilities; top-k weights, expert order (int64)
@@ -650,19 +651,22 @@ def llm_layer_memory(llm: LLMSpec, recompute: str = "none", stack: str = "eager"
     f = _mlp_width(llm)
     lse = 4 * llm.heads  # fp32 log-sum-exp per query head
     moe_extra = llm_layer_bytes(llm, b) - llm_layer_bytes(_dense(llm), b) if llm.moe is not None else 0
+    glu = llm.mlp == "swiglu" or llm.moe is not None
     if stack == "eager":
         none = float(llm_layer_bytes(llm, b))
     elif stack in ("torchtitan", "torchtitan-fused-norm"):
-        # norms; q, k and v repeated to every head, the core's output and its contiguous copy; SwiGLU
+        # norms; q, k and v repeated to every head, the core's output and its contiguous copy; SwiGLU's
+        # w1, w3 and silu outputs and their product (a GELU MLP: fc1's output and fc2's input)
         norm = _rmsnorm_bytes(h, b) if stack == "torchtitan" else 2 * b * h + 4
-        none = 2 * norm + b * (q + 2 * q + q + q) + lse + 4 * b * f + moe_extra
+        none = 2 * norm + b * (q + 2 * q + q + q) + lse + (4 if glu else 2) * b * f + moe_extra
     elif stack.startswith("torchtitan-compile"):
         # normed inputs (with 1/rms), q and k, v repeated for SDPA, its output; w1 and w3 outputs and
         # their product (w2's weight gradient)
-        none = 2 * (b * h + 4) + b * (q + 2 * q + q) + lse + 3 * b * f + moe_extra
+        none = 2 * (b * h + 4) + b * (q + 2 * q + q) + lse + (3 if glu else 2) * b * f + moe_extra
     else:
-        # input and normed input twice (attention, MLP), q, k, v, the core's output; fc1 out (2 f), fc2 in
-        none = b * (4 * h + 2 * q + 2 * kv + 3 * f) + lse + 8
+        # input and normed input twice (attention, MLP), q, k, v, the core's output; fc1 out (2 f for
+        # the gated pair), fc2 in
+        none = b * (4 * h + 2 * q + 2 * kv + (3 if glu else 2) * f) + lse + 8
         if stack == "megatron-fp8":
             # FP8 copies for the linears' weight gradients: the two normed inputs and fc2's input in one
             # byte instead of two, and one more byte per element of the core's output (kept by the core)
@@ -673,7 +677,8 @@ def llm_layer_memory(llm: LLMSpec, recompute: str = "none", stack: str = "eager"
     if recompute == "full":
         return LayerMemory(held=b * h, recompute=none, working=working)
     if recompute == "selective" and stack in ("torchtitan", "torchtitan-fused-norm"):
-        sac = b * (h + q + kv + q + f + h) + lse  # input; wq, wv, SDPA, w1, w2 outputs
+        # input; wq, wv, SDPA, w1, w2 outputs (a GELU MLP's two matmuls are the 5th and 6th: fc1's only)
+        sac = b * (h + q + kv + q + f + (h if glu else 0)) + lse
         return LayerMemory(held=sac, recompute=none - sac, working=working)
     if recompute == "selective" and stack.startswith("torchtitan-compile"):
         sac = b * (h + q + kv + q + f) + lse  # input; wq, wv, SDPA, w1 outputs (w2's is never read)

@@ -24,7 +24,9 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class LLMSpec:
-    """Qwen2 / Llama-style decoder: RMSNorm, RoPE, GQA, SwiGLU (or MoE) MLP."""
+    """Qwen2 / Llama-style decoder: RMSNorm, RoPE, GQA, SwiGLU (or MoE) MLP; or, for the simulator's
+    published GPT rows, a GPT block (`mlp="gelu"`: two matrices of width `ffn`, `norm="layer"`,
+    learned or ALiBi `positions`). The runtime builds the Llama-style block only."""
 
     name: str
     layers: int
@@ -40,6 +42,9 @@ class LLMSpec:
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     moe: MoESpec | None = None
+    mlp: str = "swiglu"  # "swiglu" (gate, up, down) | "gelu" (GPT: fc1, fc2)
+    norm: str = "rms"  # "rms" | "layer"
+    positions: str = "rope"  # "rope" | "learned" (GPT-3) | "alibi" (MPT): no rotary kernels
 
     @property
     def dim_head(self) -> int:

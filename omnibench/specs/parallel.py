@@ -43,8 +43,10 @@ class ParallelSpec:
     pp: int = 1
     cp: int = 1
     # How context parallelism splits attention: "ulysses" (all-to-all to whole sequences x 1/cp of the
-    # heads; what the runtime runs) or "ring" (each rank keeps 1/cp of every sequence, K/V blocks
-    # travel around the cp ranks; simulator only, for sequences longer than heads allow Ulysses)
+    # heads; what the runtime runs), "ring" (each rank keeps 1/cp of every sequence, K/V blocks
+    # travel around the cp ranks) or "allgather" (each rank keeps 1/cp of every sequence and
+    # all-gathers the whole K/V before each attention: Llama 3, torchtitan); ring and allgather are
+    # simulated only
     cp_kind: str = "ulysses"
     ep: int = 1
     microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
@@ -65,6 +67,12 @@ class ParallelSpec:
     # a shard group spans at most 8 nodes, so nothing changes up to 64 ranks); -1: the whole FSDP
     # group (plain FSDP, whatever the cluster size).
     dp_shard: int = 0
+    # Megatron's account_for_embedding/loss_in_pipeline_split: the embedding and the loss count as a
+    # layer each when the LLM is cut into pp * virtual_stages stages (Layout.embedding_loss_stages)
+    embedding_loss_stages: bool = False
+    # MoE: expert tensor parallelism; 0 as tp (ep drawn from dp*cp), 1: experts whole, ep drawn from
+    # dp*cp*tp (Megatron's MoE parallel folding, Layout.expert_tp)
+    expert_tp: int = 0
     recompute: str = "none"  # "none" | "full" | "selective", or per module "vision=full,llm=none"
     options: dict = field(default_factory=dict)  # system-specific switches (e.g. omni's ablations)
 
@@ -100,8 +108,10 @@ class ParallelSpec:
         if self.dp_shard > 0 and self.ep > 1 and self.dp_shard % self.ep:
             raise SpecError(f"dp_shard={self.dp_shard} must be a multiple of ep={self.ep} "
                             "(a shard group holds whole expert groups); 0 = automatic")
-        if self.cp_kind not in ("ulysses", "ring"):
-            raise SpecError(f"cp_kind must be one of ulysses, ring; got {self.cp_kind!r}")
+        from omnibench.plan import CP_KINDS
+
+        if self.cp_kind not in CP_KINDS:
+            raise SpecError(f"cp_kind must be one of {', '.join(CP_KINDS)}; got {self.cp_kind!r}")
         from omnibench.specs.costs import recompute_policy
 
         try:
@@ -113,14 +123,19 @@ class ParallelSpec:
             allowed = [t for t in range(1, llm.kv_heads + 1) if llm.heads % t == 0 and llm.kv_heads % t == 0]
             raise SpecError(f"tp={self.tp} does not divide the LLM's attention heads ({llm.heads}) and kv heads "
                             f"({llm.kv_heads}) of {llm.name}; allowed tp: {', '.join(map(str, allowed))}")
-        if self.pp * self.virtual_stages > llm.layers:
+        units = llm.layers + (2 if self.embedding_loss_stages else 0)
+        if self.pp * self.virtual_stages > units:
+            extra = " plus its embedding and loss" if self.embedding_loss_stages else ""
             raise SpecError(f"pp*virtual_stages={self.pp * self.virtual_stages} is deeper than the LLM's "
-                            f"{llm.layers} layers")
+                            f"{llm.layers} layers{extra}")
         if self.ep > 1:
             if llm.moe is None:
                 raise SpecError(f"ep={self.ep} needs a mixture-of-experts LLM; {llm.name} is dense")
             if llm.moe.experts % self.ep:
                 raise SpecError(f"ep={self.ep} does not divide the LLM's {llm.moe.experts} experts")
+        if self.expert_tp not in (0, 1):
+            raise SpecError(f"expert_tp must be 0 (experts split over tp) or 1 (experts whole, ep over dp*cp*tp); "
+                            f"got {self.expert_tp!r}")
         for enc_name, enc in model.encoders.items():
             if self.encoder_tp and enc.heads % self.encoder_tp:
                 raise SpecError(f"encoder_tp={self.encoder_tp} does not divide {enc_name} heads ({enc.heads})")
@@ -138,7 +153,11 @@ class ParallelSpec:
         """What only the simulator executes: refuse it before a real run starts."""
         if self.cp > 1 and self.cp_kind != "ulysses":
             raise SpecError(f"cp_kind={self.cp_kind}: the runtime runs Ulysses context parallelism only "
-                            "(ring attention is simulated, not run)")
+                            "(ring and all-gather-KV attention are simulated, not run)")
         if self.virtual_stages > 1:
             raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is not supported by the runtime; "
                             "the runtime runs plain 1F1B (virtual_stages=1)")
+        if self.embedding_loss_stages:
+            raise SpecError("embedding_loss_stages: the runtime cuts stages by layers only (simulated only)")
+        if self.expert_tp:
+            raise SpecError("expert_tp=1: the runtime splits experts over tp (MoE parallel folding is simulated only)")

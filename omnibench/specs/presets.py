@@ -8,6 +8,7 @@ name, an LLM name (text-only), or a TOML/YAML file with the same fields. No torc
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -211,7 +212,12 @@ def get_model(name_or_path: str | Path) -> MultimodalSpec:
     if path.suffix.lower() in (".toml", ".yaml", ".yml"):
         if not path.is_file():
             raise SpecError(f"model file {text} does not exist")
-        return model_from_dict(_read_file(path), source=path.name)
+        try:
+            return model_from_dict(_read_file(path), source=path.name)
+        except SpecError as e:  # the file in every message: a run may name several
+            msg = str(e)
+            raise SpecError(msg if msg.startswith((f"{path.name}:", "cannot parse model file", "model file"))
+                            else f"model file {text}: {msg}") from None
     raise SpecError(f"unknown model {text!r}; allowed: {', '.join(list_models())} or a .toml/.yaml file")
 
 
@@ -314,9 +320,31 @@ def model_from_dict(data: dict, source: str = "model") -> MultimodalSpec:
     return spec
 
 
+# Numeric fields that are not sizes (every other number is a count or width, >= 1): their bounds.
+POSITIVE_REALS = ("rope_theta", "norm_eps")
+ZERO_OR_MORE = ("head_dim", "shared_expert_ffn", "aux_loss_coef", "out_hidden")
+
+
+def _numbers(part, where: str) -> None:
+    """Every number of a spec part finite and in range, named as the user's file names it."""
+    for f in dataclasses.fields(part):
+        v = getattr(part, f.name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise SpecError(f"{where}.{f.name} must be a finite number, got {v}")
+        if f.name in POSITIVE_REALS and v <= 0:
+            raise SpecError(f"{where}.{f.name} must be > 0, got {v}")
+        if f.name in ZERO_OR_MORE and v < 0:
+            raise SpecError(f"{where}.{f.name} must be >= 0, got {v}")
+
+
 def validate_model(spec: MultimodalSpec) -> None:
-    """Architecture consistency; raises SpecError naming the field."""
+    """Architecture consistency; raises SpecError naming the field the user sets (never a derived one)."""
     llm = spec.llm
+    for part, where in ((llm, "llm"), (llm.moe, "llm.moe"), (spec.vision, "vision"), (spec.audio, "audio")):
+        if part is not None:
+            _numbers(part, where)
     for key in ("layers", "hidden", "heads", "kv_heads", "vocab"):
         if getattr(llm, key) < 1:
             raise SpecError(f"llm.{key} must be >= 1, got {getattr(llm, key)}")
@@ -329,11 +357,19 @@ def validate_model(spec: MultimodalSpec) -> None:
             f"llm.heads ({llm.heads}) must divide llm.hidden ({llm.hidden}) unless head_dim is set"
         )
     if llm.dim_head % 2:
-        raise SpecError(f"llm head dim ({llm.dim_head}) must be even for RoPE")
+        given = (f"llm.head_dim ({llm.head_dim})" if llm.head_dim
+                 else f"llm.hidden / llm.heads ({llm.hidden} / {llm.heads} = {llm.dim_head}, the head dim)")
+        raise SpecError(f"{given} must be even for RoPE")
+    for key, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rms", "layer")),
+                         ("positions", ("rope", "learned", "alibi"))):
+        if getattr(llm, key) not in allowed:
+            raise SpecError(f"llm.{key} must be one of {', '.join(allowed)}; got {getattr(llm, key)!r}")
     if llm.vocab < 4:
         raise SpecError(f"llm.vocab must be >= 4 (three ids are media placeholders), got {llm.vocab}")
     if llm.moe is not None:
         moe = llm.moe
+        if moe.experts < 1:
+            raise SpecError(f"llm.moe.experts must be >= 1, got {moe.experts}")
         if not 1 <= moe.top_k <= moe.experts:
             raise SpecError(f"llm.moe.top_k must be in [1, experts={moe.experts}], got {moe.top_k}")
         if moe.expert_ffn < 1:

@@ -30,6 +30,7 @@ class RunSpec:
     encoder_tp: int = 0
     encoder_ranks: int = 0
     fsdp: bool = True
+    zero: int = 0  # without fsdp: ZeRO stage over the data-parallel group (ParallelSpec.zero; runtime/zero.py)
     # activation checkpointing: none | selective | full, or per module "vision=full,llm=none"; auto: what fits
     recompute: str = "auto"
     compile: bool = False  # torch.compile each block

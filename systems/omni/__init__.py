@@ -6,8 +6,11 @@ Per step:
    long inputs, all groups placed inside nodes where they fit;
 2. costs: every sample's encoder and LLM cost from the shared cost model
    (omnibench/specs/cost_model.py; calibrated when `options.calibration` names a profile);
-3. long/short (long_short.py): samples costlier than the balanced per-rank share go to a
-   sequence-parallel group, the rest stay data-parallel;
+3. encoder sequence parallelism (long_short.py): per encoder, the step's scheme (long_short: samples
+   costlier than the balanced per-rank share over a sequence-parallel group, the rest data-parallel;
+   all: every sample over a group, packed per group; none), chosen from this step's costs;
+   the LLM's own long samples over a context-parallel group of data ranks (llm_long_short.py), at
+   any pp and cp;
 4. loading (reorder.py): loaders start from a distributed sampler's round-robin shards and
    rebalance inside small groups from exchanged cost metadata. The runtime runs that exchange for
    real before planning (omnibench/runtime/loading.py: an all-gather inside each reorder group,
@@ -19,16 +22,19 @@ Per step:
    are routed to it (Plan.routes);
 7. schedule (schedule.py): the encoder-LLM joint pipeline, from this step's costs.
 
-Every technique can be switched off on its own (options.py) for ablations. The Plan's notes record
-what each step decided.
+Encoders' training state is ZeRO-2 over their data ranks by default (layout.py, `encoder_dp`). Every
+technique can be switched off on its own (options.py) for ablations. The Plan's notes record what
+each step decided.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from omnibench.plan import METADATA, Action, Plan, PlanError, Route
 from omnibench.specs.cost_model import CostModel, load_cost_model
+from omnibench.specs.costs import recompute_policy
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
 from systems.common import (
@@ -44,9 +50,17 @@ from systems.common import (
     resolve_common,
     step_tail,
 )
-from systems.omni.layout import build_layouts, placement_notes, sp_groups, sp_size
+from systems.omni.layout import build_layouts, locks_encoders, placement_notes, sp_groups, sp_sizes
 from systems.omni.llm_long_short import llm_group_size, llm_groups, place_llm_long
-from systems.omni.long_short import place_long, place_short, split_long_short
+from systems.omni.long_short import (
+    SCHEMES,
+    GroupCosts,
+    checked_finish,
+    choose,
+    pack_by_due,
+    place_module,
+    split_long_short,
+)
 from systems.omni.options import OmniOptions
 from systems.omni.reorder import (
     EncoderShare,
@@ -56,8 +70,8 @@ from systems.omni.reorder import (
     in_process_loading,
     max_over_mean,
 )
-from systems.omni.reshard import reshard
-from systems.omni.schedule import EncItem, align_sends, joint_timeline, to_actions
+from systems.omni.reshard import level_microbatches, reshard
+from systems.omni.schedule import EncItem, align_sends, joint_timeline, lockstep_orders, to_actions
 from workloads.sample import Batch
 
 __all__ = ["OmniOptions", "OmniPlanner"]
@@ -67,9 +81,19 @@ def _r(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _long_sp_size(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc, opts: OmniOptions) -> int:
-    """Ranks a long input of `module` is split over (1: no long path; encoder TP rules SP out)."""
-    return sp_size(model, parallel, module, enc) if (opts.long_short_sp and enc.tp == 1) else 1
+def _sp_sizes(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc, opts: OmniOptions) -> list[int]:
+    """Group sizes a sequence-parallel sample of `module` may be split over this step ([] : none;
+    encoder TP rules SP out)."""
+    on = opts.long_short_sp and opts.encoder_sp_scheme != "none" and enc.tp == 1
+    return sp_sizes(model, parallel, module, enc) if on else []
+
+
+def heaviest_first(mbs: list[list[int]], cost: dict[int, float]) -> list[tuple[int, ...]]:
+    """A data rank's microbatches, costliest first. Every data rank's microbatch j runs in lock-step
+    with the others' (FSDP gathers, cp and tp exchanges per layer), so the step pays the sum over j of
+    the slowest rank's microbatch j; aligning every rank's heaviest at the same index minimises that
+    sum (the rearrangement inequality)."""
+    return [tuple(mb) for mb in sorted(mbs, key=lambda mb: (-sum(cost[i] for i in mb), mb))]
 
 
 def _samples_floor(llm, parallel: ParallelSpec, n_samples: int) -> int:
@@ -99,13 +123,13 @@ class OmniPlanner:
                     layouts: dict | None = None) -> LoaderSpec:
         """What each data loader knows before it reads a sample (reorder.py)."""
         opts = OmniOptions.parse(parallel.options)
-        layouts = layouts or build_layouts(model, parallel)
+        layouts = layouts or build_layouts(model, parallel, opts.encoder_dp)
         llm = layouts["llm"]
         if n_samples < llm.dp:
             raise PlanError(f"batch: {n_samples} samples cannot feed dp={llm.dp} data-parallel ranks")
         loader0 = [r for r in llm.ranks if llm.coords(r)["dp"] == 0]
-        shares = [EncoderShare(m, len({data_rank(layouts[m], r) for r in loader0}), layouts[m].dp,
-                               _long_sp_size(model, parallel, m, layouts[m], opts) > 1) for m in model.encoders]
+        shares = [EncoderShare(m, len({data_rank(layouts[m], r) for r in loader0}), layouts[m].dp)
+                  for m in model.encoders]
         return LoaderSpec(loaders=llm.dp, group_size=opts.reorder_group, reorder=opts.reorder and llm.dp > 1,
                           count_llm=not opts.reshard,
                           floor=0 if opts.reshard else _samples_floor(llm, parallel, n_samples),
@@ -118,8 +142,9 @@ class OmniPlanner:
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
-        layouts = build_layouts(model, parallel)
+        layouts = build_layouts(model, parallel, opts.encoder_dp)
         llm = layouts["llm"]
+        locked = locks_encoders(layouts)
         for m in model.encoders:
             for group in layouts[m].groups("tp") if layouts[m].tp > 1 else []:
                 if len({llm.coords(r)["pp"] for r in group}) > 1:
@@ -134,14 +159,18 @@ class OmniPlanner:
         active = active_encoders(model, batch)
         notes: dict = {"cost_model": cm.source}
 
-        # -- long / short ------------------------------------------------------------------------
-        sp_long: dict[str, list[tuple[int, ...]]] = {}
-        splits = {}
+        # -- encoder sequence-parallel groups and the schemes to weigh (long_short.py) -------------------
+        # Candidates per encoder: (scheme, group size), each size's fixed groups of consecutive ranks.
+        sp_by_size: dict[str, dict[int, list[tuple[int, ...]]]] = {}
+        schemes: dict[str, list[tuple[str, int]]] = {}
         for m in model.encoders:
-            enc = layouts[m]
-            k = _long_sp_size(model, parallel, m, enc, opts)
-            sp_long[m] = sp_groups(enc, k) if k > 1 else []
-            splits[m] = split_long_short(enc_cost[m], enc.dp, k, opts.long_short_sp and k > 1)
+            sizes = _sp_sizes(model, parallel, m, layouts[m], opts)
+            sp_by_size[m] = {k: sp_groups(layouts[m], k) for k in sizes}
+            wanted = "none" if not opts.long_short_sp else opts.encoder_sp_scheme
+            group_schemes = [x for x in SCHEMES if x != "none"] if wanted == "auto" else [wanted]
+            schemes[m] = ([("none", 1)] if wanted in ("auto", "none") or not sizes else []) + [
+                (x, k) for x in group_schemes if x != "none" for k in sizes]
+        exchange = GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute))
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp
@@ -180,7 +209,7 @@ class OmniPlanner:
             n_long = [len(on_llm_group[d // k_llm]) for d in range(dp)]
             m_count = max(n_long) + want_mb
             llm_mbs = [[(i,) for i in on_llm_group[d // k_llm]]
-                       + [tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count - n_long[d])]
+                       + heaviest_first(balance(((i, llm_cost[i]) for i in shard), m_count - n_long[d]), llm_cost)
                        for d, shard in enumerate(llm_shards)]
         else:
             m_count = min(want_mb, min(len(s) for s in llm_shards))
@@ -189,8 +218,15 @@ class OmniPlanner:
                     f"microbatches: only {m_count} microbatch(es) per data rank fit this batch but pp={llm.pp} "
                     f"needs >= {llm.pp}; use a larger batch or fewer stages"
                 )
-            llm_mbs = [[tuple(mb) for mb in balance(((i, llm_cost[i]) for i in shard), m_count)]
+            # Microbatches exist to bound activation memory, which grows with tokens: split each data
+            # rank's samples by tokens (as the baselines do), which also leaves the costliest (longest)
+            # samples together in the first microbatch on every rank, then level them (lock-step).
+            llm_mbs = [heaviest_first(balance(((i, by_id[i].llm_tokens) for i in shard), m_count), llm_cost)
                        for shard in llm_shards]
+            if llm.pp == 1 and m_count > 1 and llm.fsdp and llm.fsdp_size > 1:
+                # microbatch j runs in lock-step over each FSDP shard group: level it (reshard.py)
+                locks = [sorted({llm.coords(r)["dp"] for r in g}) for g in llm.shard_groups() if llm.coords(g[0])["tp"] == 0]
+                llm_mbs = level_microbatches(llm_mbs, llm_cost, {i: by_id[i].llm_tokens for i in ids}, locks)
         due = {i: j for mbs in llm_mbs for j, mb in enumerate(mbs) for i in mb}
         consumer = {i: d for d, mbs in enumerate(llm_mbs) for mb in mbs for i in mb}
         llm_leader: dict[int, int] = {}
@@ -199,6 +235,10 @@ class OmniPlanner:
                 consumer[i] = g * k_llm
                 llm_leader[i] = llm.rank_at(pp=0, dp=g * k_llm, cp=0, tp=0)
         llm_share = {i: k_llm for i in long_set}
+
+        def consumer_rank(i: int) -> int:
+            """The LLM rank whose route carries sample i's gradient back (cp 0, tp 0 of its data group)."""
+            return llm_leader.get(i, llm.rank_at(pp=0, dp=consumer[i], cp=0, tp=0))
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
 
         # -- encoder placement ------------------------------------------------------------------------
@@ -209,59 +249,110 @@ class OmniPlanner:
             # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
             credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
 
+        price_cache: dict[tuple[str, int], dict[int, float]] = {}
+
+        def priced(m: str, k: int) -> dict[int, float]:
+            """Each sample's seconds on one rank (k = 1) or per member of a group of k (GroupCosts.cost)."""
+            if (m, k) not in price_cache:
+                price_cache[(m, k)] = {i: exchange.cost(m, by_id[i], k, layouts[m]) for i in enc_cost[m]}
+            return price_cache[(m, k)]
+
         def place(bubble: dict[int, float]):
             assignment_enc: dict = {}
-            routes: list[Route] = []
+            routes: list[tuple] = []
             items: dict[int, list[EncItem]] = {r: [] for r in range(world)}
             long_notes: dict = {}
             enc_layout_notes = {}
+            chosen_groups: dict[str, list[tuple[int, ...]]] = {}
             for m in model.encoders:
                 enc = layouts[m]
                 leaders = data_ranks(enc)
-                loads = {r: -bubble[r] for r in leaders}
-                groups = sp_long[m]
-                on_group = place_long(splits[m].long, enc_cost[m], groups, loads) if groups else {}
-                short_home = {i: enc_home[m][home[i]] for i in splits[m].short}
-                on_rank = place_short(splits[m].short, enc_cost[m], short_home, loads)
+                pos = {i: sum(by_id[i].encoder_seq_lens(m)) for i in enc_cost[m]}
+                short_home = {i: enc_home[m][home[i]] for i in enc_cost[m]}
+                cands = []
+                for scheme, k in schemes[m]:
+                    groups = sp_by_size[m].get(k, [])
+                    in_group = {r: g for g, grp in enumerate(groups) for r in grp}
+                    # long_short: a long sample stays by its loader, whose reorder counted it; all: by its LLM
+                    # consumer, whose members then hold its outputs (no boundary transfer)
+                    prefer = ({i: in_group.get(short_home[i][0], -1) for i in enc_cost[m]} if scheme == "long_short"
+                              else {i: in_group.get(data_rank(enc, consumer_rank(i)), -1) for i in enc_cost[m]})
+                    fixed = (exchange.fixed(m, 1, enc), exchange.fixed(m, k, enc))
+                    alone = member = None
+                    if exchange.measured:  # priced as the simulator will: per group size (long_short.py)
+                        alone = priced(m, 1)
+                        member = priced(m, k) if groups else None
+                    cands.append(place_module(scheme, enc_cost[m], leaders, groups, short_home,
+                                              {r: -bubble[r] for r in leaders},
+                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer,
+                                              due, fixed, alone, member))
+                checked: dict[int, float] = {}
+                if exchange.measured:  # check the estimate's most loaded ranks at the simulator's prices
+                    start = {r: -bubble[r] for r in leaders}
+
+                    def price(ss, k, m=m, enc=enc):
+                        return exchange.microbatch_seconds(m, ss, k, enc)
+
+                    checked = {id(c): checked_finish(c, due, start, by_id.__getitem__, price) for c in cands}
+                    pm = choose(cands, lambda c, checked=checked: checked[id(c)])
+                else:
+                    pm = choose(cands)
+                groups = pm.groups
+                k = len(groups[0]) if groups else 1
+                member_s = priced(m, k) if exchange.measured and groups else None
+                chosen_groups[m] = groups if pm.on_group else []
                 mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
                 route_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in leaders}
+                holders: dict[tuple[int, int], tuple[int, ...]] = {}
                 long_mb: dict[str, list[int]] = {}
-                for g, sids in on_group.items():
-                    for i in sids:  # one microbatch per long sample, the same index on every member
-                        for r in groups[g]:
+                for g, sids in pm.on_group.items():
+                    grp = groups[g]
+                    for mb in pack_by_due(sids, due):  # the same index on every member
+                        share = (sum(member_s[i] for i in mb) if member_s is not None
+                                 else sum(enc_cost[m][i] for i in mb) / len(grp))
+                        x = exchange.seconds(m, sum(pos[i] for i in mb), len(grp))
+                        holders[(grp[0], len(mbs[grp[0]]))] = grp
+                        for r in grp:
                             long_mb.setdefault(str(r), []).append(len(mbs[r]))
-                            mbs[r].append((i,))
-                            route_mbs[r].append((i,) if r == groups[g][0] else ())
-                            share = enc_cost[m][i] / len(groups[g])
-                            items[r].append(EncItem(m, len(mbs[r]) - 1, due[i], cm.forward(m, share),
-                                                    share - cm.forward(m, share), groups[g]))
+                            mbs[r].append(mb)
+                            route_mbs[r].append(mb if r == grp[0] else ())
+                            items[r].append(EncItem(m, len(mbs[r]) - 1, due[mb[0]], cm.forward(m, share) + x / 2,
+                                                    share - cm.forward(m, share) + x / 2, grp))
                 for r in leaders:
-                    by_due: dict[int, list[int]] = defaultdict(list)
-                    for i in on_rank[r]:
-                        by_due[due[i]].append(i)
-                    for j in sorted(by_due):
-                        mb = tuple(sorted(by_due[j]))
+                    for mb in pack_by_due(pm.on_rank[r], due):
                         c = sum(enc_cost[m][i] for i in mb)
                         mbs[r].append(mb)
                         route_mbs[r].append(mb)
-                        items[r].append(EncItem(m, len(mbs[r]) - 1, j, cm.forward(m, c), c - cm.forward(m, c)))
+                        items[r].append(EncItem(m, len(mbs[r]) - 1, due[mb[0]], cm.forward(m, c), c - cm.forward(m, c)))
                     if not mbs[r] and m in active:  # a dummy forward keeps this rank's gradients defined
                         mbs[r].append(())
                         route_mbs[r].append(())
                         items[r].append(EncItem(m, 0, -1, 0.0, 0.0))
+                if locked and m in active:  # FSDP: every rank makes the same number of encoder calls
+                    most = max(len(v) for v in mbs.values())
+                    for r in leaders:
+                        while len(mbs[r]) < most:
+                            items[r].append(EncItem(m, len(mbs[r]), -1, 0.0, 0.0))
+                            mbs[r].append(())
+                            route_mbs[r].append(())
                 assignment_enc[m] = mbs
-                routes += make_routes(m, batch, llm, llm_mbs, enc, route_mbs)
-                enc_load = {r: sum(enc_cost[m][i] for i in on_rank[r]) for r in leaders}
-                for g, sids in on_group.items():
-                    for r in groups[g]:
-                        enc_load[r] += sum(enc_cost[m][i] for i in sids) / len(groups[g])
+                routes.append((m, enc, route_mbs, holders))  # made for the kept placement only
+                enc_load = {r: pm.loads[r] + bubble[r] for r in leaders}
                 enc_layout_notes[m] = {
-                    "threshold_s": _r(splits[m].threshold),
+                    "scheme": pm.scheme,
+                    # every (scheme, group size) weighed: the additive estimate and, with the simulator's
+                    # compute model, the check of the most loaded ranks that decided
+                    "candidates": [{"scheme": c.scheme, "group_size": len(c.groups[0]) if c.groups else 1,
+                                    "estimated_s": _r(c.finish),
+                                    **({"checked_s": _r(checked[id(c)])} if id(c) in checked else {})} for c in cands],
+                    "threshold_s": _r(pm.split.threshold),
                     "long_samples": [{"sample": i, "cost_s": _r(enc_cost[m][i]), "group": list(groups[g]),
-                                      "positions": sum(by_id[i].encoder_seq_lens(m))}
-                                     for g, sids in on_group.items() for i in sids],
-                    "short_samples": len(splits[m].short),
-                    "sp_group_size": len(groups[0]) if groups else 1,
+                                      "positions": pos[i]}
+                                     for g, sids in pm.on_group.items() for i in sids][:64],
+                    "group_samples": sum(len(v) for v in pm.on_group.values()),
+                    "group_microbatches": len(holders),
+                    "short_samples": len(pm.split.short),
+                    "sp_group_size": k,
                     "encoder_cost_per_rank_s": [_r(enc_load[r]) for r in leaders][:64],
                     "max_over_mean": _r(max_over_mean(list(enc_load.values()))),
                 }
@@ -273,7 +364,7 @@ class OmniPlanner:
                     lead = data_rank(lay, r)
                     if lead != r:
                         items[r] += [it for it in items[lead] if it.module == m]
-            return assignment_enc, routes, items, enc_layout_notes, long_notes
+            return assignment_enc, routes, items, enc_layout_notes, long_notes, chosen_groups
 
         # -- schedule -----------------------------------------------------------------------------------
         # Candidates, estimated from this step's costs: encoder work spread evenly and run all ahead
@@ -284,13 +375,17 @@ class OmniPlanner:
         even = place({r: 0.0 for r in range(world)})
         phased = joint_timeline(llm, m_count, f_stage, b_stage, even[2], joint=False)
         timeline, chosen, placement = phased, even, "even"
-        if opts.joint_pipeline:
+        if locked:
+            timeline = replace(phased, orders=lockstep_orders(llm, m_count, even[2], list(model.encoders)))
+        elif opts.joint_pipeline:
             cands = [(even, "even"), (place(credit), "bubble_aware")] if llm.pp > 1 else [(even, "even")]
             for cand, name in cands:
                 joint = joint_timeline(llm, m_count, f_stage, b_stage, cand[2], joint=True)
                 if joint.step_s < timeline.step_s:
                     timeline, chosen, placement = joint, cand, name
-        enc_assignment, routes, items, enc_layout_notes, long_notes = chosen
+        enc_assignment, route_args, items, enc_layout_notes, long_notes, sp_long = chosen
+        routes: list[Route] = [rt for m, enc, route_mbs, holders in route_args
+                               for rt in make_routes(m, batch, llm, llm_mbs, enc, route_mbs, holders, llm_leader)]
         assignment.update(enc_assignment)
         index = BoundaryIndex(routes, llm, llm_leader)
         actions = to_actions(llm, timeline.orders, index, active)
@@ -303,7 +398,7 @@ class OmniPlanner:
         llm_tokens = [round(sum(by_id[i].llm_tokens / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
         llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 else []
         long_llm_mbs = {}
-        for grp in llm_groups_all:
+        for grp in llm_groups_all:  # every stage's members run the long microbatches
             d0 = llm.coords(grp[0])["dp"]
             slots = list(range(len(on_llm_group[d0 // k_llm]))) if on_llm_group else []
             if slots:
@@ -338,8 +433,10 @@ class OmniPlanner:
                 "boundary_routes_cross_rank": len(moved), "boundary_tokens_moved": sum(rt.tokens for rt in moved),
             },
             "schedule": {
-                "joint_pipeline": opts.joint_pipeline,
-                "order": "joint" if timeline is not phased else "all_ahead",
+                "joint_pipeline": opts.joint_pipeline and not locked,
+                **({"why_not_joint": f"encoder_dp={opts.encoder_dp}: FSDP locks every rank's encoder calls together"}
+                   if locked and opts.joint_pipeline else {}),
+                "order": "lockstep" if locked else "joint" if timeline is not phased else "all_ahead",
                 "encoder_placement": placement,
                 "estimated_step_s": _r(timeline.step_s),
                 "estimated_step_all_ahead_s": _r(phased.step_s),
@@ -353,7 +450,7 @@ class OmniPlanner:
             "reshard": bool(opts.reshard and reshard_moves),
             "long_short_sp": {m: len(v["long_samples"]) for m, v in enc_layout_notes.items() if v["long_samples"]},
             "llm_long_short": len(long_llm),
-            "joint_pipeline": bool(timeline is not phased and in_bubbles),
+            "joint_pipeline": bool(not locked and timeline is not phased and in_bubbles),
         }
         plan = Plan(
             system=self.name, step=batch.step, world_size=world, model=model.name, samples=list(samples),
@@ -363,7 +460,8 @@ class OmniPlanner:
                      "long_short": {"groups": {**{m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
                                                **({"llm": [list(g) for g in llm_groups_all]} if llm_groups_all else {})},
                                     "long_microbatches": {**long_notes, **({"llm": long_llm_mbs} if long_llm_mbs else {})},
-                                    **({"llm_leaders": {str(i): r for i, r in llm_leader.items()}} if llm_leader else {})}},
+                                    **({"llm_leaders": {str(i): r for i, r in llm_leader.items()},
+                                        "llm_data_ranks": k_llm} if llm_leader else {})}},
             notes=notes,
         )
         plan = finish(plan)

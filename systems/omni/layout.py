@@ -9,42 +9,66 @@ layer (TP all-reduces, CP and Ulysses all-to-alls) then crosses NVLink, and only
 reductions and the encoder->LLM boundary cross the network. `placement_notes` says where every
 group landed.
 
-Encoders are replicated across their data-parallel ranks (DDP-style: gradients all-reduced at
-grad_sync), not FSDP-sharded: FSDP would lock every rank's encoder forward to every other rank's
-layer by layer, and then no rank could run encoder work inside its own pipeline bubble.
+Encoder training state. By default (`encoder_dp=zero2`) every rank holds an encoder's whole weights
+and only its slice of the fp32 master weights, AdamW moments and (after grad_sync's reduce-scatter)
+gradients: ZeRO-2 over the encoder's data ranks (omnibench/runtime/zero.py). Weights stay whole
+because FSDP would lock every rank's encoder forward to every other rank's layer by layer, and then
+no rank could run encoder work inside its own pipeline bubble; what ZeRO shards is what a forward
+never touches. ZeRO-2 moves DDP's bytes (a reduce-scatter, then an all-gather of the updated slice
+instead of an all-reduce) and steps 1/n of the optimizer, so it beats DDP on memory and optimizer
+time and costs nothing in the forward: the natural default. `fsdp` / `hsdp` (the baselines' mode)
+shard the weights too, for memory, at the price of the joint pipeline (the planner then runs encoder
+work all ahead in one order on every rank); `ddp` / `zero1` are there for comparison.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from omnibench.plan import Layout, PlanError
 from omnibench.specs.model import MultimodalSpec
-from omnibench.specs.parallel import ParallelSpec
-from systems.common import encoder_layout, llm_layout
+from omnibench.specs.parallel import DP_MODES, ParallelSpec
+from systems.common import encoder_layout, llm_layout, with_dp_shard
 
 
-def build_layouts(model: MultimodalSpec, parallel: ParallelSpec) -> dict[str, Layout]:
+def build_layouts(model: MultimodalSpec, parallel: ParallelSpec, encoder_dp: str = "zero2") -> dict[str, Layout]:
     world = parallel.world_size
     enc_tp = parallel.encoder_tp or 1
     if world % enc_tp:
         raise PlanError(f"encoder_tp={enc_tp} does not divide world_size={world}")
     layouts = {"llm": llm_layout(parallel, range(world))}
+    mode = DP_MODES[encoder_dp]
+    # hsdp: the automatic shard group unless the user gave one; fsdp: the whole group
+    shard = replace(parallel, dp_shard=parallel.dp_shard if parallel.dp_shard > 0 else mode["dp_shard"])
     for module in model.encoders:
-        layouts[module] = encoder_layout(module, range(world), tp=enc_tp, fsdp=False)
+        lay = encoder_layout(module, range(world), tp=enc_tp, fsdp=mode["fsdp"], zero=mode["zero"])
+        layouts[module] = with_dp_shard(lay, shard)
     return layouts
 
 
-def sp_size(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc: Layout) -> int:
-    """Ranks one long input of `module` is split over: `encoder_sp` when given, else the largest
-    size that divides the encoder's heads (Ulysses splits heads) and its data ranks and fits in a
-    node (the all-to-alls run every layer)."""
+def locks_encoders(layouts: dict[str, Layout]) -> bool:
+    """Whether an encoder's forward waits for its peers layer by layer (FSDP / HSDP over > 1 rank)."""
+    return any(lay.fsdp and lay.fsdp_size > 1 for name, lay in layouts.items() if name != "llm")
+
+
+def sp_sizes(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc: Layout) -> list[int]:
+    """Group sizes a sequence-parallel sample of `module` may be split over, smallest first:
+    [`encoder_sp`] when given, else every size > 1 that divides the encoder's heads (Ulysses splits
+    heads) and its data ranks and fits in a node (the all-to-alls run every layer). The planner
+    weighs them per batch: a larger group splits a long input further, a smaller one pays less
+    exchange, and one the size of the LLM's cp x tp group holds the outputs its own ranks consume.
+    Groups are consecutive ranks, so a size whose groups would straddle nodes is left out."""
     heads = model.encoders[module].heads
     if parallel.encoder_sp:
         k = parallel.encoder_sp
         if enc.dp % k:
             raise PlanError(f"encoder_sp={k} does not divide the {enc.dp} {module} data ranks")
-        return k
+        return [k] if k > 1 else []
     limit = min(enc.dp, max(1, parallel.gpus_per_node // enc.tp))
-    return max(k for k in range(1, limit + 1) if heads % k == 0 and enc.dp % k == 0)
+    node = parallel.gpus_per_node
+    # consecutive groups stay inside nodes when k * tp divides the node (or spans whole nodes: small clusters)
+    return [k for k in range(2, limit + 1)
+            if heads % k == 0 and enc.dp % k == 0 and (node % (k * enc.tp) == 0 or (k * enc.tp) % node == 0)]
 
 
 def sp_groups(enc: Layout, k: int) -> list[tuple[int, ...]]:

@@ -21,8 +21,12 @@ Plan shape (so both executors see it without a new action kind):
   *leader* (the group's first data rank), the only consumer whose boundary route carries the
   encoder gradient back (the members' embedding gradients are summed over the group first).
 
-Only without pipelining and without the layout's own cp (pp = cp = 1): with stages, the pipeline
-already splits a sample's LLM work and the joint schedule fills what is left.
+At any pp and cp: with the layout's own cp, a group is the k data groups' cp ranks together (k x cp
+ranks per tp coordinate, each holding 1/(k cp) of the row; Ulysses over all of them, so k x cp must
+divide the heads and kv heads per tp rank); with pipeline stages, every stage's ranks of those data
+groups form that stage's group (the pipeline passes each member's chunk to the same member of the
+next stage's group). A long sample is the bottleneck microbatch on every stage, so pipelining does
+not make the split unnecessary.
 """
 
 from __future__ import annotations
@@ -37,27 +41,26 @@ from omnibench.specs.parallel import ParallelSpec
 
 def llm_group_size(model: MultimodalSpec, parallel: ParallelSpec, llm: Layout) -> tuple[int, str]:
     """(k, why k is 1): data ranks a long LLM sample is split over, the largest that divides the
-    LLM's data ranks and the heads and kv heads each tp rank holds (Ulysses splits heads) and
-    keeps the group (k x tp ranks) inside a node."""
-    if llm.pp > 1:
-        return 1, "pp > 1: pipeline stages already split a sample's LLM work"
-    if llm.cp > 1:
-        return 1, "the layout's own cp > 1 already splits every sequence"
+    LLM's data ranks, whose k x cp members divide the heads and kv heads each tp rank holds (Ulysses
+    splits heads), and whose k x cp x tp ranks fit in a node (consecutive ranks: the group's
+    all-to-alls run over NVLink)."""
     heads, kv = model.llm.heads // llm.tp, model.llm.kv_heads // llm.tp
-    limit = min(llm.dp, max(1, parallel.gpus_per_node // llm.tp))
-    k = max(x for x in range(1, limit + 1) if heads % x == 0 and kv % x == 0 and llm.dp % x == 0)
+    limit = min(llm.dp, max(1, parallel.gpus_per_node // (llm.tp * llm.cp)))
+    k = max(x for x in range(1, limit + 1) if heads % (x * llm.cp) == 0 and kv % (x * llm.cp) == 0 and llm.dp % x == 0)
     if k == 1:
-        return 1, (f"no group size > 1 divides the {heads} heads / {kv} kv heads per tp rank and dp={llm.dp} "
-                   f"within a node of {parallel.gpus_per_node}")
+        return 1, (f"no group of k > 1 data ranks has k x cp={llm.cp} dividing the {heads} heads / {kv} kv heads "
+                   f"per tp rank with dp={llm.dp}, within a node of {parallel.gpus_per_node}")
     return k, ""
 
 
 def llm_groups(llm: Layout, k: int) -> list[tuple[int, ...]]:
-    """The context-parallel groups: k consecutive data indices, one group per tp coordinate."""
+    """The context-parallel groups: per pipeline stage and tp coordinate, k consecutive data indices
+    with all their cp ranks, data-major (member c * cp + cp coordinate holds that chunk of the row)."""
     out = []
-    for g in range(llm.dp // k):
-        for t in range(llm.tp):
-            out.append(tuple(llm.rank_at(pp=0, dp=g * k + c, cp=0, tp=t) for c in range(k)))
+    for p in range(llm.pp):
+        for g in range(llm.dp // k):
+            for t in range(llm.tp):
+                out.append(tuple(llm.rank_at(pp=p, dp=g * k + c, cp=cc, tp=t) for c in range(k) for cc in range(llm.cp)))
     return out
 
 

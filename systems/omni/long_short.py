@@ -1,24 +1,48 @@
-"""Long-short sequence parallelism for the encoders.
+"""Which encoder samples run sequence-parallel, and where: the encoder SP scheme of one step.
 
-A sample whose encoder cost exceeds the balanced per-rank share of the step (the module's total
-encoder cost over its data ranks, from the cost model) is *long*: no placement of it on a single
-rank can keep that rank off the critical path. Long inputs are split over a fixed group of `k`
-ranks with Ulysses sequence parallelism (each rank embeds 1/k of the positions; two all-to-alls
-per layer give every rank the whole sequence for 1/k of the heads), everything else is *short* and
-runs data-parallel, one rank per sample.
+A sample's encoder work can run on one rank (data-parallel, *short*) or over a fixed group of `k`
+consecutive encoder data ranks with Ulysses sequence parallelism (each member embeds 1/k of the
+positions; two all-to-alls per layer give every member the whole sequence for 1/k of the heads;
+the members end with the whole output). Three schemes, chosen per step and per encoder:
 
-Placement: long samples go to the sequence-parallel groups by longest-first greedy on the groups'
-loads; short samples are encoded inside the data group of the loader that holds them (no raw
-inputs cross the network), longest first onto the least loaded of that group's encoder ranks,
-whose loads start from the long work they already carry and minus the pipeline bubble they have
-to fill (ranks on later pipeline stages idle in warm-up and cool-down).
+- **long_short**: a sample whose encoder cost exceeds the balanced per-rank share of the step (the
+  module's total over its data ranks) is *long*: no placement of it on one rank keeps that rank
+  off the critical path, so it runs over a group; everything else stays short;
+- **all**: every sample runs over a group (VeOmni's scheme, temporal's, as a special case: with
+  groups equal to the LLM's cp groups every consumer holds its outputs and nothing crosses the
+  boundary). Spreading each sample over k ranks makes the units to balance k times finer;
+- **none**: every sample short.
+
+`auto` (the default) places the step under each scheme and each group size (every size that divides
+the encoder's heads and a node: layout.sp_sizes) and keeps the placement whose most loaded rank
+finishes first, counting each group's all-to-alls and output gather (`GroupCosts`); ties go to less
+parallelism. When omni plans with the simulator's compute model (`--hardware`), samples are priced
+per group size with coefficients fitted to that model, a microbatch pays its fixed cost, and the
+most loaded ranks of each placement are checked at per-microbatch prices before one is kept
+(`checked_finish`): the additive per-sample estimate misses kernel effects a whole microbatch shows.
+The groups a step names are built by the runtime when first named (omnibench/runtime/long_short.py).
+
+Placement, for a scheme: short samples first, each onto the least loaded encoder rank of its
+loader's data group (no raw input crosses the network); then the group samples, costliest first,
+onto the group whose most loaded member ends earliest once it has taken the sample (members run a
+group microbatch together, so each member's load grows by the sample's share). A group sample
+prefers its `prefer` group (under long_short its loader's, whose reorder counted it; under all its
+LLM consumer's, whose members then need no boundary transfer) whenever that costs at most `SLACK`
+of a balanced share. Loads start from minus the pipeline bubble each rank has to fill.
+
+Group samples are packed per group: the samples of one group that feed the same LLM microbatch run
+as one microbatch (one packed row, one set of all-to-alls), not one microbatch per sample.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+SCHEMES = ("none", "long_short", "all")  # in order of preference when they tie (less parallelism first)
+SLACK = 0.02  # of a balanced per-rank share: how much imbalance locality may buy (as in reshard.py)
 
 
 @dataclass(frozen=True)
@@ -38,28 +62,336 @@ def split_long_short(cost: dict[int, float], ranks: int, sp: int, enabled: bool)
     return LongShortSplit(share, long, tuple(sorted(i for i in cost if i not in on_long)))
 
 
-def place_long(long: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
-               loads: dict[int, float]) -> dict[int, list[int]]:
-    """Long samples onto sequence-parallel groups (index -> sample ids in order); updates `loads`."""
-    out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
-    heap = [(sum(loads[r] for r in grp) / len(grp), g) for g, grp in enumerate(groups)]
-    heapq.heapify(heap)
-    for i in long:
-        load, g = heapq.heappop(heap)
-        out[g].append(i)
-        share = cost[i] / len(groups[g])
-        for r in groups[g]:
-            loads[r] += share
-        heapq.heappush(heap, (load + share, g))
-    return out
+def split_for(scheme: str, cost: dict[int, float], ranks: int, sp: int) -> LongShortSplit:
+    """The samples each scheme runs over a group (`long`) and alone (`short`)."""
+    if scheme == "all" and sp > 1:
+        share = sum(cost.values()) / ranks if ranks else 0.0
+        return LongShortSplit(share, tuple(i for i, _ in sorted(cost.items(), key=lambda x: (-x[1], x[0]))), ())
+    return split_long_short(cost, ranks, sp, scheme == "long_short")
 
 
 def place_short(short: Sequence[int], cost: dict[int, float], home: dict[int, Sequence[int]],
-                loads: dict[int, float]) -> dict[int, list[int]]:
-    """Short samples onto one encoder rank each, among the ranks of their home group."""
+                loads: dict[int, float], due: dict[int, int] | None = None, fixed: float = 0.0) -> dict[int, list[int]]:
+    """Short samples onto one encoder rank each, among the ranks of their home group; updates `loads`.
+    `fixed`: what a rank's microbatch costs beyond its samples (launches, per-layer overheads), paid
+    once per (rank, LLM microbatch `due[i]`) the rank encodes for."""
     out: dict[int, list[int]] = {r: [] for r in loads}
+    heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}  # one per home group (loaders share them)
+    opened: set[tuple[int, int]] = set()
     for i in sorted(short, key=lambda i: (-cost[i], i)):
-        r = min(home[i], key=lambda r: (loads[r], r))
+        key = tuple(home[i])
+        heap = heaps.get(key)
+        if heap is None:
+            heap = heaps[key] = [(loads[r], r) for r in key]
+            heapq.heapify(heap)
+        _, r = heapq.heappop(heap)
         out[r].append(i)
         loads[r] += cost[i]
+        if fixed and (r, (due or {}).get(i, 0)) not in opened:
+            opened.add((r, (due or {}).get(i, 0)))
+            loads[r] += fixed
+        heapq.heappush(heap, (loads[r], r))
     return out
+
+
+def place_on_groups(samples: Sequence[int], cost: dict[int, float], groups: list[tuple[int, ...]],
+                    loads: dict[int, float], exchange: Callable[[int], float] | None = None,
+                    prefer: dict[int, int] | None = None, slack: float = 0.0,
+                    due: dict[int, int] | None = None, fixed: float = 0.0) -> dict[int, list[int]]:
+    """Samples onto sequence-parallel groups (index -> sample ids, costliest first); updates `loads`.
+    `exchange(i)`: a member's all-to-all seconds for sample i; `prefer[i]`: a group to keep it on
+    while that costs at most `slack` seconds over the best (`cost[i]` / k is a member's share);
+    `fixed`: a member's cost of a group microbatch beyond its samples, once per (group, LLM
+    microbatch `due[i]`)."""
+    out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
+    if not groups:
+        return out
+    top = [max(loads[r] for r in grp) for grp in groups]  # a group finishes with its most loaded member
+    opened: set[tuple[int, int]] = set()
+    heap = [(top[g], g) for g in range(len(groups))]
+    heapq.heapify(heap)
+    for i in sorted(samples, key=lambda i: (-cost[i], i)):
+        while True:  # lazy heap: every placement pushes its group's new top, so a stale entry just goes
+            t, g = heap[0]
+            if t == top[g]:
+                break
+            heapq.heappop(heap)
+        p = (prefer or {}).get(i, -1)
+        if p >= 0 and top[p] <= top[g] + slack:
+            g = p
+        out[g].append(i)
+        add = cost[i] / len(groups[g]) + (exchange(i) if exchange else 0.0)
+        if fixed and (g, (due or {}).get(i, 0)) not in opened:
+            opened.add((g, (due or {}).get(i, 0)))
+            add += fixed
+        for r in groups[g]:
+            loads[r] += add
+        top[g] += add  # every member takes the same share
+        heapq.heappush(heap, (top[g], g))
+    return out
+
+
+@dataclass
+class ModulePlacement:
+    """One encoder's placement under one scheme."""
+
+    scheme: str
+    split: LongShortSplit
+    on_rank: dict[int, list[int]]  # short samples per encoder data rank
+    on_group: dict[int, list[int]]  # group samples per group index
+    loads: dict[int, float]  # estimated seconds per encoder data rank, from the start loads
+    groups: list[tuple[int, ...]] = field(default_factory=list)  # the groups `on_group` indexes
+
+    @property
+    def finish(self) -> float:
+        return max(self.loads.values()) if self.loads else 0.0
+
+
+def place_module(scheme: str, cost: dict[int, float], ranks: Sequence[int], groups: list[tuple[int, ...]],
+                 home: dict[int, Sequence[int]], start: dict[int, float], exchange: Callable[[int], float],
+                 prefer: dict[int, int], due: dict[int, int] | None = None,
+                 fixed: tuple[float, float] = (0.0, 0.0), alone: dict[int, float] | None = None,
+                 member: dict[int, float] | None = None) -> ModulePlacement:
+    """Short samples, then group samples (module docstring), from `start` loads. `cost` decides
+    which samples are long; placement prices a sample at `alone[i]` on one rank and at `member[i]`
+    per member of a group (GroupCosts.cost; default `cost` and `cost` / k); `fixed`: a
+    microbatch's cost beyond its samples alone and as a group member (GroupCosts.fixed)."""
+    k = len(groups[0]) if groups else 1
+    split = split_for(scheme, cost, len(ranks), k)
+    loads = dict(start)
+    on_rank = place_short(split.short, alone or cost, {i: home[i] for i in split.short}, loads, due, fixed[0])
+    slack = SLACK * sum(cost.values()) / max(1, len(ranks))
+    per_member = member if member is not None else {i: cost[i] / k for i in split.long}
+    on_group = (place_on_groups(split.long, {i: per_member[i] * k for i in split.long}, groups, loads, exchange,
+                                prefer, slack, due, fixed[1]) if split.long else {})
+    return ModulePlacement(scheme, split, on_rank, on_group, loads, list(groups))
+
+
+def choose(candidates: list[ModulePlacement], finish: Callable[[ModulePlacement], float] | None = None
+           ) -> ModulePlacement:
+    """The placement whose most loaded rank finishes first (by `finish`, else the placement's own
+    estimate); ties to the less parallel one (scheme, then group size)."""
+    return min(candidates, key=lambda c: (round(finish(c) if finish else c.finish, 12), SCHEMES.index(c.scheme),
+                                          len(c.groups[0]) if c.groups else 1))
+
+
+CHECKED_RANKS = 8  # the most loaded ranks or groups (by the additive estimate) a placement is checked on
+
+
+def checked_finish(pm: ModulePlacement, due: dict[int, int], start: dict[int, float], sample,
+                   seconds: Callable[[Sequence, int], float]) -> float:
+    """The finish of a placement's most loaded ranks with each of their microbatches priced whole
+    (`seconds(samples, k)`: per-microbatch costs and kernel effects the additive per-sample estimate
+    misses): the max over the CHECKED_RANKS ranks the estimate loads most, a group whose members carry
+    nothing else counted once."""
+    member = {r: g for g, grp in enumerate(pm.groups) for r in grp}
+    k = len(pm.groups[0]) if pm.groups else 1
+    group_s: dict[int, float] = {}
+    out, seen = float("-inf"), set()
+    for r in sorted(pm.loads, key=lambda r: (-pm.loads[r], r)):
+        g = member.get(r)
+        unit = ("group", g) if g is not None and not pm.on_rank.get(r) else ("rank", r)
+        if unit in seen:  # a group's members with no work of their own finish together
+            continue
+        seen.add(unit)
+        t = start[r] + sum(seconds([sample(i) for i in mb], 1) for mb in pack_by_due(pm.on_rank.get(r, []), due))
+        if g is not None:
+            if g not in group_s:
+                group_s[g] = sum(seconds([sample(i) for i in mb], k) for mb in pack_by_due(pm.on_group.get(g, []), due))
+            t += group_s[g]
+        out = max(out, t)
+        if len(seen) >= CHECKED_RANKS:
+            break
+    return out
+
+
+def pack_by_due(samples: Sequence[int], due: dict[int, int]) -> list[tuple[int, ...]]:
+    """A group's samples as microbatches: those feeding the same LLM microbatch packed together, in
+    the order the LLM needs them."""
+    by_due: dict[int, list[int]] = {}
+    for i in samples:
+        by_due.setdefault(due[i], []).append(i)
+    return [tuple(sorted(by_due[j])) for j in sorted(by_due)]
+
+
+# ------------------------------------------------------------------------------ exchange cost
+
+
+class GroupCosts:
+    """What running a sample over a group of k costs a member beyond 1/k of its cost alone, in the
+    cost model's seconds:
+
+    - `seconds`: its Ulysses all-to-alls (forward and backward: one exchange per layer each, of
+      q/k/v in and the output back, 4 x positions/k x hidden in bf16, as the simulator counts them:
+      simulator/flops.py `seq_bytes`) and the all-gather of the outputs after the blocks, priced by
+      the simulator's collective model for the hardware preset (a group of k consecutive ranks inside
+      one node);
+    - `cost`: a sample's seconds per member (1/k of the positions with 1/k of the heads: attention
+      kernels at fewer heads over longer sequences, matmuls at fewer rows), `fixed`: a microbatch's
+      cost beyond its samples, and `microbatch_seconds`: a whole microbatch, from the simulator's
+      compute model when the cost model is that model (`hardware` given: `measured`);
+
+    A cost model on other hardware (the analytic default, a CPU calibration) gets the exchange scaled
+    by the ratio of its compute speed to the preset's."""
+
+    def __init__(self, model, cost_model, hardware: str = "", recompute: dict[str, str] | None = None):
+        self.model = model
+        self.recompute = recompute or {}  # per module, as costs.recompute_policy reads the run's
+        self.hardware = hardware or "h100"
+        self.measured = bool(hardware)
+        self.scale = 1.0 if hardware else _speed_ratio(model, cost_model, self.hardware)
+        self._fixed: dict[tuple, float] = {}  # per (module, k)
+
+    def seconds(self, module: str, positions: int, k: int) -> float:
+        if k <= 1 or positions <= 0:
+            return 0.0
+        enc = self.model.encoders[module]
+        per_layer = _all_to_all(self.hardware, 4 * positions / k * enc.hidden * 2, k)
+        # the members' outputs all-gathered after the blocks, reduce-scattered back in the backward
+        # (simulator/program.py `_sp_output_bytes`: the vision merger's tokens at the LLM's width, the
+        # audio blocks' hidden states)
+        out = (positions / enc.merge**2 * (enc.out_hidden or self.model.llm.hidden) if module == "vision"
+               else positions * enc.hidden) * 2
+        gather = 2 * _all_gather(self.hardware, out, k)
+        return self.scale * (2 * enc.layers * per_layer + gather)  # one call per layer, forward and backward
+
+    def fixed(self, module: str, k: int, layout=None) -> float:
+        """A rank's cost of one more microbatch beyond its samples (kernel launches and per-layer work
+        that do not grow with the samples), alone (k = 1) or as a member of a group of k: two small
+        inputs as two microbatches against one, at the simulator's prices. 0 unless `measured`."""
+        if not self.measured:
+            return 0.0
+        key = ("fixed", module, k)
+        if key not in self._fixed:
+            from workloads.sample import Sample, Segment
+
+            seg = (Segment("image", 64, 256, grid_thw=(1, 16, 16)) if module == "vision"
+                   else Segment("audio", 125, 250, mel_frames=500))
+            a, b = (Sample(-1, "probe", (seg,)), Sample(-2, "probe", (seg,)))
+            one = self.microbatch_seconds(module, [a], k, layout)
+            two = self.microbatch_seconds(module, [a, b], k, layout)
+            self._fixed[key] = max(0.0, 2 * one - two)
+        return self._fixed[key]
+
+    def cost(self, module: str, sample, k: int, layout=None) -> float:
+        """A rank's seconds for `sample` in a microbatch of its own (k = 1) or as a member of a group
+        of k: linear + quadratic + per-sequence coefficients fitted, per k, to the simulator's compute
+        model the way the cost model is fitted at k = 1 (omnibench/specs/cost_model.py
+        `from_simulator`), under the run's recompute mode and the stack the layout implies. Only when
+        `measured`."""
+        from omnibench.specs.cost_model import attention_sequences
+
+        c = _member_coefficients(self.model, self.hardware, module, k, self.recompute.get(module, "none"),
+                                 _holds_bf16(layout))
+        return sum(c.sequence(n) for n in attention_sequences(sample, module, self.model))
+
+    def microbatch_seconds(self, module: str, samples: Sequence, k: int = 1, layout=None) -> float:
+        """A rank's seconds for one encoder microbatch of `samples` (forward with its inputs, backward)
+        run alone (k = 1) or as a member of a group of k, with the group's exchange: the simulator's
+        compute model, so a placement can be checked against what the simulator will charge. Only
+        when `measured` (the cost model is that compute model); `layout`: the encoder's (how the
+        runtime holds its weights decides the kernels' casts)."""
+        from simulator.flops import audio_work, input_elements, vision_work
+
+        inputs = [seg.grid_thw if module == "vision" else seg.mel_frames
+                  for s in samples for seg in s.segments if seg.encoder == module]
+        if not inputs:
+            return 0.0
+        make = vision_work if module == "vision" else audio_work
+        rc = self.recompute.get(module, "none")
+        w = make(getattr(self.model, module), inputs, 1, k, rc)
+        if layout is not None and w.shape is not None:  # as the simulator's eager stack runs it
+            from dataclasses import replace
+
+            from simulator.work import eager_stack
+
+            w = replace(w, shape=replace(w.shape, stack=eager_stack(self.model, module, layout)))
+        comp = _compute(self.hardware)
+        elements = float(sum(input_elements(s, self.model) for s in samples))
+        t = (comp.action_time(w, "forward", module=module, inputs=elements)
+             + comp.action_time(w, "backward", rc, module=module))
+        positions = sum(seg.encoder_seq_len for s in samples for seg in s.segments if seg.encoder == module)
+        return t + self.seconds(module, positions, k)
+
+
+def _holds_bf16(layout) -> bool:
+    return layout is not None and (layout.fsdp or layout.zero > 0) and layout.fsdp_size > 1
+
+
+@lru_cache(maxsize=256)
+def _member_coefficients(model, hardware: str, module: str, k: int, recompute: str, bf16: bool):
+    from dataclasses import replace
+
+    from omnibench.plan import Layout
+    from omnibench.specs.cost_model import FIT_LENGTHS, Coefficients, _least_squares
+    from simulator.flops import audio_work, vision_work
+    from simulator.work import eager_stack
+
+    enc = getattr(model, module)
+    # a layout standing for how the runtime holds the weights (eager_stack reads fsdp / zero / size)
+    lay = Layout(module, (0, 1), dp=2, fsdp=False, zero=2 if bf16 else 0)
+    comp = _compute(hardware)
+    rows = []
+    for n in FIT_LENGTHS:
+        # what one more sequence adds to a microbatch, at k ranks (the pass's fixed cost cancels)
+        if module == "vision":
+            m = enc.merge
+            x = max(m, n // m // m * m)
+            works = [vision_work(enc, [(1, m, x)] * j, 1, k, recompute) for j in (1, 2)]
+            n = m * x
+        else:
+            n = min(n, enc.max_positions)
+            works = [audio_work(enc, [2 * n] * j, 1, k, recompute) for j in (1, 2)]
+        t = []
+        for w in works:
+            if w.shape is not None:
+                w = replace(w, shape=replace(w.shape, stack=eager_stack(model, module, lay)))
+            t.append(comp.action_time(w, "forward", module=module) + comp.action_time(w, "backward", recompute, module=module))
+        rows.append((n, float(n) * n, t[1] - t[0]))
+    return Coefficients(*_least_squares(rows))
+
+
+@lru_cache(maxsize=8)
+def _compute(hardware: str):
+    from simulator.compute import ComputeModel  # torch-free
+    from simulator.hardware import load_cluster
+
+    return ComputeModel(load_cluster(hardware, 8))
+
+
+@lru_cache(maxsize=4096)
+def _all_to_all(hardware: str, nbytes: float, k: int) -> float:
+    return _collectives(hardware).all_to_all(nbytes, tuple(range(k)))[0]
+
+
+@lru_cache(maxsize=4096)
+def _all_gather(hardware: str, nbytes: float, k: int) -> float:
+    return _collectives(hardware).all_gather(nbytes, tuple(range(k)))[0]
+
+
+@lru_cache(maxsize=8)
+def _collectives(hardware: str):
+    from simulator.collectives import CollectiveModel  # torch-free
+    from simulator.hardware import load_cluster
+
+    return CollectiveModel(load_cluster(hardware, 8))
+
+
+REFERENCE_POSITIONS = 1024  # a typical attention sequence (an image at ~1,000 px square) to compare speeds on
+
+
+def _speed_ratio(model, cost_model, hardware: str) -> float:
+    """The cost model's seconds over the simulator model's on `hardware`, for one reference
+    sequence through every encoder."""
+    ref = _simulator_model(model, hardware)
+    mods = [m for m in model.encoders if m in cost_model.coefficients and m in ref.coefficients]
+    mine = sum(cost_model.encoder_sequence(m, [REFERENCE_POSITIONS]) for m in mods)
+    theirs = sum(ref.encoder_sequence(m, [REFERENCE_POSITIONS]) for m in mods)
+    return mine / theirs if mine > 0 and theirs > 0 else 1.0
+
+
+@lru_cache(maxsize=8)
+def _simulator_model(model, hardware: str):
+    from omnibench.specs.cost_model import CostModel
+
+    return CostModel.from_simulator(model, hardware)

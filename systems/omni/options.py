@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from omnibench.plan import PlanError
+from omnibench.specs.parallel import DP_MODES
 
 BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp", "llm_long_short")
+SP_SCHEMES = ("auto", "long_short", "all", "none")
+CHOICES = {"encoder_dp": tuple(DP_MODES), "encoder_sp_scheme": SP_SCHEMES}
 
 
 @dataclass(frozen=True)
@@ -16,8 +19,18 @@ class OmniOptions:
     reorder: bool = True  # decentralized grouped reordering in the data loaders
     reshard: bool = True  # adaptive resharding of encoder outputs to LLM data ranks
     long_short_sp: bool = True  # long inputs split over an encoder sequence-parallel group
-    llm_long_short: bool = True  # long LLM samples over a context-parallel group of data ranks (pp 1)
+    llm_long_short: bool = True  # long LLM samples over a context-parallel group of data ranks (any pp, cp)
     reorder_group: int = 8  # loader ranks exchanging cost metadata together (no global coordinator)
+    # How each encoder's data parallelism holds its training state (omnibench.specs.parallel.DP_MODES):
+    # zero2 (default) / zero1 shard the optimizer state (and the gradients) but keep whole weights, so an
+    # encoder's forward never waits for a peer and the joint pipeline can put it in any bubble; ddp
+    # replicates everything; fsdp / hsdp shard the weights too, which locks every rank's encoder calls to
+    # every other rank's (the joint pipeline then runs encoder work all ahead, in the same order on every rank).
+    encoder_dp: str = "zero2"
+    # Which encoder samples run sequence-parallel (long_short.py): auto (chosen per batch and encoder from
+    # the step's costs), long_short (only those above the balanced per-rank share), all (every sample, packed
+    # per group: VeOmni's scheme), none.
+    encoder_sp_scheme: str = "auto"
     calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model
     # Without a profile: the simulator's compute model for this hardware preset, so omni decides with
     # the costs the simulator will charge (`simulate` and `tune` pass their --hardware); "": costs.py
@@ -41,6 +54,10 @@ class OmniOptions:
                     raise PlanError(f"options.reorder_group must be a positive integer, got {value!r}") from None
                 if value < 1:
                     raise PlanError(f"options.reorder_group must be a positive integer, got {value!r}")
+            elif k in CHOICES:
+                value = str(value).strip().lower().replace("-", "_")
+                if value not in CHOICES[k]:
+                    raise PlanError(f"options.{key} must be one of {', '.join(CHOICES[k])}; got {value!r}")
             else:
                 value = str(value)
             out[k] = value

@@ -16,10 +16,10 @@ real exchange (omnibench/runtime/loading.py) must reproduce.
 
 The assignment is a longest-processing-time greedy with a floor on the number of samples per
 loader (every data rank needs enough samples for its pipeline microbatches). Its objective is what
-the loader's data group will run for the sample: short encoder work spread over the group's
-encoder ranks (a sample whose encoder cost is above the group's estimate of the balanced per-rank
-share leaves for a sequence-parallel group wherever it was loaded, so it costs the loader nothing)
-plus, when resharding will not redistribute it later, the LLM work.
+the loader's data group will run for the sample: its encoder work spread over the group's encoder
+ranks (a long sample too: it runs over the sequence-parallel group by its loader's ranks unless
+another group is clearly less loaded) plus, when resharding will not redistribute it later, the
+LLM work.
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def lpt_with_floor(items: Sequence[tuple[int, float]], bins: int, floor: int,
 class EncoderShare:
     module: str
     ranks_per_loader: int  # encoder data ranks inside one loader's data group (short work spreads over them)
-    data_ranks: int  # the encoder's data-parallel degree (the balanced share divides by it)
-    long_path: bool  # long inputs leave for a sequence-parallel group (long-short SP on and possible)
+    data_ranks: int  # the encoder's data-parallel degree
 
 
 @dataclass(frozen=True)
@@ -129,19 +128,12 @@ def decide(spec: LoaderSpec, members: Sequence[int], gathered: Sequence[Sequence
     (`gathered[j]`: the entries of loader `members[j]`, in its sampler order)."""
     entries = [e for part in gathered for e in part]
     ne = len(spec.encoders)
-    # The balanced per-rank share of each encoder, estimated from this group's samples alone
-    # (exact when one group spans every loader).
-    share = []
-    for j, e in enumerate(spec.encoders):
-        ranks = e.data_ranks * len(members) / spec.loaders
-        share.append(sum(x[2 + j] for x in entries) / ranks if ranks else 0.0)
 
     def objective(x: Entry) -> float:
-        c = 0.0
-        for j, e in enumerate(spec.encoders):
-            v = x[2 + j]
-            if not (e.long_path and v > share[j]):
-                c += v / e.ranks_per_loader
+        # every sample's encoder work, long ones too: a long sample runs over the sequence-parallel
+        # group by its loader's ranks whenever that keeps the step balanced (long_short.py), so
+        # counting it free would pile short work onto the very ranks that carry it
+        c = sum(x[2 + j] / e.ranks_per_loader for j, e in enumerate(spec.encoders))
         return c + (x[2 + ne] if spec.count_llm else 0.0)
 
     cost = {int(x[1]): objective(x) for x in entries}

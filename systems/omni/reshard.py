@@ -53,3 +53,30 @@ def reshard(sample_ids: Sequence[int], cost: dict[int, float], home: dict[int, i
         heapq.heappush(heap, (loads[b], b))
         left -= 1
     return [sorted(x) for x in out]
+
+
+def level_microbatches(mbs: list[list[tuple[int, ...]]], cost: dict[int, float], tokens: dict[int, int],
+                       lock_groups: list[list[int]]) -> list[list[tuple[int, ...]]]:
+    """Microbatches of data ranks whose microbatch j runs in lock-step (FSDP gathers every layer of
+    it from the whole shard group), so the step pays, per j, the slowest rank's: for j in order, the
+    level is the group's costliest microbatch j, and every other rank pulls samples from its later
+    microbatches into j (costliest first) while it stays within the level and within the group's
+    largest microbatch j in tokens (activation memory grows with tokens, not cost). A rank that
+    holds a sample far above the others' share then sets the level, and the rest of the group does
+    its work alongside instead of after it."""
+    out = [[list(mb) for mb in rank] for rank in mbs]
+    for group in lock_groups:
+        m = min(len(out[d]) for d in group)
+        for j in range(m - 1):
+            level = max(sum(cost[i] for i in out[d][j]) for d in group)
+            cap = max(sum(tokens[i] for i in out[d][j]) for d in group)
+            for d in group:
+                c = sum(cost[i] for i in out[d][j])
+                t = sum(tokens[i] for i in out[d][j])
+                later = sorted(((cost[i], i, jj) for jj in range(j + 1, m) for i in out[d][jj]), key=lambda x: (-x[0], x[1]))
+                for ci, i, jj in later:
+                    if c + ci <= level and t + tokens[i] <= cap:
+                        out[d][jj].remove(i)
+                        out[d][j].append(i)
+                        c, t = c + ci, t + tokens[i]
+    return [[tuple(sorted(mb)) for mb in rank] for rank in out]

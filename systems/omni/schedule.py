@@ -174,6 +174,23 @@ def joint_timeline(llm: Layout, m: int, f: list[float], b: list[float], items: d
     return Timeline(orders, max(t.values()) if t else 0.0, placed)
 
 
+def lockstep_orders(llm: Layout, m: int, items: dict[int, list[EncItem]], modules: list[str]) -> dict[int, list[tuple]]:
+    """Orders for encoders whose every call is a collective of all their ranks (FSDP / HSDP): each
+    rank runs the same number of microbatches per encoder (the planner pads with empty ones), all
+    forwards before its LLM work, module by module in microbatch order, and all backwards after it
+    in the same order (the last backward, the highest microbatch, is where FSDP reduce-scatters).
+    A rank can then never wait in an encoder collective for a peer that waits on it: every LLM
+    dependency of a peer (pipeline messages, the boundary) is posted before that peer's encoder
+    backwards, and sends do not block."""
+    orders: dict[int, list[tuple]] = {}
+    for r, its in items.items():
+        s = llm.coords(r)["pp"]
+        mine = sorted(its, key=lambda it: (modules.index(it.module), it.microbatch))
+        orders[r] = ([("enc_f", it) for it in mine] + [("llm", kind, j) for kind, j in one_f_one_b(s, llm.pp, m)]
+                     + [("enc_b", it) for it in mine])
+    return orders
+
+
 def _fill_gap(r, start, t, orders, pending_f, pending_b, run_fwd) -> None:
     """Encoder work that fits in rank r's idle time before `start`: forwards first (soonest due)."""
     while True:

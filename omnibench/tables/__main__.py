@@ -1,0 +1,5 @@
+import sys
+
+from omnibench.tables import main
+
+sys.exit(main())

@@ -1,0 +1,455 @@
+"""Tables from the GPU records (results/gpu/) and the H100 profiles (results/calibration/h100-*.json):
+what each record says about where it came from, the runs' own figures, the fitted profile's and
+the kernel profile's step-time errors, and the memory estimate against the measured peaks.
+
+One GPU runs every system with the same single-rank Plan (no communication, no pipeline), so the
+tables count Plans, not runs: four runs of one Plan are one data point measured four times.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from omnibench.provenance import GPU_FIELDS, REPO_ROOT, missing, record_provenance
+from omnibench.tables import table
+
+GPU_DIR = "results/gpu"
+PROFILE = "results/calibration/h100-1gpu.json"
+KERNELS = "results/calibration/h100-kernels.json"
+HARDWARE = "h100"
+# The runs the kernel profile's model of this project's eager stack (simulator/kernels.py::Stack)
+# was written against (issue 12); the second pass's runs came after it.
+STACK_MODEL_SEEN = "results/gpu/runs/"
+UNVERIFIABLE = "unverifiable (no provenance)"
+GiB = 2**30
+
+
+def _rel(path: Path | str) -> str:
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _read(path: Path) -> dict | list:
+    return json.loads(path.read_text())
+
+
+@lru_cache(maxsize=1)
+def runs() -> tuple[dict, ...]:
+    """Every run record under results/gpu/runs*/, with what the tables need from it."""
+    out = []
+    for cfg in sorted((REPO_ROOT / GPU_DIR).glob("runs*/*/config.json")):
+        folder = cfg.parent
+        run = _read(cfg)["run"]
+        summary = _read(folder / "summary.json")
+        out.append({
+            "path": _rel(folder), "name": folder.name, "system": summary["system"], "workload": summary["workload"],
+            "model": summary["model"], "recompute": summary.get("recompute", run.get("recompute", "none")),
+            "compile": bool(summary.get("compile")), "chunk": max(0, int(run.get("encoder_chunk_tokens", 0) or 0)),
+            "summary": summary,
+        })
+    return tuple(out)
+
+
+def plan_label(r: dict) -> str:
+    label = f"{r['workload']}, {r['model']}, recompute {r['recompute']}"
+    if r["chunk"]:
+        label += f", encoder chunks of {r['chunk']:,}"
+    return label + (", --compile" if r["compile"] else "")
+
+
+def not_modelled(r: dict) -> str | None:
+    """Why a run is left out of every comparison with the simulator, or None."""
+    if r["compile"]:
+        return "`--compile`: the simulator costs the eager stack"
+    return None
+
+
+def modelled() -> list[dict]:
+    return [r for r in runs() if not_modelled(r) is None]
+
+
+@lru_cache(maxsize=1)
+def _fitted_on() -> frozenset[str]:
+    from simulator.calibrate import Profile
+
+    return frozenset(_rel(p) for p in Profile.load(REPO_ROOT / PROFILE).provenance.get("runs", []))
+
+
+@lru_cache(maxsize=2)
+def _validations(profile: str | None) -> dict[str, object]:
+    """run path -> simulator.calibrate.Validation under the fitted profile (or the kernel profile: None)."""
+    from simulator.calibrate import Profile, validate
+
+    rs = modelled()
+    prof = Profile.load(REPO_ROOT / profile) if profile else None
+    got = validate([str(REPO_ROOT / r["path"]) for r in rs], prof, HARDWARE)
+    return {r["path"]: v for r, v in zip(rs, got, strict=True)}
+
+
+@lru_cache(maxsize=1)
+def _memory() -> dict[str, object]:
+    from simulator.calibrate import memory_check
+
+    return {r["path"]: memory_check(str(REPO_ROOT / r["path"]), HARDWARE) for r in modelled()}
+
+
+def _by_plan(rs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rs:
+        out.setdefault(plan_label(r), []).append(r)
+    return out
+
+
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    a, b = format(lo, fmt), format(hi, fmt)
+    return a if a == b else f"{a} to {b}"
+
+
+def _mae(rs: list[dict], vals: dict) -> float:
+    return sum(abs(vals[r["path"]].error) for r in rs) / len(rs)
+
+
+def _count(rs: list[dict]) -> str:
+    n = len(_by_plan(rs))
+    return f"{len(rs)} run{'s' if len(rs) != 1 else ''}, {n} Plan{'s' if n != 1 else ''}"
+
+
+def _left_out() -> str:
+    out = [f"`{r['path']}` ({not_modelled(r)})" for r in runs() if not_modelled(r)]
+    return f"Left out: {'; '.join(out)}." if out else ""
+
+
+def _split(rs: list[dict]) -> tuple[list[dict], list[dict]]:
+    fit = _fitted_on()
+    return [r for r in rs if r["path"] in fit], [r for r in rs if r["path"] not in fit]
+
+
+def _seen(rs: list[dict]) -> tuple[list[dict], list[dict]]:
+    return ([r for r in rs if (r["path"] + "/").startswith(STACK_MODEL_SEEN)],
+            [r for r in rs if not (r["path"] + "/").startswith(STACK_MODEL_SEEN)])
+
+
+@table("h100-validation")
+def h100_validation() -> str:
+    """Step time, simulated against measured, per Plan: the fitted profile and the kernel profile."""
+    fitted, kernel = _validations(PROFILE), _validations(None)
+    fit = _fitted_on()
+    lines = [
+        "| Plan (on one GPU every system runs the same one) | runs | fitted profile | measured s | "
+        "fitted profile: simulated s (error) | kernel profile: simulated s (error) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, rs in _by_plan(modelled()).items():
+        split = {("fitted" if r["path"] in fit else "held out") for r in rs}
+        systems = ", ".join(sorted(r["system"] for r in rs))
+        cells = []
+        for vals in (fitted, kernel):
+            sim = _span([vals[r["path"]].simulated_s for r in rs], ".3f")
+            err = _span([vals[r["path"]].error for r in rs], "+.1%")
+            cells.append(f"{sim} ({err})")
+        lines.append(f"| {label} | {len(rs)}: {systems} | {' and '.join(sorted(split))} | "
+                     f"{_span([fitted[r['path']].measured_s for r in rs], '.3f')} | {cells[0]} | {cells[1]} |")
+    ins, held = _split(modelled())
+    seen, unseen = _seen(modelled())
+    lines += [
+        "",
+        f"- Fitted profile (`{PROFILE}`: per-action efficiency curves fitted on the runs marked fitted, split "
+        f"by Plan before fitting): mean \\|error\\| **{_mae(ins, fitted):.1%}** in-sample ({_count(ins)}), "
+        f"**{_mae(held, fitted):.1%}** held out ({_count(held)}).",
+        f"- Kernel profile (`h100-measured`, nothing fitted to these runs; its model of this project's eager "
+        f"stack was written against `{STACK_MODEL_SEEN}`): **{_mae(seen, kernel):.1%}** on those "
+        f"({_count(seen)}), **{_mae(unseen, kernel):.1%}** on the runs that came after it ({_count(unseen)}).",
+        "- Every run is " + UNVERIFIABLE + " (`results/gpu/README.md`); `results/gpu/runs/` do not name their "
+        f"GPU and are simulated as `{HARDWARE}` (their memory check saw 79.2 GiB, an H100 80GB's).",
+    ]
+    if _left_out():
+        lines.append(f"- {_left_out()}")
+    return "\n".join(lines)
+
+
+@table("h100-fit-summary")
+def h100_fit_summary() -> str:
+    """One line: the fitted H100 profile's in-sample and held-out error."""
+    fitted = _validations(PROFILE)
+    ins, held = _split(modelled())
+    return (f"{_mae(ins, fitted):.1%} in-sample ({_count(ins)}), {_mae(held, fitted):.1%} held out "
+            f"({_count(held)})")
+
+
+@table("h100-kernel-summary")
+def h100_kernel_summary() -> str:
+    """One line: the kernel profile's error on the runs its stack model was written against, and on the others."""
+    kernel = _validations(None)
+    seen, unseen = _seen(modelled())
+    return (f"{_mae(seen, kernel):.1%} on the runs its model of the eager stack was written against ({_count(seen)}), "
+            f"{_mae(unseen, kernel):.1%} on the runs that came after ({_count(unseen)})")
+
+
+@table("h100-validation-runs")
+def h100_validation_runs() -> str:
+    """`omnibench validate` with the fitted profile, run by run."""
+    fitted = _validations(PROFILE)
+    fit = _fitted_on()
+    lines = ["| run | Plan | split | steps | measured s | simulated s | error |", "|---|---|---|---|---|---|---|"]
+    for r in modelled():
+        v = fitted[r["path"]]
+        lines.append(f"| `{r['path']}` | {plan_label(r)} | {'fitted' if r['path'] in fit else 'held out'} | "
+                     f"{v.steps} | {v.measured_s:.4f} | {v.simulated_s:.4f} | {v.error:+.1%} |")
+    ins, held = _split(modelled())
+    lines += ["", f"Mean \\|error\\|: {_mae(ins, fitted):.1%} in-sample ({_count(ins)}), "
+              f"{_mae(held, fitted):.1%} held out ({_count(held)}). {_left_out()}".rstrip()]
+    return "\n".join(lines)
+
+
+@table("h100-actions")
+def h100_actions() -> str:
+    """Per action, seconds per step: one run of each Plan, measured against both profiles."""
+    from simulator.calibrate import Profile, action_breakdown
+
+    prof = Profile.load(REPO_ROOT / PROFILE)
+    fit = _fitted_on()
+    lines = ["| Plan | split | action | measured s | fitted profile s (error) | kernel profile s (error) |",
+             "|---|---|---|---|---|---|"]
+    for label, rs in _by_plan(modelled()).items():
+        path = str(REPO_ROOT / rs[0]["path"])
+        a = {(x.kind, x.module): x for x in action_breakdown(path, prof, HARDWARE)}
+        b = {(x.kind, x.module): x for x in action_breakdown(path, None, HARDWARE)}
+        split = "fitted" if rs[0]["path"] in fit else "held out"
+        for key in sorted(k for k in a if k[0] in ("forward", "backward", "optimizer_step") and a[k].measured_s > 0):
+            m = a[key].measured_s
+            lines.append(f"| {label} | {split} | {key[0]} {key[1]} | {m:.3f} | "
+                         f"{a[key].simulated_s:.3f} ({a[key].simulated_s / m - 1:+.0%}) | "
+                         f"{b[key].simulated_s:.3f} ({b[key].simulated_s / m - 1:+.0%}) |")
+    return "\n".join(lines)
+
+
+@table("h100-memory")
+def h100_memory() -> str:
+    """The memory estimate against the peaks measured on the GPU, per Plan."""
+    mem = _memory()
+    lines = ["| Plan | runs | measured peak GiB | estimate GiB | estimate / measured |", "|---|---|---|---|---|"]
+    for label, rs in _by_plan(modelled()).items():
+        ms = [mem[r["path"]] for r in rs]
+        lines.append(f"| {label} | {len(rs)} | {_span([m.measured_bytes / GiB for m in ms], '.1f')} | "
+                     f"{_span([m.estimated_bytes / GiB for m in ms], '.1f')} | {_span([m.ratio for m in ms], '.3f')} |")
+    deepest = max((r["model"] for r in modelled()), key=lambda m: int(re.search(r"@(\d+)L", m).group(1))
+                  if re.search(r"@(\d+)L", m) else 10**6)
+    lines += ["", f"{_count(modelled())}; peaks: the largest per-step peak after the first step (max allocated, "
+              "reset every step), the estimate the same steps' Plans give (`simulator.calibrate.memory_check`). "
+              f"No record is of a full-depth model (the deepest: `{deepest}`). {_left_out()} "
+              f"Every run is {UNVERIFIABLE}.".rstrip()]
+    return "\n".join(lines)
+
+
+@table("h100-memory-range")
+def h100_memory_range() -> str:
+    """One line: how far above the measured GPU peaks the estimate is."""
+    mem = _memory()
+    ratios = [m.ratio - 1 for m in mem.values()]
+    return f"{min(ratios):+.0%} to {max(ratios):+.0%} ({_count(modelled())}, no full-depth model)"
+
+
+@table("h100-runs")
+def h100_runs() -> str:
+    """Every run recorded on the GPU, as its summary.json has it, and the runs the launcher refused."""
+    lines = [f"**{UNVERIFIABLE}**: these records name no commit, driver or command (`results/gpu/README.md`).",
+             "",
+             "| record | system | workload | model | recompute | step ms | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs():
+        s = r["summary"]
+        model = r["model"] + (" (--compile)" if r["compile"] else "")
+        lines.append(f"| `{r['path'].removeprefix(GPU_DIR + '/')}` | {r['system']} | {r['workload']} | {model} | "
+                     f"{r['recompute']} | {s['mean_step_time_s'] * 1e3:,.0f} | {s['tokens_per_s_per_gpu']:,.0f} | "
+                     f"{s['tflops_per_gpu']:.1f} | {s['mfu']:.1%} | {s['peak_memory_bytes'] / GiB:.1f} |")
+    figures = REPO_ROOT / GPU_DIR / "gpu_figures.json"
+    if figures.is_file():
+        for row in _read(figures):
+            if "error" in row:
+                lines.append(f"| - | {row['system']} | {row['workload']} | refused: \"{row['error']}\" | | | | | | |")
+    lines += ["", "Step ms, tokens/s and MFU: means over the steps after the first; MFU = model FLOPs (exact "
+              "formula, no recomputation) / step time / 989 TFLOP/s."]
+    return "\n".join(lines)
+
+
+@table("h100-llm-stack")
+def h100_llm_stack() -> str:
+    """The harness's LLM-only step against a plain bf16 stack (benchmarks/gpu_llm_stack.py)."""
+    d = _read(REPO_ROOT / GPU_DIR / "gpu_llm_stack.json")
+    peak = d["peak_tflops"]
+    lines = [f"**{UNVERIFIABLE}** (`{GPU_DIR}/gpu_llm_stack.json`, `{GPU_DIR}/llm_stack_compile.txt`).", "",
+             "| | plain stack TFLOP/s (MFU) | harness, whole step (MFU) | ratio | harness, forward + backward only "
+             "(MFU) | ratio |", "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        p, h = r["plain"], r["harness"]
+        lines.append(f"| {'`--compile`' if r['compile'] else 'eager'} | {p['tflops']:.1f} ({p['tflops'] / peak:.1%}) | "
+                     f"{h['tflops']:.1f} ({h['tflops'] / peak:.1%}) | {h['tflops'] / p['tflops']:.2f} | "
+                     f"{h['fwd_bwd_tflops']:.1f} ({h['fwd_bwd_tflops'] / peak:.1%}) | "
+                     f"{h['fwd_bwd_tflops'] / p['tflops']:.2f} |")
+    text = REPO_ROOT / GPU_DIR / "llm_stack_compile.txt"
+    if text.is_file():
+        # the printed table of a second call with --compile (its fwd+bwd column was not measured then)
+        for line in text.read_text().splitlines():
+            f = line.split()
+            if len(f) >= 6 and f[0] in ("False", "True"):
+                lines.append(f"| {'`--compile`' if f[0] == 'True' else 'eager'} (second call) | {f[1]} ({f[2]}) | "
+                             f"{f[3]} ({f[4]}) | {f[5]} | not measured | - |")
+    return "\n".join(lines)
+
+
+@table("h100-kernel-sweep")
+def h100_kernel_sweep() -> str:
+    """One line: what the committed kernel sweep holds."""
+    k = _read(REPO_ROOT / KERNELS)
+    best = max(r["tflops"] for r in k["gemm"])
+    bw = max(r["gbps"] for r in k["memory_bound"])
+    return (f"{len(k['gemm'])} bf16 GEMM shapes (best {best:.0f} TFLOP/s), {len(k['attention'])} attention entries, "
+            f"{len(k['memory_bound'])} memory-bound entries (best {bw:,.0f} GB/s), host launch "
+            f"{k['launch']['host_per_kernel_s'] * 1e6:.1f} us per kernel; {k['elapsed_s']:.0f} s of GPU time "
+            f"({k['device']['name']}, torch {k['torch']}, CUDA {k['cuda']}, {k['date'][:10]})")
+
+
+def _file_facts(path: Path) -> dict:
+    """What a GPU output file that is not a run record says about where it came from."""
+    if path.suffix in (".txt", ".md"):
+        first = path.read_text().splitlines()[:1]
+        if first and first[0].startswith("provenance: "):
+            return json.loads(first[0].removeprefix("provenance: "))
+        return {}
+    d = _read(path)
+    if isinstance(d, list):  # gpu_figures.json: one row per run, each with its own provenance
+        provs = [r.get("provenance") or {} for r in d]
+        return {k: v for k, v in provs[0].items() if all(p.get(k) == v for p in provs)} if provs else {}
+    if d.get("provenance"):
+        return dict(d["provenance"])
+    dev = d.get("device")
+    facts = {"torch": d.get("torch"), "cuda": d.get("cuda"),
+             "gpu_name": dev.get("name") if isinstance(dev, dict) else d.get("device_name") or
+             (dev if isinstance(dev, str) and not dev.startswith(("cuda", "cpu")) else None),
+             "gpu_memory_bytes": dev.get("memory_bytes") if isinstance(dev, dict) else None}
+    return {k: v for k, v in facts.items() if v is not None}
+
+
+def _provenance_row(name: str, prov: dict) -> str:
+    def cell(k: str) -> str:
+        v = prov.get(k)
+        if v is None:
+            return "-"
+        if k == "commit":
+            return f"`{v[:10]}`" + (" (dirty)" if prov.get("dirty") else "")
+        if k == "gpu_memory_bytes":
+            return f"{v / GiB:.1f} GiB"
+        return f"`{v}`" if k == "command" else str(v)
+
+    lacking = [f for f in missing(prov) if f != "dirty" or prov.get("commit") is None]
+    status = "complete" if not lacking else f"{UNVERIFIABLE}: lacks {', '.join(lacking)}"
+    return (f"| `{name}` | {cell('torch')} | {cell('cuda')} | {cell('driver')} | {cell('gpu_name')} | "
+            f"{cell('gpu_memory_bytes')} | {cell('commit')} | {cell('command')} | {status} |")
+
+
+@table("gpu-provenance")
+def gpu_provenance() -> str:
+    """Every GPU record and profile: what it records about where it came from."""
+    lines = ["| record | torch | CUDA | driver | GPU | GPU memory | commit | command | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    root = REPO_ROOT / GPU_DIR
+    for r in runs():
+        lines.append(_provenance_row(r["path"].removeprefix(GPU_DIR + "/") + "/", record_provenance(REPO_ROOT / r["path"])))
+    folders = {REPO_ROOT / r["path"] for r in runs()}
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".json", ".txt", ".md")
+                    and p.name != "README.md" and not any(d in p.parents for d in folders)):
+        lines.append(_provenance_row(_rel(f).removeprefix(GPU_DIR + "/"), _file_facts(f)))
+    lines.append(_provenance_row(KERNELS, _file_facts(REPO_ROOT / KERNELS)))
+    from simulator.calibrate import Profile
+
+    prof = Profile.load(REPO_ROOT / PROFILE).provenance
+    lacking = sum(x != "complete" for x in prof.get("runs_provenance", ["unknown"] * len(prof.get("runs", []))))
+    code = prof.get("code") or {}
+    lines += ["", f"`{PROFILE}` was fitted by `{(code.get('commit') or 'an unrecorded commit')[:10]}`"
+              f"{' (dirty)' if code.get('dirty') else ''} from {len(prof.get('runs', []))} runs, {lacking} of them "
+              f"without provenance: it is as {UNVERIFIABLE.split(' (')[0]} as they are.",
+              "",
+              f"Fields: those a GPU figure needs ({', '.join(GPU_FIELDS)}); `-`: not recorded. Where a record's "
+              "`config.json` has no provenance, torch, its CUDA build tag, the GPU name and the device memory "
+              "its memory check saw are read from its `summary.json` (`omnibench.provenance.record_provenance`); "
+              "nothing is taken from outside the record."]
+    return "\n".join(lines)
+
+
+@table("h100-ablation")
+def h100_ablation() -> str:
+    """What each choice of the kernel model costs in error on the runs it was written against."""
+    import importlib.util
+
+    script = REPO_ROOT / "benchmarks" / "h100_runs_ablation.py"
+    spec = importlib.util.spec_from_file_location("h100_runs_ablation", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rs, _ = _seen(modelled())
+    workloads = sorted({r["workload"] for r in rs}, key=lambda w: w != "text_only")
+    lines = ["| variant | mean \\|error\\| | " + " | ".join(workloads) + " |",
+             "|---|---|" + "---|" * len(workloads)]
+    for label, vals in mod.ablation([str(REPO_ROOT / r["path"]) for r in rs]):
+        errs = {r["path"]: v.error for r, v in zip(rs, vals, strict=True)}
+        mae = sum(abs(e) for e in errs.values()) / len(errs)
+        cells = [_span([errs[r["path"]] for r in rs if r["workload"] == w], "+.0%") for w in workloads]
+        lines.append(f"| {label} | {mae:.1%} | " + " | ".join(cells) + " |")
+    lines += ["", f"`python benchmarks/h100_runs_ablation.py` on `{STACK_MODEL_SEEN}` ({_count(rs)}; "
+              f"{UNVERIFIABLE}); one choice changed at a time against the full model."]
+    return "\n".join(lines)
+
+
+def _op_profile_measured(path: Path) -> list[dict]:
+    """Per shape of gpu_op_profile.py's output: CUDA kernel ms per phase and category, with the
+    profiler's own FWD range (printed as the line `FWD <ms> FWD`, not a kernel) taken out."""
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+        elif out and line.startswith("FWD ") and line.endswith(" FWD") and "range" not in out[-1]:
+            out[-1]["range"] = float(line.split()[1])
+    return out
+
+
+@table("h100-op-profile")
+def h100_op_profile() -> str:
+    """Kernel time per phase measured by torch.profiler (results/gpu/op_profile.txt) against the kernel model."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from omnibench.specs.presets import get_model
+    from simulator.engine import Engine
+    from simulator.flops import llm_work, vision_work
+    from simulator.hardware import load_cluster
+    from simulator.kernels import llm_pass, load_kernel_profile
+
+    # the shapes benchmarks/gpu_op_profile.py runs
+    spec = get_model("omni-7b@4L")
+    cluster = load_cluster(HARDWARE, 1)
+    prof = load_kernel_profile(cluster.kernels, cluster.gpu.peak_flops)
+    one_rank = SimpleNamespace(fsdp=False, fsdp_size=1, tp=1)  # no FSDP: fp32 weights under autocast
+    works = {"LLM 4 layers + chunked loss, 2 x 8,192 tokens": ("llm", llm_work(spec.llm, [8192, 8192],
+                                                                              range(spec.llm.layers), True, True)),
+             "ViT 32 layers, 19,872 patches in 12 groups of 1,656": ("vision", vision_work(spec.vision, [(2, 36, 46)] * 6))}
+    measured = _op_profile_measured(REPO_ROOT / GPU_DIR / "op_profile.txt")
+    lines = ["| shape | phase | measured ms (GEMM / attention / other) | kernel model ms | error |", "|---|---|---|---|---|"]
+    for (label, (module, work)), m in zip(works.items(), measured, strict=True):
+        # the engine's own description of how this project runs the module on one rank
+        shape = replace(work.shape, stack=Engine._eager_stack(SimpleNamespace(model=spec), module, one_rank))
+        for phase, passes in (("FWD", "fwd"), ("BWD", "bwd")):
+            other = m[f"{phase}.mem"] - (m.get("range", 0.0) if phase == "FWD" else 0.0)
+            total = m[f"{phase}.gemm"] + m[f"{phase}.attn"] + other
+            sim = llm_pass(prof, shape, passes) * 1e3
+            lines.append(f"| {label if phase == 'FWD' else ''} | {'forward' if phase == 'FWD' else 'backward'} | "
+                         f"{total:.1f} ({m[f'{phase}.gemm']:.1f} / {m[f'{phase}.attn']:.1f} / {other:.1f}) | "
+                         f"{sim:.1f} | {sim / total - 1:+.1%} |")
+    lines += ["", f"Measured: `{GPU_DIR}/op_profile.txt` ({UNVERIFIABLE}); kernel model: "
+              "`simulator/kernels.py::llm_pass` on the same shapes with the eager stack of one rank."]
+    return "\n".join(lines)

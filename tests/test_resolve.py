@@ -1,0 +1,112 @@
+"""One function settles the layout every command runs (omnibench/resolve.py): the flags, else each
+system's default layout, and `--recompute auto`: the cheapest recomputation per module that the
+simulator's memory estimate fits, failing only when nothing can."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omnibench.resolve import recompute_modes, resolve_layout
+from omnibench.specs.parallel import ParallelSpec
+from omnibench.specs.presets import get_model
+from simulator.hardware import load_cluster
+from workloads.stream import WorkloadStream
+
+pytestmark = pytest.mark.timeout(240)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _batches(workload: str, gpus: int, steps: int = 1):
+    stream = WorkloadStream(workload, seed=0, global_batch_tokens=8192 * gpus)
+    return [stream.batch(s) for s in range(steps)]
+
+
+def test_auto_tries_encoders_before_the_llm_and_leaves_out_modules_without_work():
+    model = get_model("omni-7b")
+    av = recompute_modes(model, _batches("omni_av", 16)[0].samples)
+    assert av[0] == "none" and av[-1] == "full"
+    assert av.index("vision=full,audio=full") < av.index("llm=full") < av.index("full")
+    text = recompute_modes(model, _batches("text_only", 16)[0].samples)
+    assert text == ["none", "full"]  # recomputing an encoder that has no input saves nothing
+    assert recompute_modes(get_model("llm-7b")) == ["none", "full"]
+
+
+def test_auto_takes_the_cheapest_mode_that_fits_and_every_cheaper_one_does_not():
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 64)
+    batches = _batches("mixed_video", 64)
+    parallel = ParallelSpec(world_size=64)
+    res = resolve_layout("homogeneous", model, parallel, batches, cluster, recompute="auto")
+    assert res.fits and res.chosen and res.recompute not in ("none", "full")  # an encoder recomputed, not all
+    assert res.peak_bytes <= cluster.gpu.memory_bytes
+    assert "the system's default" not in res.layout_note and "homogeneous's default" in res.layout_note
+    modes = recompute_modes(model, batches[0].samples)
+    for cheaper in modes[: modes.index(res.recompute)]:
+        got = resolve_layout("homogeneous", model, parallel, batches, cluster, recompute=cheaper, estimate=True)
+        assert not got.fits, cheaper
+    assert "(auto: the cheapest that fits)" in res.memory_note()
+
+
+def test_flags_given_win_and_the_others_are_one():
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
+    res = resolve_layout("colocated", model, ParallelSpec(world_size=16), _batches("image_sft", 16), cluster, tp=2,
+                         recompute="full")
+    assert (res.parallel.tp, res.parallel.pp, res.parallel.cp) == (2, 1, 1)
+    assert res.layout_note == "given: tp 2, pp 1, cp 1" and res.recompute == "full" and not res.peak_bytes
+
+
+def test_when_nothing_fits_auto_keeps_full_recomputation_and_says_so():
+    model, cluster = get_model("vl-72b"), load_cluster("h100", 8)
+    res = resolve_layout("homogeneous", model, ParallelSpec(world_size=8), _batches("long_video", 32), cluster,
+                         recompute="auto")
+    assert not res.fits and res.recompute == "full" and res.peak_bytes > res.budget_bytes
+    assert "does not fit even so" in res.memory_note()
+
+
+def _omnibench(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("COLUMNS", None)
+    return subprocess.run([sys.executable, "-m", "omnibench", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_most_natural_simulation_fits_every_system_and_says_which_recomputation(tmp_path):
+    """No layout flags, no --recompute: five rows with throughput, exit 0, a record whose rows say the mode."""
+    done = _omnibench("simulate", "--system", "all", "--workload", "mixed_video", "--gpus", "64", "--out",
+                      str(tmp_path / "sims"), "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    rows = out["results"]
+    assert [r["system"] for r in rows] == ["homogeneous", "temporal", "colocated", "noncolocated", "omni"]
+    assert all(r["fits"] and r["tokens_per_s"] > 0 and r["recompute"] != "auto" for r in rows), rows
+    assert all("auto: the cheapest that fits" in r["recompute_note"] for r in rows)
+    config = json.loads((Path(out["record"]) / "config.json").read_text())
+    assert config["recompute"] == "auto"
+
+
+def test_plan_settles_recompute_auto_and_prints_it(tmp_path):
+    done = _omnibench("plan", "--system", "omni", "--nproc", "16", "--model", "omni-7b", "--global-batch-tokens",
+                      "131072", "--length-scale", "1", "--max-sample-tokens", "0", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("memory"))
+    assert re.search(r"recompute=\S+ \(auto: the cheapest that fits an H100\)", line), line
+    assert "recompute=none " not in line  # omni-7b's encoders do not fit 80 GB without recomputation here
+
+
+def test_simulate_help_says_the_default_layout_once_and_each_option_in_one_line(tmp_path):
+    env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "omnibench", "simulate", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert text.count("anchor's usual layout") == 1 and text.count("Megatron-style") == 1
+    box = text[text.index("Options"):]
+    rows = [ln for ln in box.splitlines()[1:] if ln.startswith("│")]
+    continued = [ln for ln in rows if not re.match(r"│\s+(\*\s+)?--", ln)]
+    assert rows and not continued, "\n".join(continued)

@@ -1,0 +1,142 @@
+"""ZeRO-1 and ZeRO-2 (omnibench/runtime/zero.py, `Layout.zero`): a module whose weights data
+parallelism replicates keeps only its slice of the optimizer state (and, under ZeRO-2, of the
+gradients after grad_sync), and trains exactly like a single process: the sharded AdamW step over
+buckets that cut parameters apart, and whole systems on 4 gloo ranks over 5 steps to 1e-4."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from parity import Run, assert_parity, make_batches, reference, run_all, run_distributed
+from test_omni_parity import long_batches
+
+STEPS = 5
+
+
+def _toy(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def _data(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 5, generator=g)
+
+
+def _worker(rank: int, world: int, init: str, stage: int, out: str) -> None:
+    from omnibench.runtime.zero import ShardedState
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    model = _toy()
+    # 9-element buckets: the 35 + 7 + 21 + 3 parameters straddle bucket edges and the last bucket is short.
+    state = ShardedState("toy", list(model.parameters()), dist.group.WORLD, stage, "adamw", 1e-2, bucket_elems=9)
+    sizes = {}
+    for step in range(3):
+        model(_data(step, rank)).pow(2).sum().backward()
+        state.reduce()
+        sizes[step] = [p.grad is not None for p in model.parameters()]
+        state.step()
+        state.zero_grad()
+    torch.save({"params": [p.detach() for p in model.parameters()], "grads_kept": sizes,
+                "master": state.master.numel()}, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_adamw_over_buckets_matches_one_process(stage):
+    """Two ranks, each with its own data: the ZeRO step equals AdamW over the summed gradients in
+    one process; each rank's master holds half the (padded) parameters; ZeRO-2 drops the full
+    gradients at the reduction, ZeRO-1 keeps them until the step ends."""
+    world = 2
+    ref = _toy()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    for step in range(3):
+        sum(ref(_data(step, r)).pow(2).sum() for r in range(world)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{os.path.join(out, 'store')}"
+        mp.spawn(_worker, args=(world, init, stage, out), nprocs=world, join=True)
+        got = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+    for r in range(world):
+        for p, q in zip(got[r]["params"], ref.parameters(), strict=True):
+            assert torch.allclose(p, q, atol=1e-6), (r, (p - q).abs().max())
+        assert got[r]["master"] == sum(-(-min(9, 66 - lo) // world) for lo in range(0, 66, 9))
+        assert all(all(kept) == (stage == 1) for kept in got[r]["grads_kept"].values())
+
+
+CELLS = [
+    # (system, layout, batches): every dp mode on omni's encoders, and ZeRO on the LLM and on other systems.
+    pytest.param("omni", {"options": {"encoder_dp": "zero2"}}, "long", id="omni-encoders-zero2"),
+    pytest.param("omni", {"options": {"encoder_dp": "fsdp"}, "pp": 2}, "long", id="omni-encoders-fsdp-pp2"),
+    pytest.param("omni", {"options": {"encoder_dp": "zero1"}, "pp": 2}, "long", id="omni-encoders-zero1-pp2"),
+    pytest.param("omni", {"options": {"encoder_dp": "ddp"}}, "long", id="omni-encoders-ddp"),
+    pytest.param("omni", {"fsdp": False, "zero": 2, "cp": 2}, "long", id="omni-llm-zero2-cp2"),
+    pytest.param("homogeneous", {"fsdp": False, "zero": 2, "pp": 2}, "mixed", id="homogeneous-zero2-pp2"),
+    pytest.param("colocated", {"fsdp": False, "zero": 1, "tp": 2, "encoder_tp": 2}, "mixed",
+                 id="colocated-zero1-tp2-encoder-tp2"),
+    pytest.param("temporal", {"fsdp": False, "zero": 2, "cp": 2}, "mixed", id="temporal-zero2-cp2"),
+]
+
+
+def _data(kind: str):
+    return long_batches(STEPS) if kind == "long" else make_batches(STEPS, samples=8)
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """Every cell in one launch of 4 gloo ranks (tests/parity.py)."""
+    return run_all(tmp_path_factory.mktemp("zero"), [Run(c.id, c.values[0], "tiny-omni", _data(c.values[2]), c.values[1])
+                                                     for c in CELLS])
+
+
+@pytest.mark.timeout(1200)  # the first cell's setup launches all of them
+@pytest.mark.xdist_group("parity-zero")
+@pytest.mark.parametrize("system,layout,batches", CELLS)
+def test_zero_modes_train_like_one_process(zero_runs, request, system, layout, batches):
+    result = zero_runs[request.node.callspec.id]
+    losses, params = result.get()
+    assert_parity(losses, params, *reference("tiny-omni", _data(batches)))
+    notes = (result.folder / "summary.json").read_text()
+    zero = layout.get("zero") or {"zero1": 1, "zero2": 2}.get(layout.get("options", {}).get("encoder_dp"), 0)
+    if zero:
+        assert f"ZeRO-{zero}" in notes
+
+
+@pytest.mark.timeout(300)
+def test_zero_on_bf16_weights_trains_close_to_fp32():
+    """A bf16 run (CPU here) holds ZeRO modules' weights in bf16 with fp32 masters and fp32 main
+    gradients: its losses stay within bf16 rounding of the fp32 single process."""
+    data = make_batches(3, samples=8)
+    ref, _ = reference("tiny-omni", data)
+    with tempfile.TemporaryDirectory() as out:
+        from pathlib import Path
+
+        losses, _ = run_distributed(Path(out), "omni", "tiny-omni", data, dtype="bf16", fsdp=False, zero=2)
+        notes = open(os.path.join(out, "run", "summary.json")).read()
+    assert "llm: ZeRO-2" in notes and "vision: ZeRO-2" in notes
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 2e-3
+
+
+@pytest.mark.timeout(180)
+def test_run_takes_dp_mode_and_refuses_unknown_ones(tmp_path):
+    from test_runtime_cli import omnibench
+
+    bad = omnibench("run", "--system", "homogeneous", "--dp-mode", "zero3")
+    assert bad.returncode != 0 and "dp_mode must be one of ddp, zero1, zero2, fsdp, hsdp" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    mixed = omnibench("run", "--system", "homogeneous", "--dp-mode", "zero1", "--dp-shard", "2")
+    assert mixed.returncode != 0 and "needs --dp-mode hsdp" in mixed.stderr
+    ok = omnibench("run", "--system", "homogeneous", "--device", "cpu", "--nproc", "2", "--steps", "1",
+                   "--dp-mode", "zero1", "--out", str(tmp_path / "run"))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    notes = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "llm: ZeRO-1" in json.dumps(notes)
