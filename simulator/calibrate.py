@@ -897,7 +897,10 @@ def memory_check(run_dir: str, hardware: str | None = None) -> MemoryCheck:
         if plan is None:
             continue
         res = simulate(plan, model, cluster, options=_options(run))
-        measured, estimated = max(measured, peaks[s]), max(estimated, res.peak_memory)
+        # like with like: the peak of live tensors against max_memory_allocated (not the allocator's
+        # reserve and the context, which the fits check adds)
+        allocated = max(r.memory_allocated for r in res.ranks)
+        measured, estimated = max(measured, peaks[s]), max(estimated, allocated)
         done += 1
     if not done:
         raise CalibrationError(f"{run_dir}: no step with both a measured peak and a known Plan")

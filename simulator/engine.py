@@ -122,9 +122,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         spans: list[Span] = []
         self._play(reps, programs, stats, spans)
         for r in reps:
-            st = stats[r]
-            st.memory_static = self._static_memory(r)
-            st.memory_bytes = st.memory_static + activation_peak(programs[r])
+            self._rank_memory(stats[r], r, *activation_peak(programs[r]))
         return self._result(reps, stats, spans, t0)
 
     def _play(self, reps: list[int], programs: dict[int, list], stats: dict[int, RankStats],
@@ -406,27 +404,20 @@ class _Channel:
         self.fired = False
 
 
-def activation_peak(ops: list) -> float:
-    """Peak bytes of a rank's activation timeline (simulator/memory.py): what its forwards keep for
-    their backwards, in action order, gradients from a module's first backward, a recomputed
-    layer only while its backward runs. Depends on the order of actions only, not on times."""
+def activation_peak(ops: list) -> tuple[float, object]:
+    """Peak bytes of a rank's memory timeline (simulator/memory.py) and the action at it: each op's
+    high point over what was live before it (`_Op.mem_peak`: a forward's activations and its loss,
+    a backward walked layer by layer, a grad_sync's buffer), then what it leaves (`mem_delta`).
+    Depends on the order of actions only, not on times."""
     live = peak_live = 0.0
+    peak_at = None
     for op in ops:
         kind = op.kind
-        if kind == FORWARD or kind == BACKWARD:
-            # a backward's gradients appear while its activations (and a recomputed layer)
-            # are still held
-            live += op.grad_delta
-            if live + op.act_transient > peak_live:
-                peak_live = live + op.act_transient
-            live += op.act_delta
-            if live > peak_live:
-                peak_live = live
-        elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
-            if live + op.act_transient > peak_live:  # a grad_sync's flat buffer
-                peak_live = live + op.act_transient
-            live += op.act_delta
-    return peak_live
+        if kind == FORWARD or kind == BACKWARD or kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
+            if live + op.mem_peak > peak_live:
+                peak_live, peak_at = live + op.mem_peak, op.action
+            live += op.mem_delta
+    return peak_live, peak_at
 
 
 def simulate(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, *, calibration=None,

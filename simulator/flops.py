@@ -38,6 +38,13 @@ class Work:
     # of act_bytes, what full recomputation holds only while this stage runs its backward (one
     # layer's activations, recomputed); the rest is held from the forward to the backward
     act_transient: float = 0.0
+    # of the held part, what each layer holds (freed as the backward passes it; 0: freed at its end)
+    act_layer: float = 0.0
+    # gradients and temporaries alive inside one layer's backward at their high point
+    act_working: float = 0.0
+    # the loss's transient extra at the forward's and at the backward's high point (last LLM stage)
+    loss_forward: float = 0.0
+    loss_backward: float = 0.0
     params: float = 0.0  # parameters of the stage (before any sharding)
     expert_params: float = 0.0  # of `params`, those split over ep
     tp_bytes: float = 0.0  # bytes all-reduced over tp (forward), whole stage; 2 calls per layer
@@ -89,7 +96,8 @@ def llm_expert_params(llm: LLMSpec, layers: range) -> float:
 
 def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
              tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses",
-             expert_tp: int = 0) -> Work:
+             expert_tp: int = 0, stack: str = "eager") -> Work:
+    """`stack`: whose kernels keep the activations (costs.ACTIVATION_STACKS)."""
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
     n = len(layers)
@@ -129,15 +137,14 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         biased=(heads + 2 * kvh) * d if llm.qkv_bias else 0,
         mlp=llm.mlp, norm=llm.norm, rope=llm.positions == "rope",
         params=float(h * (heads + 2 * kvh) * d + heads * d * h + mlp_params), embed=first)
-    act = costs.llm_activation_bytes(llm, per_rank_tokens, layers=layers, head=last, recompute=recompute) / tp
+    mem = _llm_memory(llm, per_rank_tokens, n, first, last, tp, recompute, stack)
     return Work(
         **_split(f, tp * cp),
         ops=n * (_ATTN_OPS + mlp_ops) + (1 if last else 0),
         sequences=n * len(seq_lens),
         tokens=per_rank_tokens,
         layers=n,
-        act_bytes=act,
-        act_transient=_recomputed_layer(recompute, n, per_rank_tokens * costs.llm_layer_bytes(llm)) / tp,
+        **mem,
         params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
         expert_params=llm_expert_params(llm, layers),
         # two bf16 all-reduces per layer (one where folded experts need none)
@@ -151,6 +158,33 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
         shape=shape,
     )
+
+
+def _llm_memory(llm: LLMSpec, tokens: int, n: int, first: bool, last: bool, tp: int, recompute: str,
+                stack: str) -> dict:
+    """Work's memory fields of an LLM stage on one microbatch of `tokens` tokens per rank (tp splits
+    the activations: sequence-parallel norms, column/row-parallel linears)."""
+    lm = costs.llm_layer_memory(llm, recompute, stack)
+    layer = tokens * lm.held / tp
+    transient = tokens * lm.recompute / tp if n else 0.0
+    if tp > 1 and not stack.startswith("megatron"):
+        # DTensor tensor parallelism with sequence-parallel norms (this project's runtime, torchtitan):
+        # each column-parallel linear saves its all-gathered input, whole, not 1/tp of it (the
+        # attention's q/k/v and the MLP's w1/w3 share one each). Megatron saves its sharded input
+        # and gathers again in the backward (Korthikanti et al. 2022, sec. 4.2.2).
+        gathered = 2 * 2 * llm.hidden * tokens * (1 - 1 / tp)
+        if recompute == "none" or (recompute == "selective" and not stack.startswith("torchtitan")):
+            layer += gathered
+        elif n:
+            transient += gathered + (2 * 2 * llm.hidden * tokens / tp if recompute == "selective" else 0.0)
+    held = n * layer
+    if n and stack == "eager":
+        held += tokens * 8 * llm.dim_head  # fp32 RoPE cos/sin, shared by all layers
+    loss = costs.loss_memory(llm, tokens, -(-llm.vocab // tp), stack, tp=tp) if last else costs.LossMemory(0, 0, 0)
+    held += loss.held
+    return dict(act_bytes=held + transient, act_transient=transient, act_layer=layer,
+                act_working=tokens * lm.working / tp if n else 0.0, loss_forward=loss.forward,
+                loss_backward=loss.backward)
 
 
 def _chunked_memory(module: str, enc, inputs: list, per_rank: int, chunk_tokens: int, recompute: str,
@@ -202,11 +236,14 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
         # fp32 patches cast for the patch embedding, the merger's norm and GELU
         extra_pointwise=float(per_rank) * (6 * d_in + 20 * h + 4 * h),
     ) if t else None
+    layer = working = 0.0
     if chunk_tokens and t and sp == 1:
         act, transient, chunks = _chunked_memory("vision", v, grids, per_rank, chunk_tokens, recompute)
     else:
         act = costs.vision_activation_bytes(v, per_rank, recompute=recompute)
         transient, chunks = _recomputed_layer(recompute, v.layers, per_rank * costs.vision_layer_bytes(v)), 0
+        layer = per_rank * (2 * h if recompute == "full" else costs.vision_layer_bytes(v))
+        working = per_rank * _encoder_working(h, v.ffn)
     return Work(
         **_split(f, tp * sp),
         shape=shape,
@@ -216,11 +253,18 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
         layers=v.layers,
         act_bytes=act / tp,
         act_transient=transient / tp,
+        act_layer=layer / tp,
+        act_working=working / tp,
         chunks=chunks,
         params=float(costs.vision_params(v)),
         tp_bytes=v.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,
         seq_bytes=v.layers * 4 * (t / sp) * h * 2 / tp if sp > 1 else 0.0,  # Ulysses: q, k, v in, out back
     )
+
+
+def _encoder_working(hidden: int, ffn: int, b: int = 2) -> float:
+    """Per token, an encoder block's backward working set (as costs.llm_layer_memory's `working`)."""
+    return b * (2 * ffn + 2 * hidden)
 
 
 def _recomputed_layer(recompute: str, layers: int, layer_bytes: float) -> float:
@@ -251,11 +295,14 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
         # GELU after both convs, positions added, the final norm and the pooling
         extra_pointwise=float(per_rank) * h * (3 * 4 + 6 + 20 + 4),
     ) if t else None
+    layer = working = 0.0
     if chunk_tokens and t and sp == 1:
         act, transient, chunks = _chunked_memory("audio", a, mel_frames, per_rank, chunk_tokens, recompute)
     else:
         act = costs.audio_activation_bytes(a, per_rank, recompute=recompute)
         transient, chunks = _recomputed_layer(recompute, a.layers, per_rank * costs.audio_layer_bytes(a)), 0
+        layer = per_rank * (2 * h if recompute == "full" else costs.audio_layer_bytes(a))
+        working = per_rank * _encoder_working(h, a.ffn)
     return Work(
         **_split(f, tp * sp),
         shape=shape,
@@ -265,6 +312,8 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
         layers=a.layers,
         act_bytes=act / tp,
         act_transient=transient / tp,
+        act_layer=layer / tp,
+        act_working=working / tp,
         chunks=chunks,
         params=float(costs.audio_params(a)),
         tp_bytes=a.layers * 2 * (t / sp) * h * 2 if tp > 1 else 0.0,

@@ -1,13 +1,25 @@
 """Memory per rank: what a rank holds all step and what its actions add and free.
 
+Three figures per rank (RankStats): `memory_allocated`, the peak of live tensors (what
+torch.cuda.max_memory_allocated and torch's MemTracker measure); `memory_reserved`, the caching
+allocator's reserve at that peak (FRAGMENTATION x allocated, what torchtitan publishes); and
+`memory_bytes`, what the GPU must hold (the reserve and the CUDA context and NCCL buffers outside it,
+RESERVED_BYTES), which the fits check compares with the GPU's memory.
+
 Static: each module's training state under its data-parallel mode (`Layout.dp_mode`: DDP, ZeRO-1,
 ZeRO-2, FSDP, HSDP) in the bytes per parameter its software stack keeps
-(`omnibench.specs.costs.STATE_DTYPES`), and FSDP's gathered bf16 parameters. Timeline (simulator/
-engine.py's rank process): the activations of the microbatches in flight, counted from the action
-order, so 1F1B's in-flight depth and dynamic sequence lengths both show; gradients from a module's
-first backward (ZeRO-2 in this project's runtime: whole until the module's grad_sync reduce-scatters
-them, its shard after); a recomputed layer only inside its backward; the flat gradient buffer of a
-non-FSDP grad_sync while it runs.
+(`omnibench.specs.costs.STATE_DTYPES`), and FSDP's gathered bf16 parameters (the root's, the layers
+in flight). Timeline (simulator/engine.py's rank process, one (high point, what it leaves) pair per
+action from `_compute_memory`): the activations of the microbatches in flight, counted from the
+action order, so each pipeline schedule's in-flight depth and dynamic sequence lengths both show,
+under the recompute mode as the stack's kernels keep them (`costs.llm_layer_memory`, `loss_memory`);
+a backward walked layer by layer (the loss's transient, then each layer's recomputation, working
+set and gradient buffers while earlier layers' activations are freed and their gradients appear);
+FSDP's whole gradients accumulated across microbatches where the stack defers its reduce-scatter;
+ZeRO's slices at grad_sync; the flat buffer of this runtime's non-FSDP grad_sync.
+
+The memory conventions are a stack's, not a GPU's (MEMORY_STACKS): this project's runtime ("eager",
+the default), Megatron-LM ("megatron", what the `fused` kernel stack charges), torchtitan, Composer.
 """
 
 from __future__ import annotations
@@ -21,23 +33,118 @@ from simulator.flops import (
 )
 from simulator.hardware import GiB
 
-RESERVED_BYTES = 1.0 * GiB  # CUDA context, NCCL buffers, allocator slack
+# Outside the caching allocator, so in no max_memory_allocated / max_memory_reserved reading: the CUDA
+# context and NCCL's own buffers. One figure for every stack: about 0.5 GiB of context for a CUDA 12
+# process on an H100 and about as much of NCCL channel buffers for the few communicators a rank
+# joins. Not fitted (no published run reports it); it only enters the fits check.
+RESERVED_BYTES = 1.0 * GiB
+# The caching allocator reserves more than its live tensors hold (blocks split and cached between
+# differently sized requests): reserved = FRAGMENTATION x allocated at the peak, one factor for every
+# stack and GPU. Fitted (`python benchmarks/published_memory.py` prints it) on the 6 calibration rows
+# of results/validation/published_runs.csv that publish a peak: torchtitan's max_reserved readings
+# (tt-8b-fsdp8, tt-8b-fsdp8-cp1-32k, tt-8b-fsdp1-cp8-256k, tt-8b-fsdp128-compile-fp8,
+# tt-405b-fsdp8-tp8-pp8-1f1b, tt-405b-fsdp4-cp2-64k) over this model's allocated peak, geometric
+# mean 1.175. The allocated model itself is checked against torch's FSDPMemTracker running
+# torchtitan's Llama 3 8B at full depth (0.98-0.99 of this estimate), so the factor is the allocator's.
+FRAGMENTATION = 1.175
 ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatron-LM's DDP bucket)
 
-# The training-state convention (costs.STATE_DTYPES) of each kernel stack (simulator/kernels.py::Stack):
-# "eager" is this project's runtime, "fused" Megatron-LM's.
-STATE_OF_STACK = {"eager": "eager", "fused": "megatron"}
+# Whose memory conventions (training-state dtypes, costs.STATE_DTYPES; activations,
+# costs.ACTIVATION_STACKS) each kernel stack (simulator/kernels.py::Stack) charges: "eager" is this
+# project's runtime, "fused" Megatron-LM's (of 2021-22 when the kernel profile is unfused attention's).
+MEMORY_OF_STACK = {"eager": "eager", "fused": "megatron"}
+# name -> (training-state convention, activation convention)
+# A name may end in "+fp8": Transformer Engine's FP8 linears (Megatron, NeMo) keep their inputs in FP8.
+MEMORY_STACKS = {
+    "eager": ("eager", "eager"),
+    "torchtitan": ("torchtitan", "torchtitan"),
+    "torchtitan-fused-norm": ("torchtitan", "torchtitan-fused-norm"),
+    "torchtitan-compile": ("torchtitan", "torchtitan-compile"),
+    "torchtitan-compile-loss": ("torchtitan", "torchtitan-compile-loss"),
+    "megatron": ("megatron", "megatron"),
+    # Megatron-LM before flash attention (2019-22: Shoeybi et al., Narayanan et al., Korthikanti et
+    # al.): softmax and dropout outputs and the dropout mask of every s x s score matrix
+    "megatron-2021": ("megatron", "megatron"),
+    "nemo": ("nemo", "megatron"),
+    # MosaicML Composer / llm-foundry: PyTorch FSDP with fp32 shards; MPT's blocks keep Korthikanti's
+    # set (low-precision LayerNorm, fused qkv, flash attention, GELU MLP), as Megatron's do
+    "composer": ("torchtitan", "megatron"),
+}
+
+
+# Megatron-LM before flash attention: the 2019-22 papers' runs (and DeepSpeed inside that codebase)
+UNFUSED_ATTENTION_SOURCES = ("shoeybi2019", "narayanan2021", "korthikanti2022")
+# NeMo 24.07's performance runs came from the NeMo(-Megatron) launcher, whose performance example scripts
+# reduce gradients in bf16 (`+training.model.optim.grad_sync_dtype=bf16`, NVIDIA/NeMo-Framework-Launcher
+# examples/training/llama/h100/*.sh): Megatron-LM's bf16 main gradients. Megatron-Bridge's performance
+# recipes start from bf16_mixed (grad_reduce_in_fp32) and, in FP8, keep FP8 weights (fp8_param_gather;
+# its scripts/performance/utils/helpers.py at da5a1bee8).
+BF16_GRAD_SOURCES = ("nemo-perf",)
+_STACK_COLUMN = {"torchtitan": "torchtitan", "fsdp": "composer", "megatron": "megatron", "nemo": "nemo",
+                 "deepspeed": "megatron", "other": "megatron"}
+
+
+def published_memory_stack(row) -> str:
+    """The memory conventions (MEMORY_STACKS) of a published run (simulator/published.py PublishedRun),
+    as its source dates its software, one rule per stack:
+
+    - torchtitan: with torch.compile where the row says so (its notes or table), the loss compiled too
+      in the 2025 runs (components/loss.py `build_cross_entropy_loss` from May 2025), its Triton
+      RMSNorm in the April 2024 A100 table (the Llama 2 13B and Llama 3 8B configs of 1ea476e9f, the
+      commit that published it; the 70B ones used the eager norm);
+    - llm-foundry ("fsdp"): Composer;
+    - Megatron-LM, DeepSpeed, MegaScale, Meta's Llama 3 stack: Megatron-LM's (bf16 main gradients),
+      unfused attention for the 2019-22 papers' runs;
+    - NeMo 24.07 (launcher) as Megatron-LM; Megatron-Bridge: fp32 main gradients, FP8 weights in FP8;
+    - "+fp8" where Transformer Engine's FP8 linears ran (Megatron and NeMo rows in fp8)."""
+    stack = _STACK_COLUMN.get(row.stack, "megatron")
+    if stack == "megatron" and row.source in UNFUSED_ATTENTION_SOURCES:
+        stack = "megatron-2021"
+    if stack == "nemo" and row.source in BF16_GRAD_SOURCES:
+        stack = "megatron"
+    where = f"{row.notes} {row.table}"
+    if stack == "torchtitan" and "compile" in where:
+        stack = "torchtitan-compile-loss" if "2025" in row.table else "torchtitan-compile"
+    elif stack == "torchtitan" and "docs/performance.md" in row.table and row.hidden in (4096, 5120):
+        stack = "torchtitan-fused-norm"
+    if row.precision == "fp8" and stack in ("megatron", "nemo"):
+        stack += "+fp8"
+    return stack
 
 
 class MemoryMixin:
     """The Engine's memory accounting (needs WorkMixin and GroupsMixin)."""
 
     @property
-    def state_stack(self) -> str:
-        """The stack whose training-state dtypes this simulation charges (SimOptions.memory_stack,
-        else the kernel stack's own)."""
-        name = getattr(self.options, "memory_stack", "") or STATE_OF_STACK.get(self.options.stack, "eager")
-        return name if name in costs.STATE_DTYPES else "eager"
+    def memory_stack(self) -> str:
+        """The stack whose memory conventions this simulation charges (SimOptions.memory_stack, else
+        the kernel stack's own)."""
+        name = getattr(self.options, "memory_stack", "")
+        if not name:
+            name = MEMORY_OF_STACK.get(self.options.stack, "eager")
+            prof = self.compute.kernels
+            if name == "megatron" and prof is not None and prof.attention_kernel == "unfused":
+                # a kernel profile of Megatron-LM's unfused attention (simulator/data/kernels/
+                # a100-published.json: the 2021-22 runs) describes that stack, scores and all
+                name = "megatron-2021"
+        base = name.removesuffix("+fp8")
+        return name if base in MEMORY_STACKS else "eager"
+
+    @property
+    def _memory_base(self) -> str:
+        return self.memory_stack.removesuffix("+fp8")
+
+    @property
+    def _state_stack(self) -> str:
+        """costs.STATE_DTYPES' name of the memory stack's training-state convention."""
+        return MEMORY_STACKS[self._memory_base][0]
+
+    @property
+    def activation_stack(self) -> str:
+        """costs.ACTIVATION_STACKS' name of the memory stack's activation convention."""
+        act = MEMORY_STACKS[self._memory_base][1]
+        fp8 = self.memory_stack.endswith("+fp8") or getattr(self.options, "gemm_dtype", "bf16") == "fp8"
+        return act + "-fp8" if fp8 and act == "megatron" else act
 
     def _dp_mode(self, module: str, rank: int) -> tuple[str, int]:
         """(data-parallel mode, ranks the state is sharded over) of `module` on `rank`. FSDP and ZeRO
@@ -66,33 +173,35 @@ class MemoryMixin:
         data-parallel mode; experts are sharded over the ranks holding the same experts (dp*cp/ep)."""
         mode, n = self._dp_mode(module, rank)
         dense, expert = self._model_parallel_params(module, rank)
-        stack = self.state_stack
-        a = costs.dp_state_bytes(dense, mode, n, stack)
+        d = self._dtypes(module, rank)
+        a = costs.state_bytes(d, dense, mode, n)
         if not expert:
             return a
         ep = max(1, self.plan.layouts[module].ep)
-        b = costs.dp_state_bytes(expert, mode, max(1, n // ep), stack)
+        b = costs.state_bytes(d, expert, mode, max(1, n // ep))
         return costs.StateBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer)
 
     def _dtypes(self, module: str, rank: int) -> costs.StateDtypes:
-        return costs.state_dtypes(self.state_stack, self._dp_mode(module, rank)[0])
+        d = costs.state_dtypes(self._state_stack, self._dp_mode(module, rank)[0])
+        if (self.memory_stack.endswith("+fp8") or getattr(self.options, "gemm_dtype", "bf16") == "fp8") \
+                and d.name == "nemo":
+            # Megatron-Bridge's FP8 recipes keep the weights in FP8 (fp8_param_gather)
+            from dataclasses import replace
 
-    def _grad_timeline(self, module: str, rank: int) -> tuple[float, float]:
-        """(bytes that appear with the module's first backward on the rank, bytes its grad_sync adds
-        (+) or frees (-)). A stack with a static gradient buffer holds it all step (`_static_memory`)
-        instead. This project's runtime accumulates whole fp32 gradients in every mode but FSDP; under
-        ZeRO its grad_sync reduce-scatters them into the rank's fp32 slice, and ZeRO-2 frees the whole
-        ones then (omnibench/runtime/zero.py)."""
-        d = self._dtypes(module, rank)
-        if d.grads_static:
-            return 0.0, 0.0
+            d = replace(d, weights=1)
+        return d
+
+    def _grad_sync_delta(self, module: str, rank: int) -> float:
+        """Gradient bytes a module's grad_sync adds (+) or frees (-) in this project's runtime: under
+        ZeRO it reduce-scatters the whole fp32 gradients into the rank's fp32 slice, and ZeRO-2 frees
+        the whole ones then (omnibench/runtime/zero.py). Other modes and stacks reduce in place."""
         mode, n = self._dp_mode(module, rank)
-        state = self._module_state(module, rank)
-        if mode.startswith("zero"):
-            dense, expert = self._model_parallel_params(module, rank)
-            whole = d.grads * (dense + expert)
-            return whole, state.grads - (whole if mode == "zero2" else 0.0)
-        return state.grads, 0.0
+        d = self._dtypes(module, rank)
+        if d.grads_static or not mode.startswith("zero") or self._memory_base != "eager":
+            return 0.0
+        dense, expert = self._model_parallel_params(module, rank)
+        whole = d.grads * (dense + expert)
+        return whole / n - (whole if mode == "zero2" else 0.0)
 
     def _grad_sync_buffer(self, module: str, rank: int) -> float:
         """Bytes a grad_sync allocates while it runs in this project's runtime
@@ -101,7 +210,7 @@ class MemoryMixin:
         zero.BUCKET_ELEMS, Megatron-LM's default bucket, and its slice). FSDP reduce-scatters inside
         the backward; stacks with a contiguous gradient buffer reduce it in place."""
         mode, n = self._dp_mode(module, rank)
-        if n < 2 or mode in ("fsdp", "hsdp") or self.state_stack == "megatron":
+        if n < 2 or mode in ("fsdp", "hsdp") or self._memory_base != "eager":
             return 0.0
         dense, expert = self._model_parallel_params(module, rank)
         grads = self._dtypes(module, rank).grads
@@ -114,25 +223,36 @@ class MemoryMixin:
         gathers none (this project's runtime on one rank or under DDP: autocast casts the fp32
         weights per forward and autograd saves the casts); under full recomputation blocks save
         only their input, the casts are made again."""
-        mode, _ = self._dp_mode(module, rank)
-        if mode in ("fsdp", "hsdp") or self.policy[module] == "full":
-            return 0.0
-        if self._dtypes(module, rank).weights != 4:
+        if not self._casts(module, rank) or self.policy[module] == "full":
             return 0.0
         dense, expert = self._model_parallel_params(module, rank)
+        if module == "llm":
+            # the blocks' linears; the token embedding is a lookup (no cast) and the chunked loss's
+            # cast of the output projection lives only while the loss runs (`_compute_memory`)
+            return 2 * self.stage_work(module, self.index[module].coords[rank].get("pp", 0)).layers * \
+                self._layer_on_rank(module)
         return 2 * (dense + expert)
 
+    def _scores(self, work: Work) -> float:
+        """Bytes of one layer's s x s attention scores where the stack runs unfused attention: only
+        Megatron-LM of 2019-22 ("megatron-2021", or SimOptions.attention "unfused") keeps softmax and
+        dropout outputs in bf16 and the dropout mask in bytes, 5 bytes per score (Korthikanti et al.
+        2022 eq. 1's 5as^2b). Every other stack runs flash attention (this runtime's varlen / SDPA,
+        torchtitan's SDPA, Megatron's and NeMo's Transformer Engine) on every GPU: the stack, not the
+        GPU, decides."""
+        attention = getattr(self.options, "attention", "")
+        unfused = attention == "unfused" or (not attention and self._memory_base == "megatron-2021")
+        if not unfused or work.shape is None or not work.layers:
+            return 0.0
+        return 5.0 * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
+
     def _live_activation(self, work: Work) -> float:
-        """costs.py counts activations for a flash-style core under the recompute policy; a kernel
-        profile with unfused attention also keeps each layer's s x s scores for the backward
-        (softmax output and dropout output in bf16, dropout mask in bytes: 5 bytes per score,
-        Korthikanti et al. 2022 eq. 1's 5as^2b term) unless recomputation drops them. Less the
-        recomputed layer that exists only during the backward (`_Op.act_transient`)."""
+        """What a forward keeps for its backward: costs.py's held activations under the recompute
+        policy (less the recomputed layer that exists only inside the backward), and the s x s scores
+        of an unfused-attention stack unless recomputation drops them."""
         out = work.act_bytes - work.act_transient
-        prof = self.compute.kernels
-        if (prof is not None and (self.options.attention or prof.attention_kernel) == "unfused" and work.shape is not None
-                and self.policy["llm"] == "none"):
-            out += 5.0 * work.shape.layers * work.shape.heads * sum(x * x for x in work.shape.seq_lens)
+        if self.policy["llm"] == "none":
+            out += work.layers * self._scores(work)
         return out
 
     def _params_on_rank(self, rank: int) -> float:
@@ -159,25 +279,241 @@ class MemoryMixin:
         return out
 
     def _gathered_bytes(self, m: str, rank: int) -> float:
-        """FSDP's gathered bf16 parameters held all step: the current and the prefetched layer when
-        FSDP reshards after forward, the whole stage when it keeps them."""
+        """FSDP's gathered bf16 parameters held whenever the rank computes: the root module's (FSDP2
+        never reshards the root after forward: embeddings, final norm and output projection, an
+        encoder's stem and merger) and the current and the prefetched layer when FSDP reshards after
+        forward (torchtitan also keeps the last block, which it does not reshard), the whole stage
+        when it keeps them. This project's runtime reshards after forward at any pp
+        (omnibench/runtime/parallelize.py `apply_fsdp`); torchtitan keeps the stage gathered under
+        pipelining (parallelize_llama.py `apply_fsdp`), which `reshard_after_forward` says."""
         mode, _ = self._dp_mode(m, rank)
         if mode not in ("fsdp", "hsdp"):
             return 0.0
         lay = self.plan.layouts[m]
         w = self.stage_work(m, self.index[m].coords[rank].get("pp", 0))
-        layers = min(2, max(1, w.layers)) if self.reshard_after_forward else max(1, w.layers)
-        return 2 * w.params / lay.tp * layers / max(1, w.layers)
+        dense, expert = self._layer_params(m)
+        layer = dense / lay.tp + expert / lay.tp / max(1, lay.ep)
+        total = (w.params - w.expert_params) / lay.tp + w.expert_params / lay.tp / max(1, lay.ep)
+        root = max(0.0, total - w.layers * layer)
+        if self.memory_stack == "eager":
+            reshard = bool(self.plan.options.get("reshard_after_forward", True))
+        else:
+            reshard = self.reshard_after_forward
+        if not reshard:
+            return 2 * total
+        if self._memory_base == "megatron-2021" and m == "llm":
+            # DeepSpeed ZeRO-3 (in the Megatron-LM codebase of those rows) gathers module by module:
+            # the current and the prefetched linear, the largest of a block at most
+            llm = self.model.llm
+            q, kv = llm.heads * llm.dim_head, llm.kv_heads * llm.dim_head
+            return 2 * 2 * max(llm.hidden * costs._mlp_width(llm), llm.hidden * (q + 2 * kv)) / lay.tp
+        held = 3 if self.memory_stack.startswith("torchtitan") else 2  # torchtitan keeps the last block
+        return 2 * (root + min(held, w.layers) * layer)
+
+    def _layer_params(self, m: str) -> tuple[float, float]:
+        """(dense, expert) parameters of one block of module `m`, before any sharding."""
+        key = ("layer-params", m)
+        got = self._work_cache.get(key)
+        if got is None:
+            if m == "llm":
+                llm = self.model.llm
+                got = (float(costs.llm_params(llm, layers=range(1), embed=False, head=False)),)
+                from simulator.flops import llm_expert_params
+
+                e = llm_expert_params(llm, range(1))
+                got = (got[0] - e, e)
+            elif m == "vision":
+                got = (float(costs.vision_params(self.model.vision, layers=range(1), patch_embed=False,
+                                                 merger=False)), 0.0)
+            else:
+                a = self.model.audio
+                one = costs.audio_params(a, layers=range(1), convs=False, projector=False)
+                got = (float(one - costs.audio_params(a, layers=range(0), convs=False, projector=False)), 0.0)
+            self._work_cache[key] = got
+        return got
+
+    def _layer_on_rank(self, m: str) -> float:
+        """One block's parameters on a rank of its layout (tp, ep split; no data-parallel sharding)."""
+        lay = self.plan.layouts[m]
+        dense, expert = self._layer_params(m)
+        return dense / lay.tp + expert / lay.tp / max(1, lay.ep)
+
+    def _backward_order(self, rank: int, module: str, stage: int) -> list[int]:
+        """The microbatches whose backward `rank` runs for (module, stage), in order."""
+        key = ("bwd-order", rank, module, stage)
+        got = self._sig_cache.get(key)
+        if got is None:
+            got = self._sig_cache[key] = [a.microbatch for a in self.plan.actions.get(rank, [])
+                                          if a.kind == BACKWARD and a.module == module and a.stage == stage]
+        return got
+
+    def _first_backward(self, rank: int, module: str) -> tuple[int, int] | None:
+        """(stage, microbatch) of the module's first backward on `rank`."""
+        key = ("first-bwd", rank, module)
+        if key not in self._sig_cache:
+            first = next(((a.stage, a.microbatch) for a in self.plan.actions.get(rank, [])
+                          if a.kind == BACKWARD and a.module == module), None)
+            self._sig_cache[key] = first
+        return self._sig_cache[key]
+
+    def _backward_grads(self, rank: int, a) -> tuple[float, float, float, float, float, float]:
+        """Gradient bytes of this backward, per the module's data-parallel mode and the stack:
+        (what each layer leaves for good; what appears at the start, for the stage's head (the LLM's
+        final norm and output projection, an encoder's stem and merger); what the end leaves (the
+        embedding's, the root's reduction); the end's transient extra; one layer's transient gradient
+        buffers; held activation bytes the start releases early).
+
+        - FSDP2 (this project's runtime, torchtitan): a layer's bf16 gradient is copied into an fp32
+          reduce-scatter input (the previous layer's still in flight) and the rank keeps its fp32
+          shard; the root unit (embedding, head) holds its bf16 gradients until it reduces last. Where
+          the stack reduces only in a stage's last backward microbatch (`_defers_reduce`), FSDP2
+          accumulates whole (unsharded) fp32 gradients until then, adding each microbatch's through
+          an fp32 copy;
+        - DDP / ZeRO (this project's runtime): the fp32 gradient appears with a stage's first
+          backward (its bf16 source is transient); later microbatches add an fp32 copy into it;
+        - Megatron: gradient accumulation fusion writes into the static main-grad buffer.
+
+        This runtime's chunked loss holds the output projection's fp32 weight gradient from the
+        forward (costs.loss_memory); its backward scales it into a new tensor (its transient,
+        `Work.loss_backward`) that becomes the weight's gradient (cast to bf16 under FSDP) and
+        releases the held one."""
+        module = a.module
+        d = self._dtypes(module, rank)
+        if d.grads_static:
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        mode, n = self._dp_mode(module, rank)
+        lay = self.plan.layouts[module]
+        lp = self._layer_on_rank(module)
+        w = self.work(module, a.stage, ())
+        total = (w.params - w.expert_params) / lay.tp + w.expert_params / lay.tp / max(1, lay.ep)
+        root = max(0.0, total - w.layers * lp)
+        embed = 0.0
+        if module == "llm" and a.stage == 0:
+            embed = min(root, self.model.llm.vocab * self.model.llm.hidden / lay.tp)
+        head = root - embed
+        handover = 0.0
+        if self.memory_stack == "eager" and module == "llm" and a.stage == lay.stages - 1:
+            handover = 4.0 * self.model.llm.vocab * self.model.llm.hidden / lay.tp
+        order = self._backward_order(rank, module, a.stage)
+        first, last = bool(order) and a.microbatch == order[0], bool(order) and a.microbatch == order[-1]
+        if mode in ("fsdp", "hsdp"):
+            reduce = 2 * lp + 4 * lp  # the layer's bf16 gradient, the previous layer's fp32 reduce-scatter input
+            if len(order) <= 1 or not self._defers_reduce(module):
+                # every microbatch reduce-scatters; the first creates the rank's shard, later ones add
+                per, buf = (4 / n if first else 0.0), reduce
+            elif first:
+                per, buf = 4.0, 2 * lp
+            elif last:
+                per, buf = -4 + 4 / n, reduce
+            else:
+                per, buf = 0.0, 2 * lp + 4 * lp
+            return per * lp, 2 * head, per * root - 2 * head, 2 * embed, buf, handover
+        if first:
+            return d.grads * lp, d.grads * head, d.grads * embed, 0.0, 2 * lp, handover
+        return 0.0, 0.0, 0.0, 0.0, 2 * lp + d.grads * lp, handover
+
+    def _defers_reduce(self, module: str) -> bool:
+        """Whether FSDP reduce-scatters only in a stage's last backward microbatch, accumulating whole
+        gradients until then: this project's runtime always does (`set_requires_gradient_sync`),
+        torchtitan under pipelining (torch.distributed.pipelining's `backward_maybe_with_nosync`);
+        torchtitan's gradient accumulation without pipelining, Composer and Megatron reduce-scatter
+        every microbatch into the sharded gradient."""
+        if getattr(self.options, "fsdp_reduce_every_microbatch", False):
+            return False
+        if self.memory_stack == "eager":
+            return True
+        return self.memory_stack.startswith("torchtitan") and self.plan.layouts[module].pp > 1
+
+    def _compute_memory(self, rank: int, a, work: Work) -> tuple[float, float]:
+        """(high point over what was live before, bytes left after) of one forward or backward of a
+        module stage on one microbatch.
+
+        Forward: its activations (and, where autocast casts fp32 weights, the casts it keeps), with
+        the loss's transient at its end, or one block's working set where blocks recompute. Backward,
+        walked layer by layer from the top: the loss's backward and the head's gradients first, then per
+        layer its recomputed activations, working set and gradient buffers on top of what is still
+        held; each layer frees its activations and leaves its gradient; the embedding's gradient comes
+        last. Whichever point is highest sets the peak (the start when activations outweigh
+        gradients, the end under full recomputation)."""
+        module = a.module
+        copies = self._weight_copies(module, rank, a.stage)
+        held = self._live_activation(work) + (0.0 if work.chunks else copies)
+        residual = self._fp32_residual(module, rank, work)
+        replicated = self._replicated_norms(module, work)
+        if self.policy[module] != "full":
+            held += work.layers * residual
+        held += work.layers * replicated
+        if a.kind != BACKWARD:
+            extra = work.loss_forward
+            if extra and self._casts(module, rank):
+                extra += 2.0 * self.model.llm.vocab * self.model.llm.hidden / self.plan.layouts[module].tp  # autocast's cast
+            if self.policy[module] != "none":
+                extra = max(extra, work.act_working)
+            return held + extra, held
+        n = work.layers
+        lp = self._layer_on_rank(module)
+        layer_held = (work.act_layer + (2 * lp if copies else 0.0) + (residual if self.policy[module] != "full" else 0.0)
+                      + replicated)
+        if self.policy[module] == "none":
+            layer_held += self._scores(work)
+        g_layer, g_start, g_end, end_extra, buffers, release = self._backward_grads(rank, a)
+        if work.chunks:
+            # a chunked encoder's transient already holds one block's backward working set, measured
+            # with MemTracker (flops._chunked_memory): its gradient buffers and the root's are in it
+            g_end += g_start
+            g_start = buffers = 0.0
+        recompute = work.act_transient
+        if self.policy[module] == "full" and self._casts(module, rank):
+            recompute += 2 * lp + residual  # the recomputed forward casts the block's weights again
+        if self.policy[module] != "none":
+            recompute += self._scores(work)
+        step = recompute + work.act_working + buffers
+        peak = work.loss_backward
+        start = g_start - release
+        if n:
+            peak = max(peak, start + g_layer + step, start + (n - 1) * (g_layer - layer_held) + g_layer + step)
+        delta = g_start + g_end + n * g_layer - held
+        return max(peak, delta + end_extra), delta
+
+    def _fp32_residual(self, module: str, rank: int, work: Work) -> float:
+        """Per LLM layer, what this runtime's blocks keep beyond costs.llm_layer_bytes when autocast
+        runs them over fp32 weights (one rank, DDP): the fp32 token embedding makes the residual
+        stream fp32, so each RMSNorm keeps three fp32 [T, hidden] tensors (input, normalised, scaled
+        output) instead of one fp32 copy and two bf16 ones, and each of the five linears reading a
+        norm's output (q, k, v; w1, w3) casts it to bf16 for itself: 18 bytes per token and hidden
+        unit more (saved-tensor hooks under autocast, one Qwen2-7B block: 290,836 bytes per token
+        against 225,288 in bf16)."""
+        if module != "llm" or self.memory_stack != "eager" or not self._casts(module, rank) or not work.layers:
+            return 0.0
+        return 18.0 * self.model.llm.hidden * work.tokens / self.plan.layouts[module].tp
+
+    def _replicated_norms(self, module: str, work: Work) -> float:
+        """Per LLM layer, what Megatron's blocks keep beyond 1/tp without sequence parallelism
+        (SimOptions.sequence_parallel off, tensor parallelism on): the layer-norm regions run on every
+        tp rank whole, so their inputs and outputs (the two norms' inputs, the attention's and the
+        MLP's inputs) are not split (Korthikanti et al. 2022 Table 2: 10sbh of 34sbh, less the dropout
+        masks); under full recomputation the block's input too."""
+        lay = self.plan.layouts[module]
+        if (module != "llm" or lay.tp < 2 or not self.activation_stack.startswith("megatron")
+                or getattr(self.options, "sequence_parallel", True) or not work.layers):
+            return 0.0
+        per_token = 2 * self.model.llm.hidden * (1 if self.policy[module] == "full" else 4)
+        return per_token * work.tokens * (1 - 1 / lay.tp)
+
+    def _casts(self, module: str, rank: int) -> bool:
+        """Whether autocast casts fp32 weights to bf16 in this module's forward (no FSDP, fp32 weights)."""
+        mode, _ = self._dp_mode(module, rank)
+        return mode not in ("fsdp", "hsdp") and self._dtypes(module, rank).weights == 4
 
     def _static_memory(self, rank: int) -> float:
         """What a rank holds all step: each module's weights (with master copies) and, for modules it
         trains, AdamW state under the module's data-parallel mode (gradients come with the first
-        backward, `_grad_timeline`, unless the stack allocates them at start-up), plus FSDP's
+        backward, `_backward_grads`, unless the stack allocates them at start-up), plus FSDP's
         gathered bf16 parameters. AdamW creates state only for parameters that get a gradient: a
         module the step never runs backward for on this rank (no audio in the batch) holds its
         weights alone."""
         trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD}
-        mem = RESERVED_BYTES
+        mem = 0.0
         for m in self.plan.layouts:
             if rank not in self.index[m].coords:
                 continue
@@ -187,3 +523,11 @@ class MemoryMixin:
                 mem += state.grads
             mem += self._gathered_bytes(m, rank)
         return mem
+
+    def _rank_memory(self, stats, rank: int, peak_live: float, peak_at=None) -> None:
+        """A rank's memory figures from its static state and the timeline's peak of live bytes."""
+        stats.memory_peak_at = str(peak_at) if peak_at is not None else ""
+        stats.memory_static = self._static_memory(rank)
+        stats.memory_allocated = stats.memory_static + peak_live
+        stats.memory_reserved = FRAGMENTATION * stats.memory_allocated
+        stats.memory_bytes = stats.memory_reserved + RESERVED_BYTES

@@ -21,8 +21,9 @@ class SimOptions:
     # encoder microbatches in chunks of at most this many encoder tokens (patches, audio positions),
     # each recomputed in the backward, as omnibench/runtime/encoder_chunks.py runs them; 0: not chunked
     encoder_chunk_tokens: int = 0
-    # whose memory conventions to charge (simulator/memory.py): "" follows `stack` (eager: this
-    # project's runtime, fused: Megatron-LM); or a name of omnibench.specs.costs.STATE_DTYPES
+    # whose memory conventions to charge (simulator/memory.py MEMORY_STACKS): "" follows `stack`
+    # (eager: this project's runtime, fused: Megatron-LM); "torchtitan", "torchtitan-compile",
+    # "torchtitan-compile-loss", "megatron", "composer" describe other stacks' published runs
     memory_stack: str = ""
     # What else the software stack does (defaults: this project's runtime). `validate --published` sets
     # them from each row's stack (simulator/published.py::options_of).

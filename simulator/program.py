@@ -58,9 +58,10 @@ class _Op:
     lock_key: tuple | None = None  # lock-step / collective rendezvous key
     lock_n: int = 1  # distinct participants
     p2p_keys: list = field(default_factory=list)  # (key, bytes-time) sends, or keys awaited for recv
-    act_delta: float = 0.0  # activation bytes added (+) or freed (-)
-    grad_delta: float = 0.0  # gradient bytes that appear with this backward (a module's first on the rank)
-    act_transient: float = 0.0  # bytes a backward holds only while it runs (a recomputed layer)
+    # memory (simulator/memory.py): the op's high point over what was live before it, and what it
+    # leaves (activations added or freed, gradients, buffers)
+    mem_peak: float = 0.0
+    mem_delta: float = 0.0
     blocking: bool = False  # a collective the rank waits for before its next action (no overlap)
     calls: int = 0  # collective calls a compute action issues in line
 
@@ -206,12 +207,7 @@ class ProgramMixin:
             if n > 1:
                 op.lock_key = ("lock", a.kind, module, a.stage, gid)
                 op.lock_n = n
-        copies = self._weight_copies(module, rank, a.stage)
-        # chunked encoders keep no autocast weight casts from forward to backward; a chunk's
-        # recomputed forward casts them again while its backward runs
-        live = self._live_activation(work) + (0.0 if work.chunks else copies)
-        op.act_delta = live if a.kind == FORWARD else -live
-        op.act_transient = work.act_transient + (copies if work.chunks else 0.0) if a.kind == BACKWARD else 0.0
+        op.mem_peak, op.mem_delta = self._compute_memory(rank, a, work)
         return op
 
     def _bucketed(self, op: str, nbytes: float, group: tuple[int, ...], bucket: float, elem: float = 2.0) -> float:
@@ -298,8 +294,9 @@ class ProgramMixin:
                 seen[key] += 1
                 op = _Op(a, a.kind, duration=cost, lock_key=(*key, n), lock_n=n_members,
                          blocking=not self.coll.inline_overlap)
-                # memory: the flat buffer a non-FSDP reduction allocates; ZeRO-2's kept shard
-                op.act_transient = self._grad_sync_buffer(module, rank)
+                # memory: the flat buffer a non-FSDP reduction allocates; ZeRO's gradient slice
+                op.mem_delta = self._grad_sync_delta(module, rank)
+                op.mem_peak = max(op.mem_delta, 0.0) + self._grad_sync_buffer(module, rank)
                 ops.append(op)
             elif a.kind == METADATA:
                 # The loaders' all-gather (padded to the largest contribution, which the planner put
@@ -317,16 +314,6 @@ class ProgramMixin:
                                                                                *self.layers_on_rank(rank))))
                 if comm_on:
                     ops += self._param_gathers(rank, cls, seen, ops)
-        # a module's gradients exist from its first backward to the step's end (ZeRO-2 in this
-        # project's runtime: whole until its grad_sync, the rank's shard after)
-        graded: set[str] = set()
-        for op in ops:
-            module = op.action.module
-            if op.kind == BACKWARD and module not in graded:
-                graded.add(module)
-                op.grad_delta = self._grad_timeline(module, rank)[0]
-            elif op.kind == GRAD_SYNC and module in graded:
-                op.act_delta = -self._grad_timeline(module, rank)[1]
         return ops
 
     def _synced_modules(self, rank: int) -> list[str]:

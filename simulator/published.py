@@ -315,6 +315,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
       say the publication overlaps ("overlap") is overlapped.
     `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
     from simulator.engine import SimOptions
+    from simulator.memory import published_memory_stack
 
     hopper = row.hardware.startswith(HOPPER)
     tp = row.tp > 1
@@ -344,7 +345,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
                       overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap,
                       selective=selective, fsdp_reduce_every_microbatch=reduce_every,
                       fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket, gather_for_recompute=regather,
-                      p2p_scatter_gather=True)
+                      p2p_scatter_gather=True, memory_stack=published_memory_stack(row))
 
 
 def fixed_text_workload(seq: int):

@@ -46,8 +46,11 @@ class RankStats:
     exposed_comm: float = 0.0  # compute stream blocked on communication
     optimizer: float = 0.0
     comm_busy: float = 0.0  # time the collective and p2p streams were busy
-    memory_bytes: float = 0.0
+    memory_bytes: float = 0.0  # what the GPU must hold: the allocator's reserve and what lives outside it
     memory_static: float = 0.0
+    memory_allocated: float = 0.0  # peak of live tensors (torch.cuda.max_memory_allocated's measure)
+    memory_reserved: float = 0.0  # the caching allocator's peak reserve (max_memory_reserved's)
+    memory_peak_at: str = ""  # the action during which the peak happens
     compute_by_module: dict = field(default_factory=dict)  # module -> own compute seconds
 
 

@@ -105,7 +105,7 @@ class WorkMixin:
                 layers = stage_layers(llm.layers, lay.stages, stage, lay.embedding_loss_stages)
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, sp or lay.cp,
-                               lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp)
+                               lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp, self.activation_stack)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
                 chunk = self.options.encoder_chunk_tokens if not sp and lay.sp == 1 else 0

@@ -150,15 +150,18 @@ def test_refitting_the_cpu_profile_from_its_records_gives_the_committed_profile(
 
 
 # -- memory ------------------------------------------------------------------------------------------
-def test_the_memory_estimate_is_within_10_percent_above_every_measured_gpu_peak():
+def test_the_memory_estimate_is_within_5_percent_of_every_measured_gpu_peak():
     """Each eager GPU record (11 runs, 4 Plans: text_only llm-7b@4L without recomputation;
     mixed_video omni-7b@4L with full and with encoder-only recomputation; omni-7b@8L full), the
-    estimate for the same steps' Plans, model and recompute mode against the peak each step measured.
-    No full-depth model was ever recorded on a GPU. The estimate was rewritten while looking at these
-    peaks, so this guards them against regressions; it does not show the estimate predicts new ones."""
+    estimate of live tensors for the same steps' Plans, model and recompute mode against the peak
+    each step measured (max allocated). What the fits check compares with the GPU adds the caching
+    allocator's reserve and the context outside it (simulator/memory.py). No full-depth model was
+    ever recorded on a GPU (tests/test_memory_full_depth.py checks full depth against the runtime
+    under FakeTensorMode). The estimate was rewritten while looking at these peaks, so this guards
+    them against regressions; it does not show the estimate predicts new ones."""
     assert len(EAGER) >= 6
     for run in EAGER:
         m = memory_check(str(run), "h100")
         assert m.steps >= 3, run
-        assert 1.0 <= m.ratio <= 1.10, f"{run.name}: estimate {m.estimated_bytes / 2**30:.1f} GiB, " \
-                                       f"measured {m.measured_bytes / 2**30:.1f} GiB ({m.ratio:.3f})"
+        assert 0.95 <= m.ratio <= 1.05, f"{run.name}: estimate {m.estimated_bytes / 2**30:.1f} GiB, " \
+                                        f"measured {m.measured_bytes / 2**30:.1f} GiB ({m.ratio:.3f})"

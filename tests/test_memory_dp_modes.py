@@ -8,7 +8,7 @@ import pytest
 from omnibench.specs import costs
 from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
 from omnibench.specs.presets import get_model
-from simulator.engine import RESERVED_BYTES, Engine, SimOptions
+from simulator.engine import Engine, SimOptions
 from simulator.hardware import load_cluster
 from systems import get_planner
 from workloads.sample import Batch, Sample, Segment
@@ -25,11 +25,14 @@ def test_eager_replicated_state_is_fp32_and_each_zero_stage_shards_one_more_part
     assert costs.dp_state_bytes(P, mode, n, "eager").total == pytest.approx(want * P)
 
 
-def test_megatron_distributed_optimizer_keeps_6_plus_12_over_d_bytes_per_parameter():
-    # Megatron-LM docs/source/distrib_optimizer.md: bf16 params + fp32 grads, 18 bytes (DDP), 6 + 12/d
-    assert costs.dp_state_bytes(P, "ddp", 8, "megatron").total == pytest.approx(18 * P)
-    assert costs.dp_state_bytes(P, "zero1", 8, "megatron").total == pytest.approx((6 + 12 / 8) * P)
-    assert costs.dp_state_bytes(P, "zero2", 8, "megatron").total == pytest.approx((2 + 16 / 8) * P)
+def test_megatron_distributed_optimizer_keeps_4_plus_12_over_d_bytes_and_nemo_6_plus_12_over_d():
+    # Megatron-LM docs/source/api-guide/dist_optimizer.md: bf16 params with bf16 grads (Megatron-LM's
+    # default) or fp32 grads (NeMo 2.0's grad_reduce_in_fp32): 16 / 18 bytes under DDP
+    assert costs.dp_state_bytes(P, "ddp", 8, "megatron").total == pytest.approx(16 * P)
+    assert costs.dp_state_bytes(P, "zero1", 8, "megatron").total == pytest.approx((4 + 12 / 8) * P)
+    assert costs.dp_state_bytes(P, "ddp", 8, "nemo").total == pytest.approx(18 * P)
+    assert costs.dp_state_bytes(P, "zero1", 8, "nemo").total == pytest.approx((6 + 12 / 8) * P)
+    assert costs.dp_state_bytes(P, "zero2", 8, "megatron").total == pytest.approx((2 + 14 / 8) * P)
 
 
 def test_state_bytes_refuse_an_unknown_mode_or_stack():
@@ -51,7 +54,7 @@ def _params(e: Engine) -> float:
 
 
 def test_static_memory_falls_with_each_zero_stage_and_fsdp():
-    static = {m: _engine(m)._static_memory(0) - RESERVED_BYTES for m in ("ddp", "zero1", "fsdp")}
+    static = {m: _engine(m)._static_memory(0) for m in ("ddp", "zero1", "fsdp")}
     p = _params(_engine("ddp"))
     assert static["ddp"] == pytest.approx(12 * p)  # fp32 weights + AdamW; gradients come with the backward
     assert static["zero1"] == pytest.approx((2 + 4 / 4 + 8 / 4) * p)
@@ -64,14 +67,13 @@ def test_the_simulated_peak_falls_from_ddp_to_zero_to_fsdp():
     assert peak["ddp"] > peak["zero1"] >= peak["zero2"] > peak["fsdp"]
 
 
-def test_eager_zero2_frees_the_whole_gradients_at_grad_sync_and_megatron_never_holds_them():
-    e = _engine("zero2")
-    p = _params(e)
-    appear, at_sync = e._grad_timeline("llm", 0)
-    assert appear == pytest.approx(4 * p) and at_sync == pytest.approx(-4 * p + 4 * p / 4)
+def test_eager_zero_reduces_into_a_slice_at_grad_sync_and_zero2_frees_the_whole_gradients():
+    p = _params(_engine("zero2"))
+    assert _engine("zero2")._grad_sync_delta("llm", 0) == pytest.approx(-4 * p + 4 * p / 4)
+    assert _engine("zero1")._grad_sync_delta("llm", 0) == pytest.approx(4 * p / 4)
     m = _engine("zero2", memory_stack="megatron")
-    assert m._grad_timeline("llm", 0) == (0.0, 0.0)  # a gradient partition allocated at start-up
-    assert m._static_memory(0) - RESERVED_BYTES == pytest.approx((2 + (4 + 4 + 8) / 4) * p)
+    assert m._grad_sync_delta("llm", 0) == 0.0  # a gradient partition allocated at start-up
+    assert m._static_memory(0) == pytest.approx((2 + (2 + 4 + 8) / 4) * p)
 
 
 def test_zero_shards_the_optimizer_step_and_fsdp_the_weights():
@@ -94,3 +96,30 @@ def test_one_rank_holds_everything_whatever_the_mode():
     for mode in ("zero2", "fsdp"):
         e = _engine(mode, world=1)
         assert e._dp_mode("llm", 0) == ("ddp", 1)
+
+
+def _fsdp_engine(memory_stack: str, pp: int = 1) -> Engine:
+    spec = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 4096),)) for i in range(16)])
+    parallel = ParallelSpec(world_size=4 * pp, pp=pp, microbatches=4)
+    plan = get_planner("homogeneous").plan(spec, parallel, batch)
+    return Engine(plan, spec, load_cluster("h100", 4 * pp),
+                  options=SimOptions(check_memory=False, memory_stack=memory_stack, stack="fused"))
+
+
+def test_this_runtime_accumulates_whole_fsdp_gradients_until_the_last_microbatch():
+    e = _fsdp_engine("eager")
+    acts = [a for a in e.plan.actions[0] if a.kind == "backward"]
+    lp = e._layer_on_rank("llm")
+    assert e._backward_grads(0, acts[0])[0] == pytest.approx(4 * lp)  # whole fp32, unsharded
+    assert e._backward_grads(0, acts[-1])[0] == pytest.approx(-4 * lp + 4 * lp / 4)  # reduced to the shard
+
+
+def test_torchtitan_reduces_every_microbatch_without_pipelining_and_defers_with_it():
+    flat = _fsdp_engine("torchtitan")
+    acts = [a for a in flat.plan.actions[0] if a.kind == "backward"]
+    lp = flat._layer_on_rank("llm")
+    assert flat._backward_grads(0, acts[0])[0] == pytest.approx(4 * lp / 4)
+    assert flat._backward_grads(0, acts[1])[0] == 0.0
+    piped = _fsdp_engine("torchtitan", pp=2)
+    assert piped._defers_reduce("llm") and not _fsdp_engine("composer")._defers_reduce("llm")

@@ -25,7 +25,9 @@ from omnibench.specs.model import SpecError
 from omnibench.specs.run import RunSpec
 
 GiB = 1024**3
-HEADROOM = 0.92  # of the device's memory: allocator fragmentation and NCCL buffers beyond the estimate
+# of the device's memory: the estimate (SimResult memory_bytes) already holds the caching allocator's reserve
+# and the CUDA context and NCCL buffers outside it (simulator/memory.py FRAGMENTATION, RESERVED_BYTES)
+HEADROOM = 1.0
 DEPTHS = (0, 16, 8, 4, 2)  # 0: the preset's own depth
 
 

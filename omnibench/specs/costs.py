@@ -484,16 +484,24 @@ STATE_DTYPES = {
         "zero": StateDtypes("torchtitan", weights=2, master=4, grads=4),
         "sharded": StateDtypes("torchtitan", weights=4, master=0, grads=4),
     },
-    # Megatron-LM / NeMo (Megatron Core, bf16): bf16 parameters, an fp32 main-grad buffer allocated at
-    # start-up (gradient accumulation fusion writes into it), fp32 master weights and AdamW moments in
-    # the optimizer: 18 bytes per parameter under DDP, 6 + 12/d with the distributed optimizer
-    # (Megatron-LM docs/source/distrib_optimizer.md). DeepSpeed ZeRO-1/2 keeps the same fp32 master and
-    # moments (Rajbhandari et al. 2020: K = 12 bytes per parameter); ZeRO-2 its fp32 gradient
-    # partition, allocated at start-up too.
+    # Megatron-LM (Megatron Core, bf16): bf16 parameters, a main-grad buffer allocated at start-up
+    # (gradient accumulation fusion writes into it) in the parameters' dtype unless
+    # --accumulate-allreduce-grads-in-fp32 (off by default), fp32 master weights and AdamW moments in
+    # the optimizer (which makes an fp32 copy of its gradient shard only while it steps): 16 bytes per
+    # parameter under DDP, 4 + 12/d with the distributed optimizer (Megatron-LM
+    # docs/source/api-guide/dist_optimizer.md: "bf16 param, bf16 grads"). DeepSpeed ZeRO-1/2/3 keeps
+    # the same fp32 master and moments (Rajbhandari et al. 2020: K = 12 bytes per parameter).
     "megatron": {
-        "replicated": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
-        "zero": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
-        "sharded": StateDtypes("megatron", weights=2, master=4, grads=4),
+        "replicated": StateDtypes("megatron", weights=2, master=4, grads=2, grads_static=True),
+        "zero": StateDtypes("megatron", weights=2, master=4, grads=2, grads_static=True),
+        "sharded": StateDtypes("megatron", weights=2, master=4, grads=2),
+    },
+    # NeMo 2.0 on Megatron Core: the same with fp32 main gradients (its bf16 DDP config sets
+    # grad_reduce_in_fp32): 18 bytes per parameter under DDP, 6 + 12/d distributed.
+    "nemo": {
+        "replicated": StateDtypes("nemo", weights=2, master=4, grads=4, grads_static=True),
+        "zero": StateDtypes("nemo", weights=2, master=4, grads=4, grads_static=True),
+        "sharded": StateDtypes("nemo", weights=2, master=4, grads=4),
     },
 }
 STATE_STACKS = tuple(STATE_DTYPES)
@@ -518,7 +526,11 @@ def dp_state_bytes(params: float, dp_mode: str = "ddp", shard: int = 1, stack: s
     - zero2: the gradients too (what a rank keeps after the reduce-scatter);
     - fsdp / hsdp (ZeRO-3; `shard` = the HSDP shard group): everything sharded.
     """
-    d = state_dtypes(stack, dp_mode)
+    return state_bytes(state_dtypes(stack, dp_mode), params, dp_mode, shard)
+
+
+def state_bytes(d: StateDtypes, params: float, dp_mode: str, shard: int = 1) -> StateBytes:
+    """`dp_state_bytes` for given bytes per parameter."""
     if shard < 1:
         raise ValueError(f"shard must be >= 1, got {shard}")
     p = float(params)
@@ -572,6 +584,168 @@ def vision_layer_bytes(vit: VisionEncoderSpec, b: int = 2) -> int:
 def audio_layer_bytes(enc: AudioEncoderSpec, b: int = 2) -> int:
     h = enc.hidden
     return 2 * _layernorm_bytes(h, b) + 4 * b * h + 2 * b * enc.ffn  # q, k, v, output; GELU in and out
+
+
+# --- activations per software stack ------------------------------------------------------------------
+# What one LLM block keeps per token depends on the kernels that run, not on the GPU:
+#
+# - "eager": this project's modules (omnibench/models), measured by saved-tensor hooks above;
+# - "torchtitan": torchtitan's Llama (torchtitan/models/llama/model.py at 9dec370, Dec 2024, the
+#   commit of its published H100 benchmarks): fp32 RMSNorm math, RoPE in fp32 complex numbers (saves
+#   nothing per token: the other operand is the constant table), k and v repeated to every query
+#   head before SDPA's flash kernel (which saves q, k, v, its output and the log-sum-exp), the
+#   attention output made contiguous for wo, SwiGLU as three saved ffn-wide tensors and the product.
+#   Its "selective" is op-level SAC (parallelize_llama.py `_save_list`): the outputs of every mm
+#   except every second one (wq, wv, w1, w2 of wq wk wv wo w1 w3 w2) and of SDPA are kept with the
+#   checkpoint's input; the rest is recomputed in the backward;
+# - "megatron": Megatron Core with Transformer Engine (fused LayerNorm-linear, flash attention with
+#   GQA kept as kv heads, fused SwiGLU): the block's input and each linear's input (the layer norm's
+#   output), q, k, v and the attention output, the fc1 output (gate and up) and fc2's input
+#   (Korthikanti et al. 2022, Table 2 without dropout masks and without the 5as^2 scores flash never
+#   stores); "selective" recomputes the attention core only, which under flash stores nothing.
+#
+# "full" recomputation keeps each block's input; its backward rebuilds one block at a time.
+#
+# "torchtitan-compile" is torchtitan with each block under torch.compile (parallelize_llama.py
+# `apply_compile`): the compiled backward saves only what the backward reads (min-cut
+# partitioning; under SAC it drops the w2 output eager SAC caches for the recomputation, which the
+# backward never reads) and fuses element-wise chains, so no fp32 norm or RoPE copies exist.
+#
+# "torchtitan-compile-loss" also compiles the loss (torchtitan from May 2025,
+# components/loss.py `build_cross_entropy_loss`; the December 2024 version left it eager because
+# compiling it "causes CUDA errors", train.py at 9dec370).
+#
+# "torchtitan-fused-norm" is torchtitan with its Triton RMSNorm (`norm_type = "fused_rmsnorm"`, the
+# Llama 2 13B and Llama 3 8B configs of April 2024): a norm keeps its bf16 input and 1/rms only.
+# "megatron-fp8" is Megatron with Transformer Engine's FP8 linears: each linear keeps its input in
+# FP8 (1 byte) for its weight gradient.
+ACTIVATION_STACKS = ("eager", "torchtitan", "torchtitan-fused-norm", "torchtitan-compile", "torchtitan-compile-loss",
+                     "megatron", "megatron-fp8")
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Bytes per token of one block: `held` from its forward to its backward, `recompute` rebuilt
+    while its backward runs (recomputation), `working` the gradients and temporaries alive inside
+    its backward at their high point (measured with torch's MemTracker: tests/test_memory_tracker.py)."""
+
+    held: float
+    recompute: float
+    working: float
+
+
+def _mlp_width(llm: LLMSpec) -> int:
+    """Per token, the ffn width a token's MLP runs (an MoE token's top-k experts plus the shared one)."""
+    if llm.moe is None:
+        return llm.ffn
+    return llm.moe.top_k * llm.moe.expert_ffn + llm.moe.shared_expert_ffn
+
+
+def llm_layer_memory(llm: LLMSpec, recompute: str = "none", stack: str = "eager", b: int = 2) -> LayerMemory:
+    """One LLM block under `recompute` as `stack` runs it (see ACTIVATION_STACKS)."""
+    _check(recompute, "causal")
+    if stack not in ACTIVATION_STACKS:
+        raise ValueError(f"stack must be one of {', '.join(ACTIVATION_STACKS)}; got {stack!r}")
+    h, d = llm.hidden, llm.dim_head
+    q, kv = llm.heads * d, llm.kv_heads * d
+    f = _mlp_width(llm)
+    lse = 4 * llm.heads  # fp32 log-sum-exp per query head
+    moe_extra = llm_layer_bytes(llm, b) - llm_layer_bytes(_dense(llm), b) if llm.moe is not None else 0
+    glu = llm.mlp == "swiglu" or llm.moe is not None
+    if stack == "eager":
+        none = float(llm_layer_bytes(llm, b))
+    elif stack in ("torchtitan", "torchtitan-fused-norm"):
+        # norms; q, k and v repeated to every head, the core's output and its contiguous copy; SwiGLU's
+        # w1, w3 and silu outputs and their product (a GELU MLP: fc1's output and fc2's input)
+        norm = _rmsnorm_bytes(h, b) if stack == "torchtitan" else 2 * b * h + 4
+        none = 2 * norm + b * (q + 2 * q + q + q) + lse + (4 if glu else 2) * b * f + moe_extra
+    elif stack.startswith("torchtitan-compile"):
+        # normed inputs (with 1/rms), q and k, v repeated for SDPA, its output; w1 and w3 outputs and
+        # their product (w2's weight gradient)
+        none = 2 * (b * h + 4) + b * (q + 2 * q + q) + lse + (3 if glu else 2) * b * f + moe_extra
+    else:
+        # input and normed input twice (attention, MLP), q, k, v, the core's output; fc1 out (2 f for
+        # the gated pair), fc2 in
+        none = b * (4 * h + 2 * q + 2 * kv + (3 if glu else 2) * f) + lse + 8
+        if stack == "megatron-fp8":
+            # FP8 copies for the linears' weight gradients: the two normed inputs and fc2's input in one
+            # byte instead of two, and one more byte per element of the core's output (kept by the core)
+            none += -(b - 1) * (2 * h + f) + q
+    # the backward's high point inside a block: the MLP's ffn-wide gradients (two at once, with the
+    # tensors they are computed from) and the hidden-wide gradients flowing through the block
+    working = b * (2 * f + 2 * h)
+    if recompute == "full":
+        return LayerMemory(held=b * h, recompute=none, working=working)
+    if recompute == "selective" and stack in ("torchtitan", "torchtitan-fused-norm"):
+        # input; wq, wv, SDPA, w1, w2 outputs (a GELU MLP's two matmuls are the 5th and 6th: fc1's only)
+        sac = b * (h + q + kv + q + f + (h if glu else 0)) + lse
+        return LayerMemory(held=sac, recompute=none - sac, working=working)
+    if recompute == "selective" and stack.startswith("torchtitan-compile"):
+        sac = b * (h + q + kv + q + f) + lse  # input; wq, wv, SDPA, w1 outputs (w2's is never read)
+        return LayerMemory(held=sac, recompute=none - sac, working=working)
+    return LayerMemory(held=none, recompute=0.0, working=working)
+
+
+def _dense(llm: LLMSpec) -> LLMSpec:
+    """The same block with a dense MLP of the MoE's per-token width (for the MoE's extra saved bytes)."""
+    from dataclasses import replace
+
+    return replace(llm, moe=None, ffn=_mlp_width(llm))
+
+
+@dataclass(frozen=True)
+class LossMemory:
+    """Bytes of the LLM head (final norm, output projection, cross-entropy) for `tokens` tokens on a
+    rank holding `vocab` columns: `held` from the forward to the backward, `forward` / `backward` the
+    transient extra at each pass's high point."""
+
+    held: float
+    forward: float
+    backward: float
+
+
+def loss_memory(llm: LLMSpec, tokens: int, vocab: int | None = None, stack: str = "eager", b: int = 2,
+                tp: int = 1) -> LossMemory:
+    """- eager: the chunked loss (omnibench/models/loss.py): the hidden gradient and an fp32 weight
+      gradient held from the forward (it computes both there), one chunk of fp32 logits and their
+      gradient while it runs; its backward scales the weight gradient into a new fp32 tensor;
+    - torchtitan: `cross_entropy(pred.flatten(0, 1).float(), labels)` on full logits (train.py at
+      9dec370): the forward holds the bf16 logits, their fp32 copy and log_softmax's fp32 output at
+      once and keeps the last; the backward adds NLL's dense fp32 gradient and log_softmax's (three
+      fp32 logits-sized tensors at its high point);
+    - megatron: the vocab-parallel cross-entropy keeps one fp32 softmax (computed in place from an fp32
+      copy of the bf16 logits) and writes its gradient into it; bf16 logits and the bf16 gradient
+      exist only while each pass runs.
+    """
+    v = llm.vocab if vocab is None else vocab
+    h = llm.hidden
+    if stack not in ACTIVATION_STACKS:
+        raise ValueError(f"stack must be one of {', '.join(ACTIVATION_STACKS)}; got {stack!r}")
+    logits = float(tokens) * v  # the rank's vocabulary shard (tp: vocabulary-parallel head)
+    if stack == "eager":
+        # the final norm (sequence-parallel under tp) and the fp32 weight gradient; the backward
+        # scales that gradient into a new fp32 tensor (which becomes the weight's gradient)
+        # while a chunk runs: its fp32 logits (made softmax - one-hot in place) and their bf16 copy, and
+        # the bf16 product g.T @ h added into the fp32 weight gradient
+        return LossMemory(held=tokens * _rmsnorm_bytes(h, b) / tp + 4.0 * v * h,
+                          forward=float(min(tokens, loss_chunk_tokens(v)) * (4 + b) * v) + b * v * h,
+                          backward=4.0 * v * h)
+    if stack == "torchtitan-compile-loss":
+        # one fused graph from the bf16 logits: it keeps them and each token's log-sum-exp, and its
+        # backward writes the bf16 gradient directly
+        norm = tokens * (_rmsnorm_bytes(h, b) / tp + (b * h * (1 - 1 / tp) if tp > 1 else 0.0))
+        return LossMemory(held=norm + b * logits + 4.0 * tokens, forward=0.0, backward=b * logits)
+    if stack.startswith("torchtitan") and tp > 1:
+        # loss parallel (torch.distributed.tensor.parallel.loss, torchtitan's default under tp): the
+        # vocabulary-sharded log_softmax in decomposed ops (fp32 input, shifted, exp, result: the
+        # forward's high point with the bf16 logits) and a backward building zeros, exp, their sum and
+        # product beside the saved output; the output projection keeps its all-gathered input
+        return LossMemory(held=tokens * (_rmsnorm_bytes(h, b) / tp + b * h * (1 - 1 / tp)) + 4 * logits,
+                          forward=(b + 12) * logits - 4 * logits, backward=12 * logits)
+    if stack.startswith("torchtitan"):
+        return LossMemory(held=tokens * _rmsnorm_bytes(h, b) / tp + 4 * logits, forward=(b + 4) * logits,
+                          backward=8 * logits)
+    return LossMemory(held=tokens * (b * h + 4) / tp + 4 * logits, forward=b * logits, backward=b * logits)
 
 
 def _activations(per_layer: float, n_layers: int, count: int, recompute: str, hidden: int, b: int) -> float:
