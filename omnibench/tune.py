@@ -1,36 +1,50 @@
 """Layout search: the fastest layout each system can take, found with the simulator.
 
 A system's throughput depends as much on its layout (LLM tp/pp/cp/ep, microbatches, virtual
-stages, recomputation; encoder tp/sp; for noncolocated how many ranks the encoders get) as on
-its design, so comparing systems at one hand-picked layout compares layouts. `tune` searches
+stages, recomputation per module; encoder tp/sp; for noncolocated how many ranks the encoders get)
+as on its design, so comparing systems at one hand-picked layout compares layouts. `tune` searches
 each system's own space:
 
 1. **Enumerate** the layouts the system can take under the layout rules (`search_space`): tp
    divides the LLM's heads and kv heads and fits in a node; tp*cp divides the kv heads (Ulysses
    splits heads); pp at most the LLM's depth, temporal only pp 1; tp*pp*cp divides the ranks the
-   LLM gets; ep only for mixture-of-experts models (dividing experts and dp*cp); microbatches
-   {1, 2} at pp 1 and {pp, 2pp, 4pp} with pipelining; virtual stages 2 where pp >= 2 divides the
-   depth evenly (refused by a planner that does not interleave yet: recorded, not simulated);
-   encoder tp for the systems that give encoders a layout of their own, encoder sp for omni,
-   the encoders' share of ranks for noncolocated.
+   LLM gets; ep only for mixture-of-experts models (dividing experts and dp*cp); every microbatch
+   count of {1, 2, 4} at pp 1 and {pp, 2pp, 4pp} with pipelining, plus the system's own default
+   count; virtual stages 2 where pp >= 2 divides the depth evenly (refused by a planner that does
+   not interleave yet: recorded, not simulated); encoder tp for the systems that give encoders a
+   layout of their own, encoder sp for omni, the encoders' share of ranks for noncolocated.
+   Recomputation is searched per module (`recompute_modes`: none, selective, full, the encoders
+   fully recomputed with the LLM at none or selective, the LLM alone at full).
 2. **Prune analytically** before simulating anything (`memory_estimate`): per rank, the training
    state of its parameter shard (costs.training_state_bytes, with the same HSDP shard groups the
    planners resolve) plus the activations of the microbatches 1F1B keeps in flight
    (costs.*_activation_bytes at the mean tokens per data rank): a lower bound on what the
    simulator will count. A layout over the device's memory under every recompute mode is dropped;
-   otherwise only its cheapest fitting recompute mode is kept (more recomputation never makes the
-   same layout faster). The survivors are ordered by an analytic step time (compute at the
-   datasheet's achievable rate, the 1F1B bubble (pp-1)/(m+pp-1), tp/cp exchanges over NVLink).
-3. **Simulate** the first `budget` of them, the system's default layout always among them, with
-   the simulator's memory estimate as the final word (a layout that does not fit there is tried
-   again with the next recompute mode, and the smallest simulated/bound ratio seen per mode
-   scales the bound for the layouts still to come); then, around the best, the encoder knobs.
+   otherwise only its fastest fitting recompute mode (by the analytic time) is kept. The survivors
+   are ordered by an analytic step time (compute at the datasheet's achievable rate, the 1F1B
+   bubble (pp-1)/(m+pp-1), tp/cp exchanges over NVLink).
+3. **Simulate** the first `budget` of them, the system's default layout always among them; by
+   default the budget is a fraction of the layouts left after pruning (`BUDGET_FRACTION`, at least
+   `MIN_BUDGET`), so a 6-layout space and a 300-layout one are searched alike. The simulator's
+   memory estimate is the final word: a layout that does not fit there is tried again with the
+   next recompute mode that holds less, and the smallest simulated/bound ratio seen per mode
+   scales the bound for the layouts still to come; then, around the best, the encoder knobs.
+   Simulations run in waves of `WAVE` layouts through a `Sweep` (every core, or Ray): what one
+   wave learns (retries, the ratio) applies from the next, so the answer is the same whatever
+   the number of workers.
+4. **Converged?** (`tune_converged`) The search again at twice the budget, reusing every layout
+   already simulated: the best step time may move by at most `CONVERGED` (2%).
+
+`batches` may hold several steps (each layout is timed on all, and fits only if it fits every
+one); `regime_batches` picks them from a window by how bursty they are (the calmest, the median,
+the burstiest, ...), so a layout tuned on calm batches is not the answer when a burst will come.
 
 No torch here (planners and the simulator only).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -39,10 +53,14 @@ from omnibench.specs import costs
 from omnibench.specs.model import MultimodalSpec, SpecError, VisionEncoderSpec
 from omnibench.specs.parallel import ParallelSpec
 
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = ("none", "selective", "full")  # the uniform modes, least memory last
 SYSTEMS_WITH_ENCODER_LAYOUT = ("colocated", "noncolocated", "omni")
-DEFAULT_BUDGET = 24  # simulated layouts per system in the LLM-layout phase
+BUDGET_FRACTION = 0.25  # of the layouts left after pruning, simulated in the LLM-layout phase
+MIN_BUDGET = 4
+DEFAULT_BUDGET = 0  # 0: BUDGET_FRACTION of the space
 ENCODER_ROUNDS = 1  # best LLM layouts whose encoder knobs are searched afterwards
+WAVE = 8  # layouts simulated together; a constant, so results never depend on the worker count
+CONVERGED = 0.02  # doubling the budget may move the best step time by at most this much
 
 
 @dataclass(frozen=True)
@@ -105,6 +123,32 @@ class Trial:
 
 
 @dataclass
+class Convergence:
+    """The same search at `budget` and at twice it: how far the best step time moved."""
+
+    budget: int
+    budget_2x: int
+    best_s: float  # the best step time at `budget` (0: nothing fitted)
+    best_s_2x: float
+
+    @property
+    def moved(self) -> float:
+        """Relative improvement twice the budget found (0.05: 5% faster); inf when only it found a fit."""
+        if not self.best_s_2x:
+            return 0.0
+        return self.best_s / self.best_s_2x - 1 if self.best_s else math.inf
+
+    @property
+    def converged(self) -> bool:
+        return self.moved <= CONVERGED
+
+    def row(self) -> dict:
+        return {"budget": self.budget, "budget_2x": self.budget_2x, "best_s": self.best_s,
+                "best_s_2x": self.best_s_2x, "moved": self.moved if math.isfinite(self.moved) else None,
+                "converged": self.converged}
+
+
+@dataclass
 class TuneResult:
     system: str
     world: int
@@ -116,6 +160,11 @@ class TuneResult:
     default: Trial
     seconds: float
     notes: list[str] = field(default_factory=list)
+    budget: int = 0  # layouts simulated in the LLM-layout phase (before retries and encoder knobs)
+    space: int = 0  # layouts left after pruning: what a proportional budget is a fraction of
+    steps: list[int] = field(default_factory=list)  # the batches every layout was timed on
+    convergence: Convergence | None = None
+    evaluated: dict = field(default_factory=dict, repr=False)  # Candidate -> Trial: all tried, for a re-run
 
     @property
     def best(self) -> Trial | None:
@@ -146,16 +195,44 @@ def llm_ranks(system: str, model: MultimodalSpec, world: int, c: Candidate, gpus
     return world - split_ranks(model, c.parallel(world, gpus_per_node))
 
 
+def default_microbatches(system: str, pp: int) -> int:
+    """The count a planner takes when given none (systems/common.py::default_microbatches; noncolocated
+    counts its encoder stage as one more pipeline stage)."""
+    if system == "noncolocated":
+        return 2 * (pp + 1)
+    return 2 * pp if pp > 1 else 1
+
+
 def default_candidate(system: str, model: MultimodalSpec | None = None, world: int = 0, gpus_per_node: int = 8,
                       samples=(), memory_bytes: float = 0.0) -> Candidate:
     """The layout `simulate` uses when given no layout flags: the system's default layout, its
-    anchor's usual one (systems/defaults.py); tp 1, pp 1 when no model and world size are given."""
+    anchor's usual one (systems/defaults.py), with the microbatch count its planner would take;
+    tp 1, pp 1 when no model and world size are given."""
     if model is None or not world:
         return Candidate(system)
     from systems.defaults import DEVICE_BYTES, default_layout
 
     d = default_layout(system, model, world, gpus_per_node, samples, memory_bytes or DEVICE_BYTES)
-    return Candidate(system, tp=d.tp, pp=d.pp, cp=d.cp)
+    return Candidate(system, tp=d.tp, pp=d.pp, cp=d.cp, microbatches=default_microbatches(system, d.pp))
+
+
+def microbatch_counts(system: str, pp: int) -> list[int]:
+    """Every count the search tries at `pp` stages: 1, 2, 4 unpipelined, pp, 2pp, 4pp pipelined (1F1B
+    needs at least pp), and the system's own default."""
+    base = [1, 2, 4] if pp == 1 else [pp, 2 * pp, 4 * pp]
+    return sorted({*base, default_microbatches(system, pp)})
+
+
+def recompute_modes(model: MultimodalSpec) -> list[str]:
+    """The activation-recomputation choices searched, per module (costs.recompute_policy): the three
+    uniform modes, the encoders fully recomputed under an LLM at none or selective, the LLM alone at
+    full. Encoder activations are most of a video step's memory and the LLM most of its time, so the
+    mixed modes are often the fastest that fit (issue 20)."""
+    modes = list(RECOMPUTE_ORDER)
+    if model.encoders:
+        enc = ",".join(f"{m}=full" for m in model.encoders)
+        modes += [enc, f"llm=selective,{enc}", "llm=full"]
+    return modes
 
 
 def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: int = 8) -> list[Candidate]:
@@ -189,9 +266,8 @@ def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: 
                     dp = n // per
                     if dp < 1 or (dp * cp) % ep:
                         continue
-                    mbs = [0, 2] if pp == 1 else [pp, 2 * pp, 4 * pp]
                     vs = [1, 2] if pp >= 2 and llm.layers % (2 * pp) == 0 else [1]
-                    for m in mbs:
+                    for m in microbatch_counts(system, pp):
                         for v in vs:
                             if v > 1 and m % pp:
                                 continue
@@ -227,6 +303,36 @@ def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidat
     return out
 
 
+def _per_batch(fn):
+    """`fn(model, samples, *args)` answered once per batch: tune asks the same layout-independent
+    sums (token and position totals, a step's FLOPs) for every candidate and recompute mode, and a
+    4,096-GPU batch has ~14,000 samples. Keyed by identity; the last few batches are kept alive so
+    an identity is never reused for another."""
+    memo: dict = {}
+
+    def wrapped(model, samples, *args):
+        k = (id(model), id(samples), args)
+        hit = memo.get(k)
+        if hit is not None and hit[0] is model and hit[1] is samples:
+            return hit[2]
+        if len(memo) >= 64:
+            memo.clear()
+        out = fn(model, samples, *args)
+        memo[k] = (model, samples, out)
+        return out
+
+    wrapped.__wrapped__ = fn
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_per_batch
+def _train_flops(model: MultimodalSpec, samples, recompute: str) -> float:
+    from simulator.flops import model_train_flops
+
+    return model_train_flops(model, samples, recompute)
+
+
 # ------------------------------------------------------------------------------ analytic pruning
 
 
@@ -244,6 +350,10 @@ def _largest(model: MultimodalSpec, samples) -> tuple[int, dict[str, int]]:
     return tokens, pos
 
 
+# Layout-independent sums over a batch's samples, asked for every candidate and mode: once per batch.
+_mean_loads, _largest = _per_batch(_mean_loads), _per_batch(_largest)
+
+
 def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
                     samples) -> float:
     """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2)."""
@@ -252,6 +362,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     from systems.common import llm_layout, resolve_dp_shard
 
     parallel = c.parallel(world, gpus_per_node)
+    mode = costs.recompute_policy(c.recompute)  # per module: "vision=full,audio=full" leaves the LLM's none
     n_llm = llm_ranks(system, model, world, c, gpus_per_node)
     lay = llm_layout(replace(parallel, virtual_stages=1), range(world - n_llm, world))
     shard = resolve_dp_shard(parallel, lay) or lay.fsdp_size
@@ -262,7 +373,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         big_tokens //= 8  # its long LLM samples split over a context-parallel group (up to a node)
     per_mb = max(1, int(tokens / lay.dp / m), big_tokens)
     w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
-                 c.recompute)
+                 mode["llm"])
     expert = w.expert_params / c.tp / max(1, c.ep)
     # As the simulator's timeline holds them at the LLM's first backward: fp32 weights, AdamW state and
     # gradients (16 B/param), the activations in flight less a recomputed layer (held only inside a
@@ -281,9 +392,9 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         big = big_positions[name] / (8 if system == "omni" else 1)
         per_rank = max(positions[name] / max(1, n_enc_ranks // enc_tp), big)
         if isinstance(enc, VisionEncoderSpec):
-            ew = vision_work(enc, [(1, 1, max(1, int(per_rank)))], enc_tp, 1, c.recompute)
+            ew = vision_work(enc, [(1, 1, max(1, int(per_rank)))], enc_tp, 1, mode[name])
         else:
-            ew = audio_work(enc, [max(2, int(2 * per_rank))], enc_tp, 1, c.recompute)
+            ew = audio_work(enc, [max(2, int(2 * per_rank))], enc_tp, 1, mode[name])
         enc_shard = 1 if system == "omni" else max(1, n_enc_ranks // enc_tp)
         enc_shard = min(enc_shard, max(64, 8 * gpus_per_node) // enc_tp)
         enc = costs.training_state_bytes(int(ew.params / enc_tp), "fp32", enc_shard)
@@ -303,9 +414,7 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
                   cluster) -> float:
     """Seconds, for ordering candidates only: compute at the datasheet's achievable matmul rate,
     the 1F1B bubble, tp all-reduces and cp all-to-alls over NVLink."""
-    from simulator.flops import model_train_flops
-
-    flops = model_train_flops(model, samples, c.recompute)
+    flops = _train_flops(model, samples, c.recompute)
     gpu = cluster.gpu
     rate = gpu.peak_flops * gpu.matmul_efficiency
     n_llm = llm_ranks(system, model, world, c, gpus_per_node)
@@ -330,145 +439,248 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
 # ------------------------------------------------------------------------------------- search
 
 
-def _next_recompute(system, model, world, gpn, c: Candidate, samples) -> Candidate | None:
-    """The next recompute mode that holds less memory (selective keeps what none keeps with a
-    flash-style core, so after none comes full)."""
-    here = memory_estimate(system, model, world, gpn, c, samples)
-    for mode in RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(c.recompute) + 1:]:
-        nxt = replace(c, recompute=mode)
-        if memory_estimate(system, model, world, gpn, nxt, samples) < here:
-            return nxt
-    return None
+def regime_batches(batches: list, k: int) -> list:
+    """`k` of `batches` (a window of steps) spread over how bursty they are: sorted by the largest
+    sample (LLM tokens plus encoder positions: what one rank must hold whole), then by the batch's
+    encoder positions, the calmest, the burstiest and evenly between (k=3: calmest, median,
+    burstiest); in step order. k=1 keeps the window's first batch (a deployment tuned at its start)."""
+    if k >= len(batches):
+        return list(batches)
+    if k <= 1:
+        return list(batches[:1])
+
+    def weight(b) -> tuple[int, int]:
+        largest = total = 0
+        for s in b.samples:
+            enc = sum(seg.encoder_seq_len for seg in s.segments)
+            largest = max(largest, s.llm_tokens + enc)
+            total += enc
+        return largest, total
+
+    ranked = sorted(range(len(batches)), key=lambda i: (weight(batches[i]), i))
+    picks = sorted({ranked[round(j * (len(ranked) - 1) / (k - 1))] for j in range(k)})
+    return [batches[i] for i in picks]
 
 
-def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profile, options) -> None:
-    from simulator.engine import SimOptions, simulate
-    from systems import get_planner
+def resolve_budget(budget: int, fraction: float, space: int) -> int:
+    """Layouts simulated in the LLM phase: `budget` when given, else `fraction` of the pruned space
+    (at least MIN_BUDGET, at most all of it)."""
+    if budget:
+        return budget
+    return min(space, max(MIN_BUDGET, math.ceil(fraction * space)))
 
-    c = trial.candidate
-    planner = get_planner(c.system)
-    parallel = c.parallel(world, gpus_per_node, options)
-    t = tokens = flops = 0.0
-    peak = 0.0
-    fits = True
-    for batch in batches:
-        plan = planner.plan(model, parallel, batch)
-        r = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=c.recompute))
-        t += r.step_time
-        tokens += r.tokens
-        flops += r.model_flops
-        peak = max(peak, r.peak_memory)
-        fits = fits and r.fits
-        if not fits:
-            trial.note = r.fit_message
-    trial.simulated = True
-    trial.step_s = t / len(batches)
-    trial.tokens_per_s_per_gpu = tokens / t / world if t else 0.0
-    trial.mfu = flops / t / world / cluster.gpu.peak_flops if t else 0.0
-    trial.peak_gib = peak / 2**30
-    trial.fits = fits
+
+class _Search:
+    """One tune's state: the pruned, ordered space, what has been simulated, what was learned."""
+
+    def __init__(self, system, model, batches, cluster, profile, options, sweep, use_cache, log, known):
+        self.system, self.model, self.batches, self.cluster = system, model, batches, cluster
+        self.profile, self.options, self.sweep, self.use_cache, self.log = profile, options, sweep, use_cache, log
+        self.world, self.gpn = cluster.num_gpus, cluster.gpus_per_node
+        self.capacity = cluster.gpu.memory_bytes
+        self.per_batch = list(batches[0].samples)  # the analytic estimates read the first batch
+        self.modes = recompute_modes(model)
+        self.done: dict[Candidate, Trial] = {}
+        # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
+        # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
+        # not simulated in that mode (the bound alone is loose: it misses the imbalance of a step).
+        self.ratio: dict[str, float] = {}
+        self._bound: dict[Candidate, float] = {}
+        for c, tr in (known or {}).items():  # a re-run (twice the budget) starts from what is known
+            self._record(c, tr)
+
+    # -- analytic side
+    def bound(self, c: Candidate) -> float:
+        if c not in self._bound:
+            self._bound[c] = memory_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch)
+        return self._bound[c]
+
+    def flops_rank(self, mode: str) -> float:
+        return _train_flops(self.model, self.per_batch, mode)
+
+    def settle(self, c: Candidate) -> tuple[Trial | None, str]:
+        """The fastest recompute mode (least recomputed FLOPs) whose analytic memory fits; else None
+        and why ("memory", or the layout rule it breaks)."""
+        for mode in sorted(self.modes, key=lambda m: (self.flops_rank(m), self.modes.index(m))):
+            cand = replace(c, recompute=mode)
+            try:
+                cand.parallel(self.world, self.gpn).validate(self.model)
+                est = self.bound(cand)
+            except (SpecError, PlanError, ValueError) as e:
+                return None, f"{cand.label()}: {str(e).splitlines()[0]}"
+            if est <= self.capacity:
+                return Trial(cand, estimate_gib=est / 2**30,
+                             estimate_s=time_estimate(self.system, self.model, self.world, self.gpn, cand,
+                                                      self.per_batch, self.cluster)), ""
+        return None, "memory"
+
+    def next_recompute(self, c: Candidate) -> Candidate | None:
+        """The fastest mode that holds less memory than `c`'s (the bound strictly falls: retries end)."""
+        here = self.bound(c)
+        less = [m for m in self.modes if m != c.recompute and self.bound(replace(c, recompute=m)) < here]
+        if not less:
+            return None
+        return replace(c, recompute=min(less, key=lambda m: (self.flops_rank(m), self.modes.index(m))))
+
+    # -- simulated side
+    def _record(self, c: Candidate, tr: Trial) -> None:
+        self.done[c] = tr
+        est = tr.estimate_gib * 2**30
+        if tr.simulated and est > 0:
+            self.ratio[c.recompute] = min(self.ratio.get(c.recompute, math.inf), tr.peak_gib * 2**30 / est)
+
+    def _skip_to(self, c: Candidate) -> Candidate:
+        """Past the modes the learned ratio says cannot fit (as long as a mode holding less exists)."""
+        while c not in self.done:
+            nxt = self.next_recompute(c)
+            if nxt is None or self.bound(c) * self.ratio.get(c.recompute, 1.0) <= self.capacity:
+                break
+            c = nxt
+        return c
+
+    def _evaluate(self, wave: list[Candidate]) -> list[Trial]:
+        from simulator.cache import StepJob, run_step
+        from simulator.engine import SimOptions
+
+        jobs = [StepJob(self.system, self.model, c.parallel(self.world, self.gpn, self.options), b, self.cluster,
+                        self.profile, SimOptions(recompute=c.recompute), use_cache=self.use_cache)
+                for c in wave for b in self.batches]
+        outs = self.sweep.map(run_step, jobs)
+        trials = []
+        k = len(self.batches)
+        for i, c in enumerate(wave):
+            tr = Trial(c, estimate_gib=self.bound(c) / 2**30)
+            mine = outs[i * k:(i + 1) * k]
+            bad = next((o for o in mine if o.error), None)
+            if bad is not None:  # a planner refusing a layout (e.g. interleaving not planned)
+                tr.note = bad.error
+                trials.append(tr)
+                continue
+            t = sum(o.result.step_time for o in mine)
+            tokens = sum(o.result.tokens for o in mine)
+            flops = sum(o.result.model_flops for o in mine)
+            tr.simulated = True
+            tr.step_s = t / k
+            tr.tokens_per_s_per_gpu = tokens / t / self.world if t else 0.0
+            tr.mfu = flops / t / self.world / self.cluster.gpu.peak_flops if t else 0.0
+            tr.peak_gib = max(o.result.peak_memory for o in mine) / 2**30
+            tr.fits = all(o.result.fits for o in mine)
+            if not tr.fits:
+                tr.note = next(o.result.fit_message for o in mine if not o.result.fits)
+            trials.append(tr)
+        return trials
+
+    def run(self, pending: list[Candidate]) -> None:
+        """Simulate `pending` in waves of WAVE; a layout the simulator finds too big goes back to the
+        front of the queue with the next recompute mode. Everything a wave decides (which mode to
+        try, what the ratio says) uses only what earlier waves learned."""
+        pending = list(pending)
+        while pending:
+            wave: list[Candidate] = []
+            while pending and len(wave) < WAVE:
+                c = self._skip_to(pending.pop(0))
+                if c not in self.done and c not in wave:
+                    wave.append(c)
+            if not wave:
+                continue
+            retries = []
+            for c, tr in zip(wave, self._evaluate(wave), strict=True):
+                self._record(c, tr)
+                if self.log:
+                    self.log(tr)
+                nxt = self.next_recompute(c)
+                if tr.simulated and not tr.fits and nxt is not None:
+                    retries.append(nxt)  # the simulator's estimate is the final word
+            pending = retries + pending
+
+    def final(self, c: Candidate) -> Trial:
+        """`c`'s trial after its recompute retries and ratio skips (the mode it ended at)."""
+        while True:
+            tr, nxt = self.done.get(c), self.next_recompute(c)
+            if nxt is None or (tr is not None and not (tr.simulated and not tr.fits)):
+                return tr or Trial(c)
+            c = nxt
 
 
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
-         options: dict | None = None, encoder_search: bool = True, log=None) -> TuneResult:
-    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`."""
+         fraction: float = BUDGET_FRACTION, options: dict | None = None, encoder_search: bool = True, log=None,
+         sweep=None, use_cache: bool = True, known: dict | None = None) -> TuneResult:
+    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`.
+
+    `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
+    `omnibench.sweep.Sweep` the simulations go through (default: this process); `known`: trials of
+    an earlier search with the same inputs (`TuneResult.evaluated`), reused instead of simulated."""
+    from omnibench.sweep import Sweep
     from systems import get_planner
 
     get_planner(system)  # one-line error for an unknown system
+    if budget < 0 or not 0 < fraction <= 1:
+        raise ValueError(f"budget must be >= 0 (0: a fraction of the space) and fraction in (0, 1]; got "
+                         f"{budget}, {fraction}")
     t0 = time.perf_counter()
-    world, gpn = cluster.num_gpus, cluster.gpus_per_node
-    capacity = cluster.gpu.memory_bytes
-    samples = [s for b in batches for s in b.samples]
-    per_batch = samples[: len(batches[0].samples)]
-    space = search_space(system, model, world, gpn)
-    keep: list[Trial] = []
-    pruned = refused = 0
-    notes: list[str] = []
-
-    def settle(c: Candidate) -> tuple[Trial | None, str]:
-        """The cheapest recompute mode whose analytic memory fits; else None and why."""
-        for mode in RECOMPUTE_ORDER:
-            cand = replace(c, recompute=mode)
-            try:
-                cand.parallel(world, gpn).validate(model)
-                est = memory_estimate(system, model, world, gpn, cand, per_batch)
-            except (SpecError, PlanError, ValueError) as e:
-                return None, f"{cand.label()}: {str(e).splitlines()[0]}"
-            if est <= capacity:
-                return Trial(cand, estimate_gib=est / 2**30,
-                             estimate_s=time_estimate(system, model, world, gpn, cand, per_batch, cluster)), ""
-        return None, "memory"
-
-    for c in space:
-        tr, why = settle(c)
-        if tr is not None:
-            keep.append(tr)
-        elif why == "memory":
-            pruned += 1
-        else:
-            refused += 1
-            notes.append(why)
-    keep.sort(key=lambda tr: (tr.estimate_s, tr.candidate.label()))
-    start = default_candidate(system, model, world, gpn, per_batch, capacity)
-    default = settle(start)[0] or Trial(replace(start, recompute="full"))
-    queue = keep[:budget]
-    if all(tr.candidate != default.candidate for tr in queue):
-        queue.append(default)
-    done: dict[Candidate, Trial] = {}
-
-    # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
-    # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
-    # not simulated in that mode (the bound alone is loose: it misses the imbalance of a step).
-    ratio: dict[str, float] = {}
-
-    def run(tr: Trial) -> Trial:
-        c = tr.candidate
-        while True:
-            if c in done:
-                return done[c]
-            est = memory_estimate(system, model, world, gpn, c, per_batch)
-            nxt = _next_recompute(system, model, world, gpn, c, per_batch)
-            if nxt is not None and est * ratio.get(c.recompute, 1.0) > capacity:
-                c = nxt
-                continue
-            tr = replace(tr, candidate=c, note="", simulated=False, estimate_gib=est / 2**30)
-            try:
-                _evaluate(tr, model, world, gpn, batches, cluster, profile, options)
-            except ValueError as e:  # a planner refusing a layout (e.g. interleaving not planned)
-                tr.note = str(e).splitlines()[0]
-                tr.simulated = False
-            done[c] = tr
-            if log:
-                log(tr)
-            if tr.simulated and est > 0:
-                ratio[c.recompute] = min(ratio.get(c.recompute, float("inf")), tr.peak_gib * 2**30 / est)
-            if tr.simulated and not tr.fits and nxt is not None:
-                c = nxt  # the simulator's estimate is the final word
-                continue
-            return tr
-
-    for tr in queue:
-        run(tr)
-    if encoder_search:
-        ranked = sorted((t for t in done.values() if t.fits), key=lambda t: t.step_s)
-        for base in ranked[:ENCODER_ROUNDS]:
-            for var in encoder_variants(system, model, world, base.candidate, gpn):
-                if var in done:
-                    continue
-                try:
-                    var.parallel(world, gpn).validate(model)
-                except ValueError as e:
-                    notes.append(f"{var.label()}: {str(e).splitlines()[0]}")
-                    continue
-                run(Trial(var))
-    sims = [t for t in done.values() if t.simulated]
-    sims.sort(key=lambda t: (not t.fits, t.step_s))
-    for t in done.values():
+    own = sweep is None
+    sweep = sweep or Sweep(workers=1)
+    try:
+        search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known)
+        world, gpn = search.world, search.gpn
+        space = search_space(system, model, world, gpn)
+        keep: list[Trial] = []
+        pruned = refused = 0
+        notes: list[str] = []
+        for c in space:
+            tr, why = search.settle(c)
+            if tr is not None:
+                keep.append(tr)
+            elif why == "memory":
+                pruned += 1
+            else:
+                refused += 1
+                notes.append(why)
+        keep.sort(key=lambda tr: (tr.estimate_s, tr.candidate.label()))
+        n_budget = resolve_budget(budget, fraction, len(keep))
+        start = default_candidate(system, model, world, gpn, search.per_batch, search.capacity)
+        default = search.settle(start)[0] or Trial(replace(start, recompute="full"))
+        queue = [tr.candidate for tr in keep[:n_budget]]
+        if default.candidate not in queue:
+            queue.append(default.candidate)
+        search.run(queue)
+        if encoder_search:
+            ranked = sorted((t for t in search.done.values() if t.fits), key=lambda t: (t.step_s, t.candidate.label()))
+            variants = []
+            for base in ranked[:ENCODER_ROUNDS]:
+                for var in encoder_variants(system, model, world, base.candidate, gpn):
+                    if var in search.done:
+                        continue
+                    try:
+                        var.parallel(world, gpn).validate(model)
+                    except ValueError as e:
+                        notes.append(f"{var.label()}: {str(e).splitlines()[0]}")
+                        continue
+                    variants.append(var)
+            search.run(variants)
+        d = search.final(default.candidate)
+    finally:
+        if own:
+            sweep.close()
+    sims = [t for t in search.done.values() if t.simulated]
+    sims.sort(key=lambda t: (not t.fits, t.step_s, t.candidate.label()))
+    for t in search.done.values():
         if not t.simulated and t.note:
             notes.append(f"{t.candidate.label()}: {t.note}")
-    d = done.get(default.candidate, default)
-    while d.simulated and not d.fits and d.candidate.recompute != "full":
-        nxt = replace(d.candidate, recompute=RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(d.candidate.recompute) + 1])
-        d = done.get(nxt) or run(Trial(nxt))
     return TuneResult(system, world, len(space), pruned, refused, len(sims), sims, d, time.perf_counter() - t0,
-                      notes)
+                      notes, budget=n_budget, space=len(keep), steps=[b.step for b in batches],
+                      evaluated=dict(search.done))
+
+
+def tune_converged(system: str, model: MultimodalSpec, batches: list, cluster, *, budget: int = DEFAULT_BUDGET,
+                   fraction: float = BUDGET_FRACTION, **kw) -> TuneResult:
+    """`tune` at `budget`, then again at twice it reusing every layout the first search simulated:
+    the second search's result (at least as fast: it holds the first's trials), with
+    `convergence` saying how far the best step time moved."""
+    first = tune(system, model, batches, cluster, budget=budget, fraction=fraction, **kw)
+    second = tune(system, model, batches, cluster, budget=2 * first.budget, fraction=fraction,
+                  known=first.evaluated, **kw)
+    second.convergence = Convergence(first.budget, second.budget, first.best.step_s if first.best else 0.0,
+                                     second.best.step_s if second.best else 0.0)
+    second.seconds += first.seconds
+    return second
