@@ -23,15 +23,19 @@ each system's own space:
    otherwise only its fastest fitting recompute mode (by the analytic time) is kept. The survivors
    are ordered by an analytic step time (compute at the datasheet's achievable rate, the 1F1B
    bubble (pp-1)/(m+pp-1), tp/cp exchanges over NVLink).
-3. **Simulate** the first `budget` of them, the system's default layout always among them; by
-   default the budget is a fraction of the layouts left after pruning (`BUDGET_FRACTION`, at least
-   `MIN_BUDGET`), so a 6-layout space and a 300-layout one are searched alike. The simulator's
-   memory estimate is the final word: a layout that does not fit there is tried again with the
-   next recompute mode that holds less, and the smallest simulated/bound ratio seen per mode
-   scales the bound for the layouts still to come; then, around the best, the encoder knobs.
-   Simulations run in waves of `WAVE` layouts through a `Sweep` (every core, or Ray): what one
-   wave learns (retries, the ratio) applies from the next, so the answer is the same whatever
-   the number of workers.
+3. **Simulate** `budget` of them, the system's default layout always among them; by default the
+   budget is a fraction of the layouts left after pruning (`BUDGET_FRACTION`, at least
+   `MIN_BUDGET`), so a 9-layout space and a 138-layout one are searched alike. Which ones: the
+   first wave spans the levels (the analytically fastest layout of each pipeline depth and of each
+   tp x cp split), each later wave the layouts whose analytic time, corrected by what the
+   simulations so far say about their levels (`_Search.correction`), is smallest: the analytic
+   time knows neither each system's balancing nor what omni's joint pipeline hides, and in plain
+   analytic order omni's best layout at 256 GPUs sat 56th of 108. The simulator's memory estimate
+   is the final word: a layout that does not fit there is tried again with the next recompute mode
+   that holds less, and the smallest simulated/bound ratio seen per mode scales the bound for the
+   layouts still to come; then, around the best, the encoder knobs. Simulations run in waves of
+   `WAVE` layouts through a `Sweep` (every core, or Ray): what one wave learns applies from the
+   next, so the answer is the same whatever the number of workers.
 4. **Converged?** (`tune_converged`) The search again at twice the budget, reusing every layout
    already simulated: the best step time may move by at most `CONVERGED` (2%).
 
@@ -486,6 +490,7 @@ class _Search:
         # not simulated in that mode (the bound alone is loose: it misses the imbalance of a step).
         self.ratio: dict[str, float] = {}
         self._bound: dict[Candidate, float] = {}
+        self._time: dict[Candidate, float] = {}
         for c, tr in (known or {}).items():  # a re-run (twice the budget) starts from what is known
             self._record(c, tr)
 
@@ -509,10 +514,14 @@ class _Search:
             except (SpecError, PlanError, ValueError) as e:
                 return None, f"{cand.label()}: {str(e).splitlines()[0]}"
             if est <= self.capacity:
-                return Trial(cand, estimate_gib=est / 2**30,
-                             estimate_s=time_estimate(self.system, self.model, self.world, self.gpn, cand,
-                                                      self.per_batch, self.cluster)), ""
+                return Trial(cand, estimate_gib=est / 2**30, estimate_s=self.time(cand)), ""
         return None, "memory"
+
+    def time(self, c: Candidate) -> float:
+        if c not in self._time:
+            self._time[c] = time_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
+                                          self.cluster)
+        return self._time[c]
 
     def next_recompute(self, c: Candidate) -> Candidate | None:
         """The fastest mode that holds less memory than `c`'s (the bound strictly falls: retries end)."""
@@ -549,7 +558,7 @@ class _Search:
         trials = []
         k = len(self.batches)
         for i, c in enumerate(wave):
-            tr = Trial(c, estimate_gib=self.bound(c) / 2**30)
+            tr = Trial(c, estimate_gib=self.bound(c) / 2**30, estimate_s=self.time(c))
             mine = outs[i * k:(i + 1) * k]
             bad = next((o for o in mine if o.error), None)
             if bad is not None:  # a planner refusing a layout (e.g. interleaving not planned)
@@ -570,28 +579,121 @@ class _Search:
             trials.append(tr)
         return trials
 
+    def wave(self, cands: list[Candidate]) -> list[Candidate]:
+        """Simulate `cands` together (each past the modes the ratio rules out); answer the retries: the
+        next recompute mode of each layout the simulator found too big (its estimate is the final
+        word). What a wave decides uses only what earlier waves learned."""
+        wave: list[Candidate] = []
+        for c in cands:
+            c = self._skip_to(c)
+            if c not in self.done and c not in wave:
+                wave.append(c)
+        retries = []
+        for c, tr in zip(wave, self._evaluate(wave) if wave else [], strict=True):
+            self._record(c, tr)
+            if self.log:
+                self.log(tr)
+            nxt = self.next_recompute(c)
+            if tr.simulated and not tr.fits and nxt is not None:
+                retries.append(nxt)
+        return retries
+
     def run(self, pending: list[Candidate]) -> None:
-        """Simulate `pending` in waves of WAVE; a layout the simulator finds too big goes back to the
-        front of the queue with the next recompute mode. Everything a wave decides (which mode to
-        try, what the ratio says) uses only what earlier waves learned."""
+        """Simulate `pending` in waves of WAVE, each layout's retries in the wave after its own."""
         pending = list(pending)
         while pending:
-            wave: list[Candidate] = []
-            while pending and len(wave) < WAVE:
-                c = self._skip_to(pending.pop(0))
-                if c not in self.done and c not in wave:
-                    wave.append(c)
-            if not wave:
-                continue
-            retries = []
-            for c, tr in zip(wave, self._evaluate(wave), strict=True):
-                self._record(c, tr)
-                if self.log:
-                    self.log(tr)
-                nxt = self.next_recompute(c)
-                if tr.simulated and not tr.fits and nxt is not None:
-                    retries.append(nxt)  # the simulator's estimate is the final word
-            pending = retries + pending
+            pending = self.wave(pending[:WAVE]) + pending[WAVE:]
+
+    # -- the LLM-layout phase: which layouts, in which order
+    @staticmethod
+    def levels(c: Candidate) -> dict[str, tuple]:
+        """The dimensions whose levels change a layout's shape of work: pipeline depth, and the
+        tensor x context x expert split of a stage."""
+        return {"pp": (c.pp,), "split": (c.tp, c.cp, c.ep)}
+
+    @staticmethod
+    def llm_key(c: Candidate) -> Candidate:
+        """A layout of the pruned space as it was enumerated (recompute and encoder knobs cleared)."""
+        return replace(c, recompute="none", encoder_tp=0, encoder_sp=0, encoder_ranks=0)
+
+    def correction(self):
+        """What the analytic time misses, learned from every simulated layout: log(simulated /
+        analytic) = mean + an effect per pipeline level + an effect per split level (fitted by
+        backfitting; a level not simulated yet has no effect). The analytic time knows neither each
+        system's balancing nor what omni's joint pipeline hides, so its errors follow these levels."""
+        obs = [(self.levels(tr.candidate), math.log(tr.step_s / tr.estimate_s)) for tr in self.done.values()
+               if tr.simulated and tr.step_s > 0 and tr.estimate_s > 0]
+        if not obs:
+            return lambda c: 1.0
+        mean = sum(y for _, y in obs) / len(obs)
+        effect: dict[str, dict] = {"pp": {}, "split": {}}
+        for _ in range(10):
+            for dim in effect:
+                other = next(d for d in effect if d != dim)
+                acc: dict[tuple, list[float]] = {}
+                for lv, y in obs:
+                    acc.setdefault(lv[dim], []).append(y - mean - effect[other].get(lv[other], 0.0))
+                effect[dim] = {k: sum(v) / len(v) for k, v in acc.items()}
+
+        def factor(c: Candidate) -> float:
+            lv = self.levels(c)
+            return math.exp(mean + sum(effect[d].get(lv[d], 0.0) for d in effect))
+        return factor
+
+    def llm_phase(self, keep: list[Trial], budget: int, first: list[Candidate]) -> None:
+        """Simulate `budget` layouts of `keep` (the pruned space with each layout's settled mode and
+        analytic time, in analytic order), `first` in the first wave; then retries until none is
+        left. The first wave is the analytically fastest layout, then the fastest of each level not
+        yet in the wave, pipeline depths and tp x cp splits in turn; each later wave takes the
+        layouts whose analytic time, times the correction learned so far, is smallest. A layout its
+        planner refuses (interleaving in a system that does not interleave) costs no budget. The
+        choice depends only on the trials so far (never on timing), so the search is the same for
+        any worker count."""
+        est = {self.llm_key(tr.candidate): tr for tr in keep}
+        tried = {self.llm_key(c) for c in self.done} & set(est)
+        refused = {k for k in tried if self._refused(k)}
+        retries: list[Candidate] = []
+        while True:
+            room = min(WAVE - len(retries), budget - len(tried - refused))
+            picks: list[Candidate] = []
+            if room > 0:
+                todo = [k for k in est if k not in tried]
+                if not tried:
+                    picks = [c for c in first if self.llm_key(c) in est][:room]
+                    picks += [est[k].candidate for k in todo[:1] if est[k].candidate not in picks][:room - len(picks)]
+                    for k in self._level_leaders(todo, picks):
+                        if len(picks) < room:
+                            picks.append(est[k].candidate)
+                factor = self.correction()
+                for k in sorted(todo, key=lambda k: (est[k].estimate_s * factor(k), k.label())):
+                    if len(picks) >= room:
+                        break
+                    if est[k].candidate not in picks:
+                        picks.append(est[k].candidate)
+            if not picks and not retries:
+                return
+            tried |= {self.llm_key(c) for c in picks} & set(est)
+            retries = self.wave(retries + picks)
+            refused |= {self.llm_key(c) for c in picks if self._refused(self.llm_key(c))}
+
+    def _refused(self, key: Candidate) -> bool:
+        """Did the planner refuse this layout (in whatever recompute mode it was tried)?"""
+        return any(self.llm_key(c) == key and not tr.simulated and tr.note for c, tr in self.done.items())
+
+    def _level_leaders(self, ordered: list[Candidate], picked: list[Candidate]) -> list[Candidate]:
+        """The first layout of `ordered` at each level no layout of `picked` has, pipeline depths
+        and splits alternating."""
+        leaders: dict[str, list[Candidate]] = {"pp": [], "split": []}
+        for dim, out in leaders.items():
+            seen = {self.levels(c)[dim] for c in picked}
+            for k in ordered:
+                if self.levels(k)[dim] not in seen:
+                    seen.add(self.levels(k)[dim])
+                    out.append(k)
+        mixed: list[Candidate] = []
+        for i in range(max(len(v) for v in leaders.values())):
+            mixed += [v[i] for v in leaders.values() if i < len(v) and v[i] not in mixed]
+        return mixed
 
     def final(self, c: Candidate) -> Trial:
         """`c`'s trial after its recompute retries and ratio skips (the mode it ended at)."""
@@ -640,14 +742,20 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
         n_budget = resolve_budget(budget, fraction, len(keep))
         start = default_candidate(system, model, world, gpn, search.per_batch, search.capacity)
         default = search.settle(start)[0] or Trial(replace(start, recompute="full"))
-        queue = [tr.candidate for tr in keep[:n_budget]]
-        if default.candidate not in queue:
-            queue.append(default.candidate)
-        search.run(queue)
+        search.llm_phase(keep, n_budget, [default.candidate])
+        search.run([default.candidate])  # timed whatever the budget (a no-op when the phase did)
         if encoder_search:
+            # around the best LLM layouts: more of them as the budget grows (twice the budget also
+            # searches the encoder knobs of more layouts)
+            rounds = max(ENCODER_ROUNDS, math.ceil(n_budget / (2 * WAVE)))
             ranked = sorted((t for t in search.done.values() if t.fits), key=lambda t: (t.step_s, t.candidate.label()))
+            bases: list[Trial] = []
+            for t in ranked:
+                if len(bases) < rounds and all(search.llm_key(t.candidate) != search.llm_key(b.candidate)
+                                               for b in bases):
+                    bases.append(t)
             variants = []
-            for base in ranked[:ENCODER_ROUNDS]:
+            for base in bases:
                 for var in encoder_variants(system, model, world, base.candidate, gpn):
                     if var in search.done:
                         continue

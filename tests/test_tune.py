@@ -260,3 +260,17 @@ def test_simulate_tuned_ablation_keeps_omnis_own_tuned_layout(tmp_path, monkeypa
     assert len(seen) == 1 and "reorder" not in seen[0]  # tuned with every technique on
     record = Path(json.loads(r.output)["record"])
     assert json.loads((record / "plan_omni_16_step0.json").read_text())["options"]["reorder"] is False
+
+
+def test_the_first_wave_spans_pipeline_depths_and_splits_before_the_analytic_order_decides():
+    from omnibench import tune as tune_mod
+
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
+    logged = []
+    res = tune("omni", model, _batches(16), cluster, budget=tune_mod.WAVE, encoder_search=False,
+               log=logged.append)
+    first = [t.candidate for t in logged[:tune_mod.WAVE]]
+    assert res.default.candidate in first
+    # not eight microbatch counts of one layout: the levels the analytic time is least sure of
+    assert len({c.pp for c in first}) >= 3 and len({(c.tp, c.cp) for c in first}) >= 3
+    assert res.budget == tune_mod.WAVE
