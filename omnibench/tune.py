@@ -657,7 +657,8 @@ class _Search:
             room = min(WAVE - len(retries), budget - len(tried - refused))
             picks: list[Candidate] = []
             if room > 0:
-                todo = [k for k in est if k not in tried]
+                dead = self._refused_levels(tried, refused)
+                todo = [k for k in est if k not in tried and k.virtual_stages not in dead]
                 if not tried:
                     picks = [c for c in first if self.llm_key(c) in est][:room]
                     picks += [est[k].candidate for k in todo[:1] if est[k].candidate not in picks][:room - len(picks)]
@@ -675,6 +676,16 @@ class _Search:
             tried |= {self.llm_key(c) for c in picks} & set(est)
             retries = self.wave(retries + picks)
             refused |= {self.llm_key(c) for c in picks if self._refused(self.llm_key(c))}
+
+    @staticmethod
+    def _refused_levels(tried: set, refused: set) -> set[int]:
+        """Virtual-stage counts > 1 tried and refused every time (a planner that does not interleave):
+        the rest of them would be refused too."""
+        out = set()
+        for v in {k.virtual_stages for k in refused if k.virtual_stages > 1}:
+            if all(k in refused for k in tried if k.virtual_stages == v):
+                out.add(v)
+        return out
 
     def _refused(self, key: Candidate) -> bool:
         """Did the planner refuse this layout (in whatever recompute mode it was tried)?"""
@@ -694,6 +705,30 @@ class _Search:
         for i in range(max(len(v) for v in leaders.values())):
             mixed += [v[i] for v in leaders.values() if i < len(v) and v[i] not in mixed]
         return mixed
+
+    def encoder_descent(self, base: Trial, notes: list[str]) -> None:
+        """Around `base`, each encoder knob changed alone (`encoder_variants`), then the same around
+        the fastest of them, until none is faster: the knobs interact (noncolocated's encoder share
+        and encoder tp), so one round around the LLM layout stops short."""
+        cur = base
+        while True:
+            variants = []
+            for var in encoder_variants(self.system, self.model, self.world, cur.candidate, self.gpn):
+                if var in self.done:
+                    continue
+                try:
+                    var.parallel(self.world, self.gpn).validate(self.model)
+                except ValueError as e:
+                    notes.append(f"{var.label()}: {str(e).splitlines()[0]}")
+                    continue
+                variants.append(var)
+            self.run(variants)
+            tried = [self.final(v) for v in variants]
+            better = sorted((t for t in tried if t.fits and t.step_s < cur.step_s),
+                            key=lambda t: (t.step_s, t.candidate.label()))
+            if not better:
+                return
+            cur = better[0]
 
     def final(self, c: Candidate) -> Trial:
         """`c`'s trial after its recompute retries and ratio skips (the mode it ended at)."""
@@ -754,18 +789,8 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
                 if len(bases) < rounds and all(search.llm_key(t.candidate) != search.llm_key(b.candidate)
                                                for b in bases):
                     bases.append(t)
-            variants = []
             for base in bases:
-                for var in encoder_variants(system, model, world, base.candidate, gpn):
-                    if var in search.done:
-                        continue
-                    try:
-                        var.parallel(world, gpn).validate(model)
-                    except ValueError as e:
-                        notes.append(f"{var.label()}: {str(e).splitlines()[0]}")
-                        continue
-                    variants.append(var)
-            search.run(variants)
+                search.encoder_descent(base, notes)
         d = search.final(default.candidate)
     finally:
         if own:

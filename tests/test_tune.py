@@ -274,3 +274,18 @@ def test_the_first_wave_spans_pipeline_depths_and_splits_before_the_analytic_ord
     # not eight microbatch counts of one layout: the levels the analytic time is least sure of
     assert len({c.pp for c in first}) >= 3 and len({(c.tp, c.cp) for c in first}) >= 3
     assert res.budget == tune_mod.WAVE
+
+
+def test_the_encoder_knobs_are_searched_until_no_change_helps():
+    # noncolocated's encoder share and encoder tp interact: the descent goes on from the best variant,
+    # so every layout one encoder knob away from the answer was timed
+    from omnibench import tune as tune_mod
+
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 64)
+    batch = WorkloadStream("mixed_video", seed=0, global_batch_tokens=64 * 8192).batch(0)
+    res = tune("noncolocated", model, [batch], cluster, budget=4)
+    best = res.best.candidate
+    assert best.encoder_tp or best.encoder_ranks  # the default encoder layout is not the answer here
+    timed = {replace(c, recompute="none") for c in res.evaluated}
+    for v in tune_mod.encoder_variants("noncolocated", model, 64, best, 8):
+        assert replace(v, recompute="none") in timed, v.label()
