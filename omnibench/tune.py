@@ -548,10 +548,10 @@ class _Search:
         return c
 
     def _evaluate(self, wave: list[Candidate]) -> list[Trial]:
-        from simulator.cache import StepJob, run_step
+        from simulator.cache import StepJob, pack, run_step
         from simulator.engine import SimOptions
 
-        jobs = [StepJob(self.system, self.model, c.parallel(self.world, self.gpn, self.options), b, self.cluster,
+        jobs = [StepJob(self.system, self.model, c.parallel(self.world, self.gpn, self.options), pack(b), self.cluster,
                         self.profile, SimOptions(recompute=c.recompute), use_cache=self.use_cache)
                 for c in wave for b in self.batches]
         outs = self.sweep.map(run_step, jobs)

@@ -98,6 +98,47 @@ def _kernel_bytes(cluster) -> bytes:
     return b""
 
 
+class PackedBatch:
+    """A batch pickled once for every job that ships it, with its digest (a 4,096-GPU batch holds
+    ~14,000 samples: pickling it per job, and hashing it per job in the workers, was the parent's
+    work while both workers waited). Unpacked on first use where it lands."""
+
+    __slots__ = ("_batch", "blob", "digest", "step")
+
+    def __init__(self, batch):
+        self.step = batch.step
+        self.blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        self.digest = hashlib.sha256(repr(batch).encode()).hexdigest()  # frozen dataclasses: a stable repr
+        self._batch = batch
+
+    def __getstate__(self):
+        return self.step, self.digest, self.blob
+
+    def __setstate__(self, state) -> None:
+        self.step, self.digest, self.blob = state
+        self._batch = None
+
+    def get(self):
+        if self._batch is None:
+            self._batch = pickle.loads(self.blob)
+        return self._batch
+
+
+_packed: dict[int, PackedBatch] = {}
+
+
+def pack(batch) -> PackedBatch:
+    """`batch` packed, once per batch object (the last few are kept, so an id is never reused)."""
+    if isinstance(batch, PackedBatch):
+        return batch
+    got = _packed.get(id(batch))
+    if got is None or got._batch is not batch:
+        if len(_packed) >= 64:
+            _packed.clear()
+        got = _packed[id(batch)] = PackedBatch(batch)
+    return got
+
+
 @dataclasses.dataclass(frozen=True)
 class StepJob:
     """One step of one system at one layout (what a pool or Ray worker receives)."""
@@ -105,7 +146,7 @@ class StepJob:
     system: str
     model: object  # MultimodalSpec
     parallel: object  # ParallelSpec (options included: omni's technique switches, its cost model)
-    batch: object  # workloads.sample.Batch
+    batch: object  # workloads.sample.Batch, or a PackedBatch of one (`pack`)
     cluster: object  # ClusterSpec
     calibration: object = None  # simulator.calibrate.Profile
     options: object = None  # SimOptions
@@ -136,7 +177,9 @@ def key(job: StepJob) -> str:
         h.update(b"\0")
         h.update(json.dumps(_plain(part), sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0")
-    h.update(repr(job.batch).encode())  # frozen dataclasses of ints, floats, strings: a stable repr
+    digest = job.batch.digest if isinstance(job.batch, PackedBatch) else \
+        hashlib.sha256(repr(job.batch).encode()).hexdigest()
+    h.update(digest.encode())
     h.update(_kernel_bytes(job.cluster))
     return h.hexdigest()
 
@@ -192,23 +235,24 @@ def run_step(job: StepJob, cache: SimCache | None = None) -> StepOutcome:
 
     store = _store(job, cache)
     k = key(job)
+    batch = job.batch.get() if isinstance(job.batch, PackedBatch) else job.batch
     full_key = k + "-full"
     got = store.get(full_key if job.keep == "full" else k)
     plan = None
     if got is None:
         planner = get_planner(job.system)
         try:
-            plan = planner.plan(job.model, job.parallel, job.batch)
+            plan = planner.plan(job.model, job.parallel, batch)
             res = simulate(plan, job.model, job.cluster, calibration=job.calibration,
                            options=job.options or SimOptions())
         except ValueError as e:  # a planner refusing the layout, a simulated deadlock: one line
-            got = StepOutcome(job.batch.step, error=str(e).splitlines()[0] if str(e) else type(e).__name__)
+            got = StepOutcome(batch.step, error=str(e).splitlines()[0] if str(e) else type(e).__name__)
             store.put(k, got)
             if job.keep == "full":
                 store.put(full_key, got)
         else:
             light = dataclasses.replace(res, spans=[])
-            got = StepOutcome(job.batch.step, light, res.metrics())
+            got = StepOutcome(batch.step, light, res.metrics())
             store.put(k, got)
             if job.keep == "full":
                 store.put(full_key, dataclasses.replace(got, result=res))
@@ -216,6 +260,6 @@ def run_step(job: StepJob, cache: SimCache | None = None) -> StepOutcome:
     else:
         got.cached = True
     if job.want_plan and plan is None and not got.error:
-        plan = get_planner(job.system).plan(job.model, job.parallel, job.batch)
+        plan = get_planner(job.system).plan(job.model, job.parallel, batch)
     got.plan = plan if job.want_plan else None
     return got

@@ -112,6 +112,19 @@ def test_cache_key_changes_with_every_input():
     assert cache.key(replace(base, options=SimOptions(recompute="selective"))) != k
     assert cache.key(replace(base, keep="full", use_cache=False)) == k  # how it is kept is not what it is
     assert cache.key(_job()) == k
+    assert cache.key(replace(base, batch=cache.pack(base.batch))) == k  # shipped packed, keyed the same
+
+
+def test_a_packed_batch_travels_once_pickled_and_plans_the_same(tmp_path):
+    import pickle
+
+    packed = cache.pack(_batch())
+    assert cache.pack(packed) is packed and cache.pack(packed.get()) is packed
+    again = pickle.loads(pickle.dumps(packed))
+    assert repr(again.get()) == repr(_batch()) and again.digest == packed.digest
+    a = cache.run_step(_job(use_cache=False))
+    b = cache.run_step(replace(_job(use_cache=False), batch=again))
+    assert a.metrics == {**b.metrics, "sim_seconds": a.metrics["sim_seconds"]}
 
 
 def test_the_code_hash_covers_every_module_that_plans_and_simulates_a_step():

@@ -405,7 +405,11 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         console.print(f"[{k}/{len(stages)}] {st.what} (about {_duration(left)} left)", highlight=False)
         args = st.args() if callable(st.args) else st.args
         t0 = time.perf_counter()
-        ok, why = _omnibench(args)
+        if err_console.is_terminal:  # a spinner while the stage runs (its own bar is quiet: --json)
+            with err_console.status(f"[{k}/{len(stages)}] {st.what}", spinner="dots"):
+                ok, why = _omnibench(args)
+        else:
+            ok, why = _omnibench(args)
         dt = time.perf_counter() - t0
         spent, estimated = spent + dt, estimated + st.estimate_s
         line = "omnibench " + " ".join(args)

@@ -84,19 +84,23 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
 
 
 def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
-               chunk_tokens=0, want_plans=False, use_cache=True):
+               chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None):
     """The steps to simulate of `system` at one fixed layout (`parallel`, `recompute`): the batches
     `step_indices(steps, stride)`, the layout never revisited between steps. The first keeps its
-    spans (the record's trace)."""
+    spans (the record's trace). `packed`: the stream's batches packed so far, shared by the systems."""
     from dataclasses import replace
 
-    from simulator.cache import StepJob
+    from simulator.cache import StepJob, pack
     from simulator.engine import SimOptions
 
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens)
-    return [StepJob(system, model, parallel, stream.batch(s), cluster, profile, sim_options,
+    packed = {} if packed is None else packed
+    for s in step_indices(steps, stride):
+        if s not in packed:
+            packed[s] = pack(stream.batch(s))
+    return [StepJob(system, model, parallel, packed[s], cluster, profile, sim_options,
                     keep="full" if k == 0 else "summary", want_plan=want_plans, use_cache=use_cache)
             for k, s in enumerate(step_indices(steps, stride))]
 
@@ -409,7 +413,7 @@ def register(app: typer.Typer) -> None:
                         parallel.validate(spec)
                     except ValueError as e:
                         fail(str(e))
-                    window = None
+                    window, packed = None, {}
                     for s in systems:
                         row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
                         sys_parallel, sys_recompute = parallel, recompute
@@ -454,7 +458,8 @@ def register(app: typer.Typer) -> None:
                                 row["layout_note"] = note
                             jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
                                               hardware, step_stride, encoder_chunk_tokens,
-                                              want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache)
+                                              want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
+                                              packed=packed)
                         except ValueError as e:
                             if len(systems) == 1:
                                 fail(f"{s} at {n} GPUs: {e}")
