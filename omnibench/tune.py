@@ -153,6 +153,26 @@ class Convergence:
 
 
 @dataclass
+class Prior:
+    """What the same system's search on a smaller cluster (same workload) found: its fastest layouts
+    and the memory ratios it learned. Per-GPU work is the same at every size (the global batch grows
+    with the cluster), so a larger search starts from them: their layouts in its first wave, their
+    ratios as its own (omni at 4,096 GPUs otherwise spent its first wave on recompute "none", which
+    the bound allows and the simulator refuses)."""
+
+    world: int
+    top: list[Candidate]
+    ratio: dict[str, float]
+
+    def row(self) -> dict:
+        return {"world": self.world, "top": [asdict(c) for c in self.top], "ratio": dict(self.ratio)}
+
+    @staticmethod
+    def from_row(row: dict) -> Prior:
+        return Prior(int(row["world"]), [Candidate(**c) for c in row["top"]], dict(row["ratio"]))
+
+
+@dataclass
 class TuneResult:
     system: str
     world: int
@@ -170,10 +190,20 @@ class TuneResult:
     convergence: Convergence | None = None
     evaluated: dict = field(default_factory=dict, repr=False)  # Candidate -> Trial: all tried, for a re-run
 
+    ratio: dict = field(default_factory=dict, repr=False)  # the memory ratios learned per recompute mode
+
     @property
     def best(self) -> Trial | None:
         ok = [t for t in self.trials if t.fits]
         return ok[0] if ok else None
+
+    def prior(self, top: int = WAVE // 2) -> Prior:
+        """This search as the starting point of a larger cluster's: its `top` fastest distinct layouts."""
+        out: list[Candidate] = []
+        for t in self.trials:
+            if t.fits and len(out) < top and all(_Search.llm_key(t.candidate) != _Search.llm_key(c) for c in out):
+                out.append(t.candidate)
+        return Prior(self.world, out, dict(self.ratio))
 
 
 # -------------------------------------------------------------------------------- search space
@@ -477,7 +507,8 @@ def resolve_budget(budget: int, fraction: float, space: int) -> int:
 class _Search:
     """One tune's state: the pruned, ordered space, what has been simulated, what was learned."""
 
-    def __init__(self, system, model, batches, cluster, profile, options, sweep, use_cache, log, known):
+    def __init__(self, system, model, batches, cluster, profile, options, sweep, use_cache, log, known,
+                 prior: Prior | None = None):
         self.system, self.model, self.batches, self.cluster = system, model, batches, cluster
         self.profile, self.options, self.sweep, self.use_cache, self.log = profile, options, sweep, use_cache, log
         self.world, self.gpn = cluster.num_gpus, cluster.gpus_per_node
@@ -491,6 +522,8 @@ class _Search:
         self.ratio: dict[str, float] = {}
         self._bound: dict[Candidate, float] = {}
         self._time: dict[Candidate, float] = {}
+        if prior is not None:
+            self.ratio.update(prior.ratio)
         for c, tr in (known or {}).items():  # a re-run (twice the budget) starts from what is known
             self._record(c, tr)
 
@@ -741,12 +774,13 @@ class _Search:
 
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
          fraction: float = BUDGET_FRACTION, options: dict | None = None, encoder_search: bool = True, log=None,
-         sweep=None, use_cache: bool = True, known: dict | None = None) -> TuneResult:
+         sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None) -> TuneResult:
     """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`.
 
     `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
     `omnibench.sweep.Sweep` the simulations go through (default: this process); `known`: trials of
-    an earlier search with the same inputs (`TuneResult.evaluated`), reused instead of simulated."""
+    an earlier search with the same inputs (`TuneResult.evaluated`), reused instead of simulated;
+    `prior`: a smaller cluster's answer (`TuneResult.prior()`), its layouts in the first wave."""
     from omnibench.sweep import Sweep
     from systems import get_planner
 
@@ -758,7 +792,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     own = sweep is None
     sweep = sweep or Sweep(workers=1)
     try:
-        search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known)
+        search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known, prior)
         world, gpn = search.world, search.gpn
         space = search_space(system, model, world, gpn)
         keep: list[Trial] = []
@@ -777,7 +811,13 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
         n_budget = resolve_budget(budget, fraction, len(keep))
         start = default_candidate(system, model, world, gpn, search.per_batch, search.capacity)
         default = search.settle(start)[0] or Trial(replace(start, recompute="full"))
-        search.llm_phase(keep, n_budget, [default.candidate])
+        first = [default.candidate]
+        settled = {search.llm_key(tr.candidate): tr.candidate for tr in keep}
+        for c in (prior.top if prior is not None else []):
+            mapped = _scaled(c, prior.world, world, settled)
+            if mapped is not None and mapped not in first:
+                first.append(mapped)
+        search.llm_phase(keep, n_budget, first)
         search.run([default.candidate])  # timed whatever the budget (a no-op when the phase did)
         if encoder_search:
             # around the best LLM layouts: more of them as the budget grows (twice the budget also
@@ -802,7 +842,22 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
             notes.append(f"{t.candidate.label()}: {t.note}")
     return TuneResult(system, world, len(space), pruned, refused, len(sims), sims, d, time.perf_counter() - t0,
                       notes, budget=n_budget, space=len(keep), steps=[b.step for b in batches],
-                      evaluated=dict(search.done))
+                      evaluated=dict(search.done), ratio=dict(search.ratio))
+
+
+def _scaled(c: Candidate, world_from: int, world: int, settled: dict) -> Candidate | None:
+    """A smaller cluster's layout `c` on `world` GPUs: the same LLM layout in the mode this search
+    settled for it, the same encoder knobs, the encoders' share of ranks scaled with the cluster;
+    None where the layout is not in this search's pruned space."""
+    base = _Search.llm_key(c)
+    if base not in settled:
+        return None
+    out = replace(c, recompute=settled[base].recompute)
+    if c.encoder_ranks:
+        per = c.tp * c.pp * c.cp
+        n = round(c.encoder_ranks * world / world_from / per) * per
+        out = replace(out, encoder_ranks=n if 0 < n < world else 0)
+    return out
 
 
 def tune_converged(system: str, model: MultimodalSpec, batches: list, cluster, *, budget: int = DEFAULT_BUDGET,

@@ -289,3 +289,37 @@ def test_the_encoder_knobs_are_searched_until_no_change_helps():
     timed = {replace(c, recompute="none") for c in res.evaluated}
     for v in tune_mod.encoder_variants("noncolocated", model, 64, best, 8):
         assert replace(v, recompute="none") in timed, v.label()
+
+
+def test_a_larger_cluster_starts_from_the_smaller_ones_answer(tmp_path, monkeypatch):
+    from omnibench import tune as tune_mod
+
+    seen = []
+    original = tune_mod.tune
+
+    def recording(system, model, batches, cluster, **kw):
+        seen.append((cluster.num_gpus, kw.get("prior")))
+        return original(system, model, batches, cluster, **kw)
+
+    monkeypatch.setattr(tune_mod, "tune", recording)
+    cache = tmp_path / "tuned.json"
+    r = _simulate(["--workload", "mixed_video", "--system", "noncolocated", "--gpus", "16,32", "--model", "omni-7b@4L",
+                   "--global-batch-tokens", "65536", "--tuned", "--tune-budget", "3", "--tune-cache", str(cache),
+                   "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert [n for n, _ in seen] == [16, 32] and seen[0][1] is None
+    prior = seen[1][1]
+    small, large = sorted(json.loads(cache.read_text()).values(), key=lambda e: e["gpus"])
+    assert prior.world == 16 and prior.top[0] == Candidate(**small["candidate"])
+    assert large["started_from"] == 16 and small["started_from"] is None
+    assert tune_mod.Prior.from_row(prior.row()) == prior
+
+
+def test_a_smaller_clusters_layout_keeps_its_encoder_share_of_the_ranks():
+    from omnibench.tune import _scaled
+
+    c = Candidate("noncolocated", tp=2, cp=2, microbatches=2, recompute="full", encoder_tp=2, encoder_ranks=256)
+    settled = {replace(c, recompute="none", encoder_tp=0, encoder_ranks=0): replace(c, recompute="vision=full")}
+    got = _scaled(c, 1024, 4096, settled)
+    assert got.encoder_ranks == 1024 and got.encoder_tp == 2 and got.recompute == "vision=full"
+    assert _scaled(replace(c, tp=4), 1024, 4096, settled) is None  # not in this search's space

@@ -125,7 +125,7 @@ def _collect(outcomes, steps: int):
 
 
 TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "global_batch_tokens", "budget",
-                   "calibration", "tune_steps", "converge")
+                   "calibration", "tune_steps", "converge", "prior")
 
 
 def _tune_key(**fields) -> str:
@@ -144,11 +144,13 @@ def read_tune_cache(path: Path | None) -> dict:
 
 def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str,
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
-                 use_cache: bool = True, describe: dict | None = None):
+                 use_cache: bool = True, describe: dict | None = None, prior=None):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
     batch, or batches picked across the simulated window by regime) with every omni technique on
-    (the ablation keeps the full system's layout), or the layout `cache[key]` holds from an earlier
-    tune with the same inputs (its entry then says `tune_seconds` 0 for this command)."""
+    (the ablation keeps the full system's layout), starting from `prior` (the next smaller size's
+    answer, a `tune.Prior`); or the layout `cache[key]` holds from an earlier tune with the same
+    inputs (its entry then says `tune_seconds` 0 for this command). The entry keeps this search's
+    own answer as the prior of the next size (`entry["prior"]`)."""
     from dataclasses import asdict
 
     from omnibench import tune as tune_mod
@@ -161,13 +163,14 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     res = search(system, spec, batches, cluster, profile=profile, budget=budget,
                  fraction=fraction or tune_mod.BUDGET_FRACTION,
                  options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
-                 use_cache=use_cache)
+                 use_cache=use_cache, prior=prior)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
              "tune_seconds": res.seconds, "simulated": res.simulated, "space": res.space,
              "budget": res.convergence.budget if res.convergence else res.budget,
-             "enumerated": res.enumerated, "tuned_at_steps": res.steps, "best_s": res.best.step_s}
+             "enumerated": res.enumerated, "tuned_at_steps": res.steps, "best_s": res.best.step_s,
+             "prior": res.prior().row(), "started_from": prior.world if prior is not None else None}
     if res.convergence is not None:
         entry["convergence"] = res.convergence.row()
     cache[key] = entry
@@ -402,6 +405,7 @@ def register(app: typer.Typer) -> None:
             with Sweep(workers, ray, label="simulate", quiet=as_json) as sweep:
                 # 1. each system's layout at each size (tuned, its default, or the one asked for)
                 todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
+                priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
                 for n in sizes:
                     gbt = global_batch_tokens or 8192 * n
                     try:
@@ -426,16 +430,24 @@ def register(app: typer.Typer) -> None:
                                                             tune_steps) if tune_steps > 1 else [stream.batch(0)]
                                 sweep.describe(f"tune {s} at {n:,} GPUs")
                                 budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
+                                # each size's search starts from the next smaller size's answer
+                                prior = priors[s] if s in priors and priors[s].world < n else None
                                 key = _tune_key(system=s, workload=workload, gpus=n, model=spec.name,
                                                 hardware=hardware, seed=seed, global_batch_tokens=gbt,
                                                 budget=budget_key, calibration=calibration,
                                                 tune_steps=",".join(str(b.step) for b in window),
-                                                converge=check_convergence)
+                                                converge=check_convergence,
+                                                prior=prior.world if prior is not None else 0)
                                 c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
                                                         hardware, cache, key, fraction=tune_fraction,
                                                         converge=check_convergence, sweep=sweep,
                                                         use_cache=not no_cache,
-                                                        describe={"system": s, "workload": workload, "gpus": n})
+                                                        describe={"system": s, "workload": workload, "gpus": n},
+                                                        prior=prior)
+                                if entry.get("prior") and (s not in priors or priors[s].world < n):
+                                    from omnibench.tune import Prior
+
+                                    priors[s] = Prior.from_row(entry["prior"])
                                 if tune_cache is not None:
                                     write_json_atomic(tune_cache, cache)
                                 sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
