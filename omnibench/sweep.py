@@ -81,13 +81,6 @@ class Sweep:
         self._task = None
         self.submitted = 0
 
-    @property
-    def parallel(self) -> int:
-        """How many items run at once (what a caller may size its waves by; results never depend on it)."""
-        if self.ray_address:
-            return max(1, int(self._ray.cluster_resources().get("CPU", 1))) if self._ray else default_workers()
-        return self.workers or default_workers()
-
     # -- lifetime
     def __enter__(self) -> Sweep:
         if not self.ray_address and resolve_workers(self.workers, 2) > 1:
