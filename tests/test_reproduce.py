@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _cheap_stages(bad: Path):
-    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=0):
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=0, sweep=None):
         return [
             report.Stage("a", "list the workloads", ["workloads", "list"], 2.0),
             report.Stage("b", "a stage that fails until its input exists",
@@ -99,21 +99,58 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
     cache = str(sims / "tuned-layouts.json")
     for st in tuned:
         a = st.args
-        assert "--tuned" in a and a[a.index("--tune-budget") + 1] == str(report.TUNE_BUDGET)
+        assert "--tuned" in a and a[a.index("--tune-fraction") + 1] == str(report.TUNE_FRACTION)
+        assert "--tune-budget" not in a and "--check-convergence" in a  # a share of each space, checked at 2x
         assert a[a.index("--tune-cache") + 1] == cache  # one cache: a layout is tuned once, then read
     sweep = {st.args[st.args.index("--workload") + 1]: st for st in tuned if "omni-no" not in st.key}
     assert set(sweep) == {*report.STATIC_WORKLOADS, "bursty_mix", "drifting_video"}
     for st in sweep.values():
         assert st.args[st.args.index("--gpus") + 1] == "1024,4096"
         assert st.args[st.args.index("--system") + 1] == ",".join(SYSTEMS)
-    assert sweep["bursty_mix"].args[sweep["bursty_mix"].args.index("--steps") + 1] == "16"
-    assert "--step-stride" in sweep["drifting_video"].args
+    bursty = sweep["bursty_mix"].args
+    assert bursty[bursty.index("--steps") + 1] == "16" and bursty[bursty.index("--tune-steps") + 1] == "3"
+    assert "--step-stride" in sweep["drifting_video"].args and "--tune-steps" in sweep["drifting_video"].args
+    assert all("--tune-steps" not in sweep[w].args for w in report.STATIC_WORKLOADS)  # step 0's batch
     ablation = [st for st in tuned if "omni-no" in st.key]
     assert [st.args[st.args.index("--system") + 1] for st in ablation] == ["omni"] * len(report.SIM_ABLATIONS)
     assert {a for st in ablation for a in st.args if a.startswith("--no-")} == {f"--no-{t}" for t in
                                                                                report.SIM_ABLATIONS}
-    # after the sweep of mixed_video, at its first size: omni's layout is already in the cache
+    # after the sweep of mixed_video, at its first size, with its flags: omni's layout is already in the cache
     assert all(stages.index(st) > stages.index(sweep["mixed_video"]) for st in ablation)
     assert all(st.args[st.args.index("--gpus") + 1] == "1024" for st in ablation)
+    keyed = ("--tune-fraction", "--check-convergence", "--hardware", "--model")
+    for st in ablation:
+        assert [a for a in st.args if a in keyed] == [a for a in sweep["mixed_video"].args if a in keyed]
     small = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=9)
     assert all(st.args[st.args.index("--tune-budget") + 1] == "9" for st in small if st.key.startswith("tuned-"))
+
+
+def test_reproduce_passes_its_sweep_options_to_every_simulation_and_to_no_measured_run():
+    from pathlib import Path as P
+
+    args = report.SweepArgs(tune_fraction=0.5, workers=3, ray="auto", no_cache=True)
+    stages = report._stages(P("/x/runs"), P("/x/sims"), SYSTEMS, quick=False, sweep=args)
+    for st in stages:
+        a = ["calibrate"] if callable(st.args) else st.args  # calibrate's args list the finished runs
+        if a[0] == "simulate":
+            assert "--workers=3" in a and a[a.index("--ray") + 1] == "auto" and "--no-cache" in a
+            if "--tuned" in a:
+                assert a[a.index("--tune-fraction") + 1] == "0.5"
+        else:
+            assert "--workers=3" not in a and "--ray" not in a  # measured runs run alone
+
+
+def test_reproduce_writes_the_convergence_of_every_tune(tmp_path):
+    cache = tmp_path / "tuned-layouts.json"
+    conv = {"budget": 26, "budget_2x": 52, "best_s": 2.0, "best_s_2x": 1.98, "moved": 0.0101, "converged": True}
+    cache.write_text(json.dumps({
+        "k1": {"system": "omni", "workload": "mixed_video", "gpus": 1024, "label": "tp1 pp1 cp4 mb1 rc-full",
+               "space": 102, "simulated": 60, "tune_seconds": 80.0, "tuned_at_steps": [0], "convergence": conv},
+        "k2": {"system": "temporal", "workload": "mixed_video", "gpus": 1024, "label": "tp1 pp1 cp4 mb1 rc-none",
+               "space": 12, "simulated": 12, "tune_seconds": 9.0, "tuned_at_steps": [0],
+               "convergence": {**conv, "moved": 0.05, "converged": False}},
+        "old": {"label": "an entry from before the convergence check"}}))
+    rows = report.convergence_rows(cache)
+    assert [(r["system"], r["converged"]) for r in rows] == [("omni", True), ("temporal", False)]
+    assert rows[0]["moved"] == 0.0101 and rows[0]["layout"] == "tp1 pp1 cp4 mb1 rc-full"
+    assert report.convergence_rows(tmp_path / "absent.json") == []

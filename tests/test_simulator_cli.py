@@ -78,7 +78,7 @@ def test_a_row_that_does_not_fit_keeps_its_step_time_and_throughput_with_fits_fa
                           peak_memory=90 * 2**30, memory_capacity=80 * 2**30, classes=4, sim_seconds=0.1,
                           step_time=2.0, tokens=1000, model_flops=1e15, world_size=8, peak_flops=1e15, bubble=0.1,
                           exposed_comm=0.05, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0})
-    row = sim_cli._summary([res])
+    row = sim_cli._summary([res], [res.metrics()])
     assert row["fits"] is False and row["fit_message"] == res.fit_message and row["peak_memory_gib"] == 90
     assert row["step_time_s"] == 2.0 and row["tokens_per_s"] == 500 and row["tokens_per_s_per_gpu"] == 62.5
     steps = sim_cli._step_rows({"gpus": 8, "system": "homogeneous", "per_step": [dict(res.metrics(), step=0)]})
@@ -245,13 +245,13 @@ def test_tune_simulates_every_layout_with_the_stack_and_dp_mode_asked_for(monkey
     from omnibench.cli import tune as tune_cli
 
     seen = []
-    real = tune_mod._evaluate
+    real = tune_mod._Search._evaluate
 
-    def spy(trial, model, world, gpn, batches, cluster, profile, options, stack="eager", dp_fields=None):
-        seen.append((stack, dict(dp_fields or {})))
-        return real(trial, model, world, gpn, batches, cluster, profile, options, stack, dp_fields)
+    def spy(self, wave):
+        seen.append((self.stack, dict(self.dp_fields)))
+        return real(self, wave)
 
-    monkeypatch.setattr(tune_mod, "_evaluate", spy)
+    monkeypatch.setattr(tune_mod._Search, "_evaluate", spy)
     app = typer.Typer()
     tune_cli.register(app)
     app.command("noop")(lambda: None)

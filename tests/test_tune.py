@@ -12,8 +12,18 @@ import typer
 from typer.testing import CliRunner
 
 from omnibench.cli import tune as tune_cli
+from omnibench.specs.costs import recompute_policy
 from omnibench.specs.presets import get_model
-from omnibench.tune import Candidate, memory_estimate, search_space, tune
+from omnibench.tune import (
+    Candidate,
+    memory_estimate,
+    recompute_modes,
+    regime_batches,
+    resolve_budget,
+    search_space,
+    tune,
+    tune_converged,
+)
 from simulator.hardware import load_cluster
 from workloads.stream import WorkloadStream
 
@@ -37,11 +47,82 @@ def test_search_space_respects_the_layout_rules(system):
         if system == "temporal":  # VeOmni's space: no tp, no pp; cp is every module's Ulysses degree
             assert c.pp == 1 and c.tp == 1 and all(e.heads % c.cp == 0 for e in model.encoders.values())
         if c.pp > 1:
-            assert c.microbatches % c.pp == 0 and c.microbatches >= c.pp
+            assert c.microbatches >= c.pp  # 1F1B needs a microbatch per stage in flight
         if c.virtual_stages > 1:
-            assert c.pp >= 2 and llm.layers % (c.pp * c.virtual_stages) == 0
+            assert c.pp >= 2 and llm.layers % (c.pp * c.virtual_stages) == 0 and c.microbatches % c.pp == 0
         c.parallel(64, 8).validate(model)  # every enumerated layout passes the spec's own checks
     assert len(set(space)) == len(space)
+    # every microbatch count, 1 included (issue 20: omni's tune never simulated 1), for every system
+    for pp in {c.pp for c in space}:
+        counts = {c.microbatches for c in space if c.pp == pp}
+        assert counts >= ({1, 2, 4} if pp == 1 else {pp, 2 * pp, 4 * pp}), (pp, counts)
+
+
+def test_recompute_is_searched_per_module():
+    model = get_model("omni-7b")
+    modes = recompute_modes(model)
+    assert {"none", "selective", "full", "vision=full,audio=full", "llm=selective,vision=full,audio=full",
+            "llm=full"} == set(modes)
+    assert recompute_modes(get_model("qwen2-7b")) == ["none", "selective", "full"]  # text only: no encoders
+    # mixed_video at 16 GPUs: nothing fits without recomputation, and the fastest layout the search finds
+    # recomputes some modules and not others
+    res = tune("homogeneous", model, _batches(16), load_cluster("h100", 16), budget=4, encoder_search=False)
+    assert res.best is not None and "=" in res.best.candidate.recompute, res.best
+
+
+def test_the_budget_is_a_share_of_each_systems_pruned_space():
+    assert resolve_budget(0, 0.25, 102) == 26 and resolve_budget(0, 0.25, 6) == 4
+    assert resolve_budget(0, 0.25, 3) == 3  # never more than the space
+    assert resolve_budget(7, 0.25, 102) == 7  # a budget given is a budget kept
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
+    small = tune("temporal", model, _batches(16), cluster, fraction=0.5, encoder_search=False)
+    large = tune("homogeneous", model, _batches(16), cluster, fraction=0.05, encoder_search=False)
+    assert small.budget == resolve_budget(0, 0.5, small.space) and small.space < large.space
+    assert large.budget == resolve_budget(0, 0.05, large.space)
+
+
+def test_twice_the_budget_extends_the_search_and_says_how_far_the_best_moved():
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
+    first = tune("homogeneous", model, _batches(16), cluster, budget=3, encoder_search=False)
+    logged = []
+    second = tune("homogeneous", model, _batches(16), cluster, budget=6, encoder_search=False,
+                  known=first.evaluated, log=logged.append)
+    assert logged and not {t.candidate for t in logged} & set(first.evaluated)  # nothing simulated twice
+    assert {t.candidate for t in first.trials} <= {t.candidate for t in second.trials}
+    both = tune_converged("homogeneous", model, _batches(16), cluster, budget=3, encoder_search=False)
+    conv = both.convergence
+    assert (conv.budget, conv.budget_2x) == (3, 6) and both.best.step_s == conv.best_s_2x <= conv.best_s
+    assert conv.moved == pytest.approx(conv.best_s / conv.best_s_2x - 1) and conv.converged == (conv.moved <= 0.02)
+    assert [t.step_s for t in both.trials] == [t.step_s for t in second.trials]  # the same search, rerun
+
+
+def test_regime_batches_span_the_calmest_to_the_burstiest():
+    stream = WorkloadStream("bursty_mix", seed=14, global_batch_tokens=131072)
+    window = [stream.batch(s) for s in range(16)]
+    picks = regime_batches(window, 3)
+
+    def largest(b):
+        return max(s.llm_tokens + sum(g.encoder_seq_len for g in s.segments) for s in b.samples)
+
+    sizes = sorted(largest(b) for b in window)
+    assert len(picks) == 3 and [b.step for b in picks] == sorted(b.step for b in picks)
+    assert largest(picks[0]) == sizes[0] or min(largest(b) for b in picks) == sizes[0]
+    assert max(largest(b) for b in picks) == sizes[-1]
+    assert [b.step for b in regime_batches(window, 1)] == [0]  # one batch: the deployment's first
+    assert regime_batches(window[:2], 3) == window[:2]
+
+
+def test_a_layout_tuned_across_regimes_survives_the_burst_one_tuned_on_step_0_does_not(tmp_path):
+    def run(k):
+        r = _simulate(["--workload", "bursty_mix", "--seed", "14", "--steps", "16", "--system", "homogeneous",
+                       "--gpus", "16", "--global-batch-tokens", "131072", "--tuned", "--tune-steps", str(k),
+                       "--tune-budget", "6", "--out", str(tmp_path / str(k)), "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)["results"][0]
+
+    calm, regimes = run(1), run(3)
+    assert calm["tuned_at_steps"] == [0] and not calm["fits"] and "does not fit" in calm["fit_message"]
+    assert len(regimes["tuned_at_steps"]) == 3 and regimes["fits"] and regimes["steps_failed"] == 0
 
 
 def test_search_space_of_a_moe_model_has_expert_parallelism():
@@ -80,7 +161,7 @@ def test_best_layout_simulates_at_least_as_fast_as_the_default(system):
     assert res.best.step_s <= res.default.step_s
     assert [t.step_s for t in res.trials if t.fits] == sorted(t.step_s for t in res.trials if t.fits)
     assert res.simulated <= 6 + 1 + 3 * 20  # the budget, the default, recompute retries, encoder knobs
-    assert res.best.candidate.parallel(16, 8).recompute in ("none", "selective", "full")
+    recompute_policy(res.best.candidate.parallel(16, 8).recompute)  # a mode the simulator and runtime read
 
 
 def test_tune_cli_json_and_one_line_errors():
@@ -179,3 +260,67 @@ def test_simulate_tuned_ablation_keeps_omnis_own_tuned_layout(tmp_path, monkeypa
     assert len(seen) == 1 and "reorder" not in seen[0]  # tuned with every technique on
     record = Path(json.loads(r.output)["record"])
     assert json.loads((record / "plan_omni_16_step0.json").read_text())["options"]["reorder"] is False
+
+
+def test_the_first_wave_spans_pipeline_depths_and_splits_before_the_analytic_order_decides():
+    from omnibench import tune as tune_mod
+
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
+    logged = []
+    res = tune("omni", model, _batches(16), cluster, budget=tune_mod.WAVE, encoder_search=False,
+               log=logged.append)
+    first = [t.candidate for t in logged[:tune_mod.WAVE]]
+    # the default layout (in the recompute mode its bound allowed; a retry with more may follow)
+    assert any(replace(c, recompute="none") == replace(res.default.candidate, recompute="none") for c in first)
+    # not eight microbatch counts of one layout: the levels the analytic time is least sure of
+    assert len({c.pp for c in first}) >= 3 and len({(c.tp, c.cp) for c in first}) >= 3
+    assert res.budget == tune_mod.WAVE
+
+
+def test_the_encoder_knobs_are_searched_until_no_change_helps():
+    # noncolocated's encoder share and encoder tp interact: the descent goes on from the best variant,
+    # so every layout one encoder knob away from the answer was timed
+    from omnibench import tune as tune_mod
+
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 64)
+    batch = WorkloadStream("mixed_video", seed=0, global_batch_tokens=64 * 8192).batch(0)
+    res = tune("noncolocated", model, [batch], cluster, budget=4)
+    best = res.best.candidate
+    assert best.encoder_tp or best.encoder_ranks  # the default encoder layout is not the answer here
+    timed = {replace(c, recompute="none") for c in res.evaluated}
+    for v in tune_mod.encoder_variants("noncolocated", model, 64, best, 8):
+        assert replace(v, recompute="none") in timed, v.label()
+
+
+def test_a_larger_cluster_starts_from_the_smaller_ones_answer(tmp_path, monkeypatch):
+    from omnibench import tune as tune_mod
+
+    seen = []
+    original = tune_mod.tune
+
+    def recording(system, model, batches, cluster, **kw):
+        seen.append((cluster.num_gpus, kw.get("prior")))
+        return original(system, model, batches, cluster, **kw)
+
+    monkeypatch.setattr(tune_mod, "tune", recording)
+    cache = tmp_path / "tuned.json"
+    r = _simulate(["--workload", "mixed_video", "--system", "noncolocated", "--gpus", "16,32", "--model", "omni-7b@4L",
+                   "--global-batch-tokens", "65536", "--tuned", "--tune-budget", "3", "--tune-cache", str(cache),
+                   "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert [n for n, _ in seen] == [16, 32] and seen[0][1] is None
+    prior = seen[1][1]
+    small, large = sorted(json.loads(cache.read_text()).values(), key=lambda e: e["gpus"])
+    assert prior.world == 16 and prior.top[0] == Candidate(**small["candidate"])
+    assert large["started_from"] == 16 and small["started_from"] is None
+    assert tune_mod.Prior.from_row(prior.row()) == prior
+
+
+def test_a_smaller_clusters_layout_keeps_its_encoder_share_of_the_ranks():
+    from omnibench.tune import _scaled
+
+    c = Candidate("noncolocated", tp=2, cp=2, microbatches=2, recompute="full", encoder_tp=2, encoder_ranks=256)
+    settled = {replace(c, recompute="none", encoder_tp=0, encoder_ranks=0): replace(c, recompute="vision=full")}
+    got = _scaled(c, 1024, 4096, settled)
+    assert got.encoder_ranks == 1024 and got.encoder_tp == 2 and got.recompute == "vision=full"
+    assert _scaled(replace(c, tp=4), 1024, 4096, settled) is None  # not in this search's space

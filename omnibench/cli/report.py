@@ -23,9 +23,13 @@ from omnibench.cli.common import console, err_console, fail
 
 ABLATIONS = ("joint-pipeline", "reorder", "reshard", "long-short-sp")  # omni's switches (`omnibench run --no-X`)
 SIM_ABLATIONS = (*ABLATIONS, "llm-long-short")  # and the one only a cluster shows (long LLM samples over a cp group)
-# The tuned comparison of `reproduce`: each system at its own layout, tuned on step 0's batch with this
-# budget and kept for every step, at these sizes (--quick: the small ones).
-TUNE_BUDGET, TUNE_BUDGET_QUICK = 4, 2
+# The tuned comparison of `reproduce`: each system at its own layout, tuned once and kept for every step,
+# at these sizes (--quick: the small ones). The tune simulates TUNE_FRACTION of each system's pruned
+# space (omnibench/tune.py) and checks it converged (twice that moves the best by <= 2%); --quick
+# simulates a fixed TUNE_BUDGET_QUICK. The dynamic workloads are tuned on TUNE_STEPS_DYNAMIC batches
+# picked across their window (calmest, median, burstiest), so a layout survives the burst.
+TUNE_FRACTION, TUNE_BUDGET_QUICK = 0.25, 2
+TUNE_STEPS_DYNAMIC = 3
 SWEEP_GPUS, SWEEP_GPUS_QUICK = (1024, 4096), (64, 128)
 STATIC_WORKLOADS = ("mixed_video", "long_video", "image_sft", "omni_av")
 # bursty_mix seed 14: calm -> audio burst -> video burst in its first 16 steps; drifting_video: 12 steps
@@ -163,27 +167,57 @@ def register(app: typer.Typer) -> None:
                                     "it finished, redo the rest."),
         repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
                                    "throughput figure shows their mean with an error bar."),
-        tune_budget: int = typer.Option(0, "--tune-budget", help=f"Layouts `tune` simulates per system for the "
-                                        f"tuned figures; 0: {TUNE_BUDGET} ({TUNE_BUDGET_QUICK} with --quick). More "
-                                        "finds faster layouts and takes longer (results/BENCHMARKS.md)."),
+        tune_budget: int = typer.Option(0, "--tune-budget", help="Layouts `tune` simulates per system for the "
+                                        f"tuned figures; 0: --tune-fraction of each system's space ({TUNE_BUDGET_QUICK} "
+                                        "with --quick)."),
+        tune_fraction: float = typer.Option(TUNE_FRACTION, "--tune-fraction", help="Share of each system's pruned "
+                                            "layout space its tune simulates (with --tune-budget 0); every tune is "
+                                            "checked at twice it (OUT/convergence.csv)."),
+        workers: int = typer.Option(None, "--workers", help="Simulations run at once inside each stage (default: "
+                                    "every core; the measured CPU runs always run alone)."),
+        ray: str = typer.Option(None, "--ray", help="Run the stages' simulations on a Ray cluster: auto, local, or "
+                                "ray://host:port."),
+        no_cache: bool = typer.Option(False, "--no-cache", help="Simulate everything again (no step cache)."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
         8,192 GPUs at one layout (scaling, timelines), the tuned comparison at 1,024 and 4,096 GPUs (each
-        system at its own layout, tuned once on step 0's batch and kept for every step: throughput,
-        speedup per workload, bursty_mix and drifting_video over training, omni's ablation), then every
-        figure under OUT/figures and OUT/report.html. Each tune is kept in OUT/sims/reproduce/tuned-layouts.json
-        and reused by later stages and --resume. Prints each stage (k of N, what it runs, time left); exits 1
-        if a stage failed or a figure could not be drawn."""
+        system at its own layout, tuned once and kept for every step: on step 0's batch for the static
+        workloads, on the calmest, median and burstiest of the simulated steps for bursty_mix and
+        drifting_video; throughput, speedup per workload, both dynamic workloads over training, omni's
+        ablation), then every figure under OUT/figures and OUT/report.html, and OUT/convergence.csv: each
+        tune searched again at twice its budget, and how far its best step time moved. Each tune is kept in
+        OUT/sims/reproduce/tuned-layouts.json and reused by later stages and --resume; simulations run on
+        every core (--workers) and through the step cache. Prints each stage (k of N, what it runs, time
+        left); exits 1 if a stage failed or a figure could not be drawn."""
         if reuse and resume:
             fail("reproduce: --reuse redraws only, --resume produces what is missing; give one")
         if repeat < 1:
             fail(f"repeat must be a positive integer, got {repeat}")
         if tune_budget < 0:
-            fail(f"tune-budget must be >= 0 (0: the default), got {tune_budget}")
-        reproduce(out, quick, reuse, resume, repeat, tune_budget)
+            fail(f"tune-budget must be >= 0 (0: --tune-fraction of each space), got {tune_budget}")
+        if not 0 < tune_fraction <= 1:
+            fail(f"tune-fraction must be in (0, 1] (a share of the layouts left after pruning), got {tune_fraction}")
+        if workers is not None and workers < 1:
+            fail(f"workers must be a positive integer (default: every core), got {workers}")
+        reproduce(out, quick, reuse, resume, repeat, tune_budget,
+                  SweepArgs(tune_fraction=tune_fraction, workers=workers, ray=ray, no_cache=no_cache))
 
 
 # -- reproduce -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SweepArgs:
+    """How the simulation stages search and run (passed on to each `simulate`)."""
+
+    tune_fraction: float = TUNE_FRACTION
+    workers: int | None = None
+    ray: str | None = None
+    no_cache: bool = False
+
+    def run_args(self) -> list[str]:
+        return ([f"--workers={self.workers}"] if self.workers else []) + (["--ray", self.ray] if self.ray else []) \
+            + (["--no-cache"] if self.no_cache else [])
+
+
 @dataclass
 class Stage:
     """One command of `reproduce`'s data production. `args` may be a function: its arguments depend on
@@ -217,7 +251,7 @@ def _omnibench(args: list[str]) -> tuple[bool, str]:
 
 
 def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1,
-              tune_budget: int = 0) -> None:
+              tune_budget: int = 0, sweep: SweepArgs = SweepArgs()) -> None:
     from omnibench.plots import figures, style
     from omnibench.plots.load import PlotInputError, Records, load
     from omnibench.plots.report import draw_all, write_html
@@ -230,8 +264,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         if not (runs_dir.is_dir() and sims_dir.is_dir()):
             fail(f"reproduce --reuse: no earlier data under {runs_dir} and {sims_dir}; run without --reuse first")
     else:
-        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat, tune_budget)
-    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget)) + 1
+        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat, tune_budget, sweep)
+    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep)) + 1
     console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
     # 3. figures, each from the records whose configs say they are its data
@@ -302,6 +336,28 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         results.append(("report.html", "written"))
     except PlotInputError as e:
         results.append(("report.html", f"not produced: {e}"))
+    # 5. did every tune converge? (doubling its budget moved its best step time by <= 2%)
+    conv = convergence_rows(sims_dir / "tuned-layouts.json")
+    unconverged = [r for r in conv if not r["converged"]]
+    if conv:
+        from rich.table import Table
+
+        from omnibench.provenance import write_csv
+
+        write_csv(out / "convergence.csv", conv, CONVERGENCE_COLUMNS)
+        table = Table(title="convergence of the tunes (best step time at the budget and at twice it)")
+        for col in ("workload", "GPUs", "system", "layout", "space", "budget", "best s", "2x budget", "best s (2x)",
+                    "moved"):
+            table.add_column(col, justify="left" if col in ("workload", "system", "layout") else "right")
+        for r in conv:
+            moved = "-" if r["moved"] is None else f"{r['moved']:.1%}"
+            table.add_row(r["workload"], str(r["gpus"]), r["system"], r["layout"], str(r["space"]), str(r["budget"]),
+                          f"{r['best_s']:.3f}", str(r["budget_2x"]), f"{r['best_s_2x']:.3f}",
+                          moved if r["converged"] else f"[red]{moved}[/]")
+        console.print(table)
+        results.append(("convergence.csv", "written" if not unconverged else
+                        f"written: {len(unconverged)} of {len(conv)} tunes moved by more than 2% at twice the budget "
+                        "(raise --tune-fraction)"))
     console.print("\n[bold]reference figures[/]", highlight=False)
     for name, what in results:
         console.print(f"  {name}: {what}", highlight=False)
@@ -311,7 +367,7 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         console.print(f"{len(failed)} command(s) failed:", highlight=False)
         for line in failed:
             console.print("  " + line, highlight=False)
-    missing = [name for name, what in results if what != "written"]
+    missing = [name for name, what in results if what != "written" and name != "convergence.csv"]
     if failed or missing:
         hint = "`omnibench reproduce --resume` redoes what failed" if not reuse else \
             "run `omnibench reproduce --resume` to produce the missing data"
@@ -324,7 +380,7 @@ def _ledger(sims_dir: Path) -> Path:
 
 
 def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
-             repeat: int = 1, tune_budget: int = 0) -> None:
+             repeat: int = 1, tune_budget: int = 0, sweep: SweepArgs = SweepArgs()) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
     left; the finished stages are kept in a ledger so that `--resume` skips them."""
     import json
@@ -339,7 +395,7 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         d.mkdir(parents=True, exist_ok=True)
         for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
             shutil.rmtree(part, ignore_errors=True)
-    stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget)
+    stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep)
     todo = [st for st in stages if st.key not in done]
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
@@ -353,7 +409,11 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         console.print(f"[{k}/{len(stages)}] {st.what} (about {_duration(left)} left)", highlight=False)
         args = st.args() if callable(st.args) else st.args
         t0 = time.perf_counter()
-        ok, why = _omnibench(args)
+        if err_console.is_terminal:  # a spinner while the stage runs (its own bar is quiet: --json)
+            with err_console.status(f"[{k}/{len(stages)}] {st.what}", spinner="dots"):
+                ok, why = _omnibench(args)
+        else:
+            ok, why = _omnibench(args)
         dt = time.perf_counter() - t0
         spent, estimated = spent + dt, estimated + st.estimate_s
         line = "omnibench " + " ".join(args)
@@ -376,7 +436,7 @@ def _duration(seconds: float) -> str:
 
 
 def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1,
-            tune_budget: int = 0) -> list[Stage]:
+            tune_budget: int = 0, sweep: SweepArgs = SweepArgs()) -> list[Stage]:
     stages: list[Stage] = []
     steps = "3" if quick else "5"
     run_s = 8.0 if quick else 11.0
@@ -411,7 +471,7 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     stages.append(Stage("calibrate", "calibrate the simulator on the runs", calibrate_args, 3.0))
     # 2. simulations: one layout for every system (TP 4 inside a node, full recomputation to fit 80 GB)
     sim_common = ["--system", ",".join(systems), "--hardware", "h100", "--model", "omni-7b", "--tp", "4",
-                  "--recompute", "full", "--out", str(sims_dir), "--json"]
+                  "--recompute", "full", "--out", str(sims_dir), "--json", *sweep.run_args()]
     sizes = "256,1024" if quick else "256,512,1024,2048,4096,8192"
     stages.append(Stage("sim-scaling", f"simulate mixed_video at {sizes} GPUs",
                         ["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
@@ -421,32 +481,59 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     stages.append(Stage("sim-pipelined", "simulate a pipelined layout (pp 4) at 256 GPUs",
                         ["simulate", "--workload", "mixed_video", "--gpus", "256", "--pp", "4", "--microbatches",
                          "8", *sim_common[2:], "--system", ",".join(piped)], 8.0))
-    # 3. the tuned comparison: every system at its own layout (tuned once on step 0's batch, kept for
-    # every step), each tune done once and kept in tuned-layouts.json for the stages after it (and --resume)
-    budget = tune_budget or (TUNE_BUDGET_QUICK if quick else TUNE_BUDGET)
+    # 3. the tuned comparison: every system at its own layout (tuned once, kept for every step), each tune
+    # checked at twice its budget and kept in tuned-layouts.json for the stages after it (and --resume)
+    budget = tune_budget or (TUNE_BUDGET_QUICK if quick else 0)
+    search = ["--tune-budget", str(budget)] if budget else ["--tune-fraction", str(sweep.tune_fraction)]
+    tag = f"b{budget}" if budget else f"f{sweep.tune_fraction}"
     gpus = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
     at = ",".join(str(n) for n in gpus)
-    tuned_common = ["--hardware", "h100", "--model", "omni-7b", "--tuned", "--tune-budget", str(budget),
-                    "--tune-cache", str(sims_dir / "tuned-layouts.json"), "--out", str(sims_dir), "--json"]
-    # seconds on the 2 shared cores (results/BENCHMARKS.md): a tune of one system at 1,024 / 4,096 GPUs
-    # and the simulation of one of its steps
+    tuned_common = ["--hardware", "h100", "--model", "omni-7b", "--tuned", *search, "--check-convergence",
+                    "--tune-cache", str(sims_dir / "tuned-layouts.json"), "--out", str(sims_dir), "--json",
+                    *sweep.run_args()]
+    # seconds on the 2 shared cores (results/BENCHMARKS.md): a converged tune of one system at 1,024 /
+    # 4,096 GPUs and the simulation of one of its steps
     tune_s = {n: (1.0 if quick else 20.0 if n <= 1024 else 50.0) for n in gpus}
     step_s = {n: (0.4 if quick else 3.0 if n <= 1024 else 10.0) for n in gpus}
     workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
     for wl in workloads:
-        stages.append(Stage(f"tuned-{wl}-b{budget}", f"tune every system on {wl} at {at} GPUs, simulate it there",
+        stages.append(Stage(f"tuned-{wl}-{tag}", f"tune every system on {wl} at {at} GPUs, simulate it there",
                             ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at, *tuned_common],
                             sum(len(systems) * (tune_s[n] + step_s[n]) for n in gpus)))
     for wl, extra in (DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS).items():
         n_steps = int(extra[extra.index("--steps") + 1])
-        stages.append(Stage(f"tuned-{wl}-b{budget}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned at step 0 "
-                            "and kept", ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at,
-                                         *extra, *tuned_common],
-                            sum(len(systems) * (tune_s[n] + n_steps * step_s[n]) for n in gpus)))
+        k = min(TUNE_STEPS_DYNAMIC, n_steps)
+        stages.append(Stage(f"tuned-{wl}-{tag}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} of "
+                            "them (calmest to burstiest) and kept",
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at, *extra,
+                             "--tune-steps", str(k), *tuned_common],
+                            sum(len(systems) * (k * tune_s[n] + n_steps * step_s[n]) for n in gpus)))
     if "omni" in systems:  # the ablation at omni's own tuned layout (from the cache: no tune again)
         for tech in SIM_ABLATIONS[:1] if quick else SIM_ABLATIONS:
-            stages.append(Stage(f"tuned-omni-no-{tech}-b{budget}", f"simulate omni without {tech} at its tuned layout, "
+            stages.append(Stage(f"tuned-omni-no-{tech}-{tag}", f"simulate omni without {tech} at its tuned layout, "
                                 f"{gpus[0]:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
                                                       "--gpus", str(gpus[0]), f"--no-{tech}", *tuned_common],
                                 step_s[gpus[0]] * 2))
     return stages
+
+
+CONVERGENCE_COLUMNS = ["system", "workload", "gpus", "layout", "space", "budget", "budget_2x", "best_s", "best_s_2x",
+                       "moved", "converged", "tuned_at_steps", "simulated", "tune_seconds"]
+
+
+def convergence_rows(tune_cache: Path) -> list[dict]:
+    """One row per tune `reproduce` ran (its tuned-layouts.json): did doubling the budget move the best?"""
+    import json
+
+    if not tune_cache.is_file():
+        return []
+    rows = []
+    for entry in json.loads(tune_cache.read_text()).values():
+        conv = entry.get("convergence")
+        if not conv or "system" not in entry:
+            continue
+        rows.append({**{k: entry.get(k) for k in ("system", "workload", "gpus", "space", "simulated",
+                                                   "tune_seconds")},
+                     "layout": entry.get("label"), **conv,
+                     "tuned_at_steps": " ".join(str(k) for k in entry.get("tuned_at_steps", []))})
+    return sorted(rows, key=lambda r: (r["workload"], r["gpus"], r["system"]))

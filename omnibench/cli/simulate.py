@@ -45,7 +45,8 @@ INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a ru
 RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
-                  "sim_seconds", "tuned_at_step", "tune_seconds", "steps_failed"]
+                  "sim_seconds", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space", "tune_moved",
+                  "tune_converged", "steps_failed"]
 # steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
 STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "step_time_s", "tokens_per_s",
                 "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
@@ -182,40 +183,49 @@ def with_micro_batch(parallel, batch, micro_batch: int):
     return replace(parallel, microbatches=m)
 
 
-def _simulate_one(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
-                  chunk_tokens=0, stack="eager"):
-    """Plan and simulate `system` at one fixed layout (`parallel`, `recompute`) on each of the
-    batches `step_indices(steps, stride)`: the layout is never revisited between steps."""
+def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
+               chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None, stack: str = "eager"):
+    """The steps to simulate of `system` at one fixed layout (`parallel`, `recompute`): the batches
+    `step_indices(steps, stride)`, the layout never revisited between steps. The first keeps its
+    spans (the record's trace). `packed`: the stream's batches packed so far, shared by the systems."""
     from dataclasses import replace
 
-    from simulator.engine import SimOptions, simulate
-    from systems import get_planner
+    from simulator.cache import StepJob, pack
+    from simulator.engine import SimOptions
 
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
-    planner = get_planner(system)
-    results, plans, failed = [], [], []
     sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack)
+    packed = {} if packed is None else packed
     for s in step_indices(steps, stride):
-        try:
-            plan = planner.plan(model, parallel, stream.batch(s))
-            res = simulate(plan, model, cluster, calibration=profile, options=sim_options)
-        except ValueError as e:
+        if s not in packed:
+            packed[s] = pack(stream.batch(s))
+    return [StepJob(system, model, parallel, packed[s], cluster, profile, sim_options,
+                    keep="full" if k == 0 else "summary", want_plan=want_plans, use_cache=use_cache)
+            for k, s in enumerate(step_indices(steps, stride))]
+
+
+def _collect(outcomes, steps: int):
+    """(results, metrics, plans, failed) of one system's simulated steps (`simulator.cache.StepOutcome`s)."""
+    results, metrics, plans, failed = [], [], [], []
+    for o in outcomes:
+        if o.error:
             if steps == 1:
-                raise
+                raise ValueError(o.error)
             # Over many steps at a kept layout a later batch may not plan (fewer samples than data
             # ranks, ...): that step is recorded as failed, the others still run.
-            failed.append({"step": s, "fits": False, "error": str(e).splitlines()[0]})
+            failed.append({"step": o.step, "fits": False, "error": o.error})
             continue
-        results.append(res)
-        plans.append(plan)
+        results.append(o.result)
+        metrics.append({**o.metrics, "step": o.step})
+        plans.append(o.plan)
     if not results:
         raise ValueError(f"step {failed[0]['step']}: {failed[0]['error']}")
-    return results, plans, failed
+    return results, metrics, plans, failed
 
 
 TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "global_batch_tokens", "budget",
-                   "calibration")
+                   "calibration", "tune_steps", "converge", "prior")
 
 
 def _tune_key(**fields) -> str:
@@ -232,27 +242,40 @@ def read_tune_cache(path: Path | None) -> dict:
     return got if isinstance(got, dict) else {}
 
 
-def tuned_layout(system: str, spec, batch0, cluster, profile, budget: int, options: dict, hardware: str,
-                 cache: dict, key: str, stack: str = "eager", dp_mode: str | None = None):
-    """(Candidate, seconds spent tuning) for `system`: `omnibench tune` on step 0's batch `batch0`
-    with every omni technique on (the ablation keeps the full system's layout), or the layout
-    `cache[key]` holds from an earlier tune with the same inputs (0 s)."""
-    from omnibench.tune import Candidate
-    from omnibench.tune import tune as _tune
-
-    if key in cache:
-        return Candidate(**cache[key]["candidate"]), 0.0
-    full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
-    res = _tune(system, spec, [batch0], cluster, profile=profile, budget=budget,
-                options=planner_options(system, full, hardware) if profile is None else full, stack=stack,
-                dp_mode=dp_mode)
-    if res.best is None:
-        raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
+def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str,
+                 cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
+                 use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
+                 dp_mode: str | None = None):
+    """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
+    batch, or batches picked across the simulated window by regime) with every omni technique on
+    (the ablation keeps the full system's layout), starting from `prior` (the next smaller size's
+    answer, a `tune.Prior`); or the layout `cache[key]` holds from an earlier tune with the same
+    inputs (its entry then says `tune_seconds` 0 for this command). The entry keeps this search's
+    own answer as the prior of the next size (`entry["prior"]`)."""
     from dataclasses import asdict
 
-    cache[key] = {"candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
-                  "tune_seconds": res.seconds, "simulated": res.simulated}
-    return res.best.candidate, res.seconds
+    from omnibench import tune as tune_mod
+    from omnibench.tune import Candidate
+
+    if key in cache:
+        return Candidate(**cache[key]["candidate"]), {**cache[key], "tune_seconds": 0.0}
+    full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
+    search = tune_mod.tune_converged if converge else tune_mod.tune
+    res = search(system, spec, batches, cluster, profile=profile, budget=budget,
+                 fraction=fraction or tune_mod.BUDGET_FRACTION,
+                 options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
+                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode)
+    if res.best is None:
+        raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
+    entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
+             "tune_seconds": res.seconds, "simulated": res.simulated, "space": res.space,
+             "budget": res.convergence.budget if res.convergence else res.budget,
+             "enumerated": res.enumerated, "tuned_at_steps": res.steps, "best_s": res.best.step_s,
+             "prior": res.prior().row(), "started_from": prior.world if prior is not None else None}
+    if res.convergence is not None:
+        entry["convergence"] = res.convergence.row()
+    cache[key] = entry
+    return res.best.candidate, entry
 
 
 def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
@@ -278,10 +301,11 @@ def _resolved(row: dict, system: str, model, parallel, stream, steps: int, strid
     return replace(res.parallel, options=options), res.recompute
 
 
-def _summary(results) -> dict:
-    """A (size, system) row over its simulated steps. A plan that does not fit in memory still gets its
-    step time and throughput, with `fits: false` and why beside them (the simulator times the step as
-    if memory were no object; the record keeps no trace of it)."""
+def _summary(results, metrics) -> dict:
+    """A (size, system) row over its simulated steps (`results` without spans suffice, `metrics` are
+    each step's `SimResult.metrics()` taken with them). A plan that does not fit in memory still gets
+    its step time and throughput, with `fits: false` and why beside them (the simulator times the
+    step as if memory were no object; the record keeps no trace of it)."""
     fits = all(r.fits for r in results)
     t = sum(r.step_time for r in results)
     tokens = sum(r.tokens for r in results)
@@ -305,7 +329,7 @@ def _summary(results) -> dict:
         "distinct_ranks": max(r.classes for r in results),
         "sim_seconds": sum(r.sim_seconds for r in results),
         "breakdown_s": _mean_breakdown(results),
-        "per_step": [r.metrics() for r in results],
+        "per_step": [dict(m) for m in metrics],
     }
 
 
@@ -460,12 +484,20 @@ def register(app: typer.Typer) -> None:
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
         no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short", help="omni: long LLM samples stay on one data rank"),
         option: list[str] = typer.Option([], "--option", help="System option key=value (repeatable)."),
-        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout, tuned at step 0."),
-        tune_budget: int = typer.Option(12, "--tune-budget", help="With --tuned: layouts simulated per system."),
+        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout, tuned once, kept."),
+        tune_budget: int = typer.Option(0, "--tune-budget", help="With --tuned: layouts per system; 0: a fraction."),
+        tune_fraction: float = typer.Option(None, "--tune-fraction", help="Share of the pruned space (default 0.25)."),
+        tune_steps: int = typer.Option(1, "--tune-steps", help="With --tuned: batches tuned on, picked by regime."),
+        check_convergence: bool = typer.Option(False, "--check-convergence", help="With --tuned: tune again at 2x."),
+        workers: int = typer.Option(None, "--workers", help="Simulations at once (default: every core)."),
+        ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
+        no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
         tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
     ) -> None:
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
+        from omnibench.sweep import Sweep
+        from simulator.cache import run_step
         from simulator.calibrate import Profile
         from simulator.hardware import load_cluster
         from simulator.traces import perfetto_events, write_json_atomic
@@ -483,8 +515,14 @@ def register(app: typer.Typer) -> None:
             fail(f"steps must be a positive integer, got {steps}")
         if step_stride < 1:
             fail(f"step-stride must be a positive integer, got {step_stride}")
-        if tune_budget < 1:
-            fail(f"tune-budget must be a positive integer, got {tune_budget}")
+        if tune_budget < 0:
+            fail(f"tune-budget must be >= 0 (0: --tune-fraction of each system's space), got {tune_budget}")
+        if tune_fraction is not None and not 0 < tune_fraction <= 1:
+            fail(f"tune-fraction must be in (0, 1] (a share of the layouts left after pruning), got {tune_fraction}")
+        if tune_steps < 1 or tune_steps > steps:
+            fail(f"tune-steps must be between 1 and --steps ({steps}), got {tune_steps}")
+        if workers is not None and workers < 1:
+            fail(f"workers must be a positive integer (default: every core), got {workers}")
         cache = read_tune_cache(tune_cache) if tuned else {}
         dp_fields = _dp_fields(dp_mode, dp_shard)
         _check_stack(stack)
@@ -532,82 +570,129 @@ def register(app: typer.Typer) -> None:
         sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         rows: list[dict] = []
         try:
-            for n in sizes:
-                gbt = global_batch_tokens or 8192 * n
-                try:
-                    stream = _stream(workload, seed, gbt)
-                    parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp, tp=tp or 1,
-                                            pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
-                                            virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
-                                            **dp_fields)
-                    parallel.validate(spec)
-                except ValueError as e:
-                    fail(str(e))
-                try:
-                    stream.batch(step_indices(steps, step_stride)[0])
-                except ValueError as e:
-                    fail(batch_error(e, n, global_batch_tokens))
-                for s in systems:
-                    row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
-                    sys_parallel, sys_recompute = parallel, recompute
+            with Sweep(workers, ray, label="simulate", quiet=as_json) as sweep:
+                # 1. each system's layout at each size (tuned, its default, or the one asked for)
+                todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
+                priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
+                for n in sizes:
+                    gbt = global_batch_tokens or 8192 * n
                     try:
-                        if tuned:
-                            key = _tune_key(system=s, workload=workload, gpus=n, model=spec.name, hardware=hardware,
-                                            seed=seed, global_batch_tokens=gbt, budget=tune_budget,
-                                            calibration=calibration)
-                            c, row["tune_seconds"] = tuned_layout(s, spec, stream.batch(0), clusters[n], profile,
-                                                                  tune_budget, options, hardware, cache, key, stack,
-                                                                  dp_mode)
-                            if tune_cache is not None:
-                                write_json_atomic(tune_cache, cache)
-                            sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
-                            if dp_mode is not None:
-                                sys_parallel = replace(sys_parallel, **dp_fields)
-                            sys_recompute = c.recompute
-                            row["layout"] = c.label()
-                            row["tuned_at_step"] = 0
-                        else:
-                            sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps, step_stride,
-                                                                    clusters[n], tp, pp, cp, recompute, options,
-                                                                    hardware, profile, encoder_chunk_tokens)
-                        if micro_batch and not tuned:
-                            sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
-                        results, plans, failed = _simulate_one(s, spec, sys_parallel, stream, steps, clusters[n],
-                                                               profile, sys_recompute, hardware, step_stride,
-                                                               encoder_chunk_tokens, stack)
+                        stream = _stream(workload, seed, gbt)
+                        parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
+                                                tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
+                                                virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
+                                                **dp_fields)
+                        parallel.validate(spec)
                     except ValueError as e:
-                        if len(systems) == 1:
-                            fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
-                        row["error"] = str(e).splitlines()[0]
-                        rows.append(row)
-                        continue
-                    row.setdefault("recompute", sys_recompute)
-                    row.update(_summary(results))
-                    # each step's own metrics (a step that did not fit says so: a figure shows which ran)
-                    row.setdefault("per_step", [r.metrics() for r in results])
-                    for p, m in zip(plans, row["per_step"], strict=True):
-                        m["step"] = p.step  # the stream's batch index (with --step-stride, not the position)
-                    row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
-                    for m in row["per_step"]:
-                        m["layout"] = row.get("layout", "")
-                    row["steps"] = len(row["per_step"])
-                    bad = [m for m in row["per_step"] if not m["fits"]]
-                    row["steps_failed"] = len(bad)
-                    if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
-                        first = bad[0]
-                        row["fits"] = False if "fit_message" in first else row["fits"]
-                        if "error" in first:
-                            row["error"] = f"step {first['step']}: {first['error']}"
-                        else:
-                            row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
+                        fail(str(e))
+                    try:
+                        stream.batch(step_indices(steps, step_stride)[0])
+                    except ValueError as e:
+                        fail(batch_error(e, n, global_batch_tokens))
+                    window, packed = None, {}
+                    for s in systems:
+                        row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
+                        sys_parallel, sys_recompute = parallel, recompute
+                        try:
+                            if tuned:
+                                from omnibench.tune import BUDGET_FRACTION, regime_batches
+
+                                if window is None:  # the same batches for every system
+                                    window = regime_batches([stream.batch(k) for k in step_indices(steps, step_stride)],
+                                                            tune_steps) if tune_steps > 1 else [stream.batch(0)]
+                                sweep.describe(f"tune {s} at {n:,} GPUs")
+                                budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
+                                # each size's search starts from the next smaller size's answer
+                                prior = priors[s] if s in priors and priors[s].world < n else None
+                                key = _tune_key(system=s, workload=workload, gpus=n, model=spec.name,
+                                                hardware=hardware, seed=seed, global_batch_tokens=gbt,
+                                                budget=budget_key, calibration=calibration,
+                                                tune_steps=",".join(str(b.step) for b in window),
+                                                converge=check_convergence,
+                                                prior=prior.world if prior is not None else 0)
+                                c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
+                                                        hardware, cache, key, fraction=tune_fraction,
+                                                        converge=check_convergence, sweep=sweep,
+                                                        use_cache=not no_cache,
+                                                        describe={"system": s, "workload": workload, "gpus": n},
+                                                        prior=prior, stack=stack, dp_mode=dp_mode)
+                                if entry.get("prior") and (s not in priors or priors[s].world < n):
+                                    from omnibench.tune import Prior
+
+                                    priors[s] = Prior.from_row(entry["prior"])
+                                if tune_cache is not None:
+                                    write_json_atomic(tune_cache, cache)
+                                sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
+                                if dp_mode is not None:
+                                    sys_parallel = replace(sys_parallel, **dp_fields)
+                                sys_recompute = c.recompute
+                                row["layout"] = c.label()
+                                row["tuned_at_step"] = entry["tuned_at_steps"][0]
+                                row["tuned_at_steps"] = entry["tuned_at_steps"]
+                                row["tune_seconds"] = entry["tune_seconds"]
+                                row["tune_budget"], row["tune_space"] = entry.get("budget"), entry.get("space")
+                                conv = entry.get("convergence")
+                                if conv:
+                                    row["tune_budget_2x"] = conv["budget_2x"]
+                                    row["tune_moved"], row["tune_converged"] = conv["moved"], conv["converged"]
+                            else:
+                                sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
+                                                                        step_stride, clusters[n], tp, pp, cp, recompute,
+                                                                        options, hardware, profile, encoder_chunk_tokens)
+                            if micro_batch and not tuned:
+                                sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
+                            row.setdefault("recompute", sys_recompute)
+                            jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
+                                              hardware, step_stride, encoder_chunk_tokens,
+                                              want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
+                                              packed=packed, stack=stack)
+                        except ValueError as e:
+                            if len(systems) == 1:
+                                fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
+                            row["error"] = str(e).splitlines()[0]
+                            jobs = []
+                        todo.append((row, jobs))
+                # 2. every step of every (size, system) at once: independent simulations
+                sweep.describe(f"simulate {sum(len(j) for _, j in todo)} step(s)")
+                outcomes = iter(sweep.map(run_step, [j for _, jobs in todo for j in jobs]))
+            for row, jobs in todo:
+                n, s = row["gpus"], row["system"]
+                if "error" in row:
                     rows.append(row)
-                    if "error" in row or not row["fits"]:
-                        continue  # no trace: a timeline of a step that cannot run would mislead
-                    write_json_atomic(tmp / f"trace_{s}_{n}.json",
-                                      perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
-                    if n <= SAVE_PLANS_UP_TO:
-                        for p in plans:
-                            (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
+                    continue
+                try:
+                    results, metrics, plans, failed = _collect([next(outcomes) for _ in jobs], steps)
+                except ValueError as e:
+                    if len(systems) == 1:
+                        fail(f"{s} at {n} GPUs: {e}")
+                    row["error"] = str(e).splitlines()[0]
+                    rows.append(row)
+                    continue
+                row.update(_summary(results, metrics))
+                # each step's own metrics (a step that did not fit says so: a figure shows which ran);
+                # "step" is the stream's batch index (with --step-stride, not the position)
+                row.setdefault("per_step", metrics)
+                row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
+                for m in row["per_step"]:
+                    m["layout"] = row.get("layout", "")
+                row["steps"] = len(row["per_step"])
+                bad = [m for m in row["per_step"] if not m["fits"]]
+                row["steps_failed"] = len(bad)
+                if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
+                    first = bad[0]
+                    row["fits"] = False if "fit_message" in first else row["fits"]
+                    if "error" in first:
+                        row["error"] = f"step {first['step']}: {first['error']}"
+                    else:
+                        row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
+                rows.append(row)
+                if "error" in row or not row["fits"]:
+                    continue  # no trace: a timeline of a step that cannot run would mislead
+                write_json_atomic(tmp / f"trace_{s}_{n}.json",
+                                  perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
+                if n <= SAVE_PLANS_UP_TO:
+                    for p in plans:
+                        (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
             for n in sizes:
                 group = [r for r in rows if r["gpus"] == n and "error" not in r and r["fits"]]
                 best = max((r["tokens_per_s"] for r in group if r["system"] in BASELINES), default=0.0)
@@ -623,8 +708,13 @@ def register(app: typer.Typer) -> None:
                 "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                 "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
-                # a static deployment: each system's layout tuned once on step 0's batch, kept for every step
-                **({"tune_budget": tune_budget, "tuned_at_step": 0, "layout_kept": True} if tuned else {}),
+                # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
+                # batches picked across the window by regime), kept for every step
+                **({"tune_budget": tune_budget, "tune_fraction": tune_fraction, "tune_steps": tune_steps,
+                    "check_convergence": check_convergence,
+                    "tuned_at_step": min((r["tuned_at_step"] for r in rows if "tuned_at_step" in r), default=0),
+                    "tuned_at_steps": sorted({k for r in rows for k in r.get("tuned_at_steps", [])}),
+                    "layout_kept": True} if tuned else {}),
                 "calibration_provenance": profile.provenance if profile else None,
                 "provenance": provenance(f"simulated: {hardware}"),
             }
@@ -678,7 +768,15 @@ def register(app: typer.Typer) -> None:
             if r.get("layout") and tuned:
                 kept = f", kept for all {steps} steps" if steps > 1 else ""
                 spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
-                said.append(f"tuned layout {r['layout']} (budget {tune_budget}, tuned at step 0{kept}{spent})")
+                at = ", ".join(str(k) for k in r.get("tuned_at_steps", [0]))
+                conv = ""
+                if r.get("tune_converged") is not None:
+                    moved = r["tune_moved"]
+                    conv = (f"; budget {r['tune_budget_2x']} moved the best by "
+                            + (f"{moved:.1%}" if moved is not None else "(only it found a fit)")
+                            + (": converged" if r["tune_converged"] else ": NOT converged"))
+                said.append(f"tuned layout {r['layout']} (budget {r.get('tune_budget')} of {r.get('tune_space')}, "
+                            f"tuned at step(s) {at}{kept}{spent}{conv})")
             elif r.get("layout"):
                 said.append(f"default layout {r['layout']}" + (f" ({r['layout_note']})" if r.get("layout_note") else ""))
             if r.get("recompute_note"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.table import Table
@@ -14,57 +15,77 @@ TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print t
 
 Space: LLM tp (dividing heads and kv heads, inside a node), pp, cp (tp*cp dividing the kv heads),
 ep (MoE only); temporal searches VeOmni's space: tp 1, pp 1, cp (its one Ulysses degree for
-encoders and LLM, dividing the encoders' heads too) and FSDP over all ranks; microbatches ({1, 2} at pp 1, {pp, 2pp, 4pp} with pipelining),
-virtual stages 2 (where pp divides the depth; refused while a planner cannot interleave), then
-around the best layouts the encoder knobs: encoder tp (colocated, noncolocated, omni), encoder sp
-(omni), the encoders' share of ranks (noncolocated).
+encoders and LLM, dividing the encoders' heads too) and FSDP over all ranks; every microbatch count
+of {1, 2, 4} at pp 1 and {pp, 2pp, 4pp} with pipelining (and the system's own default); virtual
+stages 2 (where pp divides the depth; refused while a planner cannot interleave); recomputation per
+module (none, selective, full, the encoders fully recomputed under an LLM at none or selective, the
+LLM alone at full); then around the best layouts the encoder knobs: encoder tp (colocated,
+noncolocated, omni), encoder sp (omni), the encoders' share of ranks (noncolocated).
 
 Pruned analytically before any simulation: a per-rank memory lower bound (parameter-shard
 training state under the planners' HSDP groups + activations of the microbatches 1F1B keeps in
 flight, at least the batch's largest sample) drops layouts over the device's memory and settles
-each layout's cheapest fitting recompute mode; the survivors are ordered by an analytic step time
-(compute at the datasheet's matmul rate, the 1F1B bubble, tp/cp exchanges over NVLink) and only
-the first --budget are simulated, the system's default layout (its anchor's usual one, as `omnibench
-plan` prints it: Megatron-style tp inside a node for homogeneous, colocated, noncolocated and omni;
-VeOmni's tp 1 / pp 1 / Ulysses cp for temporal) always among them. The
-simulator's memory estimate is the final word: a layout it finds too big is retried with more
-recomputation, and the smallest simulated/bound ratio seen so far scales the bound for the
-layouts still to come."""
+each layout's fastest fitting recompute mode; the survivors are ordered by an analytic step time
+(compute at the datasheet's matmul rate, the 1F1B bubble, tp/cp exchanges over NVLink) and the
+first --budget are simulated (default: --budget-fraction of them), the system's default layout
+(its anchor's usual one, as `omnibench plan` prints it) always among them. The simulator's memory
+estimate is the final word: a layout it finds too big is retried with more recomputation, and the
+smallest simulated/bound ratio seen so far scales the bound for the layouts still to come.
+
+Simulations run in waves on every core (--workers) or on a Ray cluster (--ray), the same result
+either way, and go through the step cache (--no-cache to bypass). --check-convergence searches
+again at twice the budget (reusing what was simulated) and reports how far the best moved."""
 
 
-def _batches(workload: str, seed: int, tokens: int, steps: int, start: int):
+def _batches(workload: str, seed: int, tokens: int, steps: int, start: int, window: int = 0):
+    from omnibench.tune import regime_batches
     from workloads.stream import WorkloadStream
 
     stream = WorkloadStream(workload, seed=seed, global_batch_tokens=tokens)
+    if window:
+        return regime_batches([stream.batch(start + s) for s in range(window)], steps)
     return [stream.batch(start + s) for s in range(steps)]
 
 
 def run_tune(system: str, workload: str, n: int, model: str, hardware: str, steps: int, start_step: int,
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
-             log=None, stack: str = "eager", dp_mode: str | None = None):
+             log=None, *, fraction: float | None = None, window: int = 0, converge: bool = False, sweep=None,
+             use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None):
     """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
     starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
     each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
+    from omnibench import tune as tune_mod
     from omnibench.resolve import resolve_layout
     from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
-    from omnibench.tune import Candidate, tune
     from simulator.calibrate import Profile
     from simulator.hardware import load_cluster
 
     spec = get_model(model)
     cluster = load_cluster(hardware, n)
     profile = Profile.load(calibration) if calibration else None
-    batches = _batches(workload, seed, global_batch_tokens or 8192 * n, steps, start_step)
+    batches = _batches(workload, seed, global_batch_tokens or 8192 * n, steps, start_step, window)
     if profile is None:
         from omnibench.cli.simulate import planner_options
 
         options = planner_options(system, options or {}, hardware)
     laid = resolve_layout(system, spec, ParallelSpec(world_size=n, gpus_per_node=cluster.gpus_per_node,
                                                      options=dict(options or {})), batches, cluster, recompute="none")
-    start = Candidate(system, tp=laid.parallel.tp, pp=laid.parallel.pp, cp=laid.parallel.cp)
-    return tune(system, spec, batches, cluster, profile=profile, budget=budget, options=options, log=log,
-                stack=stack, dp_mode=dp_mode, default=start)
+    start = tune_mod.Candidate(system, tp=laid.parallel.tp, pp=laid.parallel.pp, cp=laid.parallel.cp)
+    search = tune_mod.tune_converged if converge else tune_mod.tune
+    return search(system, spec, batches, cluster, profile=profile, budget=budget,
+                  fraction=fraction or tune_mod.BUDGET_FRACTION, options=options, log=log, sweep=sweep,
+                  use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start)
+
+
+def check_sweep_options(workers: int | None, fraction: float | None = None, budget: int = 0) -> None:
+    """One-line errors for the sweep options shared by tune, simulate and reproduce."""
+    if workers is not None and workers < 1:
+        fail(f"workers must be a positive integer (default: every core), got {workers}")
+    if fraction is not None and not 0 < fraction <= 1:
+        fail(f"budget-fraction must be in (0, 1] (a share of the layouts left after pruning), got {fraction}")
+    if budget < 0:
+        fail(f"budget must be >= 0 (0: --budget-fraction of the space), got {budget}")
 
 
 def register(app: typer.Typer) -> None:
@@ -76,48 +97,70 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
         hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
         stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
-        dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp: every layout "
-                                    "simulated with this data-parallel mode (fsdp: one shard group over all data "
-                                    "ranks; hsdp: sharded within 8 nodes); default: the system's (FSDP, HSDP "
-                                    "within 8 nodes on large clusters)."),
-        steps: int = typer.Option(1, "--steps", help="Batches each layout is simulated on."),
+        dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp for every layout; "
+                                    "default: the system's."),
+        steps: int = typer.Option(1, "--steps", help="Batches each layout is simulated on (a layout fits only if "
+                                  "it fits all)."),
+        window: int = typer.Option(0, "--window", help="Pick the --steps batches from the first W of the stream "
+                                   "by how bursty they are (calmest, median, burstiest for 3); 0: consecutive."),
         start_step: int = typer.Option(0, "--start-step", help="First batch of the stream."),
         seed: int = typer.Option(0, "--seed"),
         global_batch_tokens: int = typer.Option(0, "--global-batch-tokens", help="0: 8,192 per GPU."),
-        budget: int = typer.Option(24, "--budget", help="Layouts simulated in the LLM phase (after pruning)."),
+        budget: int = typer.Option(0, "--budget", help="Layouts simulated in the LLM phase (after pruning); 0: "
+                                   "--budget-fraction of them."),
+        fraction: float = typer.Option(None, "--budget-fraction", help="Share of the layouts left after pruning "
+                                       "simulated when --budget is 0 (default 0.25, at least 4)."),
+        check_convergence: bool = typer.Option(False, "--check-convergence", help="Search again at twice the "
+                                               "budget; report how far the best step time moved (<= 2%: converged)."),
         top: int = typer.Option(5, "--top", help="Layouts printed."),
         calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
+        workers: int = typer.Option(None, "--workers", help="Simulations run at once (default: every core)."),
+        ray: str = typer.Option(None, "--ray", help="Run the simulations on a Ray cluster: auto, local, or "
+                                "ray://host:port (pip install 'omnibench[ray]')."),
+        no_cache: bool = typer.Option(False, "--no-cache", help="Simulate everything again (no step cache)."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every layout as it is simulated."),
     ) -> None:
         from omnibench.cli.simulate import _check_stack, _dp_fields
+        from omnibench.sweep import Sweep, SweepError
         from systems import available_systems
 
         _check_stack(stack)
         _dp_fields(dp_mode, 0)
         if system not in available_systems():
             fail(f"system must be one of {', '.join(available_systems())}; got {system!r}")
-        for name, v in (("gpus", gpus), ("steps", steps), ("budget", budget), ("top", top)):
+        for name, v in (("gpus", gpus), ("steps", steps), ("top", top)):
             if v < 1:
                 fail(f"{name} must be a positive integer, got {v}")
         if gpus > MAX_GPUS:
             fail(f"gpus must be at most {MAX_GPUS:,}, got {gpus:,}")
+        if window and window < steps:
+            fail(f"window must be 0 (consecutive batches) or at least --steps ({steps}), got {window}")
+        check_sweep_options(workers, fraction, budget)
         log = (lambda t: console.print(f"  {t.candidate.label():48s} "
                                        + (f"{t.step_s:.3f} s, {t.peak_gib:.1f} GiB" if t.simulated else t.note),
                                        highlight=False)) if verbose else None
         try:
-            res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
-                           budget, calibration, log=log, stack=stack, dp_mode=dp_mode)
+            with Sweep(workers, ray, label=f"tune {system}", quiet=as_json) as sweep:
+                res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
+                               budget, calibration, log=log, fraction=fraction, window=window,
+                               converge=check_convergence, sweep=sweep, use_cache=not no_cache, stack=stack,
+                               dp_mode=dp_mode)
+        except SweepError as e:
+            fail(str(e))
         except ValueError as e:
             fail(batch_error(e, gpus, global_batch_tokens))
+        conv = res.convergence
         if as_json:
             print(json.dumps({"system": system, "gpus": gpus, "enumerated": res.enumerated,
-                              "pruned_memory": res.pruned_memory, "refused": res.refused,
-                              "simulated": res.simulated, "seconds": res.seconds,
+                              "pruned_memory": res.pruned_memory, "refused": res.refused, "space": res.space,
+                              "budget": res.budget, "simulated": res.simulated, "steps": res.steps,
+                              "seconds": res.seconds, "convergence": conv.row() if conv else None,
                               "best": res.best.row() if res.best else None, "default": res.default.row(),
                               "layouts": [t.row() for t in res.trials[:top]], "notes": res.notes[:20]}, indent=1))
             return
-        table = Table(title=f"{system}: {model} on {gpus} x {hardware}, workload {workload}")
+        table = Table(title=f"{system}: {model} on {gpus} x {hardware}, workload {Path(workload).stem}, "
+                            f"step(s) {', '.join(map(str, res.steps))}")
         for col in ("#", "layout", "step s", "tok/s/GPU", "MFU", "GiB (est.)", "vs default"):
             table.add_column(col, justify="left" if col == "layout" else "right")
         d = res.default
@@ -130,7 +173,11 @@ def register(app: typer.Typer) -> None:
         dl = f"{d.step_s:.3f} s, {d.tokens_per_s_per_gpu:,.0f} tok/s/GPU" if d.fits else "does not fit"
         console.print(f"default layout ({d.candidate.label()}): {dl}", highlight=False)
         console.print(f"{res.enumerated} layouts enumerated, {res.pruned_memory} pruned by the memory bound, "
-                      f"{res.refused} refused by the layout rules, {res.simulated} simulated in {res.seconds:.1f} s",
-                      highlight=False)
+                      f"{res.refused} refused by the layout rules; budget {res.budget} of the {res.space} left; "
+                      f"{res.simulated} simulated in {res.seconds:.1f} s", highlight=False)
+        if conv:
+            verdict = "converged" if conv.converged else "[yellow]not converged[/]"
+            console.print(f"convergence: best {conv.best_s:.3f} s at budget {conv.budget}, {conv.best_s_2x:.3f} s at "
+                          f"{conv.budget_2x}: moved {conv.moved:.1%} ({verdict}, limit 2%)", highlight=False)
         for note in res.notes[:5]:
             console.print(f"not simulated: {note}", highlight=False)
