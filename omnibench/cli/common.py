@@ -78,7 +78,7 @@ RECOMPUTE_HELP = "auto | none | selective | full | vision=full,..."
 
 # --dp-shard on run, plan and simulate.
 DpShard = Annotated[int, typer.Option(
-    "--dp-shard", help="HSDP shard group; 0: automatic (not under an explicit --dp-mode fsdp), -1: plain FSDP.")]
+    "--dp-shard", help="HSDP shard group; 0: automatic, -1: plain FSDP.")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -133,20 +133,12 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
     return [k * stride for k in range(steps)]
 
 
-HARDWARE_HELP = ("Preset or a .toml/.yaml file: h100 (HGX H100 SXM, 700 W), h100-500w (H100 96 GB HBM2e at a "
-                 "500 W power cap), h800 (NVLink limited to 200 GB/s per direction), h200, a100-80g, a100-40g, "
-                 "v100-32g, cpu-gloo.")
-STACK_HELP = ("Software whose kernels are costed: eager (this project's runtime: PyTorch ops one by one, fp32 "
-              "norm/RoPE math, chunked loss) | fused (Megatron-style fused norm/bias/dropout/activation kernels).")
-DP_MODE_HELP = ("How data parallelism holds the training state: ddp | zero1 | zero2 | fsdp | hsdp. Default: FSDP, "
-                "sharded within at most 8 nodes (HSDP) on large clusters unless --dp-shard says otherwise. An "
-                "explicit fsdp never shards within nodes (one shard group over all data ranks); hsdp shards "
-                "within 8 nodes, or --dp-shard ranks.")
-MICRO_BATCH_HELP = ("Samples per LLM microbatch: sets --microbatches to step 0's samples per data rank divided by "
-                    "N (rounded up); 0: --microbatches (or the system's default) decides. Ignored with --tuned.")
-CP_KIND_HELP = ("How context parallelism splits attention: ulysses (all-to-alls; what the runtime runs) | ring "
-                "(K/V blocks passed around the cp ranks) | allgather (each rank all-gathers K/V before its "
-                "attention: Llama 3, torchtitan). ring and allgather are simulated only.")
+# One line each (`simulate --help` keeps every option to one line); the command's description says more.
+HARDWARE_HELP = "Preset (h100, h200, h800, a100-80g, ...) or a file."
+STACK_HELP = "eager (this runtime) | fused (Megatron)."
+DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
+MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
+CP_KIND_HELP = "ulysses | ring | allgather."
 
 
 def _dp_fields(dp_mode: str | None, dp_shard: int) -> dict:
@@ -440,9 +432,18 @@ SIMULATE_HELP = "\n\n".join([
     RECOMPUTE_TEXT,
     "Steps: --steps N simulates batches 0..N-1 of the stream (with --step-stride K: 0, K, 2K, ..., a mix drifting "
     "over training), each system's layout kept for all of them.",
-    "Tuned: --tuned puts each system at its own best layout, `omnibench tune` on step 0's batch only, kept for every "
-    "step (a static deployment, never re-tuned); the layout flags are then ignored, and with --no-* switches omni "
-    "keeps the layout tuned with every technique on.",
+    "Tuned: --tuned puts each system at its own best layout, `omnibench tune` on step 0's batch (or, with "
+    "--tune-steps K, on K batches picked across the simulated steps by how bursty they are), kept for every step "
+    "(a static deployment, never re-tuned); the layout flags are then ignored, and with --no-* switches omni keeps "
+    "the layout tuned with every technique on. --tune-budget 0 simulates --tune-fraction of each system's pruned "
+    "space; --check-convergence tunes again at twice the budget and says how far the best moved.",
+    "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
+    "NVLink at 200 GB/s, h200, a100-80g, a100-40g, v100-32g, cpu-gloo) or a file; --stack costs this runtime's "
+    "eager kernels or Megatron's fused ones; --dp-mode says how data parallelism holds the training state (an "
+    "explicit fsdp never shards within nodes; hsdp shards within 8 nodes, or --dp-shard ranks); --cp-kind ring "
+    "and allgather (Llama 3's all-gathered K/V) are simulated only.",
+    "Sweeps: every simulation runs in a pool (--workers, default every core) or on Ray (--ray), each step cached on "
+    "disk (--no-cache to simulate again).",
     "The --no-* switches turn off one omni technique each, for the ablation a paper shows.",
 ])
 
