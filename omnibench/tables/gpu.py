@@ -425,10 +425,10 @@ def h100_op_profile() -> str:
     from types import SimpleNamespace
 
     from omnibench.specs.presets import get_model
-    from simulator.engine import Engine
     from simulator.flops import llm_work, vision_work
     from simulator.hardware import load_cluster
     from simulator.kernels import llm_pass, load_kernel_profile
+    from simulator.work import eager_stack
 
     # the shapes benchmarks/gpu_op_profile.py runs
     spec = get_model("omni-7b@4L")
@@ -442,7 +442,7 @@ def h100_op_profile() -> str:
     lines = ["| shape | phase | measured ms (GEMM / attention / other) | kernel model ms | error |", "|---|---|---|---|---|"]
     for (label, (module, work)), m in zip(works.items(), measured, strict=True):
         # the engine's own description of how this project runs the module on one rank
-        shape = replace(work.shape, stack=Engine._eager_stack(SimpleNamespace(model=spec), module, one_rank))
+        shape = replace(work.shape, stack=eager_stack(spec, module, one_rank))
         for phase, passes in (("FWD", "fwd"), ("BWD", "bwd")):
             other = m[f"{phase}.mem"] - (m.get("range", 0.0) if phase == "FWD" else 0.0)
             total = m[f"{phase}.gemm"] + m[f"{phase}.attn"] + other
