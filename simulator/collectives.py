@@ -255,6 +255,42 @@ class CollectiveModel:
             t = max(t, inter.latency + t_inter)
         return t, "pairwise"
 
+    def expert_all_to_all(self, nbytes: float, ranks: tuple[int, ...], experts: int, top_k: int,
+                          dispatcher: str = "alltoall") -> float:
+        """One MoE dispatch (or combine) over an expert-parallel group: `nbytes` are the rank's token
+        copies (tokens x top_k x hidden), each bound for the rank holding its expert.
+
+        "alltoall" (Megatron-Core's all-to-all dispatcher): every copy travels on its own, so a token
+        routed to several experts of one remote node crosses the network once per expert (the plain
+        all-to-all). "deepep" (DeepEP's normal kernels, Megatron's flex dispatcher): a token crosses to
+        each remote node at most once, to the GPU of the same rail, with a bitmask of the node's GPUs
+        that need it, and is forwarded to them over NVLink (deepseek-ai/DeepEP csrc/kernels/internode.cu,
+        `SourceMeta.is_token_in_nvl_rank_bits`; README: "asymmetric-domain bandwidth forwarding").
+        With routing balanced over `experts` (the Plan does not know the routing), a node holding
+        E_node of them is missed by a token with probability C(E - E_node, k) / C(E, k): the network
+        carries (nodes - 1)(1 - that) copies per token instead of k (n - local) / n."""
+        key = ("ep", nbytes, id(ranks), experts, top_k, dispatcher)
+        got = self._cost_cache.get(key)
+        if got is not None and got[1] is ranks:
+            return got[0]
+        t = self.all_to_all(nbytes, ranks)[0]
+        p = self.placement(ranks)
+        if dispatcher == "deepep" and p.nodes > 1 and nbytes > 0 and top_k > 0:
+            per_node = experts * p.local / p.n
+            miss = math.prod((experts - per_node - i) / (experts - i) for i in range(top_k)) if (
+                experts - per_node >= top_k) else 0.0
+            naive = top_k * (p.n - p.local) / p.n  # remote copies per token, one per expert
+            remote = (p.nodes - 1) * (1.0 - miss)  # remote nodes a token reaches
+            intra, inter = self.link("intra"), self.link("inter", p.local, p.same_rail)
+            copies = nbytes / top_k  # bytes of one copy of each token
+            # NVLink carries the in-node copies and forwards what arrives from other nodes
+            t_intra = ((p.local - 1) / p.n * nbytes + naive * copies * (p.local - 1) / p.local) / (
+                intra.bandwidth * self._eff(nbytes / p.n))
+            t_inter = remote * copies / (inter.bandwidth * self._eff(nbytes / p.n))
+            t = max(intra.latency + t_intra, inter.latency + t_inter)
+        self._cost_cache[key] = (t, ranks)
+        return t
+
     def send_recv(self, nbytes: float, src: int, dst: int) -> float:
         if nbytes <= 0 or src == dst:
             return 0.0

@@ -52,3 +52,6 @@ class SimOptions:
     # pipeline sends carry each tp rank's 1/tp of the activation (Megatron's scatter/gather optimisation,
     # Narayanan et al. SC'21 sec. 4.1; a sequence-parallel stage output), not the whole of it
     p2p_scatter_gather: bool = False
+    # how MoE tokens reach their experts (simulator/collectives.py::expert_all_to_all): "alltoall" sends
+    # every token copy on its own; "deepep" sends a token to each remote node once and forwards it over NVLink
+    ep_dispatcher: str = "alltoall"

@@ -150,7 +150,9 @@ class ProgramMixin:
                 scope = self._expert_scope(module, rank)
                 i = scope.index(rank)
                 ep_group = scope[i - i % lay.ep: i - i % lay.ep + lay.ep]
-                t = calls * self.coll_inline.cost("all_to_all", work.ep_bytes / calls, ep_group)
+                moe = self.model.llm.moe
+                t = calls * self.coll_inline.expert_all_to_all(work.ep_bytes / calls, ep_group, moe.experts, moe.top_k,
+                                                               self.options.ep_dispatcher)
                 comm += t
                 exposed += t
                 n_calls += calls

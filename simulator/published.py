@@ -313,6 +313,8 @@ def options_of(row: PublishedRun, stack: str | None = None):
       layer's parameters after every forward);
     - other (MegaScale, Meta's Llama 3 stack): fused kernels and flash attention; what the notes
       say the publication overlaps ("overlap") is overlapped.
+    MoE rows whose notes name the DeepEP dispatcher ("dispatcher DeepEP") send each token to a remote
+    node once and forward it over NVLink (`CollectiveModel.expert_all_to_all`); the others all-to-all.
     `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
     from simulator.engine import SimOptions
     from simulator.memory import published_memory_stack
@@ -345,7 +347,8 @@ def options_of(row: PublishedRun, stack: str | None = None):
                       overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap,
                       selective=selective, fsdp_reduce_every_microbatch=reduce_every,
                       fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket, gather_for_recompute=regather,
-                      p2p_scatter_gather=True, memory_stack=published_memory_stack(row))
+                      p2p_scatter_gather=True, memory_stack=published_memory_stack(row),
+                      ep_dispatcher="deepep" if "dispatcher deepep" in notes else "alltoall")
 
 
 def fixed_text_workload(seq: int):

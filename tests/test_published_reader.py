@@ -20,6 +20,7 @@ from simulator.published import (
     load_published,
     measured,
     model_of,
+    options_of,
     parallel_of,
     publication_flops,
 )
@@ -77,6 +78,12 @@ def test_each_model_kind_gets_its_block(rows):
         ("swiglu", "rms", "rope", 8, False)
     assert moe.moe is not None and (moe.moe.experts, moe.moe.top_k, moe.moe.expert_ffn) == (128, 8, 768)
     assert moe.dim_head == 128 and moe.qk_norm  # head_dim=128 from the notes, not hidden/heads = 64
+
+
+def test_rows_that_name_deepep_dispatch_through_it_and_the_others_all_to_all(rows):
+    assert options_of(rows["modelzoo-qwen3-235b-256gpu-1"]).ep_dispatcher == "deepep"
+    assert options_of(rows["modelzoo-qwen3-235b-256gpu-4"]).ep_dispatcher == "alltoall"  # "dispatcher A2A"
+    assert options_of(rows["mbridge-qwen3-235b-a22b-256gpu"]).ep_dispatcher == "alltoall"  # not stated
 
 
 def test_measured_step_time_follows_the_rows_figure(rows):
