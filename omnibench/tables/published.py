@@ -1,0 +1,68 @@
+"""Summaries of the published validation (results/validation/published_table.json, written by
+`python benchmarks/published_validation.py`) for the targets table: read from the committed record,
+so that a figure quoted there moves when the record is rewritten."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+from omnibench.provenance import REPO_ROOT
+from omnibench.tables import table
+
+PUBLISHED_JSON = "results/validation/published_table.json"
+
+
+@lru_cache(maxsize=1)
+def _published() -> dict:
+    return json.loads((REPO_ROOT / PUBLISHED_JSON).read_text())
+
+
+def _rows(split: str) -> list[dict]:
+    return [r for r in _published()["rows"] if r.get("split") == split and r.get("error") is not None]
+
+
+@table("published-step-summary")
+def published_step_summary() -> str:
+    """One line: held-out and calibration step-time error, and how many held-out rows are worse than 25%."""
+    s = _published()["split"]
+    held, cal = s["heldout"], s["calibration"]
+    within = sum(abs(r["error"]) <= 0.25 for r in _rows("heldout"))
+    return (f"held-out mean \\|error\\| {held['mean_abs_error']:.1%} over {held['rows']} rows (calibration "
+            f"{cal['mean_abs_error']:.1%}, {cal['rows']} rows); {within} of {held['rows']} held-out rows within 25%")
+
+
+@table("published-memory-summary")
+def published_memory_summary() -> str:
+    """One line: peak-memory error where published, and the rows that ran but are predicted not to fit."""
+    m = _published()["memory"]
+    rows = [r for r in _published()["rows"] if r.get("published_memory_gib")]
+    within = sum(abs(r["memory_error"]) <= 0.10 for r in rows if r.get("memory_error") is not None)
+    unfit = sorted(r["name"] for r in _published()["rows"] if r.get("fits") is False)
+    return (f"{m['calibration']['mean_abs_error']:.1%} mean calibration ({m['calibration']['rows']} rows), "
+            f"{m['heldout']['mean_abs_error']:.1%} held-out ({m['heldout']['rows']} rows), {within} of {len(rows)} "
+            f"within 10%; {len(unfit)} of {len(_published()['rows'])} rows that ran are predicted not to fit"
+            + (f" ({', '.join(unfit)})" if unfit else ""))
+
+
+@table("published-memory-rows")
+def published_memory_rows() -> str:
+    """Every row with a published peak: published against simulated (reserved) memory."""
+    lines = ["| row | split | published GiB | simulated GiB | error |", "|---|---|---:|---:|---:|"]
+    for r in _published()["rows"]:
+        if r.get("published_memory_gib") and r.get("memory_error") is not None:
+            lines.append(f"| {r['name']} | {r['split']} | {r['published_memory_gib']:.1f} | "
+                         f"{r['peak_memory_gib']:.1f} | {r['memory_error']:+.1%} |")
+    return "\n".join(lines)
+
+
+@table("published-unfit-rows")
+def published_unfit_rows() -> str:
+    """The rows that really ran but whose layout the memory model says does not fit, with the need."""
+    unfit = [r for r in _published()["rows"] if r.get("fits") is False]
+    if not unfit:
+        return "Every row that ran is predicted to fit."
+    lines = ["| row | source | GPUs | what the memory model says |", "|---|---|---:|---|"]
+    for r in unfit:
+        lines.append(f"| {r['name']} | {r['source']} | {r['gpus']} | {r.get('fit_message', '')} |")
+    return "\n".join(lines)
