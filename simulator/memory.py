@@ -48,6 +48,10 @@ RESERVED_BYTES = 1.0 * GiB
 # torchtitan's Llama 3 8B at full depth (0.98-0.99 of this estimate), so the factor is the allocator's.
 FRAGMENTATION = 1.175
 ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatron-LM's DDP bucket)
+# DeepSpeed ZeRO-3's stage3_max_live_parameters default (deepspeed/runtime/zero/constants.py at v0.3.14,
+# April 2021, the release Narayanan et al.'s ZeRO-3 comparison could use): it prefetches no further
+# parameters while this many are gathered
+DEEPSPEED_MAX_LIVE_PARAMETERS = 1e9
 
 # Whose memory conventions (training-state dtypes, costs.STATE_DTYPES; activations,
 # costs.ACTIVATION_STACKS) each kernel stack (simulator/kernels.py::Stack) charges: "eager" is this
@@ -170,16 +174,28 @@ class MemoryMixin:
 
     def _module_state(self, module: str, rank: int) -> costs.StateBytes:
         """Weights (with master copies), gradients and AdamW state of `module` on `rank` under its
-        data-parallel mode; experts are sharded over the ranks holding the same experts (dp*cp/ep)."""
+        data-parallel mode; experts are sharded over the ranks holding the same experts
+        (`_expert_shards`)."""
         mode, n = self._dp_mode(module, rank)
         dense, expert = self._model_parallel_params(module, rank)
         d = self._dtypes(module, rank)
         a = costs.state_bytes(d, dense, mode, n)
         if not expert:
             return a
-        ep = max(1, self.plan.layouts[module].ep)
-        b = costs.state_bytes(d, expert, mode, max(1, n // ep))
+        b = costs.state_bytes(d, expert, mode, self._expert_shards(module, n))
         return costs.StateBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer)
+
+    def _expert_shards(self, module: str, n: int) -> int:
+        """Ranks that hold the same experts and so shard their optimizer state (ZeRO) or everything
+        (FSDP), given the `n` ranks the module's dense state is sharded over (dp*cp): n/ep, or under
+        MoE parallel folding (Layout.expert_tp 1, tp > 1) n*tp/ep, since ep is then drawn from the
+        dp*cp*tp ranks of a stage and every tp rank holds whole experts (Megatron-Core's expert data
+        parallel group; the MoE model zoo's Qwen3-235B H100 table prints it as EDP = DP*TP/EP, e.g.
+        TP 4, EP 8, DP 8: EDP 4)."""
+        lay = self.plan.layouts[module]
+        if module == "llm" and lay.expert_tp == 1 and lay.tp > 1:
+            n *= lay.tp
+        return max(1, n // max(1, lay.ep))
 
     def _dtypes(self, module: str, rank: int) -> costs.StateDtypes:
         d = costs.state_dtypes(self._state_stack, self._dp_mode(module, rank)[0])
@@ -264,8 +280,7 @@ class MemoryMixin:
         dense, expert = self._model_parallel_params(m, rank)
         if mode not in ("fsdp", "hsdp"):
             return dense + expert
-        ep = max(1, self.plan.layouts[m].ep)
-        return dense / n + expert / max(1, n // ep)
+        return dense / n + expert / self._expert_shards(m, n)
 
     def _stepped_params_on_rank(self, rank: int) -> float:
         """Parameters whose optimizer state `rank` holds and steps: its shard under ZeRO-1/2 and
@@ -274,8 +289,7 @@ class MemoryMixin:
         for m in self.plan.layouts:
             mode, n = self._dp_mode(m, rank)
             dense, expert = self._model_parallel_params(m, rank)
-            ep = max(1, self.plan.layouts[m].ep)
-            out += dense + expert if mode == "ddp" else dense / n + expert / max(1, n // ep)
+            out += dense + expert if mode == "ddp" else dense / n + expert / self._expert_shards(m, n)
         return out
 
     def _gathered_bytes(self, m: str, rank: int) -> float:
@@ -301,14 +315,37 @@ class MemoryMixin:
             reshard = self.reshard_after_forward
         if not reshard:
             return 2 * total
-        if self._memory_base == "megatron-2021" and m == "llm":
-            # DeepSpeed ZeRO-3 (in the Megatron-LM codebase of those rows) gathers module by module:
-            # the current and the prefetched linear, the largest of a block at most
-            llm = self.model.llm
-            q, kv = llm.heads * llm.dim_head, llm.kv_heads * llm.dim_head
-            return 2 * 2 * max(llm.hidden * costs._mlp_width(llm), llm.hidden * (q + 2 * kv)) / lay.tp
+        if self._zero3_buckets and m == "llm":
+            # DeepSpeed ZeRO-3 gathers module by module: the current linear and what it prefetches,
+            # and it prefetches only while fewer than stage3_max_live_parameters are gathered (stage3.py
+            # `prefetch_next_sub_modules`): the largest linear and at most one more as large, or
+            # max_live_parameters and the largest
+            largest = self._largest_param(m)
+            return 2 * (largest + min(largest, DEEPSPEED_MAX_LIVE_PARAMETERS))
         held = 3 if self.memory_stack.startswith("torchtitan") else 2  # torchtitan keeps the last block
         return 2 * (root + min(held, w.layers) * layer)
+
+    @property
+    def _zero3_buckets(self) -> bool:
+        """Whether sharded data parallelism is DeepSpeed ZeRO-3's, which gathers and reduces in
+        buckets of parameters (SimOptions.fsdp_gather_bucket / fsdp_reduce_bucket), not FSDP's
+        per-block units."""
+        return bool(getattr(self.options, "fsdp_reduce_bucket", 0.0) or getattr(self.options, "fsdp_gather_bucket", 0.0))
+
+    def _largest_param(self, m: str) -> float:
+        """Elements of the largest weight of one LLM block on a rank (the MLP's up projection or the
+        fused qkv), as DeepSpeed gathers and reduces it: whole, one tensor."""
+        llm = self.model.llm
+        q, kv = llm.heads * llm.dim_head, llm.kv_heads * llm.dim_head
+        return max(llm.hidden * costs._mlp_width(llm), llm.hidden * (q + 2 * kv)) / self.plan.layouts[m].tp
+
+    def _zero3_grad_buffer(self, m: str) -> float:
+        """Bytes of gradients DeepSpeed ZeRO-3 holds in flight during a backward: a reduce bucket's
+        worth (reduce_bucket_size, or one parameter larger than it, which is reduced on its own) and
+        the flat copy its reduction makes of it (`buffered_reduce_fallback`, or the contiguous ipg
+        buffer), in the parameters' dtype; the whole layer's gradients are never alive at once."""
+        bucket = max(float(getattr(self.options, "fsdp_reduce_bucket", 0.0)), self._largest_param(m))
+        return 2 * self._dtypes(m, self.plan.layouts[m].ranks[0]).grads * bucket
 
     def _layer_params(self, m: str) -> tuple[float, float]:
         """(dense, expert) parameters of one block of module `m`, before any sharding."""
@@ -396,6 +433,14 @@ class MemoryMixin:
             handover = 4.0 * self.model.llm.vocab * self.model.llm.hidden / lay.tp
         order = self._backward_order(rank, module, a.stage)
         first, last = bool(order) and a.microbatch == order[0], bool(order) and a.microbatch == order[-1]
+        if mode in ("fsdp", "hsdp") and self._zero3_buckets:
+            # DeepSpeed ZeRO-3: each parameter's gradient (in the parameters' dtype) waits in the reduce
+            # bucket until the bucket is full, is reduce-scattered with it and dropped; the rank keeps
+            # its partition, accumulated across microbatches (stage3.py
+            # `reduce_independent_p_g_buckets_and_remove_grads`, `reduce_ipg_grads`)
+            g = d.grads
+            per = g / n if first else 0.0
+            return per * lp, g * head, per * root - g * head, g * embed, self._zero3_grad_buffer(module), handover
         if mode in ("fsdp", "hsdp"):
             reduce = 2 * lp + 4 * lp  # the layer's bf16 gradient, the previous layer's fp32 reduce-scatter input
             if len(order) <= 1 or not self._defers_reduce(module):
@@ -467,7 +512,10 @@ class MemoryMixin:
             recompute += 2 * lp + residual  # the recomputed forward casts the block's weights again
         if self.policy[module] != "none":
             recompute += self._scores(work)
-        step = recompute + work.act_working + buffers
+        # unfused attention's backward makes s x s gradients beside the held scores (the dropout
+        # output's and then the softmax output's, 2 bytes each of the 5 held per score, each freed once
+        # the next is made); the MLP's working set is gone by then, so the larger of the two counts
+        step = recompute + max(work.act_working, 0.4 * self._scores(work)) + buffers
         peak = work.loss_backward
         start = g_start - release
         if n:

@@ -117,6 +117,12 @@ class PublishedRun:
         return self.flop_formula == "unstated"
 
     @property
+    def unpublished(self) -> tuple[str, ...]:
+        """The columns the notes list after `unpublished:` (filled by the README's rules)."""
+        m = re.search(r"unpublished:\s*([a-z_, ]+)", self.notes)
+        return tuple(c.strip() for c in m.group(1).split(",") if c.strip()) if m else ()
+
+    @property
     def compiled(self) -> bool:
         """torch.compile ran the model (torchtitan's rows say so in their notes)."""
         return "torch.compile" in self.notes
@@ -403,6 +409,8 @@ class PublishedCheck:
     breakdown: dict = field(default_factory=dict)
     compute_model: str = ""
     sim_seconds: float = 0.0
+    # an unpublished field the check chose so that the run fits (`check_row`), e.g. "recompute selective"
+    filled: str = ""
 
     @property
     def error(self) -> float:
@@ -420,7 +428,27 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
               gpu: dict | None = None) -> PublishedCheck:
     """Simulate one row. `kernels`: a kernel profile for the row's hardware instead of its preset's
     ("none": the datasheet roofline fallback); `stack`: eager|fused for every row instead of the
-    row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies)."""
+    row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies).
+
+    A run whose recomputation is unpublished and does not fit with the fill rule's choice is
+    simulated with the lightest recomputation that fits, as a user of the stack would run it; the
+    check says so (`filled`, `fit_message`, and the table's fits column)."""
+    check = _check_row(row, calibration, kernels, stack, gpu)
+    if check.fits or "recompute" not in row.unpublished:
+        return check
+    # A run that ran fitted. Its recomputation is not published and the fill rule's choice does not
+    # fit: pick what a user of the stack would, the lightest recomputation that fits, and say so.
+    for mode in RECOMPUTES[RECOMPUTES.index(row.recompute) + 1:]:
+        tried = _check_row(replace(row, recompute=mode), calibration, kernels, stack, gpu)
+        if tried.fits:
+            tried.row, tried.filled = row, f"recompute {mode}"
+            tried.fit_message = (f"recompute is unpublished; {row.recompute!r} (the fill rule's) does not fit "
+                                 f"({check.peak_memory_gib:.1f} GiB), {mode!r} is the lightest that does")
+            return tried
+    return check
+
+
+def _check_row(row: PublishedRun, calibration, kernels, stack, gpu) -> PublishedCheck:
     from simulator.engine import simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
@@ -466,6 +494,7 @@ class TableRow:
     fits: bool
     published_gib: float | None
     simulated_gib: float
+    filled: str = ""  # PublishedCheck.filled: an unpublished field chosen so that the run fits
 
     @property
     def error(self) -> float:
@@ -477,11 +506,15 @@ class TableRow:
             return None
         return (self.simulated_gib - self.published_gib) / self.published_gib
 
+    @property
+    def fits_cell(self) -> str:
+        return ("yes" if self.fits else "no") + (f" ({self.filled}, unpublished)" if self.filled else "")
+
     def line(self) -> str:
         split = f"{self.split} (unstated FLOPs)" if self.unstated else (self.split or "all")
         mem = f"{self.published_gib:g}" if self.published_gib is not None else "-"
         return (f"| {self.name} | {self.source} | {split} | {self.gpus} | {self.layout} | {self.dp_mode} | "
-                f"{self.measured_s:.4g} | {self.simulated_s:.4g} | {self.error:+.1%} | {'yes' if self.fits else 'no'} | "
+                f"{self.measured_s:.4g} | {self.simulated_s:.4g} | {self.error:+.1%} | {self.fits_cell} | "
                 f"{mem} / {self.simulated_gib:.1f} |")
 
 
@@ -490,7 +523,7 @@ def table_row(c: PublishedCheck) -> TableRow:
     return TableRow(name=r.name, source=r.source, split=r.split, unstated=r.unstated, gpus=r.gpus,
                     layout=f"{r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep}", dp_mode=r.dp_mode,
                     measured_s=float(f"{c.measured_s:.4g}"), simulated_s=float(f"{c.simulated_s:.4g}"), fits=c.fits,
-                    published_gib=r.peak_memory_gib, simulated_gib=float(f"{c.peak_memory_gib:.1f}"))
+                    published_gib=r.peak_memory_gib, simulated_gib=float(f"{c.peak_memory_gib:.1f}"), filled=c.filled)
 
 
 @dataclass
@@ -544,7 +577,7 @@ def to_json(checks: list[PublishedCheck]) -> dict:
         "rows": [{"name": c.row.name, "source": c.row.source, "split": c.row.split, "hardware": c.row.hardware,
                   "gpus": c.row.gpus, "stack": c.row.stack, "flop_formula": c.row.flop_formula or None,
                   "measured_s": c.measured_s, "simulated_s": c.simulated_s, "error": c.error, "fits": c.fits,
-                  "fit_message": c.fit_message, "peak_memory_gib": c.peak_memory_gib,
+                  "fit_message": c.fit_message, "filled": c.filled or None, "peak_memory_gib": c.peak_memory_gib,
                   "published_memory_gib": c.row.peak_memory_gib, "memory_error": c.memory_error, "mfu": c.mfu,
                   "hfu_tflops": c.hfu_tflops, **c.breakdown} for c in checks],
         "split": {k: v.to_dict() for k, v in g["split"].items() if v},
@@ -584,6 +617,11 @@ def markdown(checks: list[PublishedCheck], command: str, failed: list[tuple[str,
     return render([table_row(c) for c in checks], command, failed)
 
 
+def _filled_of(cell: str) -> str:
+    m = re.search(r"\((.*), unpublished\)", cell)
+    return m.group(1) if m else ""
+
+
 def parse_table(text: str) -> tuple[str, list[TableRow], list[tuple[str, str]]]:
     """(command, rows, not simulated) of a table `render` wrote."""
     lines = text.splitlines()
@@ -604,6 +642,6 @@ def parse_table(text: str) -> tuple[str, list[TableRow], list[tuple[str, str]]]:
         rows.append(TableRow(name=cells[0], source=cells[1], split="" if split == "all" else split,
                              unstated=cells[2].endswith("(unstated FLOPs)"), gpus=int(cells[3]), layout=cells[4],
                              dp_mode=cells[5], measured_s=float(cells[6]), simulated_s=float(cells[7]),
-                             fits=cells[9] == "yes", published_gib=None if pub == "-" else float(pub),
-                             simulated_gib=float(sim)))
+                             fits=cells[9].split(" ")[0] == "yes", published_gib=None if pub == "-" else float(pub),
+                             simulated_gib=float(sim), filled=_filled_of(cells[9])))
     return m.group(1), rows, failed
