@@ -430,22 +430,34 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
     ("none": the datasheet roofline fallback); `stack`: eager|fused for every row instead of the
     row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies).
 
-    A run whose recomputation is unpublished and does not fit with the fill rule's choice is
-    simulated with the lightest recomputation that fits, as a user of the stack would run it; the
-    check says so (`filled`, `fit_message`, and the table's fits column)."""
+    A run that ran but does not fit with the fill rule's choices of its unpublished fields is
+    simulated with what a user of the stack would have run instead: among the unpublished DP mode
+    (DDP or the distributed optimizer, ZeRO-1) and recomputation (the fill rule's or heavier), the
+    fastest choice that fits. The check says so (`filled`, `fit_message`, the table's fits column)."""
     check = _check_row(row, calibration, kernels, stack, gpu)
-    if check.fits or "recompute" not in row.unpublished:
+    if check.fits:
         return check
-    # A run that ran fitted. Its recomputation is not published and the fill rule's choice does not
-    # fit: pick what a user of the stack would, the lightest recomputation that fits, and say so.
-    for mode in RECOMPUTES[RECOMPUTES.index(row.recompute) + 1:]:
-        tried = _check_row(replace(row, recompute=mode), calibration, kernels, stack, gpu)
-        if tried.fits:
-            tried.row, tried.filled = row, f"recompute {mode}"
-            tried.fit_message = (f"recompute is unpublished; {row.recompute!r} (the fill rule's) does not fit "
-                                 f"({check.peak_memory_gib:.1f} GiB), {mode!r} is the lightest that does")
-            return tried
-    return check
+    dp_modes = [row.dp_mode] + (["zero1"] if "dp_mode" in row.unpublished and row.dp_mode == "ddp" else [])
+    recomputes = (list(RECOMPUTES[RECOMPUTES.index(row.recompute):]) if "recompute" in row.unpublished
+                  else [row.recompute])
+    best = None
+    for dp_mode in dp_modes:
+        for mode in recomputes:
+            if (dp_mode, mode) == (row.dp_mode, row.recompute):
+                continue
+            tried = _check_row(replace(row, dp_mode=dp_mode, recompute=mode), calibration, kernels, stack, gpu)
+            if tried.fits and (best is None or tried.simulated_s < best[0].simulated_s):
+                best = (tried, dp_mode, mode)
+    if best is None:
+        return check
+    tried, dp_mode, mode = best
+    chosen = [f"dp_mode {dp_mode}"] if dp_mode != row.dp_mode else []
+    chosen += [f"recompute {mode}"] if mode != row.recompute else []
+    tried.row, tried.filled = row, ", ".join(chosen)
+    tried.fit_message = (f"{' and '.join(c.split()[0] for c in chosen)} unpublished; the fill rule's "
+                         f"{row.dp_mode}/{row.recompute} does not fit ({check.peak_memory_gib:.1f} GiB), "
+                         f"{dp_mode}/{mode} is the fastest that does")
+    return tried
 
 
 def _check_row(row: PublishedRun, calibration, kernels, stack, gpu) -> PublishedCheck:

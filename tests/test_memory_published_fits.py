@@ -105,3 +105,14 @@ def test_an_unpublished_recompute_that_does_not_fit_is_replaced_by_the_lightest_
     assert c.row.recompute == "none" and "unpublished" in c.fit_message
     published = check_row(replace(big, notes=""))  # a published recomputation stays as published
     assert not published.fits and not published.filled
+
+
+@pytest.mark.timeout(300)
+def test_an_unpublished_dp_mode_that_does_not_fit_becomes_the_distributed_optimizer_when_that_fits_and_is_said():
+    row = _rows()["megatron-18.4b-256gpu"]  # DDP's whole fp32 optimizer state per rank: 86.5 GiB of 80
+    assert "dp_mode" in row.unpublished and row.dp_mode == "ddp" and row.recompute == "full"
+    c = check_row(row)
+    assert c.fits and c.filled == "dp_mode zero1" and c.row.dp_mode == "ddp"
+    assert "unpublished" in c.fit_message and "zero1/full" in c.fit_message
+    published = check_row(replace(row, notes="unpublished: micro_batch"))  # DDP published: stays, does not fit
+    assert not published.fits and not published.filled
