@@ -16,6 +16,7 @@ matching send's transfer has (the send starts once the recv is posted).
 
 from __future__ import annotations
 
+import functools
 import gc
 import heapq
 import itertools
@@ -81,7 +82,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self._member_ids: dict = {}
         self._sig_cache: dict = {}
         self._data_rank_cache: dict = {}
-        self._params_cache: dict[tuple[str, int], float] = {}
+        self._params_cache: dict[tuple, object] = {}
         self._sig_of_rank: dict[tuple, tuple] = {}  # (module, rank, microbatch) -> its signature
         self._sig_intern: dict[tuple, tuple] = {}
         self._grad_tables: dict[str, dict[int, tuple[int, ...]]] = {}
@@ -97,6 +98,36 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         got = self._params_cache.get(key)
         if got is None:
             got = self._params_cache[key] = MemoryMixin._module_params_on_rank(self, m, rank)
+        return got
+
+    # The memory model's conventions and per-rank lookups are fixed for a run (its options, kernel
+    # profile and plan), yet asked for several times by every compute op: worked out once here
+    # (simulator/memory.py computes them; a quarter of a 16,384-GPU step's programs went to them).
+    memory_stack = functools.cached_property(MemoryMixin.memory_stack.fget)
+    _memory_base = functools.cached_property(MemoryMixin._memory_base.fget)
+    _state_stack = functools.cached_property(MemoryMixin._state_stack.fget)
+    activation_stack = functools.cached_property(MemoryMixin.activation_stack.fget)
+
+    def _dp_mode(self, module: str, rank: int) -> tuple[str, int]:
+        key = ("dp-mode", module, rank)
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._dp_mode(self, module, rank)
+        return got
+
+    def _dtypes(self, module: str, rank: int):
+        # a function of the module and its data-parallel mode on the rank (and the run's stack)
+        key = ("dtypes", module, self._dp_mode(module, rank)[0])
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._dtypes(self, module, rank)
+        return got
+
+    def _model_parallel_params(self, module: str, rank: int) -> tuple[float, float]:
+        key = ("mp-params", module, rank)
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._model_parallel_params(self, module, rank)
         return got
 
     def run(self) -> SimResult:
