@@ -257,12 +257,14 @@ class OmniPlanner:
                 price_cache[(m, k)] = {i: exchange.cost(m, by_id[i], k, layouts[m]) for i in enc_cost[m]}
             return price_cache[(m, k)]
 
-        # What `place` weighs that does not depend on the bubbles it starts from: worked out once for
-        # both placements (even, bubble-aware), not per candidate (at 131,072 GPUs they were a sixth of a plan).
+        # What `place` weighs that does not depend on the bubbles it starts from, nor (each sample's
+        # consumer) on the candidate's group size: worked out once for both placements (even,
+        # bubble-aware) and every candidate (at 131,072 GPUs a sixth of a plan went to them).
         enc_leaders = {m: data_ranks(layouts[m]) for m in model.encoders}
         enc_pos = {m: {i: sum(by_id[i].encoder_seq_lens(m)) for i in enc_cost[m]} for m in model.encoders}
         enc_short_home = {m: {i: enc_home[m][home[i]] for i in enc_cost[m]} for m in model.encoders}
         prefer_cache: dict[tuple[str, str, int], dict[int, int]] = {}
+        consumer_home: dict[str, dict[int, int]] = {}
 
         def preferred(m: str, scheme: str, k: int) -> dict[int, int]:
             """Each sample's group to keep it on. long_short: by its loader, whose reorder counted it;
@@ -275,8 +277,11 @@ class OmniPlanner:
                     short_home = enc_short_home[m]
                     got = {i: in_group.get(short_home[i][0], -1) for i in enc_cost[m]}
                 else:
-                    enc = layouts[m]
-                    got = {i: in_group.get(data_rank(enc, consumer_rank(i)), -1) for i in enc_cost[m]}
+                    at = consumer_home.get(m)
+                    if at is None:  # each sample's LLM consumer as an encoder data rank, for every k
+                        enc = layouts[m]
+                        at = consumer_home[m] = {i: data_rank(enc, consumer_rank(i)) for i in enc_cost[m]}
+                    got = {i: in_group.get(at[i], -1) for i in enc_cost[m]}
                 prefer_cache[key] = got
             return got
 
