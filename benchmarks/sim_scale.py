@@ -7,9 +7,10 @@
 One omni `mixed_video` step with full recomputation (the issue's reference case) per size, each in
 a fresh process so its peak memory (max RSS) is its own, and then all five systems at 1,024 GPUs
 (each at its default layout, full recomputation) in one process. Per size: workload generation
-("batch"), the default-layout check (`with_default_layout` plans the step once to see that the
-layout plans: what `simulate` does before it plans), planning, simulation (`sim`: the issue's
-`sim_seconds`), their total, max RSS, and the total's ratio to the 1,024-GPU total. Every phase is
+("batch"), the layout (`resolve_layout` as `simulate --recompute full` calls it: the default
+layout, checked by planning the step), planning (the check's plan handed over, `systems.offer_plan`;
+`--plan-twice` plans again, as before), simulation (`sim`: the issue's
+`sim_seconds`), their total, max RSS, and the total's ratio to the 1,024-GPU total (wall / CPU). Every phase is
 given in wall seconds and in CPU seconds of the process: on a shared host the wall clock also
 counts other work, the CPU time does not. Targets printed beside the figures: 16,384 GPUs in
 <= 10 s and <= 4x the 1,024 time, 131,072 in <= 60 s and <= 4 GB, all five at 1,024 in <= 5 s
@@ -32,16 +33,19 @@ SYSTEMS = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
 PHASES = ("batch", "layout", "plan", "sim")
 
 
-def one(system: str, gpus: int, workload: str, model_name: str, reference: bool = False, profile: int = 0) -> dict:
+def one(system: str, gpus: int, workload: str, model_name: str, reference: bool = False, profile: int = 0,
+        plan_twice: bool = False) -> dict:
     """Generate, check the default layout, plan and simulate one step; wall and CPU seconds."""
     import resource
 
+    import systems
+    from omnibench.cli.simulate import planner_options
+    from omnibench.resolve import resolve_layout
     from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
     from simulator.engine import Engine, SimOptions
     from simulator.hardware import load_cluster
     from systems import get_planner
-    from systems.defaults import with_default_layout
     from workloads.stream import WorkloadStream
 
     engine = Engine
@@ -68,7 +72,14 @@ def one(system: str, gpus: int, workload: str, model_name: str, reference: bool 
         return out
 
     batch = timed("batch", lambda: WorkloadStream(workload, seed=0, global_batch_tokens=4096 * gpus).batch(0))
-    parallel, _ = timed("layout", lambda: with_default_layout(system, model, ParallelSpec(world_size=gpus), batch))
+    # as `simulate --recompute full` settles it: omni plans with the hardware's cost model, the
+    # default layout checked by planning the step (resolve_layout), which then plans it once more
+    # unless that check's plan is handed over (systems.offer_plan; `--plan-twice` refuses it)
+    given = ParallelSpec(world_size=gpus, gpus_per_node=cluster.gpus_per_node,
+                         options=planner_options(system, {}, "h100"))
+    parallel = timed("layout", lambda: resolve_layout(system, model, given, [batch], cluster, recompute="full")).parallel
+    if plan_twice:
+        systems.drop_spare_plan()
     plan = timed("plan", lambda: get_planner(system).plan(model, parallel, batch))
     r = timed("sim", lambda: engine(plan, model, cluster, options=SimOptions(recompute="full")).run())
     out = {"system": system, "gpus": gpus, "layout": f"tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp}",
@@ -94,23 +105,27 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="simulate with the simpy loop (SimpyEngine)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N functions of plan + sim per size")
     ap.add_argument("--no-five", action="store_true", help="skip the five systems at 1,024 GPUs")
+    ap.add_argument("--plan-twice", action="store_true",
+                    help="plan the step again after the layout check (as before systems.offer_plan)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         system, gpus = args.child.split(":")
-        print(json.dumps(one(system, int(gpus), args.workload, args.model, args.reference, args.profile)))
+        print(json.dumps(one(system, int(gpus), args.workload, args.model, args.reference, args.profile,
+                             args.plan_twice)))
         return
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (wall times scale with "
           f"it; CPU times much less)")
     print(f"omni, {args.model}, {args.workload}, h100, default layout, full recompute, 4,096 tokens/GPU"
-          + (", simpy reference loop" if args.reference else ""))
+          + (", simpy reference loop" if args.reference else "") + (", planned twice" if args.plan_twice else ""))
     print("seconds per phase as wall / CPU")
-    print(f"{'GPUs':>7} {'batch':>11} {'layout':>11} {'plan':>11} {'sim':>11} {'total':>13} {'x1024':>6} "
+    print(f"{'GPUs':>7} {'batch':>11} {'layout':>11} {'plan':>11} {'sim':>11} {'total':>13} {'x1024':>10} "
           f"{'RSS GiB':>8} {'distinct':>9} {'actions':>10}  target")
     base = None
     for n in [int(x) for x in args.gpus.split(",")]:
         cmd = [sys.executable, __file__, "--child", f"omni:{n}", "--workload", args.workload, "--model", args.model,
-               "--profile", str(args.profile)] + (["--reference"] if args.reference else [])
+               "--profile", str(args.profile)] + (["--reference"] if args.reference else []) \
+            + (["--plan-twice"] if args.plan_twice else [])
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit_s, check=True)
         except subprocess.TimeoutExpired:
@@ -120,18 +135,18 @@ def main() -> None:
             print(f"{n:>7}  failed: {(e.stderr or '').strip().splitlines()[-1:]}")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        base = r["total_s"] if n == 1024 else base
-        ratio = f"{r['total_s'] / base:.1f}" if base else "-"
+        base = (r["total_s"], r["total_cpu_s"]) if n == 1024 else base
+        ratio = f"{r['total_s'] / base[0]:.1f}/{r['total_cpu_s'] / base[1]:.1f}" if base else "-"
         target = {16384: "<= 10 s, <= 4x", 131072: "<= 60 s, <= 4 GB"}.get(n, "")
         cells = " ".join(f"{r['wall'][p]:>5.2f}/{r['cpu'][p]:<5.2f}" for p in PHASES)
-        print(f"{n:>7} {cells} {r['total_s']:>6.2f}/{r['total_cpu_s']:<6.2f} {ratio:>6} {r['max_rss_gib']:>8.2f} "
+        print(f"{n:>7} {cells} {r['total_s']:>6.2f}/{r['total_cpu_s']:<6.2f} {ratio:>10} {r['max_rss_gib']:>8.2f} "
               f"{r['distinct']:>9} {r['actions']:>10}  {target}", flush=True)
         if args.profile:
             print(r["profile"])
     if args.no_five:
         return
     w, c = time.perf_counter(), time.process_time()
-    rows = [one(s, 1024, args.workload, args.model, args.reference) for s in SYSTEMS]
+    rows = [one(s, 1024, args.workload, args.model, args.reference, plan_twice=args.plan_twice) for s in SYSTEMS]
     wall, cpu = time.perf_counter() - w, time.process_time() - c
     print(f"all five systems at 1,024 GPUs: {wall:.2f} s wall / {cpu:.2f} s CPU together (target <= 5 s): "
           + ", ".join(f"{r['system']} {r['total_s']:.2f}/{r['total_cpu_s']:.2f}" for r in rows))

@@ -102,16 +102,24 @@ def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batc
     """(bytes, rank): the most loaded rank's peak over `batches`, as the simulator counts it for
     `parallel` (its recompute mode) on `cluster`."""
     from simulator.engine import Engine, SimOptions
-    from systems import get_planner
+    from systems import get_planner, offer_plan
 
     planner = get_planner(system)
     options = SimOptions(recompute=parallel.recompute, check_memory=False, encoder_chunk_tokens=encoder_chunk_tokens)
-    worst, rank = 0.0, 0
-    for batch in batches:
-        result = Engine(planner.plan(model, parallel, batch), model, cluster, options=options).run()
+    tops: dict[int, tuple[float, int]] = {}
+    # the first batch last: its plan is then offered to the caller, which plans that step next
+    for k in [*range(1, len(batches)), 0][:len(batches)]:
+        plan = planner.plan(model, parallel, batches[k])
+        result = Engine(plan, model, cluster, options=options).run()
         top = max(result.ranks, key=lambda r: r.memory_bytes)
-        if top.memory_bytes > worst:
-            worst, rank = top.memory_bytes, top.rank
+        tops[k] = top.memory_bytes, top.rank
+        if k == 0:
+            offer_plan(planner, model, parallel, batches[0], plan)
+        del plan, result
+    worst, rank = 0.0, 0
+    for k in range(len(batches)):
+        if tops[k][0] > worst:
+            worst, rank = tops[k]
     return worst, rank
 
 
@@ -129,10 +137,15 @@ def resolve_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
     layout that cannot plan (SpecError, PlanError, ValueError), in one line."""
     mode = recompute or parallel.recompute
     memory = cluster.gpu.memory_bytes
-    laid, note = default_layout(system, model, parallel, batches[0], tp, pp, cp, memory, check)
-    budget = budget_bytes if budget_bytes is not None else memory
     if estimate is None:
         estimate = mode == AUTO
+    # the layout is checked with the recompute mode the step runs with where that is settled already
+    # (omni's plan depends on it), so that the plan checked is the plan the caller plans next
+    # (systems.offer_plan hands it over instead of planning the step twice)
+    settled = mode if mode != AUTO else parallel.recompute if estimate else "none"
+    laid, note = default_layout(system, model, replace(parallel, recompute=settled), batches[0], tp, pp, cp,
+                                memory, check)
+    budget = budget_bytes if budget_bytes is not None else memory
     if not estimate:
         return Resolved(replace(laid, recompute="none" if mode == AUTO else mode), note,
                         encoder_chunk_tokens=encoder_chunk_tokens)

@@ -147,7 +147,9 @@ class Sweep:
             return []
         if self.ray_address:
             return self._map_ray(fn, items)
-        if resolve_workers(self.workers, 2) == 1 or (len(items) == 1 and self._pool is None):
+        # one item runs here even with a pool: nothing to overlap, and its job and result (a large
+        # cluster's step with spans) are not pickled across, nor is a spare plan of the parent lost
+        if resolve_workers(self.workers, 2) == 1 or len(items) == 1:
             self._grow(len(items))
             out = []
             for x in items:

@@ -16,6 +16,7 @@ matching send's transfer has (the send starts once the recv is posted).
 
 from __future__ import annotations
 
+import functools
 import gc
 import heapq
 import itertools
@@ -50,7 +51,27 @@ from simulator.work import WorkMixin
 __all__ = ["RESERVED_BYTES", "Engine", "RankStats", "SimOptions", "SimResult", "SimulationError", "Span", "simulate"]
 
 
+def _gc_paused(f):
+    """Hundreds of thousands of small objects (rank tables, messages, events, spans) and no reference
+    cycles worth collecting: the cyclic GC would rescan them again and again while they are made
+    (measured: 2x the run time; at 32,768 GPUs a full collection inside the constructor alone cost
+    0.3 s, rescanning the plan). Paused for the call."""
+
+    @functools.wraps(f)
+    def paused(*args, **kwargs):
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused
+
+
 class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
+    @_gc_paused
     def __init__(self, plan: Plan, model: MultimodalSpec, cluster: ClusterSpec,
                  compute: ComputeModel | None = None, collectives: CollectiveModel | None = None,
                  options: SimOptions = SimOptions()):
@@ -81,7 +102,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self._member_ids: dict = {}
         self._sig_cache: dict = {}
         self._data_rank_cache: dict = {}
-        self._params_cache: dict[tuple[str, int], float] = {}
+        self._params_cache: dict[tuple, object] = {}
         self._sig_of_rank: dict[tuple, tuple] = {}  # (module, rank, microbatch) -> its signature
         self._sig_intern: dict[tuple, tuple] = {}
         self._grad_tables: dict[str, dict[int, tuple[int, ...]]] = {}
@@ -99,16 +120,39 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
             got = self._params_cache[key] = MemoryMixin._module_params_on_rank(self, m, rank)
         return got
 
+    # The memory model's conventions and per-rank lookups are fixed for a run (its options, kernel
+    # profile and plan), yet asked for several times by every compute op: worked out once here
+    # (simulator/memory.py computes them; a quarter of a 16,384-GPU step's programs went to them).
+    memory_stack = functools.cached_property(MemoryMixin.memory_stack.fget)
+    _memory_base = functools.cached_property(MemoryMixin._memory_base.fget)
+    _state_stack = functools.cached_property(MemoryMixin._state_stack.fget)
+    activation_stack = functools.cached_property(MemoryMixin.activation_stack.fget)
+
+    def _dp_mode(self, module: str, rank: int) -> tuple[str, int]:
+        key = ("dp-mode", module, rank)
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._dp_mode(self, module, rank)
+        return got
+
+    def _dtypes(self, module: str, rank: int):
+        # a function of the module and its data-parallel mode on the rank (and the run's stack)
+        key = ("dtypes", module, self._dp_mode(module, rank)[0])
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._dtypes(self, module, rank)
+        return got
+
+    def _model_parallel_params(self, module: str, rank: int) -> tuple[float, float]:
+        key = ("mp-params", module, rank)
+        got = self._params_cache.get(key)
+        if got is None:
+            got = self._params_cache[key] = MemoryMixin._model_parallel_params(self, module, rank)
+        return got
+
+    @_gc_paused
     def run(self) -> SimResult:
-        # Hundreds of thousands of small objects (events, spans) and no reference cycles worth
-        # collecting: the cyclic GC would rescan them again and again (measured: 2x the run time).
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._run()
-        finally:
-            if enabled:
-                gc.enable()
+        return self._run()
 
     def _run(self) -> SimResult:
         t0 = time.perf_counter()

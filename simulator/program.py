@@ -25,6 +25,7 @@ footprint is memory's business, simulator/memory.py).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -234,7 +235,7 @@ class ProgramMixin:
             got = self._sig_cache[key] = max(mbs) if mbs else -1
         return got
 
-    @property
+    @functools.cached_property
     def reshard_after_forward(self) -> bool:
         """Under pipelining, FSDP keeps parameters gathered between microbatches (torchtitan sets
         reshard_after_forward=False with pp > 1); a plan may say otherwise in its options."""
@@ -353,6 +354,8 @@ class ProgramMixin:
         `overlap_param_gather` (Megatron's distributed optimizer) each layer's gather runs behind the
         next step's first forward, which hides all but the first layer's."""
         ops = []
+        if not self._zero_without_fsdp:
+            return ops
         for module in self._synced_modules(rank):
             lay = self.plan.layouts[module]
             group = self._grad_group(module, rank)
@@ -379,7 +382,27 @@ class ProgramMixin:
                            lock_key=(*key, n), lock_n=n_members, blocking=True))
         return ops
 
+    @functools.cached_property
+    def _zero_without_fsdp(self) -> bool:
+        """Whether some module runs ZeRO-1/2 (the only ones `_param_gathers` adds ops for)."""
+        return any(lay.zero and not lay.fsdp for lay in self.plan.layouts.values())
+
     def grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
+        """`_grad_sync_cost`, worked out once per (module, stage, groups) where the rank enters only
+        through its groups (no experts: their groups depend on the rank's place in its group)."""
+        group = self._grad_group(module, rank)
+        if len(group) < 2 or self.stage_work(module, stage).expert_params:
+            return self._grad_sync_cost(module, rank, stage)
+        groups = (group, *self.index[module].hsdp(rank)) if self.plan.layouts[module].hsdp else (group,)
+        key = ("grad-sync", module, stage, *map(id, groups))
+        hit = self._sig_cache.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[1], groups, strict=True)):
+            return hit[0]
+        got = self._grad_sync_cost(module, rank, stage)
+        self._sig_cache[key] = (got, groups)  # the groups kept alive with it: their ids stay theirs
+        return got
+
+    def _grad_sync_cost(self, module: str, rank: int, stage: int) -> float:
         """Seconds of a module's data-parallel gradient reduction on `rank` (0 without peers).
 
         GPU: one reduce-scatter (FSDP, ZeRO-1/2) or all-reduce (DDP) of the stage's gradients.

@@ -120,7 +120,7 @@ def with_default_layout(system: str, model: MultimodalSpec, parallel: ParallelSp
     """`parallel` with `system`'s default tp / pp / cp, checked by planning `batch` (and by `check`,
     e.g. the runtime's limits). Where that fails, the same with tp halved until it plans, else
     tp 1 / pp 1 / cp 1 (whose own error, if any, is the planner's to raise later), with a note why."""
-    from systems import get_planner
+    from systems import get_planner, offer_plan
 
     d = default_layout(system, model, parallel.world_size, parallel.gpus_per_node, batch.samples, memory_bytes)
     tries = [(d.tp, d.pp, d.cp)]
@@ -136,10 +136,12 @@ def with_default_layout(system: str, model: MultimodalSpec, parallel: ParallelSp
             cand.validate(model)
             if check is not None:
                 check(model, cand)
-            get_planner(system).plan(model, cand, batch)
+            planner = get_planner(system)
+            plan = planner.plan(model, cand, batch)
         except (SpecError, PlanError, ValueError) as e:
             first_error = first_error or str(e).splitlines()[0]
             continue
+        offer_plan(planner, model, cand, batch, plan)  # the caller's own plan of this step is then this one
         if (tp, pp, cp) == (d.tp, d.pp, d.cp):
             return cand, f"{system}'s default: {d.why}"
         return cand, (f"{system}'s default layout ({d.label()}) does not plan here ({first_error}); "

@@ -271,17 +271,26 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
 
 
 def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
-              cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int):
+              cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int,
+              packed: dict | None = None):
     """The layout and recompute mode `system` is simulated with (omnibench/resolve.py: the flags, else
     its default layout; `auto`: the cheapest recompute that the simulator's memory estimate of the
-    first simulated batches fits); what was settled goes into `row`."""
+    first simulated batches fits); what was settled goes into `row`. `packed`: the stream's batches
+    packed so far (`_step_jobs`' own): the step then plans the very batch its layout was checked
+    with, and takes the plan made for the check (systems.offer_plan) instead of planning again."""
     from dataclasses import replace
 
     from omnibench.resolve import ESTIMATE_STEPS, resolve_layout
+    from simulator.cache import pack
 
     if hardware and profile is None:  # the plans estimated are the plans simulated
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
-    batches = [stream.batch(i) for i in step_indices(min(steps, ESTIMATE_STEPS), stride)]
+    packed = {} if packed is None else packed
+    batches = []
+    for i in step_indices(min(steps, ESTIMATE_STEPS), stride):
+        if i not in packed:
+            packed[i] = pack(stream.batch(i))
+        batches.append(packed[i].get())
     res = resolve_layout(system, model, parallel, batches, cluster, tp=tp, pp=pp, cp=cp, recompute=recompute,
                          encoder_chunk_tokens=chunk_tokens)
     if (tp, pp, cp) == (0, 0, 0):
@@ -639,7 +648,8 @@ def register(app: typer.Typer) -> None:
                             else:
                                 sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
                                                                         step_stride, clusters[n], tp, pp, cp, recompute,
-                                                                        options, hardware, profile, encoder_chunk_tokens)
+                                                                        options, hardware, profile, encoder_chunk_tokens,
+                                                                        packed)
                             if micro_batch and not tuned:
                                 sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                             row.setdefault("recompute", sys_recompute)

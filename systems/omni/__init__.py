@@ -257,6 +257,34 @@ class OmniPlanner:
                 price_cache[(m, k)] = {i: exchange.cost(m, by_id[i], k, layouts[m]) for i in enc_cost[m]}
             return price_cache[(m, k)]
 
+        # What `place` weighs that does not depend on the bubbles it starts from, nor (each sample's
+        # consumer) on the candidate's group size: worked out once for both placements (even,
+        # bubble-aware) and every candidate (at 131,072 GPUs a sixth of a plan went to them).
+        enc_leaders = {m: data_ranks(layouts[m]) for m in model.encoders}
+        enc_pos = {m: {i: sum(by_id[i].encoder_seq_lens(m)) for i in enc_cost[m]} for m in model.encoders}
+        enc_short_home = {m: {i: enc_home[m][home[i]] for i in enc_cost[m]} for m in model.encoders}
+        prefer_cache: dict[tuple[str, str, int], dict[int, int]] = {}
+        consumer_home: dict[str, dict[int, int]] = {}
+
+        def preferred(m: str, scheme: str, k: int) -> dict[int, int]:
+            """Each sample's group to keep it on. long_short: by its loader, whose reorder counted it;
+            otherwise by its LLM consumer, whose members then hold its outputs (no boundary transfer)."""
+            key = (m, "long_short" if scheme == "long_short" else "consumer", k)
+            got = prefer_cache.get(key)
+            if got is None:
+                in_group = {r: g for g, grp in enumerate(sp_by_size[m].get(k, [])) for r in grp}
+                if scheme == "long_short":
+                    short_home = enc_short_home[m]
+                    got = {i: in_group.get(short_home[i][0], -1) for i in enc_cost[m]}
+                else:
+                    at = consumer_home.get(m)
+                    if at is None:  # each sample's LLM consumer as an encoder data rank, for every k
+                        enc = layouts[m]
+                        at = consumer_home[m] = {i: data_rank(enc, consumer_rank(i)) for i in enc_cost[m]}
+                    got = {i: in_group.get(at[i], -1) for i in enc_cost[m]}
+                prefer_cache[key] = got
+            return got
+
         def place(bubble: dict[int, float]):
             assignment_enc: dict = {}
             routes: list[tuple] = []
@@ -266,17 +294,13 @@ class OmniPlanner:
             chosen_groups: dict[str, list[tuple[int, ...]]] = {}
             for m in model.encoders:
                 enc = layouts[m]
-                leaders = data_ranks(enc)
-                pos = {i: sum(by_id[i].encoder_seq_lens(m)) for i in enc_cost[m]}
-                short_home = {i: enc_home[m][home[i]] for i in enc_cost[m]}
+                leaders = enc_leaders[m]
+                pos = enc_pos[m]
+                short_home = enc_short_home[m]
                 cands = []
                 for scheme, k in schemes[m]:
                     groups = sp_by_size[m].get(k, [])
-                    in_group = {r: g for g, grp in enumerate(groups) for r in grp}
-                    # long_short: a long sample stays by its loader, whose reorder counted it; all: by its LLM
-                    # consumer, whose members then hold its outputs (no boundary transfer)
-                    prefer = ({i: in_group.get(short_home[i][0], -1) for i in enc_cost[m]} if scheme == "long_short"
-                              else {i: in_group.get(data_rank(enc, consumer_rank(i)), -1) for i in enc_cost[m]})
+                    prefer = preferred(m, scheme, k)
                     fixed = (exchange.fixed(m, 1, enc), exchange.fixed(m, k, enc))
                     alone = member = None
                     if exchange.measured:  # priced as the simulator will: per group size (long_short.py)

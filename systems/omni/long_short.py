@@ -241,8 +241,20 @@ class GroupCosts:
         self.measured = bool(hardware)
         self.scale = 1.0 if hardware else _speed_ratio(model, cost_model, self.hardware)
         self._fixed: dict[tuple, float] = {}  # per (module, k)
+        # A plan asks for these per sample and per candidate placement (hundreds of thousands of
+        # times at 131,072 GPUs): each answer kept for the plan, the same values recomputed no more.
+        self._seconds: dict[tuple, float] = {}  # per (module, positions, k)
+        self._coefficients: dict[tuple, object] = {}  # per (module, k, bf16)
+        self._sequences: dict[tuple, tuple] = {}  # per (module, sample): (sample, its attention sequences)
 
     def seconds(self, module: str, positions: int, k: int) -> float:
+        key = (module, positions, k)
+        got = self._seconds.get(key)
+        if got is None:
+            got = self._seconds[key] = self._exchange_seconds(module, positions, k)
+        return got
+
+    def _exchange_seconds(self, module: str, positions: int, k: int) -> float:
         if k <= 1 or positions <= 0:
             return 0.0
         enc = self.model.encoders[module]
@@ -281,9 +293,15 @@ class GroupCosts:
         `measured`."""
         from omnibench.specs.cost_model import attention_sequences
 
-        c = _member_coefficients(self.model, self.hardware, module, k, self.recompute.get(module, "none"),
-                                 _holds_bf16(layout))
-        return sum(c.sequence(n) for n in attention_sequences(sample, module, self.model))
+        bf16 = _holds_bf16(layout)
+        c = self._coefficients.get((module, k, bf16))
+        if c is None:
+            c = self._coefficients[(module, k, bf16)] = _member_coefficients(
+                self.model, self.hardware, module, k, self.recompute.get(module, "none"), bf16)
+        got = self._sequences.get((module, id(sample)))
+        if got is None or got[0] is not sample:
+            got = self._sequences[(module, id(sample))] = (sample, attention_sequences(sample, module, self.model))
+        return sum(c.sequence(n) for n in got[1])
 
     def microbatch_seconds(self, module: str, samples: Sequence, k: int = 1, layout=None) -> float:
         """A rank's seconds for one encoder microbatch of `samples` (forward with its inputs, backward)
