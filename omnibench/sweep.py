@@ -110,6 +110,11 @@ class Sweep:
                 # stopped command would wait for simulations nobody will read
                 for proc in list((self._pool._processes or {}).values()):
                     proc.terminate()
+                # the queue's feeder thread may be blocked writing a task (a pickled plan) that no
+                # stopped worker will read; exit must not wait for it
+                call_queue = getattr(self._pool, "_call_queue", None)
+                if call_queue is not None:
+                    call_queue.cancel_join_thread()
             self._pool.shutdown(wait=not abort, cancel_futures=True)
             self._pool = None
         if self._ray_started:
