@@ -610,12 +610,15 @@ class _Search:
     """One tune's state: the pruned, ordered space, what has been simulated, what was learned."""
 
     def __init__(self, system, model, batches, cluster, profile, options, sweep, use_cache, log, known,
-                 prior: Prior | None = None, stack: str = "eager", dp_fields: dict | None = None):
+                 prior: Prior | None = None, stack: str = "eager", dp_fields: dict | None = None,
+                 memory_error: float = 0.0):
         self.system, self.model, self.batches, self.cluster = system, model, batches, cluster
-        self.stack, self.dp_fields = stack, dict(dp_fields or {})
+        self.stack, self.dp_fields, self.memory_error = stack, dict(dp_fields or {}), memory_error
         self.profile, self.options, self.sweep, self.use_cache, self.log = profile, options, sweep, use_cache, log
         self.world, self.gpn = cluster.num_gpus, cluster.gpus_per_node
-        self.capacity = cluster.gpu.memory_bytes
+        # what an estimate may reach: with the estimates assumed `memory_error` off (SimOptions), the
+        # analytic bound is held to the same margin the simulator's verdict applies
+        self.capacity = cluster.gpu.memory_bytes / (1.0 + memory_error)
         self.per_batch = list(batches[0].samples)  # the analytic estimates read the first batch
         self.modes = recompute_modes(model)
         self.done: dict[Candidate, Trial] = {}
@@ -689,7 +692,8 @@ class _Search:
         from simulator.engine import SimOptions
 
         jobs = [StepJob(self.system, self.model, replace(c.parallel(self.world, self.gpn, self.options), **self.dp_fields),
-                        pack(b), self.cluster, self.profile, SimOptions(recompute=c.recompute, stack=self.stack),
+                        pack(b), self.cluster, self.profile, SimOptions(recompute=c.recompute, stack=self.stack,
+                                                                       memory_error=self.memory_error),
                         use_cache=self.use_cache)
                 for c in wave for b in self.batches]
         outs = self.sweep.map(run_step, jobs)
@@ -880,10 +884,12 @@ class _Search:
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
          fraction: float = BUDGET_FRACTION, options: dict | None = None, encoder_search: bool = True, log=None,
          sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None,
-         stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None) -> TuneResult:
+         stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None,
+         memory_error: float = 0.0) -> TuneResult:
     """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
     `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated with
-    the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`.
+    the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`; what fits
+    decided with the memory estimates assumed `memory_error` off (SimOptions.memory_error).
 
     `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
     `omnibench.sweep.Sweep` the simulations go through (default: this process); `known`: trials of
@@ -906,7 +912,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
 
             dp_fields = dp_mode_fields(dp_mode)
         search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known, prior,
-                         stack, dp_fields)
+                         stack, dp_fields, memory_error)
         world, gpn = search.world, search.gpn
         space = search_space(system, model, world, gpn)
         keep: list[Trial] = []

@@ -52,3 +52,7 @@ class SimOptions:
     # pipeline sends carry each tp rank's 1/tp of the activation (Megatron's scatter/gather optimisation,
     # Narayanan et al. SC'21 sec. 4.1; a sequence-parallel stage output), not the whole of it
     p2p_scatter_gather: bool = False
+    # how wrong the memory estimate is assumed to be when deciding what fits: a rank fits when its
+    # estimated peak times (1 + memory_error) is within the GPU's memory (-0.2: the estimate is 20%
+    # high; +0.2: 20% low). The reported peak stays the estimate. For sensitivity studies.
+    memory_error: float = 0.0

@@ -139,6 +139,13 @@ STACK_HELP = "eager (this runtime) | fused (Megatron)."
 DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
 CP_KIND_HELP = "ulysses | ring | allgather."
+MEMORY_ERROR_HELP = "Decide what fits as if the memory estimate were off by E (0.2: 20% low); -0.9 < E < 1."
+
+
+def check_memory_error(memory_error: float) -> None:
+    if not -0.9 < memory_error < 1:
+        fail(f"memory-error must be between -0.9 and 1, exclusive (0.2: the memory estimate is assumed 20% low, "
+             f"-0.2: 20% high); got {memory_error}")
 
 
 def _dp_fields(dp_mode: str | None, dp_shard: int) -> dict:
@@ -176,7 +183,8 @@ def with_micro_batch(parallel, batch, micro_batch: int):
 
 
 def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
-               chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None, stack: str = "eager"):
+               chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None, stack: str = "eager",
+               memory_error: float = 0.0):
     """The steps to simulate of `system` at one fixed layout (`parallel`, `recompute`): the batches
     `step_indices(steps, stride)`, the layout never revisited between steps. The first keeps its
     spans (the record's trace). `packed`: the stream's batches packed so far, shared by the systems."""
@@ -187,7 +195,8 @@ def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompu
 
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
-    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack)
+    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack,
+                             memory_error=memory_error)
     packed = {} if packed is None else packed
     for s in step_indices(steps, stride):
         if s not in packed:
@@ -217,7 +226,7 @@ def _collect(outcomes, steps: int):
 
 
 TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "global_batch_tokens", "budget",
-                   "calibration", "tune_steps", "converge", "prior")
+                   "calibration", "tune_steps", "converge", "prior", "memory_error")
 
 
 def _tune_key(**fields) -> str:
@@ -237,7 +246,7 @@ def read_tune_cache(path: Path | None) -> dict:
 def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str,
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
                  use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
-                 dp_mode: str | None = None):
+                 dp_mode: str | None = None, memory_error: float = 0.0):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
     batch, or batches picked across the simulated window by regime) with every omni technique on
     (the ablation keeps the full system's layout), starting from `prior` (the next smaller size's
@@ -256,7 +265,7 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     res = search(system, spec, batches, cluster, profile=profile, budget=budget,
                  fraction=fraction or tune_mod.BUDGET_FRACTION,
                  options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
-                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode)
+                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
@@ -271,7 +280,8 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
 
 
 def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
-              cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int):
+              cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int,
+              memory_error: float = 0.0):
     """The layout and recompute mode `system` is simulated with (omnibench/resolve.py: the flags, else
     its default layout; `auto`: the cheapest recompute that the simulator's memory estimate of the
     first simulated batches fits); what was settled goes into `row`."""
@@ -283,7 +293,8 @@ def _resolved(row: dict, system: str, model, parallel, stream, steps: int, strid
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     batches = [stream.batch(i) for i in step_indices(min(steps, ESTIMATE_STEPS), stride)]
     res = resolve_layout(system, model, parallel, batches, cluster, tp=tp, pp=pp, cp=cp, recompute=recompute,
-                         encoder_chunk_tokens=chunk_tokens)
+                         encoder_chunk_tokens=chunk_tokens,
+                         budget_bytes=cluster.gpu.memory_bytes / (1.0 + memory_error))
     if (tp, pp, cp) == (0, 0, 0):
         row["layout"] = f"tp{res.parallel.tp} pp{res.parallel.pp} cp{res.parallel.cp}"
         row["layout_note"] = res.layout_note
@@ -445,6 +456,8 @@ SIMULATE_HELP = "\n\n".join([
     "Sweeps: every simulation runs in a pool (--workers, default every core) or on Ray (--ray), each step cached on "
     "disk (--no-cache to simulate again).",
     "The --no-* switches turn off one omni technique each, for the ablation a paper shows.",
+    "--memory-error E decides what fits (and, with --tuned or --recompute auto, what is chosen) as if every memory "
+    "estimate were off by E (0.2: each rank needs 20% more than estimated); the peaks reported stay the estimates.",
 ])
 
 
@@ -494,6 +507,7 @@ def register(app: typer.Typer) -> None:
         ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
         tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
+        memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
     ) -> None:
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
@@ -524,6 +538,7 @@ def register(app: typer.Typer) -> None:
             fail(f"tune-steps must be between 1 and --steps ({steps}), got {tune_steps}")
         if workers is not None and workers < 1:
             fail(f"workers must be a positive integer (default: every core), got {workers}")
+        check_memory_error(memory_error)
         cache = read_tune_cache(tune_cache) if tuned else {}
         dp_fields = _dp_fields(dp_mode, dp_shard)
         _check_stack(stack)
@@ -565,6 +580,8 @@ def register(app: typer.Typer) -> None:
         off = sorted(k for k, v in options.items() if v is False)
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
+        if memory_error:
+            name += f"-memerr{round(100 * memory_error):+d}"
         final = _claim(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
         # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
@@ -610,13 +627,15 @@ def register(app: typer.Typer) -> None:
                                                 budget=budget_key, calibration=calibration,
                                                 tune_steps=",".join(str(b.step) for b in window),
                                                 converge=check_convergence,
-                                                prior=prior.world if prior is not None else 0)
+                                                prior=prior.world if prior is not None else 0,
+                                                memory_error=memory_error)
                                 c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
                                                         hardware, cache, key, fraction=tune_fraction,
                                                         converge=check_convergence, sweep=sweep,
                                                         use_cache=not no_cache,
                                                         describe={"system": s, "workload": workload, "gpus": n},
-                                                        prior=prior, stack=stack, dp_mode=dp_mode)
+                                                        prior=prior, stack=stack, dp_mode=dp_mode,
+                                                        memory_error=memory_error)
                                 if entry.get("prior") and (s not in priors or priors[s].world < n):
                                     from omnibench.tune import Prior
 
@@ -639,14 +658,15 @@ def register(app: typer.Typer) -> None:
                             else:
                                 sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
                                                                         step_stride, clusters[n], tp, pp, cp, recompute,
-                                                                        options, hardware, profile, encoder_chunk_tokens)
+                                                                        options, hardware, profile, encoder_chunk_tokens,
+                                                                        memory_error)
                             if micro_batch and not tuned:
                                 sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                             row.setdefault("recompute", sys_recompute)
                             jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
                                               hardware, step_stride, encoder_chunk_tokens,
                                               want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
-                                              packed=packed, stack=stack)
+                                              packed=packed, stack=stack, memory_error=memory_error)
                         except ValueError as e:
                             if len(systems) == 1:
                                 fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
@@ -708,6 +728,7 @@ def register(app: typer.Typer) -> None:
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
                 "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
+                "memory_error": memory_error,
                 "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
                 # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
                 # batches picked across the window by regime), kept for every step
