@@ -99,13 +99,14 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
     cache = str(sims / "tuned-layouts.json")
     for st in tuned:
         a = st.args
-        assert "--tuned" in a and a[a.index("--tune-fraction") + 1] == str(report.TUNE_FRACTION)
-        assert "--tune-budget" not in a and "--check-convergence" in a  # a share of each space, checked at 2x
+        assert "--tuned" in a and a[a.index("--tune-budget") + 1] == str(report.TUNE_BUDGET)
+        assert "--tune-fraction" not in a and "--check-convergence" in a  # one wave of layouts, checked at 2x
         assert a[a.index("--tune-cache") + 1] == cache  # one cache: a layout is tuned once, then read
-    sweep = {st.args[st.args.index("--workload") + 1]: st for st in tuned if "omni-no" not in st.key}
+    sweep = {st.args[st.args.index("--workload") + 1]: st for st in tuned if "omni-no" not in st.key
+             and st.args[st.args.index("--hardware") + 1] == "h100"}
     assert set(sweep) == {*report.STATIC_WORKLOADS, "bursty_mix", "drifting_video"}
     for st in sweep.values():
-        assert st.args[st.args.index("--gpus") + 1] == "1024,4096"
+        assert st.args[st.args.index("--gpus") + 1] == "1024"
         assert st.args[st.args.index("--system") + 1] == ",".join(SYSTEMS)
     bursty = sweep["bursty_mix"].args
     assert bursty[bursty.index("--steps") + 1] == "16" and bursty[bursty.index("--tune-steps") + 1] == "3"
@@ -123,6 +124,9 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
         assert [a for a in st.args if a in keyed] == [a for a in sweep["mixed_video"].args if a in keyed]
     small = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=9)
     assert all(st.args[st.args.index("--tune-budget") + 1] == "9" for st in small if st.key.startswith("tuned-"))
+    share = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=0)  # 0: a share of each space
+    assert all(st.args[st.args.index("--tune-fraction") + 1] == str(report.TUNE_FRACTION) and "--tune-budget" not in
+               st.args for st in share if st.key.startswith("tuned-"))
 
 
 def test_reproduce_passes_its_sweep_options_to_every_simulation_and_to_no_measured_run():
@@ -134,8 +138,6 @@ def test_reproduce_passes_its_sweep_options_to_every_simulation_and_to_no_measur
         a = ["calibrate"] if callable(st.args) else st.args  # calibrate's args list the finished runs
         if a[0] == "simulate":
             assert "--workers=3" in a and a[a.index("--ray") + 1] == "auto" and "--no-cache" in a
-            if "--tuned" in a:
-                assert a[a.index("--tune-fraction") + 1] == "0.5"
         else:
             assert "--workers=3" not in a and "--ray" not in a  # measured runs run alone
 

@@ -633,7 +633,9 @@ def register(app: typer.Typer) -> None:
                                                         hardware, cache, key, fraction=tune_fraction,
                                                         converge=check_convergence, sweep=sweep,
                                                         use_cache=not no_cache,
-                                                        describe={"system": s, "workload": workload, "gpus": n},
+                                                        describe={"system": s, "workload": workload, "gpus": n,
+                                                                  "hardware": hardware, "model": spec.name,
+                                                                  "memory_error": memory_error},
                                                         prior=prior, stack=stack, dp_mode=dp_mode,
                                                         memory_error=memory_error)
                                 if entry.get("prior") and (s not in priors or priors[s].world < n):
