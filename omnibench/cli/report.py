@@ -397,6 +397,16 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         results.append(("report.html", "written"))
     except PlotInputError as e:
         results.append(("report.html", f"not produced: {e}"))
+    # what each stage took (from the ledger `--resume` reads), for the documents
+    if _ledger(sims_dir).is_file():
+        import json
+
+        from omnibench.provenance import write_csv
+
+        took = json.loads(_ledger(sims_dir).read_text())
+        write_csv(out / "reproduce-stages.csv", [{"stage": k, "seconds": round(v, 1)} for k, v in took.items()],
+                  ["stage", "seconds"])
+        results.append(("reproduce-stages.csv", "written"))
     # 5. did every tune converge? (doubling its budget moved its best step time by <= 2%)
     conv = convergence_rows(sims_dir / "tuned-layouts.json")
     unconverged = [r for r in conv if not r["converged"]]

@@ -447,7 +447,8 @@ SIMULATE_HELP = "\n\n".join([
     "--tune-steps K, on K batches picked across the simulated steps by how bursty they are), kept for every step "
     "(a static deployment, never re-tuned); the layout flags are then ignored, and with --no-* switches omni keeps "
     "the layout tuned with every technique on. --tune-budget 0 simulates --tune-fraction of each system's pruned "
-    "space; --check-convergence tunes again at twice the budget and says how far the best moved.",
+    "space; --check-convergence tunes again at twice the budget and says how far the best moved (doubling "
+    "again, up to 3 times, while it moves more than 2%).",
     "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
     "NVLink at 200 GB/s, h200, a100-80g, a100-40g, v100-32g, cpu-gloo) or a file; --stack costs this runtime's "
     "eager kernels or Megatron's fused ones; --dp-mode says how data parallelism holds the training state (an "
@@ -502,7 +503,8 @@ def register(app: typer.Typer) -> None:
         tune_budget: int = typer.Option(0, "--tune-budget", help="With --tuned: layouts per system; 0: a fraction."),
         tune_fraction: float = typer.Option(None, "--tune-fraction", help="Share of the pruned space (default 0.25)."),
         tune_steps: int = typer.Option(1, "--tune-steps", help="With --tuned: batches tuned on, picked by regime."),
-        check_convergence: bool = typer.Option(False, "--check-convergence", help="With --tuned: tune again at 2x."),
+        check_convergence: bool = typer.Option(False, "--check-convergence", help="With --tuned: tune again at 2x "
+                                                "(again while the best moves > 2%)."),
         workers: int = typer.Option(None, "--workers", help="Simulations at once (default: every core)."),
         ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
@@ -613,7 +615,7 @@ def register(app: typer.Typer) -> None:
                         sys_parallel, sys_recompute = parallel, recompute
                         try:
                             if tuned:
-                                from omnibench.tune import BUDGET_FRACTION, regime_batches
+                                from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
 
                                 if window is None:  # the same batches for every system
                                     window = regime_batches([stream.batch(k) for k in step_indices(steps, step_stride)],
@@ -626,7 +628,7 @@ def register(app: typer.Typer) -> None:
                                                 hardware=hardware, seed=seed, global_batch_tokens=gbt,
                                                 budget=budget_key, calibration=calibration,
                                                 tune_steps=",".join(str(b.step) for b in window),
-                                                converge=check_convergence,
+                                                converge=MAX_DOUBLINGS if check_convergence else 0,
                                                 prior=prior.world if prior is not None else 0,
                                                 memory_error=memory_error)
                                 c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,

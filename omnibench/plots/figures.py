@@ -453,7 +453,7 @@ def speedup(recs: Records, hardware: str | None = None) -> Drawn:
     sims, hw = _hardware_of(sims, hardware, "speedup")
     full = throughput_table(Records(sims=sims))
     df = full[full.variant == full.system]
-    rows = _omni_vs_best(df, ["workload", "gpus"])
+    rows = [{"hardware": hw, **r} for r in _omni_vs_best(df, ["workload", "gpus"])]
     for r in rows:
         r["gpus"] = int(r["gpus"])
     if not rows:
@@ -903,7 +903,7 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
                "to omni with every technique on."
                + (" Every variant runs at omni's own tuned layout (tuned with every technique on, at step 0); the "
                   "dashed line is the best baseline at its own tuned layout." if tuned else "") + _cpu_note(recs, omni))
-    return Drawn("ablation", fig, variants, caption)
+    return Drawn("ablation", fig, variants.assign(workload=wl, gpus=int(gpus)), caption)
 
 
 # -- 7. workload -----------------------------------------------------------------------------------

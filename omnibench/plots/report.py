@@ -100,13 +100,15 @@ def draw_all(recs: Records, calibration: str | None = None) -> list[Section]:
     else:
         out.append(Section("Simulated vs measured", None, "needs run records (omnibench run); only simulations given"))
     wls = everyday.workloads()
-    variants = figures.throughput_table(everyday)
-    variants = variants[variants.system == "omni"].groupby("workload").variant.nunique()
-    omni_wls = [wl for wl in wls if variants.get(wl, 0) >= 2]
-    if omni_wls:
-        out += [_try(f"omni ablation ({wl})", figures.ablation, everyday, workload=wl) for wl in omni_wls]
-    else:
-        out.append(Section("omni ablation", None, "needs omni records (with techniques switched off); none given"))
+    ablations = []  # measured and simulated apart, each machine apart
+    for label, rs in [("measured", Records(runs=recs.runs))] + [(named("simulated", hw), on(hw)) for hw in machines]:
+        if not rs.all:
+            continue
+        variants = figures.throughput_table(rs)
+        variants = variants[variants.system == "omni"].groupby("workload").variant.nunique()
+        ablations += [_try(f"omni ablation ({wl}, {label})", figures.ablation, rs, workload=wl)
+                      for wl in rs.workloads() if variants.get(wl, 0) >= 2]
+    out += ablations or [Section("omni ablation", None, "needs omni records (with techniques switched off); none given")]
     for wl in wls:
         out.append(_try(f"Workload {wl}", figures.workload, wl))
     return out
