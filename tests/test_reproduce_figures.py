@@ -114,7 +114,7 @@ def test_reproduce_adds_the_largest_cluster_a_second_machine_the_memory_errors_a
     assert all(arg(st, "--tune-budget") == str(report.LARGEST_BUDGET) for st in largest)
     assert stages.index(largest[0]) > max(stages.index(st) for st in sims_.values() if st not in largest)  # last
     second = [st for st in sims_.values() if arg(st, "--hardware") == report.SECOND_HARDWARE]
-    assert {arg(st, "--workload") for st in second} == set(report.STATIC_WORKLOADS)
+    assert {arg(st, "--workload") for st in second} == set(report.SECOND_HARDWARE_WORKLOADS)
     assert all(arg(st, "--out") == str(sims / report.SECOND_HARDWARE) for st in second)
     memory = [st for st in stages if st.key.startswith("memory-")]
     assert {(arg(st, "--workload"), float(arg(st, "--memory-error"))) for st in memory} == {

@@ -172,3 +172,44 @@ def reproduce_stages() -> str:
     total = sum(float(r["seconds"]) for r in rows)
     lines.append(f"| **all stages** | {len(rows)} | **{total:,.0f}** ({total / 60:.1f} min) |")
     return "\n".join(lines)
+
+
+TIME_FILE = "results/reproduce-time.txt"  # `/usr/bin/time -v` of that reproduce, then the load averages seen
+
+
+def _timed() -> dict:
+    """Wall and CPU seconds of the committed reproduce (GNU time's -v report) and the 1-minute load
+    averages sampled while it ran (lines `HH:MM:SS l1 l5 l15`)."""
+    p = REPO_ROOT / TIME_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"{TIME_FILE} is missing: the GNU time report of `/usr/bin/time -v {REPRODUCE}`")
+    got: dict = {"load": []}
+    for line in p.read_text().splitlines():
+        key, _, value = line.strip().partition(": ")
+        if key == "User time (seconds)":
+            got["user"] = float(value)
+        elif key == "System time (seconds)":
+            got["sys"] = float(value)
+        elif key.startswith("Elapsed (wall clock) time"):
+            parts = [float(x) for x in line.rsplit(": ", 1)[1].split(":")]
+            got["wall"] = sum(x * 60 ** i for i, x in enumerate(reversed(parts)))
+        elif key == "Exit status":
+            got["exit"] = int(value)
+        elif len(line.split()) == 4 and line.count(":") == 2 and line[2] == ":":
+            got["load"].append(float(line.split()[1]))
+    return got
+
+
+def _min(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+@table("reproduce-total")
+def reproduce_total() -> str:
+    """One line: the reproduce's wall and CPU time, the load it ran under, and CPU / 2."""
+    t = _timed()
+    cpu = t["user"] + t["sys"]
+    load = t["load"]
+    return (f"{_min(t['wall'])} wall, {_min(cpu)} CPU (user + sys; CPU / 2 = {_min(cpu / 2)}, the bound on 2 "
+            f"quiet cores), 1-minute load average {min(load):.1f}-{max(load):.1f} (mean {sum(load) / len(load):.1f}) "
+            f"on the 2 cores, exit {t['exit']}")
