@@ -156,3 +156,24 @@ def test_reproduce_writes_the_convergence_of_every_tune(tmp_path):
     assert [(r["system"], r["converged"]) for r in rows] == [("omni", True), ("temporal", False)]
     assert rows[0]["moved"] == 0.0101 and rows[0]["layout"] == "tp1 pp1 cp4 mb1 rc-full"
     assert report.convergence_rows(tmp_path / "absent.json") == []
+
+
+@pytest.mark.timeout(180)
+def test_an_ablation_whose_kept_layout_stops_fitting_is_an_answer_not_a_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    big = ["simulate", "--workload", "mixed_video", "--system", "omni", "--gpus", "16", "--model", "omni-7b@4L",
+           "--tp", "2", "--recompute", "none", "--global-batch-tokens", str(16 * 65536), "--out", str(tmp_path / "o"),
+           "--json"]
+
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=None, sweep=None):
+        return [report.Stage("abl", "an ablation that does not fit", big, 2.0, no_fit_is_an_answer=True),
+                report.Stage("plain", "a simulation that does not fit", big, 2.0)]
+
+    monkeypatch.setattr(report, "_stages", stages)
+    runs, sims, log = tmp_path / "runs", tmp_path / "sims", []
+    report._produce(runs, sims, ["omni"], quick=True, resume=False, log=log)
+    out = capsys.readouterr()
+    assert "nothing fits: does not fit: rank" in out.out and "the ablation's answer" in out.out
+    assert list(json.loads((sims / "reproduce-stages.json").read_text())) == ["abl"]  # the other one failed
+    assert json.loads((sims / "reproduce-notes.json").read_text())["abl"].startswith("does not fit: rank")
+    assert "GiB of 80.0 GiB" in out.err and [x.startswith("FAILED") for x in log] == [False, True]

@@ -274,6 +274,9 @@ class Stage:
     what: str
     args: list[str] | Callable[[], list[str]]
     estimate_s: float
+    # an ablation at a kept layout: "nothing fits" is its answer (that switch costs the layout its
+    # memory), kept as the stage's note rather than a failure
+    no_fit_is_an_answer: bool = False
 
 
 def _omnibench(args: list[str]) -> tuple[bool, str]:
@@ -291,9 +294,26 @@ def _omnibench(args: list[str]) -> tuple[bool, str]:
             proc.kill()
         raise
     if proc.returncode != 0:
-        tail = (stderr or stdout).strip().splitlines()[-3:]
-        return False, " | ".join(tail)
+        return False, _why(stdout, stderr)
     return True, ""
+
+
+NOTHING_FITS = "nothing fits: "
+
+
+def _why(stdout: str, stderr: str) -> str:
+    """Why a command failed: a simulation's own verdicts when nothing fitted (its --json output), else
+    the last lines of its error output."""
+    import json
+
+    try:
+        got = json.loads(stdout[stdout.index("{"):])
+        msgs = [r.get("fit_message") or r.get("error") for r in got.get("results", []) if not r.get("fits")]
+        if msgs and all(msgs):
+            return NOTHING_FITS + "; ".join(dict.fromkeys(msgs))
+    except (ValueError, AttributeError):
+        pass
+    return " | ".join((stderr or stdout).strip().splitlines()[-3:])
 
 
 def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1,
@@ -408,8 +428,9 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         from omnibench.provenance import write_csv
 
         took = json.loads(_ledger(sims_dir).read_text())
-        write_csv(out / "reproduce-stages.csv", [{"stage": k, "seconds": round(v, 1)} for k, v in took.items()],
-                  ["stage", "seconds"])
+        notes = json.loads(_notes(sims_dir).read_text()) if _notes(sims_dir).is_file() else {}
+        write_csv(out / "reproduce-stages.csv", [{"stage": k, "seconds": round(v, 1), "note": notes.get(k)}
+                                                 for k, v in took.items()], ["stage", "seconds", "note"])
         results.append(("reproduce-stages.csv", "written"))
     # 5. did every tune converge? (doubling its budget moved its best step time by <= 2%)
     conv = convergence_rows(sims_dir / "tuned-layouts.json")
@@ -454,6 +475,10 @@ def _ledger(sims_dir: Path) -> Path:
     return sims_dir / "reproduce-stages.json"
 
 
+def _notes(sims_dir: Path) -> Path:
+    return sims_dir / "reproduce-notes.json"
+
+
 def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
              repeat: int = 1, tune_budget: int | None = None, sweep: SweepArgs = SweepArgs()) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
@@ -492,6 +517,12 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         dt = time.perf_counter() - t0
         spent, estimated = spent + dt, estimated + st.estimate_s
         line = "omnibench " + " ".join(args)
+        if not ok and st.no_fit_is_an_answer and why.startswith(NOTHING_FITS):
+            notes = json.loads(_notes(sims_dir).read_text()) if _notes(sims_dir).is_file() else {}
+            notes[st.key] = why.removeprefix(NOTHING_FITS)
+            _notes(sims_dir).write_text(json.dumps(notes, indent=1))
+            console.print(f"      {why} (the ablation's answer)", highlight=False)
+            ok = True
         if ok:
             done[st.key] = dt
             _ledger(sims_dir).write_text(json.dumps(done, indent=1))
@@ -607,7 +638,7 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
             stages.append(Stage(f"tuned-omni-no-{tech}-{tag}", f"simulate omni without {tech} at its tuned layout, "
                                 f"{gpus[0]:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
                                                       "--gpus", str(gpus[0]), f"--no-{tech}", *tuned_common],
-                                step_s[gpus[0]] * 2))
+                                step_s[gpus[0]] * 2, no_fit_is_an_answer=True))
     # 4. a second machine (same compute, 141 GB), a figure of its own
     for wl in [w for w in workloads if w in SECOND_HARDWARE_WORKLOADS]:
         stages.append(Stage(f"tuned-{wl}-{SECOND_HARDWARE}-{tag}", f"tune every system on {wl} at {gpus[0]:,} "

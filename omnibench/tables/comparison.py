@@ -130,6 +130,11 @@ def tuned_ablation() -> str:
     for r in rows:
         name = "all techniques" if r["variant"] == "omni" else r["variant"].removeprefix("omni ")
         lines.append(f"| {name} | {float(r['relative']):.2f}x |")
+    for r in _rows("results/reproduce-stages.csv"):  # a switch whose layout stopped fitting has no bar
+        if r["stage"].startswith("tuned-omni-no-") and r.get("note"):
+            tech = r["stage"].removeprefix("tuned-omni-no-").rsplit("-", 1)[0].replace("-", " ")
+            lines.append(f"| w/o {tech} | does not fit ({r['note'].removeprefix('does not fit: ')}) |")
+    lines.append(f"| the best baseline | {float(rows[0]['best_baseline_relative']):.2f}x |")
     lines += ["", f"{rows[0]['workload']}, {int(rows[0]['gpus']):,} H100s, omni's tuned layout from the tune cache "
               "(results/figures/ablation.csv)."]
     return "\n".join(lines)
@@ -178,24 +183,26 @@ TIME_FILE = "results/reproduce-time.txt"  # `/usr/bin/time -v` of that reproduce
 
 
 def _timed() -> dict:
-    """Wall and CPU seconds of the committed reproduce (GNU time's -v report) and the 1-minute load
-    averages sampled while it ran (lines `HH:MM:SS l1 l5 l15`)."""
+    """Wall and CPU seconds of the committed reproduce, summed over its parts (one GNU `time -v` report
+    each: a reproduce stopped and continued with --resume), and the 1-minute load averages sampled
+    while it ran (lines `HH:MM:SS l1 l5 l15`)."""
     p = REPO_ROOT / TIME_FILE
     if not p.is_file():
         raise FileNotFoundError(f"{TIME_FILE} is missing: the GNU time report of `/usr/bin/time -v {REPRODUCE}`")
-    got: dict = {"load": []}
+    got: dict = {"load": [], "user": 0.0, "sys": 0.0, "wall": 0.0, "parts": 0}
     for line in p.read_text().splitlines():
         key, _, value = line.strip().partition(": ")
         if key == "User time (seconds)":
-            got["user"] = float(value)
+            got["user"] += float(value)
         elif key == "System time (seconds)":
-            got["sys"] = float(value)
+            got["sys"] += float(value)
         elif key.startswith("Elapsed (wall clock) time"):
             parts = [float(x) for x in line.rsplit(": ", 1)[1].split(":")]
-            got["wall"] = sum(x * 60 ** i for i, x in enumerate(reversed(parts)))
+            got["wall"] += sum(x * 60 ** i for i, x in enumerate(reversed(parts)))
+            got["parts"] += 1
         elif key == "Exit status":
-            got["exit"] = int(value)
-        elif len(line.split()) == 4 and line.count(":") == 2 and line[2] == ":":
+            got["exit"] = int(value)  # the last part's
+        elif len(line.split()) == 4 and line[2:3] == ":" and line[5:6] == ":":
             got["load"].append(float(line.split()[1]))
     return got
 
@@ -210,6 +217,7 @@ def reproduce_total() -> str:
     t = _timed()
     cpu = t["user"] + t["sys"]
     load = t["load"]
-    return (f"{_min(t['wall'])} wall, {_min(cpu)} CPU (user + sys; CPU / 2 = {_min(cpu / 2)}, the bound on 2 "
-            f"quiet cores), 1-minute load average {min(load):.1f}-{max(load):.1f} (mean {sum(load) / len(load):.1f}) "
-            f"on the 2 cores, exit {t['exit']}")
+    parts = f" over {t['parts']} parts (continued with --resume)" if t["parts"] > 1 else ""
+    return (f"{_min(t['wall'])} wall{parts}, {_min(cpu)} CPU (user + sys; CPU / 2 = {_min(cpu / 2)}, the bound on "
+            f"2 quiet cores), 1-minute load average {min(load):.1f}-{max(load):.1f} (mean "
+            f"{sum(load) / len(load):.1f}) on the 2 cores, last exit status {t['exit']}")
