@@ -334,7 +334,11 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep)) + 1
     console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
-    # 3. figures, each from the records whose configs say they are its data
+    # 3. figures, each from the records whose configs say they are its data; each names the code as it
+    # was before the first one was written (writing them makes the checkout differ from its commit)
+    from omnibench.provenance import figure_provenance
+
+    prov = figure_provenance()
     fig_dir.mkdir(parents=True, exist_ok=True)
     results: list[tuple[str, str]] = []
 
@@ -344,7 +348,7 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         except (PlotInputError, OSError) as e:
             results.append((name, f"not produced: {e}"))
             return None
-        style.save(d.fig, fig_dir, name)
+        style.save(d.fig, fig_dir, name, prov)
         if d.table is not None and not d.table.empty:  # the figure's numbers, for the documents' tables
             d.table.to_csv(fig_dir / f"{name}.csv", index=False, float_format="%.6g")
         results.append((name, "written"))
@@ -417,7 +421,7 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     try:
         everything = load([runs_dir, sims_dir])
         write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None), everything,
-                   out / "report.html", "omnibench reference results")
+                   out / "report.html", "omnibench reference results", prov=prov)
         results.append(("report.html", "written"))
     except PlotInputError as e:
         results.append(("report.html", f"not produced: {e}"))
