@@ -229,7 +229,23 @@ def _store(job: StepJob, cache: SimCache | None) -> SimCache:
 
 
 def run_step(job: StepJob, cache: SimCache | None = None) -> StepOutcome:
-    """Plan and simulate `job`, or answer it from the cache (module level: pools and Ray ship it)."""
+    """Plan and simulate `job`, or answer it from the cache (module level: pools and Ray ship it).
+    A step is simulated and cached at memory error 0 and its fit decided for the job's own
+    (`engine.check_fit`): the error moves no time, so a tune under +-20% reuses every step."""
+    from simulator.engine import SimOptions, check_fit
+
+    options = job.options or SimOptions()
+    error = options.memory_error
+    if not error:
+        return _run_step(job, cache)
+    got = _run_step(dataclasses.replace(job, options=dataclasses.replace(options, memory_error=0.0)), cache)
+    if got.result is not None and options.check_memory:
+        got = dataclasses.replace(got, result=check_fit(dataclasses.replace(got.result), error))
+        got.metrics = {**got.metrics, "fits": got.result.fits, "fit_message": got.result.fit_message}
+    return got
+
+
+def _run_step(job: StepJob, cache: SimCache | None = None) -> StepOutcome:
     from simulator.engine import SimOptions, simulate
     from systems import get_planner
 

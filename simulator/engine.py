@@ -421,15 +421,29 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
             sim_seconds=0.0,
         )
         if self.options.check_memory:
-            worst = max(ranks, key=lambda s: s.memory_bytes)
-            if worst.memory_bytes > capacity:
-                result.fits = False
-                result.fit_message = (
-                    f"does not fit: rank {worst.rank} needs {worst.memory_bytes / GiB:.1f} GiB of "
-                    f"{capacity / GiB:.1f} GiB"
-                )
+            check_fit(result, self.options.memory_error)
         result.sim_seconds = time.perf_counter() - t0
         return result
+
+
+def check_fit(result: SimResult, memory_error: float = 0.0) -> SimResult:
+    """Decide whether `result`'s step fits its GPU: the most loaded rank's `memory_bytes` (the
+    allocator's reserve and what lives outside it), assumed `memory_error` off (+0.2: the estimate
+    is 20% low, so a rank needs 1.2x it), against the device's memory. Timing never depends on it,
+    so a cached step is re-decided under another error without simulating it again."""
+    result.fits, result.fit_message = True, ""
+    if not result.ranks:
+        return result
+    worst = max(result.ranks, key=lambda s: s.memory_bytes)
+    if worst.memory_bytes * (1.0 + memory_error) > result.memory_capacity:
+        result.fits = False
+        result.fit_message = (
+            f"does not fit: rank {worst.rank} needs {worst.memory_bytes / GiB:.1f} GiB of "
+            f"{result.memory_capacity / GiB:.1f} GiB"
+            + (f" (assuming the estimate is {abs(memory_error):.0%} {'low' if memory_error > 0 else 'high'})"
+               if memory_error else "")
+        )
+    return result
 
 
 class _Channel:

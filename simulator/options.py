@@ -55,3 +55,7 @@ class SimOptions:
     # how MoE tokens reach their experts (simulator/collectives.py::expert_all_to_all): "alltoall" sends
     # every token copy on its own; "deepep" sends a token to each remote node once and forwards it over NVLink
     ep_dispatcher: str = "alltoall"
+    # how wrong the memory estimate is assumed to be when deciding what fits: a rank fits when its
+    # estimated peak times (1 + memory_error) is within the GPU's memory (-0.2: the estimate is 20%
+    # high; +0.2: 20% low). The reported peak stays the estimate. For sensitivity studies.
+    memory_error: float = 0.0

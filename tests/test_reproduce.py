@@ -101,13 +101,14 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
     cache = str(sims / "tuned-layouts.json")
     for st in tuned:
         a = st.args
-        assert "--tuned" in a and a[a.index("--tune-fraction") + 1] == str(report.TUNE_FRACTION)
-        assert "--tune-budget" not in a and "--check-convergence" in a  # a share of each space, checked at 2x
+        assert "--tuned" in a and a[a.index("--tune-budget") + 1] == str(report.TUNE_BUDGET)
+        assert "--tune-fraction" not in a and "--check-convergence" in a  # one wave of layouts, checked at 2x
         assert a[a.index("--tune-cache") + 1] == cache  # one cache: a layout is tuned once, then read
-    sweep = {st.args[st.args.index("--workload") + 1]: st for st in tuned if "omni-no" not in st.key}
+    sweep = {st.args[st.args.index("--workload") + 1]: st for st in tuned if "omni-no" not in st.key
+             and st.args[st.args.index("--hardware") + 1] == "h100"}
     assert set(sweep) == {*report.STATIC_WORKLOADS, "bursty_mix", "drifting_video"}
     for st in sweep.values():
-        assert st.args[st.args.index("--gpus") + 1] == "1024,4096"
+        assert st.args[st.args.index("--gpus") + 1] == "1024"
         assert st.args[st.args.index("--system") + 1] == ",".join(SYSTEMS)
     bursty = sweep["bursty_mix"].args
     assert bursty[bursty.index("--steps") + 1] == "16" and bursty[bursty.index("--tune-steps") + 1] == "3"
@@ -125,6 +126,9 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
         assert [a for a in st.args if a in keyed] == [a for a in sweep["mixed_video"].args if a in keyed]
     small = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=9)
     assert all(st.args[st.args.index("--tune-budget") + 1] == "9" for st in small if st.key.startswith("tuned-"))
+    share = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=0)  # 0: a share of each space
+    assert all(st.args[st.args.index("--tune-fraction") + 1] == str(report.TUNE_FRACTION) and "--tune-budget" not in
+               st.args for st in share if st.key.startswith("tuned-"))
 
 
 def test_reproduce_passes_its_sweep_options_to_every_simulation_and_to_no_measured_run():
@@ -136,8 +140,6 @@ def test_reproduce_passes_its_sweep_options_to_every_simulation_and_to_no_measur
         a = ["calibrate"] if callable(st.args) else st.args  # calibrate's args list the finished runs
         if a[0] == "simulate":
             assert "--workers=3" in a and a[a.index("--ray") + 1] == "auto" and "--no-cache" in a
-            if "--tuned" in a:
-                assert a[a.index("--tune-fraction") + 1] == "0.5"
         else:
             assert "--workers=3" not in a and "--ray" not in a  # measured runs run alone
 
@@ -156,3 +158,25 @@ def test_reproduce_writes_the_convergence_of_every_tune(tmp_path):
     assert [(r["system"], r["converged"]) for r in rows] == [("omni", True), ("temporal", False)]
     assert rows[0]["moved"] == 0.0101 and rows[0]["layout"] == "tp1 pp1 cp4 mb1 rc-full"
     assert report.convergence_rows(tmp_path / "absent.json") == []
+
+
+@pytest.mark.timeout(180)
+def test_an_ablation_whose_kept_layout_stops_fitting_is_an_answer_not_a_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    big = ["simulate", "--workload", "mixed_video", "--system", "omni", "--gpus", "16", "--model", "omni-7b@4L",
+           "--tp", "2", "--recompute", "none", "--global-batch-tokens", str(16 * 65536), "--out", str(tmp_path / "o"),
+           "--json"]
+
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=None, sweep=None):
+        return [report.Stage("abl", "an ablation that does not fit", big, 2.0, no_fit_is_an_answer=True),
+                report.Stage("plain", "a simulation that does not fit", big, 2.0)]
+
+    monkeypatch.setattr(report, "_stages", stages)
+    runs, sims, log = tmp_path / "runs", tmp_path / "sims", []
+    report._produce(runs, sims, ["omni"], quick=True, resume=False, log=log)
+    got = capsys.readouterr()
+    out, err = " ".join(got.out.split()), " ".join(got.err.split())  # the console wraps at its width
+    assert "nothing fits: does not fit: rank" in out and "the ablation's answer" in out
+    assert list(json.loads((sims / "reproduce-stages.json").read_text())) == ["abl"]  # the other one failed
+    assert json.loads((sims / "reproduce-notes.json").read_text())["abl"].startswith("does not fit: rank")
+    assert "GiB of 80.0 GiB" in err and [x.startswith("FAILED") for x in log] == [False, True]

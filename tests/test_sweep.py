@@ -218,7 +218,8 @@ def test_tune_gives_the_same_answer_serial_pooled_and_from_the_cache(tmp_path, m
     pooled = _cli(tune_cli.register, [*args, "--workers", "2"], monkeypatch, tmp_path)
     cached = _cli(tune_cli.register, [*args, "--workers", "2"], monkeypatch, tmp_path)
     assert _no_timing(pooled) == _no_timing(serial) == _no_timing(cached)
-    assert serial["simulated"] > 2 * len(set(serial["notes"])) and serial["convergence"]["budget_2x"] == 20
+    conv = serial["convergence"]  # budget 10, doubled while the best still moved (tune.MAX_DOUBLINGS)
+    assert serial["simulated"] > 2 * len(set(serial["notes"])) and conv["budget_2x"] == 2 * conv["budget"] >= 20
 
 
 def test_tune_on_ray_gives_the_serial_answer(tmp_path, monkeypatch):

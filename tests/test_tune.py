@@ -89,11 +89,24 @@ def test_twice_the_budget_extends_the_search_and_says_how_far_the_best_moved():
                   known=first.evaluated, log=logged.append)
     assert logged and not {t.candidate for t in logged} & set(first.evaluated)  # nothing simulated twice
     assert {t.candidate for t in first.trials} <= {t.candidate for t in second.trials}
-    both = tune_converged("homogeneous", model, _batches(16), cluster, budget=3, encoder_search=False)
+    both = tune_converged("homogeneous", model, _batches(16), cluster, budget=3, encoder_search=False, doublings=1)
     conv = both.convergence
     assert (conv.budget, conv.budget_2x) == (3, 6) and both.best.step_s == conv.best_s_2x <= conv.best_s
     assert conv.moved == pytest.approx(conv.best_s / conv.best_s_2x - 1) and conv.converged == (conv.moved <= 0.02)
     assert [t.step_s for t in both.trials] == [t.step_s for t in second.trials]  # the same search, rerun
+
+
+def test_a_search_that_still_moves_at_twice_its_budget_doubles_again_until_it_settles():
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
+    once = tune_converged("colocated", model, _batches(16), cluster, budget=1, encoder_search=False, doublings=1)
+    more = tune_converged("colocated", model, _batches(16), cluster, budget=1, encoder_search=False, doublings=4)
+    assert not once.convergence.converged  # 1 -> 2 layouts moves colocated's best by 26% here
+    conv = more.convergence
+    budgets = [1, 2, 4, 8, 16]
+    assert conv.budget in budgets[:-1] and conv.budget_2x == min(2 * conv.budget, more.space)
+    # it stopped at the first doubling that settled, or when the doublings (or the space) ran out
+    assert conv.converged or conv.budget_2x in (16, more.space)
+    assert conv.budget > once.convergence.budget and more.best.step_s < once.best.step_s
 
 
 def test_regime_batches_span_the_calmest_to_the_burstiest():

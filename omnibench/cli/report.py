@@ -20,17 +20,20 @@ from pathlib import Path
 import typer
 
 from omnibench.cli.common import console, err_console, fail
+from workloads.conditions import cell_name
 
 ABLATIONS = ("joint-pipeline", "reorder", "reshard", "long-short-sp")  # omni's switches (`omnibench run --no-X`)
 SIM_ABLATIONS = (*ABLATIONS, "llm-long-short")  # and the one only a cluster shows (long LLM samples over a cp group)
 # The tuned comparison of `reproduce`: each system at its own layout, tuned once and kept for every step,
-# at these sizes (--quick: the small ones). The tune simulates TUNE_FRACTION of each system's pruned
-# space (omnibench/tune.py) and checks it converged (twice that moves the best by <= 2%); --quick
-# simulates a fixed TUNE_BUDGET_QUICK. The dynamic workloads are tuned on TUNE_STEPS_DYNAMIC batches
-# picked across their window (calmest, median, burstiest), so a layout survives the burst.
-TUNE_FRACTION, TUNE_BUDGET_QUICK = 0.25, 2
+# at these sizes (--quick: the small ones). The tune simulates TUNE_BUDGET layouts per system (one wave of
+# tune.WAVE: the fastest of each pipeline depth and tp x cp split) and checks it converged (twice that
+# moves the best by <= 2%, OUT/convergence.csv); `--tune-budget 0` simulates TUNE_FRACTION of each pruned
+# space instead (about 3x the time: 27 layouts of a 108-layout space, 54 for the check). --quick simulates
+# TUNE_BUDGET_QUICK. The dynamic workloads are tuned on TUNE_STEPS_DYNAMIC batches picked across their
+# window (calmest, median, burstiest), so a layout survives the burst.
+TUNE_FRACTION, TUNE_BUDGET, TUNE_BUDGET_QUICK = 0.25, 8, 2
 TUNE_STEPS_DYNAMIC = 3
-SWEEP_GPUS, SWEEP_GPUS_QUICK = (1024, 4096), (64, 128)
+SWEEP_GPUS, SWEEP_GPUS_QUICK = (1024,), (64, 128)
 STATIC_WORKLOADS = ("mixed_video", "long_video", "image_sft", "omni_av")
 # bursty_mix seed 14: calm -> audio burst -> video burst in its first 16 steps; drifting_video: 12 steps
 # spread over its 1,000 (every 90th batch).
@@ -38,7 +41,30 @@ DYNAMIC_RUNS = {"bursty_mix": ("--seed", "14", "--steps", "16"),
                 "drifting_video": ("--steps", "12", "--step-stride", "90")}
 DYNAMIC_RUNS_QUICK = {"bursty_mix": ("--seed", "14", "--steps", "10"),
                       "drifting_video": ("--steps", "4", "--step-stride", "300")}
-KINDS = ("throughput", "scaling", "dynamic", "speedup", "breakdown", "conditions", "timeline", "validation", "ablation", "workload")
+# The largest H100 cluster for a static video mix; a second machine (H200: the
+# H100's compute with 141 GB at 4.8 TB/s) at the first size. bursty_mix at 8,192 GPUs (16 steps, tuned on
+# 3) would cost about 26 more minutes on 2 cores, twice all the rest of the tuned comparison: not in the
+# default plan (`omnibench simulate --workload bursty_mix --gpus 8192 --seed 14 --steps 16 --tune-steps 3
+# --tuned ...` makes it).
+LARGEST_GPUS, LARGEST_GPUS_QUICK = 8192, 256
+LARGEST_WORKLOADS = ("mixed_video",)
+SECOND_HARDWARE = "h200"
+SECOND_HARDWARE_WORKLOADS = ("mixed_video", "image_sft")  # a video mix, and the one the baselines fit without
+                                                          # recomputation (where 141 GB can move the verdict)
+# How the verdict moves when memory is mispredicted: bursty_mix (where omni's lead rests on predicted
+# out-of-memory) and mixed_video, every system re-tuned under each error, at the first size.
+MEMORY_WORKLOADS = ("bursty_mix", "mixed_video")
+MEMORY_ERRORS = (-0.2, 0.2)
+# The condition grid (workloads/conditions.py) at two sizes, per model: omni-moe-30b's LLM has 3B active
+# parameters, so its encoders' share of the step is large. Every system tuned per cell at a fixed budget.
+CONDITION_GPUS, CONDITION_GPUS_QUICK = (256,), (64,)
+# omni-moe-30b (3B active LLM parameters: a large encoder share) would double the grid's time: not in the
+# default plan; `simulate --model omni-moe-30b --workload <cell>.toml --tuned ...` makes it.
+CONDITION_MODELS, CONDITION_MODELS_QUICK = ("omni-7b",), ("omni-7b",)
+CONDITION_BUDGET = 4
+CONDITION_SHARES, CONDITION_SHARES_QUICK, CONDITION_SIGMAS_QUICK = (0.1, 0.6, 0.9), (0.1, 0.9), (1.0,)
+KINDS = ("throughput", "scaling", "dynamic", "speedup", "breakdown", "conditions", "memory", "timeline", "validation",
+         "ablation", "workload")
 
 _PLOT_EXAMPLES = """
 Examples:
@@ -71,7 +97,8 @@ def _load(run_dirs: list[Path] | None, kind: str):
 
 
 def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, system: str | None = None,
-         gpus: int | None = None, step: int | None = None, calibration: str | None = None):
+         gpus: int | None = None, step: int | None = None, calibration: str | None = None,
+         hardware: str | None = None):
     """One figure (a `figures.Drawn`), or a one-line error naming what is missing."""
     from omnibench.plots import figures
     from omnibench.plots.load import PlotInputError
@@ -90,17 +117,19 @@ def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, sy
             return figures.workload(workload)
         recs = _load(run_dirs, f"plot {kind}")
         if kind == "throughput":
-            return figures.throughput(recs, gpus=gpus)
+            return figures.throughput(recs, gpus=gpus, hardware=hardware)
         if kind == "scaling":
             return figures.scaling(recs, workload)
         if kind == "dynamic":
             return figures.dynamic(recs, workload, gpus)
         if kind == "speedup":
-            return figures.speedup(recs)
+            return figures.speedup(recs, hardware)
         if kind == "breakdown":
-            return figures.breakdown(recs, gpus)
+            return figures.breakdown(recs, gpus, hardware)
         if kind == "conditions":
             return figures.conditions(recs)
+        if kind == "memory":
+            return figures.memory_sensitivity(recs)
         if kind == "timeline":
             if len(recs.all) > 1 and system is None:
                 fail(f"plot timeline draws one record; got {len(recs.all)}: give one folder or pick with --system")
@@ -122,7 +151,9 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("."), "--out", help="Folder for <KIND>.png and <KIND>.pdf."),
         workload: str = typer.Option(None, "--workload", "-w", help="Workload to draw (records with several)."),
         system: str = typer.Option(None, "--system", "-s", help="timeline: the system whose trace to draw."),
-        gpus: int = typer.Option(None, "--gpus", help="timeline/throughput/dynamic: cluster size of a simulation."),
+        gpus: int = typer.Option(None, "--gpus", help="timeline/throughput/dynamic/breakdown: a cluster size."),
+        hardware: str = typer.Option(None, "--hardware", help="throughput/speedup/breakdown: the records' hardware "
+                                     "to draw (a figure never mixes machines)."),
         step: int = typer.Option(None, "--step", help="timeline: step of a run's trace (default: the second)."),
         calibration: str = typer.Option(None, "--calibration", help="validation: profile from `omnibench calibrate`."),
         name: str = typer.Option(None, "--name", help="File name without suffix (default: KIND)."),
@@ -130,7 +161,7 @@ def register(app: typer.Typer) -> None:
         """Draw one paper-style figure (PNG at 200 dpi and PDF) from run or simulation records."""
         from omnibench.plots import style
 
-        d = draw(kind, run_dirs, workload, system, gpus, step, calibration)
+        d = draw(kind, run_dirs, workload, system, gpus, step, calibration, hardware)
         paths = style.save(d.fig, out, name or d.name)
         console.print(d.caption, highlight=False)
         for p in paths:
@@ -167,40 +198,55 @@ def register(app: typer.Typer) -> None:
                                     "it finished, redo the rest."),
         repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
                                    "throughput figure shows their mean with an error bar."),
-        tune_budget: int = typer.Option(0, "--tune-budget", help="Layouts `tune` simulates per system for the "
-                                        f"tuned figures; 0: --tune-fraction of each system's space ({TUNE_BUDGET_QUICK} "
-                                        "with --quick)."),
-        tune_fraction: float = typer.Option(TUNE_FRACTION, "--tune-fraction", help="Share of each system's pruned "
-                                            "layout space its tune simulates (with --tune-budget 0); every tune is "
-                                            "checked at twice it (OUT/convergence.csv)."),
+        tune_budget: int = typer.Option(None, "--tune-budget", help=f"Layouts `tune` simulates per system for the "
+                                        f"tuned figures (default {TUNE_BUDGET}, {TUNE_BUDGET_QUICK} with --quick); 0: "
+                                        "--tune-fraction of each system's space."),
+        tune_fraction: float = typer.Option(TUNE_FRACTION, "--tune-fraction", help="With --tune-budget 0: the share "
+                                            "of each system's pruned layout space its tune simulates."),
         workers: int = typer.Option(None, "--workers", help="Simulations run at once inside each stage (default: "
                                     "every core; the measured CPU runs always run alone)."),
         ray: str = typer.Option(None, "--ray", help="Run the stages' simulations on a Ray cluster: auto, local, or "
                                 "ray://host:port."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate everything again (no step cache)."),
+        plan: bool = typer.Option(False, "--plan", help="List the stages, their commands and estimated times; run "
+                                  "nothing."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
-        8,192 GPUs at one layout (scaling, timelines), the tuned comparison at 1,024 and 4,096 GPUs (each
-        system at its own layout, tuned once and kept for every step: on step 0's batch for the static
-        workloads, on the calmest, median and burstiest of the simulated steps for bursty_mix and
-        drifting_video; throughput, speedup per workload, both dynamic workloads over training, omni's
-        ablation), then every figure under OUT/figures and OUT/report.html, and OUT/convergence.csv: each
-        tune searched again at twice its budget, and how far its best step time moved. Each tune is kept in
-        OUT/sims/reproduce/tuned-layouts.json and reused by later stages and --resume; simulations run on
-        every core (--workers) and through the step cache. Prints each stage (k of N, what it runs, time
-        left); exits 1 if a stage failed or a figure could not be drawn."""
+        8,192 GPUs at one layout (scaling, timelines), and the tuned comparison, each system at its own
+        layout tuned once and kept for every step (on step 0's batch for the static workloads, on the
+        calmest, median and burstiest simulated steps for bursty_mix and drifting_video): every workload at
+        1,024 H100s, mixed_video and image_sft at 1,024 H200s, mixed_video at 8,192 H100s, mixed_video and bursty_mix
+        again under memory estimates 20% low and high, and the condition grid (video share x
+        length spread, omni-7b, 256 GPUs); then every figure and its table (CSV) under
+        OUT/figures, OUT/report.html, and OUT/convergence.csv: each tune searched again at twice its budget,
+        and how far its best step time moved. Tunes are kept in OUT/sims/reproduce/tuned-layouts.json and
+        reused by later stages and --resume; simulations run on every core (--workers) and through the
+        step cache. Prints each stage (k of N, what it runs, time left; --plan lists them and runs
+        nothing); exits 1 if a stage failed or a figure could not be drawn."""
         if reuse and resume:
             fail("reproduce: --reuse redraws only, --resume produces what is missing; give one")
         if repeat < 1:
             fail(f"repeat must be a positive integer, got {repeat}")
-        if tune_budget < 0:
+        if tune_budget is not None and tune_budget < 0:
             fail(f"tune-budget must be >= 0 (0: --tune-fraction of each space), got {tune_budget}")
         if not 0 < tune_fraction <= 1:
             fail(f"tune-fraction must be in (0, 1] (a share of the layouts left after pruning), got {tune_fraction}")
         if workers is not None and workers < 1:
             fail(f"workers must be a positive integer (default: every core), got {workers}")
-        reproduce(out, quick, reuse, resume, repeat, tune_budget,
-                  SweepArgs(tune_fraction=tune_fraction, workers=workers, ray=ray, no_cache=no_cache))
+        sweep = SweepArgs(tune_fraction=tune_fraction, workers=workers, ray=ray, no_cache=no_cache)
+        if plan:
+            from systems import available_systems
+
+            stages = _stages(out / "runs" / "reproduce", out / "sims" / "reproduce", available_systems(), quick,
+                             repeat, tune_budget, sweep)
+            for k, st in enumerate(stages, 1):
+                args = st.args if isinstance(st.args, list) else ["(arguments made when it starts)"]
+                console.print(f"[{k}/{len(stages)}] {st.key}: about {_duration(st.estimate_s)}\n      "
+                              + "omnibench " + " ".join(args), highlight=False, soft_wrap=True)
+            console.print(f"{len(stages)} stages, about {_duration(sum(st.estimate_s for st in stages))} on 2 quiet "
+                          "cores, then the figures", highlight=False)
+            return
+        reproduce(out, quick, reuse, resume, repeat, tune_budget, sweep)
 
 
 # -- reproduce -------------------------------------------------------------------------------------
@@ -228,6 +274,9 @@ class Stage:
     what: str
     args: list[str] | Callable[[], list[str]]
     estimate_s: float
+    # an ablation at a kept layout: "nothing fits" is its answer (that switch costs the layout its
+    # memory), kept as the stage's note rather than a failure
+    no_fit_is_an_answer: bool = False
 
 
 def _omnibench(args: list[str]) -> tuple[bool, str]:
@@ -245,13 +294,30 @@ def _omnibench(args: list[str]) -> tuple[bool, str]:
             proc.kill()
         raise
     if proc.returncode != 0:
-        tail = (stderr or stdout).strip().splitlines()[-3:]
-        return False, " | ".join(tail)
+        return False, _why(stdout, stderr)
     return True, ""
 
 
+NOTHING_FITS = "nothing fits: "
+
+
+def _why(stdout: str, stderr: str) -> str:
+    """Why a command failed: a simulation's own verdicts when nothing fitted (its --json output), else
+    the last lines of its error output."""
+    import json
+
+    try:
+        got = json.loads(stdout[stdout.index("{"):])
+        msgs = [r.get("fit_message") or r.get("error") for r in got.get("results", []) if not r.get("fits")]
+        if msgs and all(msgs):
+            return NOTHING_FITS + "; ".join(dict.fromkeys(msgs))
+    except (ValueError, AttributeError):
+        pass
+    return " | ".join((stderr or stdout).strip().splitlines()[-3:])
+
+
 def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1,
-              tune_budget: int = 0, sweep: SweepArgs = SweepArgs()) -> None:
+              tune_budget: int | None = None, sweep: SweepArgs = SweepArgs()) -> None:
     from omnibench.plots import figures, style
     from omnibench.plots.load import PlotInputError, Records, load
     from omnibench.plots.report import draw_all, write_html
@@ -268,7 +334,11 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep)) + 1
     console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
-    # 3. figures, each from the records whose configs say they are its data
+    # 3. figures, each from the records whose configs say they are its data; each names the code as it
+    # was before the first one was written (writing them makes the checkout differ from its commit)
+    from omnibench.provenance import figure_provenance
+
+    prov = figure_provenance()
     fig_dir.mkdir(parents=True, exist_ok=True)
     results: list[tuple[str, str]] = []
 
@@ -278,7 +348,9 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         except (PlotInputError, OSError) as e:
             results.append((name, f"not produced: {e}"))
             return None
-        style.save(d.fig, fig_dir, name)
+        style.save(d.fig, fig_dir, name, prov)
+        if d.table is not None and not d.table.empty:  # the figure's numbers, for the documents' tables
+            d.table.to_csv(fig_dir / f"{name}.csv", index=False, float_format="%.6g")
         results.append((name, "written"))
         import matplotlib.pyplot as plt
 
@@ -291,11 +363,23 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     def recs_of(paths) -> Records:
         return load(paths) if paths else Records()
 
+    from omnibench.plots.load import memory_error, nominal
+    from workloads.conditions import parse_cell
+
     sims = load([sims_dir]).sims if any(sims_dir.iterdir()) else []
-    tuned = [r for r in sims if r.config.get("tuned")]
-    untuned = [r for r in sims if r not in tuned]
+    # kept apart by what they answer: the condition grid, the memory errors, and each machine's comparison
+    grid = [r for r in nominal(sims) if parse_cell(r.workload)]
+    varied = [r for r in sims if memory_error(r)]
+    main = [r for r in nominal(sims) if not parse_cell(r.workload)]
+
+    def on(hw: str) -> list:
+        return [r for r in main if str(r.config.get("hardware")) == hw]
+
+    tuned = [r for r in on("h100") if r.config.get("tuned")]
+    untuned = [r for r in on("h100") if not r.config.get("tuned")]
     ablated = [r for r in tuned if any(v is False for v in (r.config.get("options") or {}).values())]
     sweep = [r for r in tuned if r not in ablated]  # every system at its own tuned layout
+    second = [r for r in on(SECOND_HARDWARE) if r.config.get("tuned")]
     scaling = [r for r in untuned if r.workload == "mixed_video" and len(r.config.get("gpus", [])) > 1]
     real = recs_of(pick(lambda p: "pp2" not in p.name and "-no-" not in p.name))
     pp2 = pick(lambda p: "pp2" in p.name)
@@ -304,6 +388,11 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     # One cluster size for every workload, so the bars compare like with like.
     make("throughput", figures.throughput, Records(sims=sweep), source="sim", gpus=sizes[0])
     make("speedup", figures.speedup, Records(sims=sweep))
+    make(f"throughput_{SECOND_HARDWARE}", figures.throughput, Records(sims=second), source="sim", gpus=sizes[0])
+    make(f"speedup_{SECOND_HARDWARE}", figures.speedup, Records(sims=second))
+    make("breakdown", figures.breakdown, Records(sims=sweep), gpus=sizes[0])
+    make("conditions", figures.conditions, Records(sims=grid))
+    make("memory", figures.memory_sensitivity, Records(sims=sweep + varied))
     make("throughput_measured", figures.throughput, real, source="run")
     make("scaling", figures.scaling, Records(sims=scaling))
     make("dynamic", figures.dynamic, Records(sims=[r for r in sweep if r.workload == "bursty_mix"]))
@@ -332,10 +421,21 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     try:
         everything = load([runs_dir, sims_dir])
         write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None), everything,
-                   out / "report.html", "omnibench reference results")
+                   out / "report.html", "omnibench reference results", prov=prov)
         results.append(("report.html", "written"))
     except PlotInputError as e:
         results.append(("report.html", f"not produced: {e}"))
+    # what each stage took (from the ledger `--resume` reads), for the documents
+    if _ledger(sims_dir).is_file():
+        import json
+
+        from omnibench.provenance import write_csv
+
+        took = json.loads(_ledger(sims_dir).read_text())
+        notes = json.loads(_notes(sims_dir).read_text()) if _notes(sims_dir).is_file() else {}
+        write_csv(out / "reproduce-stages.csv", [{"stage": k, "seconds": round(v, 1), "note": notes.get(k)}
+                                                 for k, v in took.items()], ["stage", "seconds", "note"])
+        results.append(("reproduce-stages.csv", "written"))
     # 5. did every tune converge? (doubling its budget moved its best step time by <= 2%)
     conv = convergence_rows(sims_dir / "tuned-layouts.json")
     unconverged = [r for r in conv if not r["converged"]]
@@ -379,8 +479,12 @@ def _ledger(sims_dir: Path) -> Path:
     return sims_dir / "reproduce-stages.json"
 
 
+def _notes(sims_dir: Path) -> Path:
+    return sims_dir / "reproduce-notes.json"
+
+
 def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
-             repeat: int = 1, tune_budget: int = 0, sweep: SweepArgs = SweepArgs()) -> None:
+             repeat: int = 1, tune_budget: int | None = None, sweep: SweepArgs = SweepArgs()) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
     left; the finished stages are kept in a ledger so that `--resume` skips them."""
     import json
@@ -417,6 +521,12 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         dt = time.perf_counter() - t0
         spent, estimated = spent + dt, estimated + st.estimate_s
         line = "omnibench " + " ".join(args)
+        if not ok and st.no_fit_is_an_answer and why.startswith(NOTHING_FITS):
+            notes = json.loads(_notes(sims_dir).read_text()) if _notes(sims_dir).is_file() else {}
+            notes[st.key] = why.removeprefix(NOTHING_FITS)
+            _notes(sims_dir).write_text(json.dumps(notes, indent=1))
+            console.print(f"      {why} (the ablation's answer)", highlight=False)
+            ok = True
         if ok:
             done[st.key] = dt
             _ledger(sims_dir).write_text(json.dumps(done, indent=1))
@@ -436,7 +546,7 @@ def _duration(seconds: float) -> str:
 
 
 def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1,
-            tune_budget: int = 0, sweep: SweepArgs = SweepArgs()) -> list[Stage]:
+            tune_budget: int | None = None, sweep: SweepArgs = SweepArgs()) -> list[Stage]:
     stages: list[Stage] = []
     steps = "3" if quick else "5"
     run_s = 8.0 if quick else 11.0
@@ -475,7 +585,7 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     sizes = "256,1024" if quick else "256,512,1024,2048,4096,8192"
     stages.append(Stage("sim-scaling", f"simulate mixed_video at {sizes} GPUs",
                         ["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
-                        25.0 if quick else 300.0))
+                        25.0 if quick else 120.0))
     # a pipelined layout (PP 4) at 256 GPUs: its traces show pipeline bubbles and what fills them
     piped = [s for s in systems if s != "temporal"]  # temporal has no pipeline
     stages.append(Stage("sim-pipelined", "simulate a pipelined layout (pp 4) at 256 GPUs",
@@ -483,42 +593,133 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                          "8", *sim_common[2:], "--system", ",".join(piped)], 8.0))
     # 3. the tuned comparison: every system at its own layout (tuned once, kept for every step), each tune
     # checked at twice its budget and kept in tuned-layouts.json for the stages after it (and --resume)
-    budget = tune_budget or (TUNE_BUDGET_QUICK if quick else 0)
+    budget = (TUNE_BUDGET_QUICK if quick else TUNE_BUDGET) if tune_budget is None else tune_budget
     search = ["--tune-budget", str(budget)] if budget else ["--tune-fraction", str(sweep.tune_fraction)]
     tag = f"b{budget}" if budget else f"f{sweep.tune_fraction}"
     gpus = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
-    at = ",".join(str(n) for n in gpus)
-    tuned_common = ["--hardware", "h100", "--model", "omni-7b", "--tuned", *search, "--check-convergence",
-                    "--tune-cache", str(sims_dir / "tuned-layouts.json"), "--out", str(sims_dir), "--json",
-                    *sweep.run_args()]
-    # seconds on the 2 shared cores (results/BENCHMARKS.md): a converged tune of one system at 1,024 /
-    # 4,096 GPUs and the simulation of one of its steps
-    tune_s = {n: (1.0 if quick else 20.0 if n <= 1024 else 50.0) for n in gpus}
-    step_s = {n: (0.4 if quick else 3.0 if n <= 1024 else 10.0) for n in gpus}
+    largest = LARGEST_GPUS_QUICK if quick else LARGEST_GPUS
+    cache = str(sims_dir / "tuned-layouts.json")
+
+    def tuned(out: Path, how: list[str], hardware: str = "h100", model: str = "omni-7b") -> list[str]:
+        return ["--hardware", hardware, "--model", model, "--tuned", *how, "--check-convergence", "--tune-cache",
+                cache, "--out", str(out), "--json", *sweep.run_args()]
+
+    tuned_common = tuned(sims_dir, search)
+    # wall seconds on 2 quiet cores: the tune of one system at a size (budget 8, checked at 16: about 20
+    # simulated layouts; a fraction of the space is about 3x that) and the simulation of one of its steps
+    per_layout = 1.0 if budget else 3.0
+    tune_s = {n: (1.0 if quick else 15.0 * per_layout * n / 1024) for n in (*gpus, largest, *CONDITION_GPUS)}
+    step_s = {n: (0.4 if quick else 1.0 * n / 1024) for n in tune_s}
     workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
+    dynamic_runs = DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS
+
+    def dynamic_args(wl: str) -> list[str]:  # its steps, and the layouts tuned on TUNE_STEPS_DYNAMIC of them
+        extra = list(dynamic_runs.get(wl, ()))
+        if extra:
+            extra += ["--tune-steps", str(min(TUNE_STEPS_DYNAMIC, int(extra[extra.index("--steps") + 1])))]
+        return extra
+
+    def cost(wl: str, n: int, tune_scale: float = 1.0) -> float:
+        extra = dynamic_runs.get(wl, ())
+        n_steps = int(extra[extra.index("--steps") + 1]) if extra else 1
+        k = min(TUNE_STEPS_DYNAMIC, n_steps)
+        return len(systems) * (k * tune_s[n] * tune_scale + n_steps * step_s[n])
+
+    at = _sizes(gpus)
     for wl in workloads:
         stages.append(Stage(f"tuned-{wl}-{tag}", f"tune every system on {wl} at {at} GPUs, simulate it there",
-                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at, *tuned_common],
-                            sum(len(systems) * (tune_s[n] + step_s[n]) for n in gpus)))
-    for wl, extra in (DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS).items():
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
+                             *tuned_common], sum(cost(wl, n) for n in gpus)))
+    for wl, extra in dynamic_runs.items():
         n_steps = int(extra[extra.index("--steps") + 1])
         k = min(TUNE_STEPS_DYNAMIC, n_steps)
-        stages.append(Stage(f"tuned-{wl}-{tag}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} of "
-                            "them (calmest to burstiest) and kept",
-                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", at, *extra,
-                             "--tune-steps", str(k), *tuned_common],
-                            sum(len(systems) * (k * tune_s[n] + n_steps * step_s[n]) for n in gpus)))
+        stages.append(Stage(f"tuned-{wl}-{tag}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} "
+                            "of them (calmest to burstiest) and kept",
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
+                             *dynamic_args(wl), *tuned_common], sum(cost(wl, n) for n in gpus)))
     if "omni" in systems:  # the ablation at omni's own tuned layout (from the cache: no tune again)
         for tech in SIM_ABLATIONS[:1] if quick else SIM_ABLATIONS:
             stages.append(Stage(f"tuned-omni-no-{tech}-{tag}", f"simulate omni without {tech} at its tuned layout, "
                                 f"{gpus[0]:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
                                                       "--gpus", str(gpus[0]), f"--no-{tech}", *tuned_common],
-                                step_s[gpus[0]] * 2))
+                                step_s[gpus[0]] * 2, no_fit_is_an_answer=True))
+    # 4. a second machine (same compute, 141 GB), a figure of its own
+    for wl in [w for w in workloads if w in SECOND_HARDWARE_WORKLOADS]:
+        stages.append(Stage(f"tuned-{wl}-{SECOND_HARDWARE}-{tag}", f"tune every system on {wl} at {gpus[0]:,} "
+                            f"{SECOND_HARDWARE.upper()}s, simulate it there",
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(gpus[0]),
+                             *tuned(sims_dir / SECOND_HARDWARE, search, hardware=SECOND_HARDWARE)],
+                            cost(wl, gpus[0])))
+    # 5. memory sensitivity: every system tuned again and judged as if each memory estimate were off by
+    # -20% / +20% (the step cache answers the layouts already simulated: the error moves no time)
+    for wl in MEMORY_WORKLOADS:
+        extra = dynamic_args(wl)
+        for err in MEMORY_ERRORS:
+            stages.append(Stage(f"memory-{wl}-{err:+.2f}-{tag}", f"{wl} at {gpus[0]:,} GPUs, every system tuned as if "
+                                f"memory were {abs(err):.0%} {'under' if err > 0 else 'over'}-estimated",
+                                ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(gpus[0]),
+                                 *extra, "--memory-error", str(err), *tuned(sims_dir / "memory", search)],
+                                cost(wl, gpus[0], 0.5)))  # half its layouts answered by the step cache
+    # 6. the condition grid (workloads/conditions.py): where decoupling pays, every system tuned per cell at a
+    # small fixed budget whose convergence the figure's caption reports
+    grid_dir, cond_dir = sims_dir / "conditions" / "grid", sims_dir / "conditions"
+    cond_gpus = CONDITION_GPUS_QUICK if quick else CONDITION_GPUS
+    cond_budget = TUNE_BUDGET_QUICK if quick else CONDITION_BUDGET
+    for model in CONDITION_MODELS_QUICK if quick else CONDITION_MODELS:
+        for share, sigma in _grid_cells(quick):
+            cell = grid_dir / f"{cell_name(share, sigma)}.toml"
+            stages.append(Stage(f"conditions-{model}-{cell.stem}-b{cond_budget}",
+                                f"condition cell {cell.stem} ({model}) at {_sizes(cond_gpus)} GPUs, every system tuned",
+                                _cell_args(cell, share, sigma,
+                                           ["simulate", "--workload", str(cell), "--system", ",".join(systems),
+                                            "--gpus", _csv(cond_gpus),
+                                            *tuned(cond_dir, ["--tune-budget", str(cond_budget)], model=model)]),
+                                sum(len(systems) * (tune_s[n] * 0.5 + step_s[n]) for n in cond_gpus)))
+    # 7. the largest cluster, last (its simulations are the dearest: 8x a 1,024-GPU step each), tuned in the
+    # same command as the first size so that its search starts from that size's answer (tune.Prior): the
+    # first size is the tune cache's and the step cache's (the same record again). Searched alone at 8,192
+    # GPUs, omni's tune settled on tp 4 (4 -> 8 layouts moved 0%) and missed tp 1 / cp 4, 1.36x faster.
+    for wl in LARGEST_WORKLOADS:
+        extra = dynamic_args(wl)
+        stages.append(Stage(f"largest-{wl}-{largest}-{tag}",
+                            f"tune every system on {wl} at {largest:,} GPUs from its {gpus[0]:,}-GPU layout, simulate "
+                            "it there" + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus",
+                             f"{gpus[0]},{largest}", *extra, *tuned_common], cost(wl, largest)))
     return stages
 
 
-CONVERGENCE_COLUMNS = ["system", "workload", "gpus", "layout", "space", "budget", "budget_2x", "best_s", "best_s_2x",
-                       "moved", "converged", "tuned_at_steps", "simulated", "tune_seconds"]
+def _csv(sizes) -> str:
+    return ",".join(str(n) for n in sizes)
+
+
+def _sizes(sizes) -> str:
+    return ", ".join(f"{n:,}" for n in sizes)
+
+
+def _grid_cells(quick: bool) -> list[tuple[float, float]]:
+    from workloads.conditions import SIGMAS
+
+    shares, sigmas = (CONDITION_SHARES_QUICK, CONDITION_SIGMAS_QUICK) if quick else (CONDITION_SHARES, SIGMAS)
+    return [(share, sigma) for sigma in sigmas for share in shares]
+
+
+def _cell_args(cell: Path, share: float, sigma: float, args: list[str]) -> Callable[[], list[str]]:
+    """A stage's arguments, written when it starts: the grid cell's workload file first (a user can rerun
+    the command; the file stays beside the records)."""
+    def make() -> list[str]:
+        from workloads.conditions import cell_toml
+
+        cell.parent.mkdir(parents=True, exist_ok=True)
+        cell.write_text(cell_toml(share, sigma))
+        return args
+
+    return make
+
+
+CONVERGENCE_COLUMNS = ["system", "workload", "gpus", "hardware", "model", "memory_error", "layout", "space", "budget",
+                       "budget_2x", "best_s", "best_s_2x", "moved", "converged", "tuned_at_steps", "simulated",
+                       "tune_seconds"]
 
 
 def convergence_rows(tune_cache: Path) -> list[dict]:
@@ -532,8 +733,10 @@ def convergence_rows(tune_cache: Path) -> list[dict]:
         conv = entry.get("convergence")
         if not conv or "system" not in entry:
             continue
-        rows.append({**{k: entry.get(k) for k in ("system", "workload", "gpus", "space", "simulated",
+        rows.append({**{k: entry.get(k) for k in ("system", "gpus", "hardware", "model", "space", "simulated",
                                                    "tune_seconds")},
+                     "workload": Path(str(entry.get("workload"))).stem, "memory_error": entry.get("memory_error", 0.0),
                      "layout": entry.get("label"), **conv,
                      "tuned_at_steps": " ".join(str(k) for k in entry.get("tuned_at_steps", []))})
-    return sorted(rows, key=lambda r: (r["workload"], r["gpus"], r["system"]))
+    return sorted(rows, key=lambda r: (str(r["hardware"]), str(r["model"]), r["memory_error"] or 0.0, r["workload"],
+                                       r["gpus"], r["system"]))

@@ -139,6 +139,13 @@ STACK_HELP = "eager (this runtime) | fused (Megatron)."
 DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
 CP_KIND_HELP = "ulysses | ring | allgather."
+MEMORY_ERROR_HELP = "Decide what fits as if the memory estimate were off by E (0.2: 20% low); -0.9 < E < 1."
+
+
+def check_memory_error(memory_error: float) -> None:
+    if not -0.9 < memory_error < 1:
+        fail(f"memory-error must be between -0.9 and 1, exclusive (0.2: the memory estimate is assumed 20% low, "
+             f"-0.2: 20% high); got {memory_error}")
 
 
 def _dp_fields(dp_mode: str | None, dp_shard: int) -> dict:
@@ -176,7 +183,8 @@ def with_micro_batch(parallel, batch, micro_batch: int):
 
 
 def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
-               chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None, stack: str = "eager"):
+               chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None, stack: str = "eager",
+               memory_error: float = 0.0):
     """The steps to simulate of `system` at one fixed layout (`parallel`, `recompute`): the batches
     `step_indices(steps, stride)`, the layout never revisited between steps. The first keeps its
     spans (the record's trace). `packed`: the stream's batches packed so far, shared by the systems."""
@@ -187,7 +195,8 @@ def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompu
 
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
-    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack)
+    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack,
+                             memory_error=memory_error)
     packed = {} if packed is None else packed
     for s in step_indices(steps, stride):
         if s not in packed:
@@ -217,7 +226,7 @@ def _collect(outcomes, steps: int):
 
 
 TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "global_batch_tokens", "budget",
-                   "calibration", "tune_steps", "converge", "prior")
+                   "calibration", "tune_steps", "converge", "prior", "memory_error")
 
 
 def _tune_key(**fields) -> str:
@@ -237,7 +246,7 @@ def read_tune_cache(path: Path | None) -> dict:
 def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str,
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
                  use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
-                 dp_mode: str | None = None):
+                 dp_mode: str | None = None, memory_error: float = 0.0):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
     batch, or batches picked across the simulated window by regime) with every omni technique on
     (the ablation keeps the full system's layout), starting from `prior` (the next smaller size's
@@ -256,7 +265,7 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     res = search(system, spec, batches, cluster, profile=profile, budget=budget,
                  fraction=fraction or tune_mod.BUDGET_FRACTION,
                  options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
-                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode)
+                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
@@ -272,7 +281,7 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
 
 def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
               cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int,
-              packed: dict | None = None):
+              packed: dict | None = None, memory_error: float = 0.0):
     """The layout and recompute mode `system` is simulated with (omnibench/resolve.py: the flags, else
     its default layout; `auto`: the cheapest recompute that the simulator's memory estimate of the
     first simulated batches fits); what was settled goes into `row`. `packed`: the stream's batches
@@ -292,7 +301,8 @@ def _resolved(row: dict, system: str, model, parallel, stream, steps: int, strid
             packed[i] = pack(stream.batch(i))
         batches.append(packed[i].get())
     res = resolve_layout(system, model, parallel, batches, cluster, tp=tp, pp=pp, cp=cp, recompute=recompute,
-                         encoder_chunk_tokens=chunk_tokens)
+                         encoder_chunk_tokens=chunk_tokens,
+                         budget_bytes=cluster.gpu.memory_bytes / (1.0 + memory_error))
     if (tp, pp, cp) == (0, 0, 0):
         row["layout"] = f"tp{res.parallel.tp} pp{res.parallel.pp} cp{res.parallel.cp}"
         row["layout_note"] = res.layout_note
@@ -445,7 +455,8 @@ SIMULATE_HELP = "\n\n".join([
     "--tune-steps K, on K batches picked across the simulated steps by how bursty they are), kept for every step "
     "(a static deployment, never re-tuned); the layout flags are then ignored, and with --no-* switches omni keeps "
     "the layout tuned with every technique on. --tune-budget 0 simulates --tune-fraction of each system's pruned "
-    "space; --check-convergence tunes again at twice the budget and says how far the best moved.",
+    "space; --check-convergence tunes again at twice the budget and says how far the best moved (doubling "
+    "again, up to 3 times, while it moves more than 2%).",
     "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
     "NVLink at 200 GB/s, h200, a100-80g, a100-40g, v100-32g, cpu-gloo) or a file; --stack costs this runtime's "
     "eager kernels or Megatron's fused ones; --dp-mode says how data parallelism holds the training state (an "
@@ -454,6 +465,8 @@ SIMULATE_HELP = "\n\n".join([
     "Sweeps: every simulation runs in a pool (--workers, default every core) or on Ray (--ray), each step cached on "
     "disk (--no-cache to simulate again).",
     "The --no-* switches turn off one omni technique each, for the ablation a paper shows.",
+    "--memory-error E decides what fits (and, with --tuned or --recompute auto, what is chosen) as if every memory "
+    "estimate were off by E (0.2: each rank needs 20% more than estimated); the peaks reported stay the estimates.",
 ])
 
 
@@ -498,11 +511,13 @@ def register(app: typer.Typer) -> None:
         tune_budget: int = typer.Option(0, "--tune-budget", help="With --tuned: layouts per system; 0: a fraction."),
         tune_fraction: float = typer.Option(None, "--tune-fraction", help="Share of the pruned space (default 0.25)."),
         tune_steps: int = typer.Option(1, "--tune-steps", help="With --tuned: batches tuned on, picked by regime."),
-        check_convergence: bool = typer.Option(False, "--check-convergence", help="With --tuned: tune again at 2x."),
+        check_convergence: bool = typer.Option(False, "--check-convergence", help="With --tuned: tune again at 2x "
+                                                "(again while the best moves > 2%)."),
         workers: int = typer.Option(None, "--workers", help="Simulations at once (default: every core)."),
         ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
         tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
+        memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
     ) -> None:
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
@@ -533,6 +548,7 @@ def register(app: typer.Typer) -> None:
             fail(f"tune-steps must be between 1 and --steps ({steps}), got {tune_steps}")
         if workers is not None and workers < 1:
             fail(f"workers must be a positive integer (default: every core), got {workers}")
+        check_memory_error(memory_error)
         cache = read_tune_cache(tune_cache) if tuned else {}
         dp_fields = _dp_fields(dp_mode, dp_shard)
         _check_stack(stack)
@@ -574,6 +590,8 @@ def register(app: typer.Typer) -> None:
         off = sorted(k for k, v in options.items() if v is False)
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
+        if memory_error:
+            name += f"-memerr{round(100 * memory_error):+d}"
         final = _claim(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
         # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
@@ -605,7 +623,7 @@ def register(app: typer.Typer) -> None:
                         sys_parallel, sys_recompute = parallel, recompute
                         try:
                             if tuned:
-                                from omnibench.tune import BUDGET_FRACTION, regime_batches
+                                from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
 
                                 if window is None:  # the same batches for every system
                                     window = regime_batches([stream.batch(k) for k in step_indices(steps, step_stride)],
@@ -618,14 +636,18 @@ def register(app: typer.Typer) -> None:
                                                 hardware=hardware, seed=seed, global_batch_tokens=gbt,
                                                 budget=budget_key, calibration=calibration,
                                                 tune_steps=",".join(str(b.step) for b in window),
-                                                converge=check_convergence,
-                                                prior=prior.world if prior is not None else 0)
+                                                converge=MAX_DOUBLINGS if check_convergence else 0,
+                                                prior=prior.world if prior is not None else 0,
+                                                memory_error=memory_error)
                                 c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
                                                         hardware, cache, key, fraction=tune_fraction,
                                                         converge=check_convergence, sweep=sweep,
                                                         use_cache=not no_cache,
-                                                        describe={"system": s, "workload": workload, "gpus": n},
-                                                        prior=prior, stack=stack, dp_mode=dp_mode)
+                                                        describe={"system": s, "workload": workload, "gpus": n,
+                                                                  "hardware": hardware, "model": spec.name,
+                                                                  "memory_error": memory_error},
+                                                        prior=prior, stack=stack, dp_mode=dp_mode,
+                                                        memory_error=memory_error)
                                 if entry.get("prior") and (s not in priors or priors[s].world < n):
                                     from omnibench.tune import Prior
 
@@ -649,14 +671,14 @@ def register(app: typer.Typer) -> None:
                                 sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
                                                                         step_stride, clusters[n], tp, pp, cp, recompute,
                                                                         options, hardware, profile, encoder_chunk_tokens,
-                                                                        packed)
+                                                                        packed, memory_error)
                             if micro_batch and not tuned:
                                 sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                             row.setdefault("recompute", sys_recompute)
                             jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
                                               hardware, step_stride, encoder_chunk_tokens,
                                               want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
-                                              packed=packed, stack=stack)
+                                              packed=packed, stack=stack, memory_error=memory_error)
                         except ValueError as e:
                             if len(systems) == 1:
                                 fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
@@ -718,6 +740,7 @@ def register(app: typer.Typer) -> None:
                 "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
                 "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
                 "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
+                "memory_error": memory_error,
                 "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
                 # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
                 # batches picked across the window by regime), kept for every step

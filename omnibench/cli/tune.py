@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from omnibench.cli.common import MAX_GPUS, batch_error, console, fail
-from omnibench.cli.simulate import HARDWARE_HELP, STACK_HELP
+from omnibench.cli.simulate import HARDWARE_HELP, MEMORY_ERROR_HELP, STACK_HELP, check_memory_error
 
 TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print the fastest few.
 
@@ -34,7 +34,9 @@ smallest simulated/bound ratio seen so far scales the bound for the layouts stil
 
 Simulations run in waves on every core (--workers) or on a Ray cluster (--ray), the same result
 either way, and go through the step cache (--no-cache to bypass). --check-convergence searches
-again at twice the budget (reusing what was simulated) and reports how far the best moved."""
+again at twice the budget (reusing what was simulated) and reports how far the best moved.
+--memory-error E searches as if every memory estimate were off by E (the bound and the simulator's
+verdict alike), for how a verdict that rests on what fits moves when memory is mispredicted."""
 
 
 def _batches(workload: str, seed: int, tokens: int, steps: int, start: int, window: int = 0):
@@ -50,7 +52,7 @@ def _batches(workload: str, seed: int, tokens: int, steps: int, start: int, wind
 def run_tune(system: str, workload: str, n: int, model: str, hardware: str, steps: int, start_step: int,
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
              log=None, *, fraction: float | None = None, window: int = 0, converge: bool = False, sweep=None,
-             use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None):
+             use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0):
     """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
     starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
     each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
@@ -75,7 +77,7 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     search = tune_mod.tune_converged if converge else tune_mod.tune
     return search(system, spec, batches, cluster, profile=profile, budget=budget,
                   fraction=fraction or tune_mod.BUDGET_FRACTION, options=options, log=log, sweep=sweep,
-                  use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start)
+                  use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start, memory_error=memory_error)
 
 
 def check_sweep_options(workers: int | None, fraction: float | None = None, budget: int = 0) -> None:
@@ -118,6 +120,7 @@ def register(app: typer.Typer) -> None:
         ray: str = typer.Option(None, "--ray", help="Run the simulations on a Ray cluster: auto, local, or "
                                 "ray://host:port (pip install 'omnibench[ray]')."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate everything again (no step cache)."),
+        memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every layout as it is simulated."),
     ) -> None:
@@ -137,6 +140,7 @@ def register(app: typer.Typer) -> None:
         if window and window < steps:
             fail(f"window must be 0 (consecutive batches) or at least --steps ({steps}), got {window}")
         check_sweep_options(workers, fraction, budget)
+        check_memory_error(memory_error)
         log = (lambda t: console.print(f"  {t.candidate.label():48s} "
                                        + (f"{t.step_s:.3f} s, {t.peak_gib:.1f} GiB" if t.simulated else t.note),
                                        highlight=False)) if verbose else None
@@ -145,7 +149,7 @@ def register(app: typer.Typer) -> None:
                 res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
                                budget, calibration, log=log, fraction=fraction, window=window,
                                converge=check_convergence, sweep=sweep, use_cache=not no_cache, stack=stack,
-                               dp_mode=dp_mode)
+                               dp_mode=dp_mode, memory_error=memory_error)
         except SweepError as e:
             fail(str(e))
         except ValueError as e:

@@ -27,7 +27,9 @@ from omnibench.plots.load import (
     Records,
     RunRecord,
     SimRecord,
+    memory_error,
     mix_table,
+    nominal,
     steps_table,
     stream_of,
     throughput_table,
@@ -99,9 +101,14 @@ def tuned_text(config: dict) -> str:
 
 
 # -- 1. throughput ---------------------------------------------------------------------------------
-def throughput(recs: Records, source: str = "auto", gpus: int | None = None) -> Drawn:
-    """Grouped bars per workload. Simulations: by default each workload at the largest cluster size
-    where at least two systems ran (`gpus` picks one size)."""
+def throughput(recs: Records, source: str = "auto", gpus: int | None = None, hardware: str | None = None) -> Drawn:
+    """Grouped bars per workload. Simulations (on one hardware; none under a --memory-error): by
+    default each workload at the largest cluster size where at least two systems ran (`gpus` picks
+    one size)."""
+    sims = nominal(recs.sims)
+    if sims and (source != "run" and not (source == "auto" and recs.runs)):
+        sims, _hw = _hardware_of(sims, hardware, "throughput")
+    recs = Records(runs=recs.runs, sims=sims)
     full = throughput_table(recs)
     if source != "auto":
         full = full[full.source == source]
@@ -216,7 +223,7 @@ def scaling(recs: Records, workload: str | None = None) -> Drawn:
     if not recs.sims:
         raise PlotInputError("scaling needs simulation records (omnibench simulate --gpus 256,1024,...); "
                              "got only real runs")
-    full = throughput_table(Records(sims=recs.sims))
+    full = throughput_table(Records(sims=nominal(recs.sims)))
     df = full[(full.source == "sim") & (full.variant == full.system)]
     if df.empty:
         raise PlotInputError("scaling: no simulated result fits in memory" + _left_out(full))
@@ -297,6 +304,7 @@ def dynamic_summary(g: pd.DataFrame) -> pd.DataFrame:
 def dynamic(recs: Records, workload: str | None = None, gpus: int | None = None) -> Drawn:
     """Throughput per step over training, one panel per cluster size (the sizes with the most systems
     over at least two steps, or `gpus`), above the modality mix of each step."""
+    recs = Records(runs=recs.runs, sims=nominal(recs.sims))  # a --memory-error run is the memory figure's
     st = steps_table(recs)
     if st.empty:
         raise PlotInputError("dynamic: no per-step results in the records")
@@ -402,24 +410,52 @@ def dynamic(recs: Records, workload: str | None = None, gpus: int | None = None)
 
 
 # -- 3b. speedup sweep -----------------------------------------------------------------------------
-def speedup(recs: Records) -> Drawn:
-    """omni over the best baseline per workload x cluster size (simulations; per system its best
-    record in a cell), as a heatmap with the speedup and the best baseline written in each cell."""
-    if not recs.sims:
-        raise PlotInputError("speedup needs simulation records (omnibench simulate --system all ...); got only runs")
-    full = throughput_table(Records(sims=recs.sims))
-    df = full[full.variant == full.system]
+def _hardware_of(sims: list, hardware: str | None, what: str) -> tuple[list, str]:
+    """The simulations on one hardware (`hardware`, or the only one the records hold): a comparison
+    across systems never mixes machines."""
+    have = sorted({str(r.config.get("hardware")) for r in sims})
+    if hardware is not None:
+        if hardware not in have:
+            raise PlotInputError(f"{what}: no simulation on hardware {hardware!r}; records hold {', '.join(have)}")
+        return [r for r in sims if str(r.config.get("hardware")) == hardware], hardware
+    if len(have) > 1:
+        raise PlotInputError(f"{what}: records hold several hardware ({', '.join(have)}); pick one with --hardware "
+                             "(a figure never mixes machines)")
+    return sims, have[0] if have else ""
+
+
+def _omni_vs_best(df: pd.DataFrame, keys: list[str]) -> list[dict]:
+    """Per group of `keys` (a throughput_table slice, one variant per system): omni's best record
+    against the fastest baseline's, with both layouts and the speedup."""
     rows = []
-    for (wl, n), g in df.groupby(["workload", "gpus"], sort=False):
+    for key, g in df.groupby(keys, sort=False):
         best = g.loc[g.groupby("system").tokens_per_s.idxmax()]
         omni, base = best[best.system == "omni"], best[best.system.isin(BASELINES)]
         if omni.empty or base.empty:
             continue
         o, b = omni.iloc[0], base.loc[base.tokens_per_s.idxmax()]
-        rows.append({"workload": wl, "gpus": int(n), "omni_tokens_per_s": o.tokens_per_s, "omni_layout": o.layout,
-                     "best_baseline": b.system, "best_baseline_tokens_per_s": b.tokens_per_s,
+        rows.append({**dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)),
+                     "omni_tokens_per_s_per_gpu": o.tokens_per_s_per_gpu, "omni_layout": o.layout,
+                     "best_baseline": b.system, "best_baseline_tokens_per_s_per_gpu": b.tokens_per_s_per_gpu,
                      "best_baseline_layout": b.layout, "speedup": o.tokens_per_s / b.tokens_per_s,
-                     "steps": int(max(o.steps, b.steps))})
+                     "baselines_ran": int(len(base)), "steps": int(max(o.steps, b.steps))})
+    return rows
+
+
+def speedup(recs: Records, hardware: str | None = None) -> Drawn:
+    """omni over the best baseline per workload x cluster size on one hardware (simulations; per
+    system its best record in a cell), as a heatmap with the speedup and the best baseline written in
+    each cell. Simulations under a --memory-error are left out (the memory figure's)."""
+    sims = nominal(recs.sims)
+    if not sims:
+        raise PlotInputError("speedup needs simulation records (omnibench simulate --system all ...); got "
+                             + ("only --memory-error ones" if recs.sims else "only runs"))
+    sims, hw = _hardware_of(sims, hardware, "speedup")
+    full = throughput_table(Records(sims=sims))
+    df = full[full.variant == full.system]
+    rows = [{"hardware": hw, **r} for r in _omni_vs_best(df, ["workload", "gpus"])]
+    for r in rows:
+        r["gpus"] = int(r["gpus"])
     if not rows:
         raise PlotInputError("speedup needs omni and at least one baseline on the same workload and cluster size; got "
                              f"{_systems_text(df) if not df.empty else 'nothing that ran'}" + _left_out(full))
@@ -447,13 +483,14 @@ def speedup(recs: Records) -> Drawn:
     ax.set_yticklabels(wls)
     ax.grid(False)
     fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03).set_label("omni / best baseline", fontsize=7)
-    ax.set_title(f"omni speedup over the best baseline (simulated)\n{setup_text(recs.sims)}", fontsize=8)
+    ax.set_title(f"omni speedup over the best baseline (simulated, {hw})\n{setup_text(sims)}", fontsize=8)
     fig.tight_layout()
     multi = sorted({r.workload for r in table.itertuples() if r.steps > 1})
-    caption = ("Simulated throughput of omni divided by that of the fastest baseline "
-               f"({', '.join(BASELINES)}) per workload and cluster size; each system at the layout its record holds "
-               "(with --tuned: its own, tuned on step 0's batch)."
-               + (f" Over several steps ({', '.join(multi)}): total tokens over total time." if multi else "")
+    caption = (f"Simulated throughput of omni divided by that of the fastest baseline ({', '.join(BASELINES)}) per "
+               f"workload and cluster size on {hw}; each system at the layout its record holds (with --tuned: its own, "
+               "tuned once and kept). A blank cell was not simulated."
+               + (f" Over several steps ({', '.join(multi)}): total tokens over total time, and only systems whose "
+                  "kept layout ran every step compete." if multi else "")
                + _left_out(full))
     return Drawn("speedup", fig, table, caption)
 
@@ -463,10 +500,10 @@ BREAKDOWN_PARTS = (("encoder", "encoder compute"), ("llm", "LLM compute"), ("opt
                    ("exposed_comm", "exposed communication"), ("idle", "idle (bubbles, waiting on peers)"))
 
 
-def _best_rows(recs: Records) -> pd.DataFrame:
+def _best_rows(sims: list) -> pd.DataFrame:
     """Per (workload, cluster size, system): the fastest record's row that fits, with its breakdown."""
     rows = []
-    for rec in recs.sims:
+    for rec in sims:
         for row in rec.rows:
             if "error" in row or not row.get("fits", False) or not row.get("breakdown_s"):
                 continue
@@ -479,18 +516,24 @@ def _best_rows(recs: Records) -> pd.DataFrame:
     return df.loc[df.groupby(["workload", "gpus", "system"]).tokens_per_s.idxmax()].reset_index(drop=True)
 
 
-def breakdown(recs: Records, gpus: int | None = None) -> Drawn:
-    """Where each system's step goes at one cluster size, one panel per workload: mean seconds per
-    rank of encoder compute, LLM compute, optimizer, exposed communication and idle time, stacked;
-    a tick marks the idlest rank's idle time (imbalance apart from bubbles)."""
-    if not recs.sims:
+def breakdown(recs: Records, gpus: int | None = None, hardware: str | None = None) -> Drawn:
+    """Where each system's step goes at one cluster size on one hardware, one panel per workload: mean
+    seconds per rank of encoder compute, LLM compute, optimizer, exposed communication and idle time,
+    stacked; a tick marks the idlest rank's idle time (imbalance apart from bubbles)."""
+    from workloads.conditions import parse_cell
+
+    if not nominal(recs.sims):
         raise PlotInputError("breakdown needs simulation records (omnibench simulate ...); got only runs")
-    df = _best_rows(recs)
+    sims, hw = _hardware_of(nominal(recs.sims), hardware, "breakdown")
+    sims = [r for r in sims if not parse_cell(r.workload)] or sims  # the condition grid has its own figure
+    df = _best_rows(sims)
     if df.empty:
         raise PlotInputError("breakdown needs simulation records written by this version (rows with breakdown_s) "
                              "that fit; simulate again")
     sizes = sorted(df.gpus.unique())
-    n = gpus if gpus is not None else sizes[0]
+    # by default the size at which the most workloads have several systems to compare (the smallest of ties)
+    cover = df.groupby(["gpus", "workload"]).system.nunique().ge(2).groupby("gpus").sum()
+    n = gpus if gpus is not None else min(sizes, key=lambda g: (-cover.get(g, 0), g))
     if n not in sizes:
         raise PlotInputError(f"breakdown: no records at {n} GPUs; records hold {', '.join(map(str, sizes))}")
     df = df[df.gpus == n]
@@ -520,11 +563,12 @@ def breakdown(recs: Records, gpus: int | None = None) -> Drawn:
         ax.set_visible(False)
     fig.legend(handles=[Patch(color=colors[k], label=lab) for k, lab in BREAKDOWN_PARTS], loc="lower center",
                ncol=len(BREAKDOWN_PARTS), fontsize=6, frameon=False)
-    fig.suptitle(f"Where the step goes, {n:,} GPUs (simulated)\n{setup_text(recs.sims)}", fontsize=8)
+    fig.suptitle(f"Where the step goes, {n:,} GPUs (simulated, {hw})\n{setup_text(sims)}", fontsize=8)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     table = df[["workload", "system", "layout", "step_time_s", *[k for k, _ in BREAKDOWN_PARTS], "idle_max",
                 "idle_min"]].reset_index(drop=True)
-    caption = (f"Simulated step at {n:,} GPUs, each system's fastest record per workload: per rank, the mean seconds "
+    caption = (f"Simulated step at {n:,} GPUs on {hw}, each system's fastest record per workload (over several "
+               "steps: the mean step): per rank, the mean seconds "
                "of its own encoder and LLM compute, the optimizer step, communication its compute stream waited "
                "for, and idle time (pipeline bubbles, waiting on slower peers or on the encoder->LLM boundary); the "
                "tick marks where the idlest rank's idle time would end. The parts add up to the step time.")
@@ -549,7 +593,7 @@ def conditions(recs: Records) -> Drawn:
     one panel per cluster size."""
     from workloads.conditions import parse_cell
 
-    sims = [r for r in recs.sims if parse_cell(r.workload)]
+    sims = [r for r in nominal(recs.sims) if parse_cell(r.workload)]
     if not sims:
         raise PlotInputError("conditions needs simulations of the condition grid's workloads "
                              "(workloads/conditions.py write_grid; omnibench reproduce makes them)")
@@ -557,20 +601,17 @@ def conditions(recs: Records) -> Drawn:
     df = full[full.variant == full.system]
     by_path = {str(r.path): r for r in sims}
     rows = []
-    for (rec_path, n), g in df.groupby(["record", "gpus"], sort=False):
-        rec = by_path[rec_path]
-        best = g.loc[g.groupby("system").tokens_per_s.idxmax()]
-        omni, base = best[best.system == "omni"], best[best.system.isin(BASELINES)]
-        if omni.empty or base.empty:
-            continue
-        b = base.loc[base.tokens_per_s.idxmax()]
+    for r in _omni_vs_best(df, ["record", "gpus"]):
+        rec, n = by_path[r.pop("record")], int(r.pop("gpus"))
         share, sigma = parse_cell(rec.workload)
-        rows.append({"workload": rec.workload, "model": str(rec.config.get("model") or "omni-7b"), "gpus": int(n),
-                     "video_share": share, "sigma": sigma, "encoder_flop_share": _encoder_share(rec, int(n)),
-                     "speedup": omni.iloc[0].tokens_per_s / b.tokens_per_s, "best_baseline": b.system,
-                     "omni_layout": omni.iloc[0].layout, "baseline_layout": b.layout})
+        rows.append({"workload": rec.workload, "model": str(rec.config.get("model") or "omni-7b"),
+                     "hardware": str(rec.config.get("hardware")), "gpus": n, "video_share": share, "sigma": sigma,
+                     "encoder_flop_share": _encoder_share(rec, n), **r})
     if not rows:
         raise PlotInputError("conditions needs omni and at least one baseline simulated on the same grid cell")
+    if len({r["hardware"] for r in rows}) > 1:
+        raise PlotInputError("conditions: records hold several hardware "
+                             f"({', '.join(sorted({r['hardware'] for r in rows}))}); give one's records")
     table = pd.DataFrame(rows).sort_values(["model", "gpus", "sigma", "encoder_flop_share"]).reset_index(drop=True)
     sizes = sorted(table.gpus.unique())
     style.apply_theme()
@@ -593,8 +634,89 @@ def conditions(recs: Records) -> Drawn:
                "condition at a time (workloads/conditions.py): the share of video samples (text-only SFT samples "
                "the rest), which sets the encoder share of the step's FLOPs (x axis, measured on step 0's batch), "
                "and the spread of video durations (lognormal sigma, line style), per model and cluster size; each "
-               "system at the layout its record holds.")
+               "system at the layout its record holds." + _convergence_text(sims))
     return Drawn("conditions", fig, table, caption)
+
+
+def _convergence_text(sims: list) -> str:
+    """What the records' tunes say about their own convergence (rows' tune_moved: how far twice the
+    budget moved the best step time), for a caption."""
+    rows = [r for rec in sims for r in rec.rows if "error" not in r and r.get("tune_budget")]
+    if not rows:
+        return ""
+    budgets = sorted({int(r["tune_budget"]) for r in rows})
+    how = f"tuned per cell at a budget of {', '.join(map(str, budgets))} layouts"
+    checked = [r for r in rows if r.get("tune_converged") is not None]
+    if not checked:
+        return f" Every system {how} (convergence not checked)."
+    moved = [r["tune_moved"] for r in checked if r.get("tune_moved") is not None]
+    worst = f"{max(moved):.1%}" if moved else "-"
+    off = [r for r in checked if not r["tune_converged"]]
+    if not off:
+        return f" Every system {how}; twice the budget moved no best step time by more than 2% (at most {worst})."
+    return (f" Every system {how}: NOT converged in {len(off)} of {len(checked)} tunes (twice the budget moved the "
+            f"best step time by up to {worst}, over the 2% a converged search allows), so a cell's verdict may move "
+            "with a larger budget.")
+
+
+# -- 3d. how the verdict moves when memory is mispredicted ---------------------------------------------
+def memory_sensitivity(recs: Records) -> Drawn:
+    """omni over the best baseline against the memory error each simulation decided fits under
+    (`simulate --tuned --memory-error E`: every system re-tuned as if each memory estimate were off
+    by E), one line per workload and cluster size; the nominal records (E = 0) of the same workload,
+    size and hardware are the middle point."""
+    varied = {(str(r.config.get("hardware")), r.workload) for r in recs.sims if memory_error(r)}
+    if not varied:
+        raise PlotInputError("memory needs simulations under a memory error (omnibench simulate --tuned "
+                             "--memory-error 0.2 ...; omnibench reproduce makes them)")
+    sims = [r for r in recs.sims if (str(r.config.get("hardware")), r.workload) in varied]
+    full = throughput_table(Records(sims=sims))
+    df = full[full.variant == full.system]
+    rows = _omni_vs_best(df, ["hardware", "workload", "gpus", "memory_error"])
+    oom: dict[tuple, list[str]] = {}
+    for rec in sims:
+        for row in rec.rows:
+            if "error" not in row and not row.get("fits", False):
+                key = (str(rec.config.get("hardware")), rec.workload, int(row["gpus"]), memory_error(rec))
+                oom.setdefault(key, []).append(row["system"])
+    for r in rows:
+        r["gpus"] = int(r["gpus"])
+        r["did_not_fit"] = ", ".join(style.order_systems(oom.get((r["hardware"], r["workload"], r["gpus"],
+                                                                  r["memory_error"]), [])))
+    table = pd.DataFrame(rows)
+    if table.empty:
+        raise PlotInputError("memory: no workload where omni and a baseline both fit under some memory error")
+    # only the (workload, size) pairs simulated under an error: the nominal sweep holds more sizes
+    keep = {(r.hardware, r.workload, r.gpus) for r in table.itertuples() if r.memory_error}
+    table = table[[(r.hardware, r.workload, r.gpus) in keep for r in table.itertuples()]]
+    table = table.sort_values(["hardware", "workload", "gpus", "memory_error"]).reset_index(drop=True)
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(style.COLUMN_IN + 0.9, 2.5))
+    lines = list(table.groupby(["hardware", "workload", "gpus"], sort=False))
+    palette = style.sns.color_palette("dark", max(3, len(lines)))
+    for i, ((hw, wl, n), g) in enumerate(lines):
+        ax.plot(100 * g.memory_error, g.speedup, marker="o", markersize=4, color=palette[i],
+                label=f"{wl}, {n:,} GPUs" + (f" ({hw})" if table.hardware.nunique() > 1 else ""))
+        for r in g.itertuples():
+            ax.annotate(f"{r.speedup:.2f}x\nvs {r.best_baseline}", (100 * r.memory_error, r.speedup), fontsize=5,
+                        textcoords="offset points", xytext=(0, 5), ha="center", color=palette[i])
+    ax.axhline(1.0, color="0.4", linewidth=0.7)
+    errs = sorted(table.memory_error.unique())
+    ax.set_xticks([100 * e for e in errs])
+    ax.set_xticklabels([f"{100 * e:+.0f}%" if e else "0 (as estimated)" for e in errs])
+    ax.set_xlabel("memory estimate assumed off by (+: each rank needs more)", fontsize=7)
+    ax.set_ylabel("omni / best baseline", fontsize=7)
+    ax.set_ylim(0, max(1.2, table.speedup.max() * 1.3))
+    ax.legend(fontsize=6, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    hw = ", ".join(sorted(table.hardware.unique()))
+    ax.set_title(f"How the verdict moves when memory is mispredicted (simulated, {hw})", fontsize=7.5)
+    fig.tight_layout()
+    caption = ("omni's throughput over the fastest baseline when every system is tuned again and every step judged "
+               "as if each memory estimate were off by the given error (+20%: a rank needs 1.2x the estimate, so "
+               "layouts near the device's memory stop fitting; -20%: 0.8x, so more fit), the nominal comparison in "
+               "the middle. Over several steps: total tokens over total time, only systems whose kept layout ran "
+               "every step compete; the table names the systems that did not fit under each error.")
+    return Drawn("memory", fig, table, caption)
 
 
 # -- 4. timeline -----------------------------------------------------------------------------------
@@ -781,7 +903,7 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
                "to omni with every technique on."
                + (" Every variant runs at omni's own tuned layout (tuned with every technique on, at step 0); the "
                   "dashed line is the best baseline at its own tuned layout." if tuned else "") + _cpu_note(recs, omni))
-    return Drawn("ablation", fig, variants, caption)
+    return Drawn("ablation", fig, variants.assign(workload=wl, gpus=int(gpus)), caption)
 
 
 # -- 7. workload -----------------------------------------------------------------------------------
@@ -862,6 +984,7 @@ def record_of(recs: Records, system: str | None):
     raise PlotInputError(f"timeline: no record of system {system!r}; records hold {', '.join(have) or 'none'}")
 
 
-__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "breakdown", "conditions", "throughput_table", "dynamic", "record_of", "scaling",
+__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "breakdown", "conditions", "throughput_table", "dynamic",
+           "memory_sensitivity", "record_of", "scaling",
            "speedup", "throughput",
            "timeline", "validation", "workload"]

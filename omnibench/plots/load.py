@@ -43,12 +43,14 @@ BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
 # `omnibench run` flags, by RunSpec field, that a command line needs to reproduce a run.
 _RUN_FLAGS = ("workload", "model", "nproc", "steps", "seed", "tp", "pp", "cp", "ep", "dp", "microbatches",
               "encoder_tp", "encoder_ranks", "dp_shard", "global_batch_tokens", "length_scale", "batches_file")
-_SIM_FLAGS = ("hardware", "model", "steps", "calibration", "tp", "pp", "cp", "ep", "dp", "dp_shard", "microbatches",
-              "global_batch_tokens", "recompute", "seed")
+_SIM_FLAGS = ("hardware", "model", "steps", "step_stride", "calibration", "tp", "pp", "cp", "ep", "dp", "dp_shard",
+              "microbatches", "global_batch_tokens", "recompute", "seed", "tune_budget", "tune_fraction", "tune_steps",
+              "memory_error")
 # tp/pp/cp 0: the CLI's "each system's default layout" (a record with an explicit layout stores all three)
 _SIM_DEFAULTS = {"hardware": "h100", "model": "omni-7b", "steps": 1, "calibration": None, "tp": 0, "pp": 0,
                  "cp": 0, "ep": 1, "dp": 0, "dp_shard": 0, "microbatches": 0, "global_batch_tokens": 0, "recompute": "auto",
-                 "seed": 0}
+                 "seed": 0, "step_stride": 1, "tune_budget": 0, "tune_fraction": None, "tune_steps": 1,
+                 "memory_error": 0.0}
 _MB = re.compile(r"\bmb(\d+)")
 
 
@@ -155,8 +157,11 @@ class SimRecord:
                  f"--system {','.join(c.get('systems', []))}", f"--gpus {','.join(str(g) for g in c.get('gpus', []))}"]
         for k in _SIM_FLAGS:
             v = c.get(k)
-            if k in c and v != _SIM_DEFAULTS[k]:
+            if k in c and v != _SIM_DEFAULTS[k] and not (c.get("tuned") and k in ("tp", "pp", "cp", "recompute")):
                 parts.append(f"--{k.replace('_', '-')} {v}")
+        if c.get("tuned"):
+            parts.append("--tuned" + (" --check-convergence" if c.get("check_convergence") else ""))
+        parts += [f"--no-{k.replace('_', '-')}" for k, v in sorted((c.get("options") or {}).items()) if v is False]
         parts.append(f"--out {self.path.parent}")
         return " ".join(parts)
 
@@ -301,6 +306,17 @@ def _sim_plan_options(rec: SimRecord, system: str, gpus: int) -> dict:
     return rec.plan_options[key]
 
 
+def memory_error(rec: SimRecord) -> float:
+    """The memory error a simulation decided fits under (`simulate --memory-error`; 0 before it existed)."""
+    return float(rec.config.get("memory_error") or 0.0)
+
+
+def nominal(sims: list[SimRecord]) -> list[SimRecord]:
+    """The simulations that decided what fits with the memory estimate as it is (no --memory-error):
+    the only ones a comparison figure reads; the others are the memory-sensitivity figure's."""
+    return [r for r in sims if not memory_error(r)]
+
+
 # -- tables ----------------------------------------------------------------------------------------
 THROUGHPUT_COLUMNS = ("source", "workload", "system", "variant", "gpus", "tokens_per_s", "tokens_per_s_per_gpu",
                       "tflops_per_gpu", "mfu", "step_time_s", "bubble", "exposed_comm", "record")
@@ -338,8 +354,9 @@ def throughput_table(recs: Records) -> pd.DataFrame:
                 "step_time_s": row.get("step_time_s"), "bubble": row.get("bubble"),
                 "exposed_comm": row.get("exposed_comm"), "record": str(rec.path), "options": technique_flags(opts),
                 "layout": row.get("layout", ""), "steps": int(row.get("steps", 1)),
+                "hardware": str(rec.config.get("hardware") or ""), "memory_error": memory_error(rec),
             })
-    df = pd.DataFrame(rows, columns=[*THROUGHPUT_COLUMNS, "options", "layout", "steps"])
+    df = pd.DataFrame(rows, columns=[*THROUGHPUT_COLUMNS, "options", "layout", "steps", "hardware", "memory_error"])
     df.attrs["left_out"] = left_out
     return df
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import matplotlib.pyplot as plt
 
 from omnibench.plots import figures
-from omnibench.plots.load import PlotInputError, Records
+from omnibench.plots.load import PlotInputError, Records, memory_error, nominal
 
 
 @dataclass
@@ -30,31 +30,61 @@ def _try(title: str, fn, *args, **kw) -> Section:
 
 
 def draw_all(recs: Records, calibration: str | None = None) -> list[Section]:
-    """Each figure kind for which the records hold enough data; the rest say why not."""
+    """Each figure kind for which the records hold enough data; the rest say why not. Simulations are
+    kept apart by what they answer: the condition grid's cells (the conditions figure), those under a
+    --memory-error (the memory figure), and the rest, one hardware at a time (a comparison never
+    mixes machines)."""
+    from workloads.conditions import parse_cell
+
+    grid = [r for r in nominal(recs.sims) if parse_cell(r.workload)]
+    varied = [r for r in recs.sims if memory_error(r)]
+    main = [r for r in nominal(recs.sims) if not parse_cell(r.workload)]
+    machines = sorted({str(r.config.get("hardware")) for r in main})
+
+    def on(hw: str) -> Records:
+        return Records(sims=[r for r in main if str(r.config.get("hardware")) == hw])
+
+    def named(title: str, hw: str) -> str:
+        return f"{title} ({hw})" if len(machines) > 1 else title
+
     out: list[Section] = []
-    has_runs, has_sims = bool(recs.runs), bool(recs.sims)
+    has_runs, has_sims = bool(recs.runs), bool(main)
     if has_runs:
         out.append(_try("Throughput (measured runs)", figures.throughput, recs, source="run"))
-    if has_sims:
-        out.append(_try("Throughput (simulated)", figures.throughput, recs, source="sim"))
+    for hw in machines:
+        out.append(_try(named("Throughput (simulated)", hw), figures.throughput, on(hw), source="sim"))
     if not (has_runs or has_sims):
         out.append(Section("Throughput", None, "no run or simulation records given"))
     # Per workload only where the data allow it; otherwise one line says why not.
-    sizes: dict[str, set] = {}
-    for r in recs.sims:
-        sizes.setdefault(r.workload, set()).update(int(g) for g in r.config.get("gpus", []))
-    scaled = [wl for wl, g in sizes.items() if len(g) >= 2]
-    out += [_try(f"Scaling ({wl})", figures.scaling, recs, workload=wl) for wl in scaled] or [
-        _try("Scaling", figures.scaling, recs)]
-    multi = [wl for wl in recs.workloads() if any(r.workload == wl and _steps(r) >= 2 for r in recs.all)]
-    out += [_try(f"Throughput over training ({wl})", figures.dynamic, recs, workload=wl) for wl in multi] or [
-        Section("Throughput over training", None, "needs records with at least two steps (--steps N)")]
-    if has_sims:
-        out.append(_try("omni speedup over the best baseline", figures.speedup, recs))
+    scaled = []
+    for hw in machines:
+        sizes: dict[str, set] = {}
+        for r in on(hw).sims:
+            sizes.setdefault(r.workload, set()).update(int(g) for g in r.config.get("gpus", []))
+        scaled += [(hw, wl) for wl, g in sizes.items() if len(g) >= 2]
+    out += [_try(named(f"Scaling ({wl})", hw), figures.scaling, on(hw), workload=wl) for hw, wl in scaled] or [
+        _try("Scaling", figures.scaling, Records(sims=main))]
+    everyday = Records(runs=recs.runs, sims=main)
+    dyn = []
+    for wl in dict.fromkeys(r.workload for r in recs.runs if _steps(r) >= 2):
+        dyn.append(_try(f"Throughput over training ({wl}, measured)", figures.dynamic, Records(runs=recs.runs),
+                        workload=wl))
+    for hw in machines:
+        for wl in dict.fromkeys(r.workload for r in on(hw).sims if _steps(r) >= 2):
+            dyn.append(_try(named(f"Throughput over training ({wl})", hw), figures.dynamic, on(hw), workload=wl))
+    out += dyn or [Section("Throughput over training", None, "needs records with at least two steps (--steps N)")]
+    for hw in machines:
+        out.append(_try(named("omni speedup over the best baseline", hw), figures.speedup, on(hw)))
+        out.append(_try(named("Where the step goes", hw), figures.breakdown, on(hw)))
+    if grid:
+        out.append(_try("Where decoupling pays (condition grid)", figures.conditions, Records(sims=grid)))
+    if varied:
+        out.append(_try("How the verdict moves when memory is mispredicted", figures.memory_sensitivity,
+                        Records(sims=main + varied)))
     timeline_recs = [(r, r.system) for r in {r.system: r for r in reversed(recs.runs)}.values()]
     if not timeline_recs:
         seen = set()
-        for rec in recs.sims:
+        for rec in main:
             for s in rec.systems:
                 if s not in seen and any(rec.trace_path(s, int(x["gpus"])) for x in rec.rows if x["system"] == s):
                     seen.add(s)
@@ -69,14 +99,16 @@ def draw_all(recs: Records, calibration: str | None = None) -> list[Section]:
         out.append(_try("Simulated vs measured", figures.validation, Records(runs=recs.runs), calibration))
     else:
         out.append(Section("Simulated vs measured", None, "needs run records (omnibench run); only simulations given"))
-    wls = recs.workloads()
-    variants = figures.throughput_table(recs)
-    variants = variants[variants.system == "omni"].groupby("workload").variant.nunique()
-    omni_wls = [wl for wl in wls if variants.get(wl, 0) >= 2]
-    if omni_wls:
-        out += [_try(f"omni ablation ({wl})", figures.ablation, recs, workload=wl) for wl in omni_wls]
-    else:
-        out.append(Section("omni ablation", None, "needs omni records (with techniques switched off); none given"))
+    wls = everyday.workloads()
+    ablations = []  # measured and simulated apart, each machine apart
+    for label, rs in [("measured", Records(runs=recs.runs))] + [(named("simulated", hw), on(hw)) for hw in machines]:
+        if not rs.all:
+            continue
+        variants = figures.throughput_table(rs)
+        variants = variants[variants.system == "omni"].groupby("workload").variant.nunique()
+        ablations += [_try(f"omni ablation ({wl}, {label})", figures.ablation, rs, workload=wl)
+                      for wl in rs.workloads() if variants.get(wl, 0) >= 2]
+    out += ablations or [Section("omni ablation", None, "needs omni records (with techniques switched off); none given")]
     for wl in wls:
         out.append(_try(f"Workload {wl}", figures.workload, wl))
     return out

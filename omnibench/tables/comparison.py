@@ -1,0 +1,223 @@
+"""Tables of the tuned comparison `omnibench reproduce --out results` wrote (issue 20 items 4-5): omni
+against the best tuned baseline per workload x cluster size x hardware, where each system's step goes,
+the condition grid, the memory sensitivity, omni's ablation, the tunes' convergence and what each stage
+of the reproduce took. Every figure is read from the CSVs that command commits beside its figures
+(results/figures/<figure>.csv, results/convergence.csv, results/reproduce-stages.csv)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from omnibench.provenance import REPO_ROOT
+from omnibench.tables import table
+
+FIGURES = "results/figures"
+REPRODUCE = "python -m omnibench reproduce --out results --workers 2"
+DYNAMIC = ("bursty_mix", "drifting_video")
+BREAKDOWN_PARTS = (("encoder", "encoder"), ("llm", "LLM"), ("optimizer", "optimizer"),
+                   ("exposed_comm", "exposed comm"), ("idle", "idle"))
+
+
+def _rows(path: str) -> list[dict]:
+    p = REPO_ROOT / path
+    if not p.is_file():
+        raise FileNotFoundError(f"{path} is missing: `{REPRODUCE}` writes it")
+    with open(p, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _speedups() -> list[dict]:
+    rows = []
+    for name in sorted(Path(REPO_ROOT / FIGURES).glob("speedup*.csv")):
+        rows += _rows(f"{FIGURES}/{name.name}")
+    order = {wl: i for i, wl in enumerate(("mixed_video", "long_video", "image_sft", "omni_av", *DYNAMIC))}
+    return sorted(rows, key=lambda r: (r["hardware"] != "h100", r["hardware"], order.get(r["workload"], 99),
+                                       int(r["gpus"])))
+
+
+def _layout(text: str) -> str:
+    return text.replace("rc-", "recompute ").strip() or "-"
+
+
+@table("tuned-comparison")
+def tuned_comparison() -> str:
+    """omni over the best tuned baseline, per workload x cluster size x hardware."""
+    lines = ["| workload | hardware | GPUs | omni tokens/s/GPU (layout) | best baseline tokens/s/GPU (layout) | "
+             "omni / best |", "|---|---|---|---|---|---|"]
+    for r in _speedups():
+        steps = int(r["steps"])
+        wl = r["workload"] + (f" ({steps} steps)" if steps > 1 else "")
+        lines.append(f"| {wl} | {r['hardware'].upper()} | {int(r['gpus']):,} | "
+                     f"{float(r['omni_tokens_per_s_per_gpu']):,.0f} ({_layout(r['omni_layout'])}) | "
+                     f"{r['best_baseline']} {float(r['best_baseline_tokens_per_s_per_gpu']):,.0f} "
+                     f"({_layout(r['best_baseline_layout'])}) | **{float(r['speedup']):.2f}x** |")
+    lines += ["", f"`{REPRODUCE}` (results/figures/speedup*.csv). Each system at its own layout, tuned once on "
+              "step 0's batch (the dynamic workloads: on their calmest, median and burstiest steps) and kept; "
+              "over several steps, total tokens over total time, and only a system whose kept layout ran every "
+              "step competes."]
+    return "\n".join(lines)
+
+
+@table("tuned-comparison-range")
+def tuned_comparison_range() -> str:
+    """One line: omni over the best tuned baseline on the static mixes and on each dynamic one."""
+    rows = _speedups()
+    static = [float(r["speedup"]) for r in rows if r["workload"] not in DYNAMIC]
+    parts = [f"{min(static):.2f}-{max(static):.2f}x on the static mixes ({len(static)} cells, "
+             f"{', '.join(sorted({r['hardware'].upper() for r in rows if r['workload'] not in DYNAMIC}))})"]
+    for wl in DYNAMIC:
+        got = [float(r["speedup"]) for r in rows if r["workload"] == wl]
+        if got:
+            parts.append(f"{min(got):.2f}x on {wl}" if len(got) == 1 or min(got) == max(got) else
+                         f"{min(got):.2f}-{max(got):.2f}x on {wl}")
+    return "; ".join(parts)
+
+
+@table("tuned-breakdown")
+def tuned_breakdown() -> str:
+    """Where omni's and the best baseline's step goes, per workload, at the breakdown figure's size."""
+    best = {(r["workload"], int(r["gpus"])): r["best_baseline"] for r in _speedups() if r["hardware"] == "h100"}
+    rows = _rows(f"{FIGURES}/breakdown.csv")
+    sizes = sorted({n for (_, n) in best})
+    n = next((g for g in sizes if any(k == (r["workload"], g) for r in rows for k in best)), sizes[0])
+    lines = ["| workload | system | layout | step s | " + " | ".join(lab for _, lab in BREAKDOWN_PARTS) + " |",
+             "|---|---|---|---|" + "---|" * len(BREAKDOWN_PARTS)]
+    for r in rows:
+        if r["system"] not in ("omni", best.get((r["workload"], n))):
+            continue
+        step = float(r["step_time_s"])
+        parts = " | ".join(f"{float(r[k]) / step:.0%}" for k, _ in BREAKDOWN_PARTS)
+        lines.append(f"| {r['workload']} | {r['system']} | {_layout(r['layout'])} | {step:.2f} | {parts} |")
+    lines += ["", f"Share of the step per rank (mean over ranks), {n:,} H100s, omni and the best baseline of each "
+              "workload (results/figures/breakdown.csv; every system is in the figure)."]
+    return "\n".join(lines)
+
+
+@table("memory-sensitivity")
+def memory_sensitivity() -> str:
+    """omni over the best baseline when every memory estimate is assumed off by -20%, 0, +20%."""
+    lines = ["| workload | GPUs | memory estimate | omni / best | best baseline | did not fit |", "|---|---|---|---|---|---|"]
+    for r in _rows(f"{FIGURES}/memory.csv"):
+        e = float(r["memory_error"])
+        what = "as estimated" if not e else f"{abs(e):.0%} {'low' if e > 0 else 'high'}"
+        lines.append(f"| {r['workload']} | {int(r['gpus']):,} | {what} | **{float(r['speedup']):.2f}x** | "
+                     f"{r['best_baseline']} | {r['did_not_fit'] or '-'} |")
+    lines += ["", "Every system tuned again under each error (`simulate --tuned --memory-error E`: a layout fits "
+              "if (1 + E) x its estimated peak fits the GPU), results/figures/memory.csv."]
+    return "\n".join(lines)
+
+
+@table("conditions")
+def conditions() -> str:
+    """The condition grid: omni over the best baseline per model, length spread and video share."""
+    rows = _rows(f"{FIGURES}/conditions.csv")
+    lines = ["| model | GPUs | video length sigma | video share | encoder FLOP share | omni / best | best baseline |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["model"], int(r["gpus"]), float(r["sigma"]), float(r["video_share"]))):
+        lines.append(f"| {r['model']} | {int(r['gpus']):,} | {float(r['sigma']):g} | {float(r['video_share']):.0%} | "
+                     f"{float(r['encoder_flop_share']):.0%} | **{float(r['speedup']):.2f}x** | {r['best_baseline']} |")
+    lines += ["", "Synthetic workloads (workloads/conditions.py): video samples (lognormal durations, median 20 s) "
+              "among text-only SFT samples; every system tuned per cell (results/figures/conditions.csv)."]
+    return "\n".join(lines)
+
+
+@table("tuned-ablation")
+def tuned_ablation() -> str:
+    """omni with one technique off at a time, at its own tuned layout."""
+    rows = _rows(f"{FIGURES}/ablation.csv")
+    lines = ["| omni | throughput vs all techniques |", "|---|---|"]
+    for r in rows:
+        name = "all techniques" if r["variant"] == "omni" else r["variant"].removeprefix("omni ")
+        lines.append(f"| {name} | {float(r['relative']):.2f}x |")
+    for r in _rows("results/reproduce-stages.csv"):  # a switch whose layout stopped fitting has no bar
+        if r["stage"].startswith("tuned-omni-no-") and r.get("note"):
+            tech = r["stage"].removeprefix("tuned-omni-no-").rsplit("-", 1)[0].replace("-", " ")
+            lines.append(f"| w/o {tech} | does not fit ({r['note'].removeprefix('does not fit: ')}) |")
+    lines.append(f"| the best baseline | {float(rows[0]['best_baseline_relative']):.2f}x |")
+    lines += ["", f"{rows[0]['workload']}, {int(rows[0]['gpus']):,} H100s, omni's tuned layout from the tune cache "
+              "(results/figures/ablation.csv)."]
+    return "\n".join(lines)
+
+
+@table("tune-convergence")
+def tune_convergence() -> str:
+    """One line: how many tunes moved their best step time by <= 2% at twice the budget."""
+    rows = _rows("results/convergence.csv")
+    ok = [r for r in rows if r["converged"] == "True"]
+    moved = [(float(r["moved"]), r) for r in rows if r["moved"]]
+    worst, w = max(moved, key=lambda x: x[0])
+    budgets = sorted({int(r["budget"]) for r in rows})
+    return (f"{len(ok)} of {len(rows)} tunes converged (twice the budget, {'/'.join(map(str, budgets))} layouts, "
+            f"moved the best step time by <= 2%); the worst moved {worst:.1%} ({w['system']}, {w['workload']}, "
+            f"{int(w['gpus']):,} {w['hardware'].upper()}s{', ' + w['model'] if w['model'] != 'omni-7b' else ''})")
+
+
+_GROUPS = (("run-", "CPU runs (2 ranks, tiny model)"), ("calibrate", "calibrate"), ("sim-", "one-layout simulations"),
+           ("tuned-omni-no-", "omni's ablation"), ("tuned-", "tuned comparison, 1,024 H100s"),
+           ("memory-", "memory errors"), ("conditions-", "condition grid"), ("largest-", "8,192 H100s"))
+
+
+@table("reproduce-stages")
+def reproduce_stages() -> str:
+    """The reproduce's stage times, grouped (results/reproduce-stages.csv)."""
+    rows = _rows("results/reproduce-stages.csv")
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        key = r["stage"]
+        name = next((lab for pre, lab in _GROUPS if key.startswith(pre)), key)
+        if key.startswith("tuned-") and "-h200-" in key:
+            name = "tuned comparison, 1,024 H200s"
+        elif key.startswith(("tuned-", "largest-")) and not key.startswith("tuned-omni-no-"):
+            name = f"{name}: {key.split('-')[1]}"
+        groups.setdefault(name, []).append(float(r["seconds"]))
+    lines = ["| stage | commands | seconds |", "|---|---|---|"]
+    for name, secs in groups.items():
+        lines.append(f"| {name} | {len(secs)} | {sum(secs):,.0f} |")
+    total = sum(float(r["seconds"]) for r in rows)
+    lines.append(f"| **all stages** | {len(rows)} | **{total:,.0f}** ({total / 60:.1f} min) |")
+    return "\n".join(lines)
+
+
+TIME_FILE = "results/reproduce-time.txt"  # `/usr/bin/time -v` of that reproduce, then the load averages seen
+
+
+def _timed() -> dict:
+    """Wall and CPU seconds of the committed reproduce, summed over its parts (one GNU `time -v` report
+    each: a reproduce stopped and continued with --resume), and the 1-minute load averages sampled
+    while it ran (lines `HH:MM:SS l1 l5 l15`)."""
+    p = REPO_ROOT / TIME_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"{TIME_FILE} is missing: the GNU time report of `/usr/bin/time -v {REPRODUCE}`")
+    got: dict = {"load": [], "user": 0.0, "sys": 0.0, "wall": 0.0, "parts": 0}
+    for line in p.read_text().splitlines():
+        key, _, value = line.strip().partition(": ")
+        if key == "User time (seconds)":
+            got["user"] += float(value)
+        elif key == "System time (seconds)":
+            got["sys"] += float(value)
+        elif key.startswith("Elapsed (wall clock) time"):
+            parts = [float(x) for x in line.rsplit(": ", 1)[1].split(":")]
+            got["wall"] += sum(x * 60 ** i for i, x in enumerate(reversed(parts)))
+            got["parts"] += 1
+        elif key == "Exit status":
+            got["exit"] = int(value)  # the last part's
+        elif len(line.split()) == 4 and line[2:3] == ":" and line[5:6] == ":":
+            got["load"].append(float(line.split()[1]))
+    return got
+
+
+def _min(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+@table("reproduce-total")
+def reproduce_total() -> str:
+    """One line: the reproduce's wall and CPU time, the load it ran under, and CPU / 2."""
+    t = _timed()
+    cpu = t["user"] + t["sys"]
+    load = t["load"]
+    parts = f" over {t['parts']} parts (continued with --resume)" if t["parts"] > 1 else ""
+    return (f"{_min(t['wall'])} wall{parts}, {_min(cpu)} CPU (user + sys; CPU / 2 = {_min(cpu / 2)}, the bound on "
+            f"2 quiet cores), 1-minute load average {min(load):.1f}-{max(load):.1f} (mean "
+            f"{sum(load) / len(load):.1f}) on the 2 cores, last exit status {t['exit']}")
