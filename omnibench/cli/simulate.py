@@ -139,7 +139,7 @@ STACK_HELP = "eager (this runtime) | fused (Megatron)."
 DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
 CP_KIND_HELP = "ulysses | ring | allgather."
-MEMORY_ERROR_HELP = "Decide what fits as if the memory estimate were off by E (0.2: 20% low); -0.9 < E < 1."
+MEMORY_ERROR_HELP = "Judge fits as if memory were off by E (0.2: 20% low)."
 
 
 def check_memory_error(memory_error: float) -> None:
