@@ -764,8 +764,15 @@ def register(app: typer.Typer) -> None:
                 os.replace(tmp, final)
             else:  # nothing to plot or compare: no record, and a non-zero exit below
                 shutil.rmtree(tmp)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
+                # stopped (the sweep's workers are already ended): leave now. The interpreter's exit
+                # would join the process pool's manager thread, which a signal landing inside
+                # concurrent.futures (holding a future's lock) can leave blocked for good
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(e.code)
             raise
         finally:
             signal.signal(signal.SIGTERM, sigterm)
