@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
+from omnibench.stopping import raise_if_stopped
+
 
 class SweepError(ValueError):
     """A sweep option is impossible (workers < 1, Ray asked for but not installed)."""
@@ -159,6 +161,7 @@ class Sweep:
             out = []
             for x in items:
                 out.append(fn(x))
+                raise_if_stopped()
                 self._advance()
             return out
         if self._pool is None:
@@ -168,6 +171,7 @@ class Sweep:
         futures = {self._pool.submit(fn, x): i for i, x in enumerate(items)}
         for f in as_completed(futures):
             results[futures[f]] = f.result()
+            raise_if_stopped()
             self._advance()
         return results
 

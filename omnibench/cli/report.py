@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import typer
 
+from omnibench import stopping
 from omnibench.cli.common import console, err_console, fail
 from workloads.conditions import cell_name
 
@@ -504,8 +504,9 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
     spent = estimated = 0.0  # measured and estimated seconds of the stages run so far: their ratio paces the rest
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that the running command is stopped with us
+    stopping.install()  # so that the running command is stopped with us
     for st in stages:
+        stopping.raise_if_stopped()
         k = stages.index(st) + 1
         if st.key in done:
             continue
@@ -535,10 +536,6 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         else:
             err_console.print(f"      [red]failed[/] ({dt:.0f} s): {why}", highlight=False)
             log.append(f"FAILED ({st.what}): {line}: {why}")
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _duration(seconds: float) -> str:

@@ -36,6 +36,7 @@ from omnibench.cli.common import (
     writable_folder,
 )
 from omnibench.provenance import provenance, publish, write_csv
+from omnibench.stopping import exit_on_sigterm, raise_if_stopped
 
 BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
 SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces and metrics are kept
@@ -595,187 +596,186 @@ def register(app: typer.Typer) -> None:
         final = _claim(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
         # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
-        sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-        rows: list[dict] = []
-        try:
-            with Sweep(workers, ray, label="simulate", quiet=as_json) as sweep:
-                # 1. each system's layout at each size (tuned, its default, or the one asked for)
-                todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
-                priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
-                for n in sizes:
-                    gbt = global_batch_tokens or 8192 * n
-                    try:
-                        stream = _stream(workload, seed, gbt)
-                        parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
-                                                tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
-                                                virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
-                                                **dp_fields)
-                        parallel.validate(spec)
-                    except ValueError as e:
-                        fail(str(e))
-                    try:
-                        stream.batch(step_indices(steps, step_stride)[0])
-                    except ValueError as e:
-                        fail(batch_error(e, n, global_batch_tokens))
-                    window, packed = None, {}
-                    for s in systems:
-                        row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
-                        sys_parallel, sys_recompute = parallel, recompute
+        with exit_on_sigterm():
+            rows: list[dict] = []
+            try:
+                with Sweep(workers, ray, label="simulate", quiet=as_json) as sweep:
+                    # 1. each system's layout at each size (tuned, its default, or the one asked for)
+                    todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
+                    priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
+                    for n in sizes:
+                        gbt = global_batch_tokens or 8192 * n
                         try:
-                            if tuned:
-                                from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
-
-                                if window is None:  # the same batches for every system
-                                    window = regime_batches([stream.batch(k) for k in step_indices(steps, step_stride)],
-                                                            tune_steps) if tune_steps > 1 else [stream.batch(0)]
-                                sweep.describe(f"tune {s} at {n:,} GPUs")
-                                budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
-                                # each size's search starts from the next smaller size's answer
-                                prior = priors[s] if s in priors and priors[s].world < n else None
-                                key = _tune_key(system=s, workload=workload, gpus=n, model=spec.name,
-                                                hardware=hardware, seed=seed, global_batch_tokens=gbt,
-                                                budget=budget_key, calibration=calibration,
-                                                tune_steps=",".join(str(b.step) for b in window),
-                                                converge=MAX_DOUBLINGS if check_convergence else 0,
-                                                prior=prior.world if prior is not None else 0,
-                                                memory_error=memory_error)
-                                c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
-                                                        hardware, cache, key, fraction=tune_fraction,
-                                                        converge=check_convergence, sweep=sweep,
-                                                        use_cache=not no_cache,
-                                                        describe={"system": s, "workload": workload, "gpus": n,
-                                                                  "hardware": hardware, "model": spec.name,
-                                                                  "memory_error": memory_error},
-                                                        prior=prior, stack=stack, dp_mode=dp_mode,
-                                                        memory_error=memory_error)
-                                if entry.get("prior") and (s not in priors or priors[s].world < n):
-                                    from omnibench.tune import Prior
-
-                                    priors[s] = Prior.from_row(entry["prior"])
-                                if tune_cache is not None:
-                                    write_json_atomic(tune_cache, cache)
-                                sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
-                                if dp_mode is not None:
-                                    sys_parallel = replace(sys_parallel, **dp_fields)
-                                sys_recompute = c.recompute
-                                row["layout"] = c.label()
-                                row["tuned_at_step"] = entry["tuned_at_steps"][0]
-                                row["tuned_at_steps"] = entry["tuned_at_steps"]
-                                row["tune_seconds"] = entry["tune_seconds"]
-                                row["tune_budget"], row["tune_space"] = entry.get("budget"), entry.get("space")
-                                conv = entry.get("convergence")
-                                if conv:
-                                    row["tune_budget_2x"] = conv["budget_2x"]
-                                    row["tune_moved"], row["tune_converged"] = conv["moved"], conv["converged"]
-                            else:
-                                sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
-                                                                        step_stride, clusters[n], tp, pp, cp, recompute,
-                                                                        options, hardware, profile, encoder_chunk_tokens,
-                                                                        packed, memory_error)
-                            if micro_batch and not tuned:
-                                sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
-                            row.setdefault("recompute", sys_recompute)
-                            jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
-                                              hardware, step_stride, encoder_chunk_tokens,
-                                              want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
-                                              packed=packed, stack=stack, memory_error=memory_error)
+                            stream = _stream(workload, seed, gbt)
+                            parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
+                                                    tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
+                                                    virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
+                                                    **dp_fields)
+                            parallel.validate(spec)
                         except ValueError as e:
-                            if len(systems) == 1:
-                                fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
-                            row["error"] = str(e).splitlines()[0]
-                            jobs = []
-                        todo.append((row, jobs))
-                # 2. every step of every (size, system) at once: independent simulations
-                sweep.describe(f"simulate {sum(len(j) for _, j in todo)} step(s)")
-                outcomes = iter(sweep.map(run_step, [j for _, jobs in todo for j in jobs]))
-            for row, jobs in todo:
-                n, s = row["gpus"], row["system"]
-                if "error" in row:
+                            fail(str(e))
+                        try:
+                            stream.batch(step_indices(steps, step_stride)[0])
+                        except ValueError as e:
+                            fail(batch_error(e, n, global_batch_tokens))
+                        window, packed = None, {}
+                        for s in systems:
+                            row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
+                            sys_parallel, sys_recompute = parallel, recompute
+                            try:
+                                if tuned:
+                                    from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
+
+                                    if window is None:  # the same batches for every system
+                                        window = regime_batches([stream.batch(k) for k in step_indices(steps, step_stride)],
+                                                                tune_steps) if tune_steps > 1 else [stream.batch(0)]
+                                    sweep.describe(f"tune {s} at {n:,} GPUs")
+                                    budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
+                                    # each size's search starts from the next smaller size's answer
+                                    prior = priors[s] if s in priors and priors[s].world < n else None
+                                    key = _tune_key(system=s, workload=workload, gpus=n, model=spec.name,
+                                                    hardware=hardware, seed=seed, global_batch_tokens=gbt,
+                                                    budget=budget_key, calibration=calibration,
+                                                    tune_steps=",".join(str(b.step) for b in window),
+                                                    converge=MAX_DOUBLINGS if check_convergence else 0,
+                                                    prior=prior.world if prior is not None else 0,
+                                                    memory_error=memory_error)
+                                    c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
+                                                            hardware, cache, key, fraction=tune_fraction,
+                                                            converge=check_convergence, sweep=sweep,
+                                                            use_cache=not no_cache,
+                                                            describe={"system": s, "workload": workload, "gpus": n,
+                                                                      "hardware": hardware, "model": spec.name,
+                                                                      "memory_error": memory_error},
+                                                            prior=prior, stack=stack, dp_mode=dp_mode,
+                                                            memory_error=memory_error)
+                                    if entry.get("prior") and (s not in priors or priors[s].world < n):
+                                        from omnibench.tune import Prior
+
+                                        priors[s] = Prior.from_row(entry["prior"])
+                                    if tune_cache is not None:
+                                        write_json_atomic(tune_cache, cache)
+                                    sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
+                                    if dp_mode is not None:
+                                        sys_parallel = replace(sys_parallel, **dp_fields)
+                                    sys_recompute = c.recompute
+                                    row["layout"] = c.label()
+                                    row["tuned_at_step"] = entry["tuned_at_steps"][0]
+                                    row["tuned_at_steps"] = entry["tuned_at_steps"]
+                                    row["tune_seconds"] = entry["tune_seconds"]
+                                    row["tune_budget"], row["tune_space"] = entry.get("budget"), entry.get("space")
+                                    conv = entry.get("convergence")
+                                    if conv:
+                                        row["tune_budget_2x"] = conv["budget_2x"]
+                                        row["tune_moved"], row["tune_converged"] = conv["moved"], conv["converged"]
+                                else:
+                                    sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
+                                                                            step_stride, clusters[n], tp, pp, cp, recompute,
+                                                                            options, hardware, profile, encoder_chunk_tokens,
+                                                                            packed, memory_error)
+                                if micro_batch and not tuned:
+                                    sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
+                                row.setdefault("recompute", sys_recompute)
+                                jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
+                                                  hardware, step_stride, encoder_chunk_tokens,
+                                                  want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
+                                                  packed=packed, stack=stack, memory_error=memory_error)
+                            except ValueError as e:
+                                if len(systems) == 1:
+                                    fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
+                                row["error"] = str(e).splitlines()[0]
+                                jobs = []
+                            todo.append((row, jobs))
+                    # 2. every step of every (size, system) at once: independent simulations
+                    sweep.describe(f"simulate {sum(len(j) for _, j in todo)} step(s)")
+                    outcomes = iter(sweep.map(run_step, [j for _, jobs in todo for j in jobs]))
+                for row, jobs in todo:
+                    n, s = row["gpus"], row["system"]
+                    if "error" in row:
+                        rows.append(row)
+                        continue
+                    try:
+                        results, metrics, plans, failed = _collect([next(outcomes) for _ in jobs], steps)
+                    except ValueError as e:
+                        if len(systems) == 1:
+                            fail(f"{s} at {n} GPUs: {e}")
+                        row["error"] = str(e).splitlines()[0]
+                        rows.append(row)
+                        continue
+                    row.update(_summary(results, metrics))
+                    # each step's own metrics (a step that did not fit says so: a figure shows which ran);
+                    # "step" is the stream's batch index (with --step-stride, not the position)
+                    row.setdefault("per_step", metrics)
+                    row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
+                    for m in row["per_step"]:
+                        m["layout"] = row.get("layout", "")
+                    row["steps"] = len(row["per_step"])
+                    bad = [m for m in row["per_step"] if not m["fits"]]
+                    row["steps_failed"] = len(bad)
+                    if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
+                        first = bad[0]
+                        row["fits"] = False if "fit_message" in first else row["fits"]
+                        if "error" in first:
+                            row["error"] = f"step {first['step']}: {first['error']}"
+                        else:
+                            row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
                     rows.append(row)
-                    continue
-                try:
-                    results, metrics, plans, failed = _collect([next(outcomes) for _ in jobs], steps)
-                except ValueError as e:
-                    if len(systems) == 1:
-                        fail(f"{s} at {n} GPUs: {e}")
-                    row["error"] = str(e).splitlines()[0]
-                    rows.append(row)
-                    continue
-                row.update(_summary(results, metrics))
-                # each step's own metrics (a step that did not fit says so: a figure shows which ran);
-                # "step" is the stream's batch index (with --step-stride, not the position)
-                row.setdefault("per_step", metrics)
-                row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
-                for m in row["per_step"]:
-                    m["layout"] = row.get("layout", "")
-                row["steps"] = len(row["per_step"])
-                bad = [m for m in row["per_step"] if not m["fits"]]
-                row["steps_failed"] = len(bad)
-                if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
-                    first = bad[0]
-                    row["fits"] = False if "fit_message" in first else row["fits"]
-                    if "error" in first:
-                        row["error"] = f"step {first['step']}: {first['error']}"
-                    else:
-                        row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
-                rows.append(row)
-                if "error" in row or not row["fits"]:
-                    continue  # no trace: a timeline of a step that cannot run would mislead
-                write_json_atomic(tmp / f"trace_{s}_{n}.json",
-                                  perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
-                if n <= SAVE_PLANS_UP_TO:
-                    for p in plans:
-                        (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
-            for n in sizes:
-                group = [r for r in rows if r["gpus"] == n and "error" not in r and r["fits"]]
-                best = max((r["tokens_per_s"] for r in group if r["system"] in BASELINES), default=0.0)
-                for r in group:
-                    r["speedup_over_best_baseline"] = r["tokens_per_s"] / best if best else None
-            config = {
-                "command": "simulate", "workload": workload, "systems": systems, "systems_missing": missing,
-                "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
-                "model": spec.name, "steps": steps, "calibration": calibration,
-                # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
-                **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
-                "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
-                "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
-                "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
-                "memory_error": memory_error,
-                "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
-                # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
-                # batches picked across the window by regime), kept for every step
-                **({"tune_budget": tune_budget, "tune_fraction": tune_fraction, "tune_steps": tune_steps,
-                    "check_convergence": check_convergence,
-                    "tuned_at_step": min((r["tuned_at_step"] for r in rows if "tuned_at_step" in r), default=0),
-                    "tuned_at_steps": sorted({k for r in rows for k in r.get("tuned_at_steps", [])}),
-                    "layout_kept": True} if tuned else {}),
-                "calibration_provenance": profile.provenance if profile else None,
-                "provenance": provenance(f"simulated: {hardware}"),
-            }
-            fitting = [r for r in rows if "error" not in r and r["fits"]]
-            # Over many steps a record is worth keeping when some system ran some step (the rest say why).
-            fitting = fitting or [r for r in rows if any(m["fits"] for m in r.get("per_step", []))]
-            if fitting:
-                write_json_atomic(tmp / "config.json", config)
-                write_json_atomic(tmp / "results.json", rows)
-                write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
-                write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
-                publish(tmp)
-                os.replace(tmp, final)
-            else:  # nothing to plot or compare: no record, and a non-zero exit below
-                shutil.rmtree(tmp)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
-                # stopped (the sweep's workers are already ended): leave now. The interpreter's exit
-                # would join the process pool's manager thread, which a signal landing inside
-                # concurrent.futures (holding a future's lock) can leave blocked for good
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(e.code)
-            raise
-        finally:
-            signal.signal(signal.SIGTERM, sigterm)
+                    if "error" in row or not row["fits"]:
+                        continue  # no trace: a timeline of a step that cannot run would mislead
+                    write_json_atomic(tmp / f"trace_{s}_{n}.json",
+                                      perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
+                    if n <= SAVE_PLANS_UP_TO:
+                        for p in plans:
+                            (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
+                for n in sizes:
+                    group = [r for r in rows if r["gpus"] == n and "error" not in r and r["fits"]]
+                    best = max((r["tokens_per_s"] for r in group if r["system"] in BASELINES), default=0.0)
+                    for r in group:
+                        r["speedup_over_best_baseline"] = r["tokens_per_s"] / best if best else None
+                config = {
+                    "command": "simulate", "workload": workload, "systems": systems, "systems_missing": missing,
+                    "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
+                    "model": spec.name, "steps": steps, "calibration": calibration,
+                    # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
+                    **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
+                    "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
+                    "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
+                    "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
+                    "memory_error": memory_error,
+                    "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
+                    # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
+                    # batches picked across the window by regime), kept for every step
+                    **({"tune_budget": tune_budget, "tune_fraction": tune_fraction, "tune_steps": tune_steps,
+                        "check_convergence": check_convergence,
+                        "tuned_at_step": min((r["tuned_at_step"] for r in rows if "tuned_at_step" in r), default=0),
+                        "tuned_at_steps": sorted({k for r in rows for k in r.get("tuned_at_steps", [])}),
+                        "layout_kept": True} if tuned else {}),
+                    "calibration_provenance": profile.provenance if profile else None,
+                    "provenance": provenance(f"simulated: {hardware}"),
+                }
+                fitting = [r for r in rows if "error" not in r and r["fits"]]
+                # Over many steps a record is worth keeping when some system ran some step (the rest say why).
+                fitting = fitting or [r for r in rows if any(m["fits"] for m in r.get("per_step", []))]
+                raise_if_stopped()  # a SIGTERM whose exit a finalizer dropped: nothing is published
+                if fitting:
+                    write_json_atomic(tmp / "config.json", config)
+                    write_json_atomic(tmp / "results.json", rows)
+                    write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
+                    write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
+                    publish(tmp)
+                    os.replace(tmp, final)
+                else:  # nothing to plot or compare: no record, and a non-zero exit below
+                    shutil.rmtree(tmp)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
+                    # stopped (the sweep's workers are already ended): leave now. The interpreter's exit
+                    # would join the process pool's manager thread, which a signal landing inside
+                    # concurrent.futures (holding a future's lock) can leave blocked for good
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(e.code)
+                raise
         if as_json:
             print(json.dumps({"record": str(final) if fitting else None, "missing_systems": missing,
                               "results": [{k: v for k, v in r.items() if k != "per_step"} for r in rows]}, indent=1))
