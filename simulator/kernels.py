@@ -335,8 +335,10 @@ _block_key = operator.attrgetter(*(f.name for f in fields(BlockShape) if f.name 
 _shape_key = operator.attrgetter(*(f.name for f in fields(BlockShape) if f.name != "seq_lens"))
 
 
-def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
-    """Seconds of one forward (`passes` "fwd") or backward ("bwd", without recomputation) of a stage."""
+def llm_pass(p: KernelProfile, s: BlockShape, passes: str, blocks_only: bool = False) -> float:
+    """Seconds of one forward (`passes` "fwd") or backward ("bwd", without recomputation) of a stage;
+    `blocks_only`: its transformer blocks alone, as recomputation re-runs them (not the head, the
+    embedding or the GEMMs and element-wise work outside the blocks)."""
     t = s.ntokens
     if t <= 0:
         return 0.0
@@ -354,7 +356,7 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
     for x in after:
         time += x
     total = s.layers * time
-    if s.extra_gemms or s.extra_pointwise or s.head or s.embed:
+    if not blocks_only and (s.extra_gemms or s.extra_pointwise or s.head or s.embed):
         key = (passes, t, _shape_key(s))
         outside = p._outside_cache.get(key)
         if outside is None:
