@@ -4,6 +4,8 @@ sp, ep), the recompute policy and the software stack that runs it."""
 
 from __future__ import annotations
 
+import functools
+
 from omnibench.plan import (
     FORWARD,
     GRAD_SYNC,
@@ -19,10 +21,19 @@ from simulator.flops import (
     vision_work,
 )
 from simulator.options import SimulationError
+from workloads.sample import ENCODER_OF
+
+# the modalities each encoder takes (workloads.sample.ENCODER_OF), as `Segment.encoder` maps them
+_MODALITIES_OF = {enc: frozenset(m for m, e in ENCODER_OF.items() if e == enc) for enc in ("vision", "audio")}
 
 
 class WorkMixin:
     """The Engine's data lookups (needs `plan`, `model`, `policy`, `options`, `index` and caches)."""
+
+    @functools.cached_property
+    def _samples_by_id(self) -> dict:
+        """sample id -> Sample (what `Plan.sample` looks up, without its check per call)."""
+        return {s.sample_id: s for s in self.plan.samples}
 
     def _data_rank(self, module: str, rank: int) -> int:
         """The rank whose assignment feeds `rank` (planners may list only one rank per data group)."""
@@ -59,13 +70,15 @@ class WorkMixin:
         got = self._sig_cache.get(key)
         if got is None:
             ids = self._microbatch(module, rank, mb)
-            sample = self.plan.sample
+            by_id = self._samples_by_id
             if module == "llm":
-                got = tuple(sample(i).llm_tokens for i in ids)
-            elif module == "vision":
-                got = tuple(s.grid_thw for i in ids for s in sample(i).segments if s.encoder == "vision")
-            else:
-                got = tuple(s.mel_frames for i in ids for s in sample(i).segments if s.encoder == "audio")
+                got = tuple(by_id[i].llm_tokens for i in ids)
+            else:  # the segments its encoder takes (Segment.encoder, by modality, without a call per segment)
+                mods = _MODALITIES_OF[module]
+                if module == "vision":
+                    got = tuple(s.grid_thw for i in ids for s in by_id[i].segments if s.modality in mods)
+                else:
+                    got = tuple(s.mel_frames for i in ids for s in by_id[i].segments if s.modality in mods)
             got = self._sig_cache[key] = self._sig_intern.setdefault((module, got), got)
         self._sig_of_rank[(module, rank, mb)] = got
         return got
@@ -79,7 +92,8 @@ class WorkMixin:
         got = self._sig_cache.get(key)
         if got is None:
             ids = self._microbatch(module, rank, a.microbatch)
-            got = self._sig_cache[key] = float(sum(input_elements(self.plan.sample(i), self.model) for i in ids))
+            by_id, model = self._samples_by_id, self.model
+            got = self._sig_cache[key] = float(sum(input_elements(by_id[i], model) for i in ids))
         return got
 
     def _stage(self, module: str, rank: int, action: Action) -> int:
