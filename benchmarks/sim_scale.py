@@ -1,7 +1,7 @@
 """The simulator's own cost against cluster size, side by side in one run (issue 21's targets).
 
     python benchmarks/sim_scale.py [--gpus 1024,16384,131072] [--limit-s 600]
-    python benchmarks/sim_scale.py --gpus 16384 --profile 30     # where the time goes (cProfile)
+    python benchmarks/sim_scale.py --gpus 16384 --profile 30     # where the time goes (cProfile: layout, plan, sim)
     python benchmarks/sim_scale.py --reference --gpus 1024,4096  # the simpy loop (SimpyEngine)
 
 One omni `mixed_video` step with full recomputation (the issue's reference case) per size, each in
@@ -63,7 +63,8 @@ def one(system: str, gpus: int, workload: str, model_name: str, reference: bool 
 
     def timed(name, f):
         w, c = time.perf_counter(), time.process_time()
-        if prof is not None and name in ("plan", "sim"):
+        # the layout check holds the step's planning (its plan is handed over): profiled with it
+        if prof is not None and name in ("layout", "plan", "sim"):
             prof.enable()
         out = f()
         if prof is not None:
@@ -103,7 +104,7 @@ def main() -> None:
     ap.add_argument("--model", default="omni-7b")
     ap.add_argument("--limit-s", type=int, default=600, help="per size; a size past it is reported, not guessed")
     ap.add_argument("--reference", action="store_true", help="simulate with the simpy loop (SimpyEngine)")
-    ap.add_argument("--profile", type=int, default=0, help="print the top N functions of plan + sim per size")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N functions of layout + plan + sim per size")
     ap.add_argument("--no-five", action="store_true", help="skip the five systems at 1,024 GPUs")
     ap.add_argument("--plan-twice", action="store_true",
                     help="plan the step again after the layout check (as before systems.offer_plan)")

@@ -309,7 +309,17 @@ class CollectiveModel:
         got = self._cost_cache.get(key)
         if got is not None and got[1] is ranks:
             return got[0]
-        t = self._cost(op, nbytes, ranks)
+        # A collective's time is a function of the group's placement alone (size, nodes, ranks per
+        # node, rail), and a layout's groups mostly share a few placements (every tp group of a
+        # step is 4 ranks in a node): worked out once per (op, bytes, placement), not per group.
+        if op == "send_recv":  # its two ends, not the group, decide it
+            t = self._cost(op, nbytes, ranks)
+        else:
+            p = self.placement(ranks)
+            shared = (op, nbytes, p.n, p.nodes, p.local, p.same_rail)
+            t = self._cost_cache.get(shared)
+            if t is None:
+                t = self._cost_cache[shared] = self._cost(op, nbytes, ranks)
         self._cost_cache[key] = (t, ranks)
         return t
 

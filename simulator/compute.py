@@ -112,23 +112,19 @@ class ComputeModel:
         key = (work.shape, passes, recompute)
         got = self._kernel_cache.get(key)
         if got is None:
-            from dataclasses import replace as _replace
-
             from simulator.kernels import llm_attention, llm_pass
 
             got = llm_pass(prof, work.shape, passes)
             if passes == "bwd" and recompute == "full":
                 # Megatron / torch checkpointing re-runs each block's forward (not the head, not the
                 # work outside the blocks)
-                got += llm_pass(prof, _replace(work.shape, head=False, embed=False, extra_gemms=(),
-                                               extra_pointwise=0.0), "fwd")
+                got += llm_pass(prof, work.shape, "fwd", blocks_only=True)
             elif passes == "bwd" and recompute == "selective":
                 got += llm_attention(prof, work.shape, "fwd")
             elif passes == "bwd" and recompute == "half":
                 # torchtitan's selective checkpointing: every other block whole (layer policy) or every
                 # other matmul and the element-wise ops (op policy): half of the blocks' forward again
-                got += 0.5 * llm_pass(prof, _replace(work.shape, head=False, embed=False, extra_gemms=(),
-                                                     extra_pointwise=0.0), "fwd")
+                got += 0.5 * llm_pass(prof, work.shape, "fwd", blocks_only=True)
             self._kernel_cache[key] = got
         self._kernel_cache[fast] = (got, work.shape)
         return got

@@ -60,6 +60,15 @@ class Work:
         return self.matmul_flops + self.attention_flops
 
 
+def _stack_fields(kernel_stack, sequence_parallel: bool) -> dict:
+    """A BlockShape's stack fields (its defaults unless given): set when the shape is made, rather
+    than replaced on a finished Work (two dataclass copies per distinct microbatch at scale)."""
+    out = {} if kernel_stack is None else {"stack": kernel_stack}
+    if sequence_parallel:
+        out["sequence_parallel"] = True
+    return out
+
+
 def stage_layers(n_layers: int, pp: int, stage: int, embedding_loss: bool = False) -> range:
     """Even split, the first `n_layers % pp` stages one layer longer. `embedding_loss`: the embedding
     and the loss are cut as one layer each (Megatron's account_for_embedding/loss_in_pipeline_split),
@@ -96,8 +105,10 @@ def llm_expert_params(llm: LLMSpec, layers: range) -> float:
 
 def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
              tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses",
-             expert_tp: int = 0, stack: str = "eager") -> Work:
-    """`stack`: whose kernels keep the activations (costs.ACTIVATION_STACKS)."""
+             expert_tp: int = 0, stack: str = "eager", kernel_stack=None, sequence_parallel: bool = False) -> Work:
+    """`stack`: whose kernels keep the activations (costs.ACTIVATION_STACKS); `kernel_stack` and
+    `sequence_parallel`: the shape's software stack (simulator.kernels.Stack; FUSED when None) and
+    whether tp runs sequence-parallel, as the kernel model costs it."""
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
     n = len(layers)
@@ -136,7 +147,8 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         tokens=max(1, per_rank_tokens) if cp > 1 else 0, ring=cp if ring else 1, kv_gather=cp if gather else 1,
         biased=(heads + 2 * kvh) * d if llm.qkv_bias else 0,
         mlp=llm.mlp, norm=llm.norm, rope=llm.positions == "rope",
-        params=float(h * (heads + 2 * kvh) * d + heads * d * h + mlp_params), embed=first)
+        params=float(h * (heads + 2 * kvh) * d + heads * d * h + mlp_params), embed=first,
+        **_stack_fields(kernel_stack, sequence_parallel))
     mem = _llm_memory(llm, per_rank_tokens, n, first, last, tp, recompute, stack)
     return Work(
         **_split(f, tp * cp),
@@ -213,7 +225,8 @@ def _chunked_memory(module: str, enc, inputs: list, per_rank: int, chunk_tokens:
 
 
 def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int = 1, sp: int = 1,
-                recompute: str = "none", chunk_tokens: int = 0) -> Work:
+                recompute: str = "none", chunk_tokens: int = 0, kernel_stack=None,
+                sequence_parallel: bool = False) -> Work:
     h = v.hidden
     t = sum(a * b * c for a, b, c in grids)
     f = costs.vision_flops(v, grids, recompute=recompute)
@@ -235,6 +248,7 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
                      (per_rank // win, out, win * h, True)),
         # fp32 patches cast for the patch embedding, the merger's norm and GELU
         extra_pointwise=float(per_rank) * (6 * d_in + 20 * h + 4 * h),
+        **_stack_fields(kernel_stack, sequence_parallel),
     ) if t else None
     layer = working = 0.0
     if chunk_tokens and t and sp == 1:
@@ -273,7 +287,8 @@ def _recomputed_layer(recompute: str, layers: int, layer_bytes: float) -> float:
 
 
 def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int = 1,
-               recompute: str = "none", chunk_tokens: int = 0) -> Work:
+               recompute: str = "none", chunk_tokens: int = 0, kernel_stack=None,
+               sequence_parallel: bool = False) -> Work:
     h = a.hidden
     t = sum(m // 2 for m in mel_frames)
     f = costs.audio_flops(a, mel_frames, recompute=recompute)
@@ -294,6 +309,7 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
                      (per_rank // a.pool, out, h, True)),
         # GELU after both convs, positions added, the final norm and the pooling
         extra_pointwise=float(per_rank) * h * (3 * 4 + 6 + 20 + 4),
+        **_stack_fields(kernel_stack, sequence_parallel),
     ) if t else None
     layer = working = 0.0
     if chunk_tokens and t and sp == 1:

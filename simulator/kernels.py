@@ -25,9 +25,11 @@ The layer is decomposed the way Megatron-LM / torchtitan run a dense decoder blo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -60,6 +62,8 @@ class KernelProfile:
         self._best = max((r[3] for r in self.gemm), default=0.0)
         self._gemm_cache: dict = {}
         self._attention_cache: dict = {}
+        self._block_cache: dict = {}
+        self._outside_cache: dict = {}
         self._gemm_xyz = np.array([r[:3] for r in self.gemm], dtype=float).reshape(-1, 3)
         self._gemm_log_rate = np.log(np.array([r[3] for r in self.gemm], dtype=float))
         self._gemm_smallest = min((2 ** (a + b + c) for a, b, c, _ in self.gemm), default=1.0)
@@ -323,18 +327,59 @@ class BlockShape:
 
 LLMShape = BlockShape  # the name the decoder-only callers use
 
+# What `llm_pass` keys its terms by: a layer's terms depend on the shape's block fields and the token
+# count only (not the sequence lengths, the layer count or what lies outside the blocks); the stage's
+# terms outside its blocks on every field but the sequence lengths.
+_OUTSIDE = ("seq_lens", "tokens", "layers", "head", "embed", "extra_gemms", "extra_pointwise")
+_block_key = operator.attrgetter(*(f.name for f in fields(BlockShape) if f.name not in _OUTSIDE))
+_shape_key = operator.attrgetter(*(f.name for f in fields(BlockShape) if f.name != "seq_lens"))
 
-def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
-    """Seconds of one forward (`passes` "fwd") or backward ("bwd", without recomputation) of a stage."""
+
+def llm_pass(p: KernelProfile, s: BlockShape, passes: str, blocks_only: bool = False) -> float:
+    """Seconds of one forward (`passes` "fwd") or backward ("bwd", without recomputation) of a stage;
+    `blocks_only`: its transformer blocks alone, as recomputation re-runs them (not the head, the
+    embedding or the GEMMs and element-wise work outside the blocks)."""
     t = s.ntokens
     if t <= 0:
         return 0.0
+    bwd = passes == "bwd"
+    # Everything but the attention core depends on the microbatch only through its token count, and
+    # at thousands of ranks many microbatches share it with different sequences (and a forward and
+    # its recomputation share the blocks): those terms are worked out once per (shape without its
+    # sequences, tokens, pass) and added in the same order as ever: the same sum to the last bit.
+    key = (passes, t, _block_key(s))
+    block = p._block_cache.get(key)
+    if block is None:
+        block = p._block_cache[key] = _block_parts(p, s, t, bwd)
+    before, after = block
+    time = before + _attention(p, s, bwd)
+    for x in after:
+        time += x
+    total = s.layers * time
+    if not blocks_only and (s.extra_gemms or s.extra_pointwise or s.head or s.embed):
+        key = (passes, t, _shape_key(s))
+        outside = p._outside_cache.get(key)
+        if outside is None:
+            outside = p._outside_cache[key] = _outside_parts(p, s, t, bwd)
+        for x in outside:
+            total += x
+    return total
+
+
+def _linears(s: BlockShape) -> list[tuple[float, float]]:
+    """(fan_out, fan_in) of one block's linear layers, per rank."""
     h, d = s.hidden, s.head_dim
     q, kv = s.heads * d, s.kv_heads * d
     linears = [(q + 2 * kv, h), (h, q)]
     if not s.moe_experts:
         linears += [((2 if s.mlp == "swiglu" else 1) * s.ffn, h), (h, s.ffn)]
-    bwd = passes == "bwd"
+    return linears
+
+
+def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> tuple[float, tuple]:
+    """One layer's terms of `llm_pass` that do not depend on the sequence lengths: its GEMMs (and FP8
+    quantisation) summed, and the terms added after its attention, in `llm_pass`'s order."""
+    linears = _linears(s)
     time = 0.0
     fp8 = s.stack.gemm == "fp8"
     for fan_out, fan_in in linears:
@@ -344,25 +389,30 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str) -> float:
             time += p.gemm_time(t, fan_out, fan_in, fp8=fp8)
     if fp8:
         time += p.memory_time(_fp8_bytes(s, linears, t, bwd), 2 * len(linears))
-    time += _attention(p, s, bwd)
+    after = []
     if s.moe_experts:
-        time += _moe(p, s, t, bwd)
+        after.append(_moe(p, s, t, bwd))
     nbytes, kernels = (_eager_block_bytes if s.stack.kind == "eager" else _fused_block_bytes)(s, bwd)
-    time += p.memory_time(t * nbytes + _cast_bytes(s) * s.params, kernels)
-    total = s.layers * time
+    after.append(p.memory_time(t * nbytes + _cast_bytes(s) * s.params, kernels))
+    return time, tuple(after)
+
+
+def _outside_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> tuple:
+    """The terms `llm_pass` adds to a stage's total after its layers, in its order."""
+    outside = []
     for m, n, k, dgrad in s.extra_gemms:
         if bwd:
-            total += p.gemm_time(n, k, m) + (p.gemm_time(m, k, n) if dgrad else 0.0)
+            outside.append(p.gemm_time(n, k, m) + (p.gemm_time(m, k, n) if dgrad else 0.0))
         else:
-            total += p.gemm_time(m, n, k)
+            outside.append(p.gemm_time(m, n, k))
     if s.extra_pointwise:
-        total += p.memory_time(s.extra_pointwise * (2 if bwd else 1), 4)
+        outside.append(p.memory_time(s.extra_pointwise * (2 if bwd else 1), 4))
     if s.head:
-        total += _head(p, s, bwd)
+        outside.append(_head(p, s, bwd))
     if s.embed and s.stack.kind == "eager" and bwd:
         # dense fp32 embedding gradient: zero-filled [vocab, hidden], then one row added per token
-        total += p.memory_time(4.0 * s.vocab * h + 12.0 * t * h, 3)
-    return total
+        outside.append(p.memory_time(4.0 * s.vocab * s.hidden + 12.0 * t * s.hidden, 3))
+    return tuple(outside)
 
 
 # FP8 quantisation with per-tensor dynamic ("current") scaling, bytes per element of each GEMM operand:
@@ -539,24 +589,29 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
         return sum(_flash_call(p, s.heads, d, L / s.kv_gather, L, s.causal, bwd) for L in s.seq_lens)
     # The profile's flash rows are causal. A full (encoder) attention of length L does the work of a
     # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
+    # one table per (heads, head size, mask, pass): a microbatch's lengths are looked up in it with no
+    # key built per sequence (an encoder microbatch holds dozens), summed left to right as a loop does
+    table = p._attention_cache.get((s.heads, d, s.causal, bwd))
+    if table is None:
+        table = p._attention_cache[(s.heads, d, s.causal, bwd)] = {}
+    try:
+        return functools.reduce(operator.add, map(table.__getitem__, s.seq_lens), 0.0)
+    except KeyError:
+        pass
     stretch = 1.0 if s.causal else FULL_ATTENTION_STRETCH
-    cache = p._attention_cache
-    out = 0.0
     for L in s.seq_lens:
-        key = (s.heads, d, L, s.causal, bwd)
-        t = cache.get(key)
-        if t is None:
-            fwd_flops = 4.0 * s.heads * L * L * d * (0.5 if s.causal else 1.0)
-            x = L * stretch
-            if bwd:
-                # measured fwd_bwd minus measured fwd: the backward alone
-                t = fwd_flops * 3.5 / p.attention_rate("fwd_bwd", d, x) - fwd_flops / p.attention_rate("fwd", d, x)
-                t = max(t, 2 * p.launch_s)
-            else:
-                t = max(fwd_flops / p.attention_rate("fwd", d, x), p.launch_s)
-            cache[key] = t
-        out += t
-    return out
+        if L in table:
+            continue
+        fwd_flops = 4.0 * s.heads * L * L * d * (0.5 if s.causal else 1.0)
+        x = L * stretch
+        if bwd:
+            # measured fwd_bwd minus measured fwd: the backward alone
+            t = fwd_flops * 3.5 / p.attention_rate("fwd_bwd", d, x) - fwd_flops / p.attention_rate("fwd", d, x)
+            t = max(t, 2 * p.launch_s)
+        else:
+            t = max(fwd_flops / p.attention_rate("fwd", d, x), p.launch_s)
+        table[L] = t
+    return functools.reduce(operator.add, map(table.__getitem__, s.seq_lens), 0.0)
 
 
 def _flash_call(p: KernelProfile, heads: int, d: int, q_len: float, kv_len: float, causal: bool, bwd: bool) -> float:

@@ -4,6 +4,8 @@ sp, ep), the recompute policy and the software stack that runs it."""
 
 from __future__ import annotations
 
+import functools
+
 from omnibench.plan import (
     FORWARD,
     GRAD_SYNC,
@@ -19,10 +21,19 @@ from simulator.flops import (
     vision_work,
 )
 from simulator.options import SimulationError
+from workloads.sample import ENCODER_OF
+
+# the modalities each encoder takes (workloads.sample.ENCODER_OF), as `Segment.encoder` maps them
+_MODALITIES_OF = {enc: frozenset(m for m, e in ENCODER_OF.items() if e == enc) for enc in ("vision", "audio")}
 
 
 class WorkMixin:
     """The Engine's data lookups (needs `plan`, `model`, `policy`, `options`, `index` and caches)."""
+
+    @functools.cached_property
+    def _samples_by_id(self) -> dict:
+        """sample id -> Sample (what `Plan.sample` looks up, without its check per call)."""
+        return {s.sample_id: s for s in self.plan.samples}
 
     def _data_rank(self, module: str, rank: int) -> int:
         """The rank whose assignment feeds `rank` (planners may list only one rank per data group)."""
@@ -59,13 +70,15 @@ class WorkMixin:
         got = self._sig_cache.get(key)
         if got is None:
             ids = self._microbatch(module, rank, mb)
-            sample = self.plan.sample
+            by_id = self._samples_by_id
             if module == "llm":
-                got = tuple(sample(i).llm_tokens for i in ids)
-            elif module == "vision":
-                got = tuple(s.grid_thw for i in ids for s in sample(i).segments if s.encoder == "vision")
-            else:
-                got = tuple(s.mel_frames for i in ids for s in sample(i).segments if s.encoder == "audio")
+                got = tuple(by_id[i].llm_tokens for i in ids)
+            else:  # the segments its encoder takes (Segment.encoder, by modality, without a call per segment)
+                mods = _MODALITIES_OF[module]
+                if module == "vision":
+                    got = tuple(s.grid_thw for i in ids for s in by_id[i].segments if s.modality in mods)
+                else:
+                    got = tuple(s.mel_frames for i in ids for s in by_id[i].segments if s.modality in mods)
             got = self._sig_cache[key] = self._sig_intern.setdefault((module, got), got)
         self._sig_of_rank[(module, rank, mb)] = got
         return got
@@ -79,7 +92,8 @@ class WorkMixin:
         got = self._sig_cache.get(key)
         if got is None:
             ids = self._microbatch(module, rank, a.microbatch)
-            got = self._sig_cache[key] = float(sum(input_elements(self.plan.sample(i), self.model) for i in ids))
+            by_id, model = self._samples_by_id, self.model
+            got = self._sig_cache[key] = float(sum(input_elements(by_id[i], model) for i in ids))
         return got
 
     def _stage(self, module: str, rank: int, action: Action) -> int:
@@ -100,36 +114,43 @@ class WorkMixin:
                 from dataclasses import replace as _replace
 
                 lay = _replace(lay, sp=sp)
+            stack, seq_parallel = self._kernel_stack(module, lay, sp)
             if module == "llm":
                 llm = self.model.llm
                 layers = stage_layers(llm.layers, lay.stages, stage, lay.embedding_loss_stages)
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, sp or lay.cp,
-                               lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp, self.activation_stack)
+                               lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp, self.activation_stack,
+                               stack, seq_parallel)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
                 chunk = self.options.encoder_chunk_tokens if not sp and lay.sp == 1 else 0
                 make = vision_work if module == "vision" else audio_work
-                got = make(getattr(self.model, module), list(sig), lay.tp, lay.sp, self.policy[module], chunk)
+                got = make(getattr(self.model, module), list(sig), lay.tp, lay.sp, self.policy[module], chunk,
+                           stack, seq_parallel)
             else:
                 raise SimulationError(f"module must be llm, vision or audio; got {module!r}")
-            if got.shape is not None:
-                got = self._with_stack(got, module, lay)
             self._work_cache[key] = got
         self._work_cache[fast] = (got, sig)
         return got
 
-    def _with_stack(self, got: Work, module: str, lay) -> Work:
-        """The Work's kernel shape under the simulated software stack (SimOptions)."""
-        from dataclasses import replace as _replace
+    def _kernel_stack(self, module: str, lay, sp: int) -> tuple:
+        """The Work's kernel stack under the simulated software stack (SimOptions), and whether tp
+        runs sequence-parallel: one shared Stack per (module, sp), `lay` being the module's layout
+        under that sp (`work`), handed to the flops functions that make the shape (replacing it on
+        each finished Work cost two dataclass copies per distinct microbatch)."""
+        key = ("kernel-stack", module, sp)
+        got = self._work_cache.get(key)
+        if got is None:
+            from dataclasses import replace as _replace
 
-        from simulator.kernels import FUSED
+            from simulator.kernels import FUSED
 
-        o = self.options
-        stack = self._eager_stack(module, lay) if o.stack == "eager" else FUSED
-        stack = _replace(stack, attention=o.attention, gemm=o.gemm_dtype)
-        return _replace(got, shape=_replace(got.shape, stack=stack,
-                                            sequence_parallel=o.sequence_parallel and lay.tp > 1))
+            o = self.options
+            stack = self._eager_stack(module, lay) if o.stack == "eager" else FUSED
+            stack = _replace(stack, attention=o.attention, gemm=o.gemm_dtype)
+            got = self._work_cache[key] = (stack, o.sequence_parallel and lay.tp > 1)
+        return got
 
     def _eager_stack(self, module: str, lay):
         stack = eager_stack(self.model, module, lay)
