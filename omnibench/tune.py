@@ -469,9 +469,12 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     default, the others' FSDP), how far the largest sample is split (temporal: over its Ulysses
     degree; omni: over its sequence-parallel group, its long LLM samples over their group), and
     which encoder outputs stay live through the LLM pass. `options`: the system's switches
-    (ParallelSpec.options, e.g. omni's encoder_dp)."""
+    (ParallelSpec.options, e.g. omni's encoder_dp). In the figure the simulator's fits check
+    compares with the device (simulator/memory.py memory_needed: the allocated bytes with the space
+    the allocator cannot give back under pressure, and the context)."""
     from simulator.engine import RESERVED_BYTES
     from simulator.flops import audio_work, llm_work, stage_layers, vision_work
+    from simulator.memory import memory_needed
 
     rules = _rules(system, model, world, gpus_per_node, c, options)
     mode = costs.recompute_policy(c.recompute)  # per module: "vision=full,audio=full" leaves the LLM's none
@@ -513,9 +516,10 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
         enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if rules.whole_batch_live else in_flight / m)
     if rules.separate_encoders:
-        return max(llm_side, RESERVED_BYTES + enc_state + enc_grads + enc_act)
+        return memory_needed(max(llm_side, RESERVED_BYTES + enc_state + enc_grads + enc_act) - RESERVED_BYTES)
     # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
-    return max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads)
+    return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads)
+                         - RESERVED_BYTES)
 
 
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
@@ -718,7 +722,7 @@ class _Search:
             tr.step_s = t / k
             tr.tokens_per_s_per_gpu = tokens / t / self.world if t else 0.0
             tr.mfu = flops / t / self.world / self.cluster.gpu.peak_flops if t else 0.0
-            tr.peak_gib = max(o.result.peak_memory for o in mine) / 2**30
+            tr.peak_gib = max(o.result.peak_needed for o in mine) / 2**30
             tr.fits = all(o.result.fits for o in mine)
             if not tr.fits:
                 tr.note = next(o.result.fit_message for o in mine if not o.result.fits)

@@ -427,19 +427,22 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
 
 
 def check_fit(result: SimResult, memory_error: float = 0.0) -> SimResult:
-    """Decide whether `result`'s step fits its GPU: the most loaded rank's `memory_bytes` (the
-    allocator's reserve and what lives outside it), assumed `memory_error` off (+0.2: the estimate
-    is 20% low, so a rank needs 1.2x it), against the device's memory. Timing never depends on it,
-    so a cached step is re-decided under another error without simulating it again."""
+    """Decide whether `result`'s step fits its GPU: the most loaded rank's `memory_needed` (its
+    allocated peak, the space the caching allocator cannot give back under pressure, and what lives
+    outside it: simulator/memory.py STRANDED), assumed `memory_error` off (+0.2: the estimate is 20%
+    low, so a rank needs 1.2x it), against the device's memory. The unpressured reserve
+    (`memory_bytes`) is reported beside it and decides nothing. Timing never depends on it, so a
+    cached step is re-decided under another error without simulating it again."""
     result.fits, result.fit_message = True, ""
     if not result.ranks:
         return result
-    worst = max(result.ranks, key=lambda s: s.memory_bytes)
-    if worst.memory_bytes * (1.0 + memory_error) > result.memory_capacity:
+    worst = max(result.ranks, key=lambda s: s.memory_needed)
+    if worst.memory_needed * (1.0 + memory_error) > result.memory_capacity:
         result.fits = False
         result.fit_message = (
-            f"does not fit: rank {worst.rank} needs {worst.memory_bytes / GiB:.1f} GiB of "
-            f"{result.memory_capacity / GiB:.1f} GiB"
+            f"does not fit: rank {worst.rank} needs {worst.memory_needed / GiB:.1f} GiB of "
+            f"{result.memory_capacity / GiB:.1f} GiB under memory pressure ({worst.memory_allocated / GiB:.1f} "
+            f"allocated; {worst.memory_bytes / GiB:.1f} reserved when unpressured)"
             + (f" (assuming the estimate is {abs(memory_error):.0%} {'low' if memory_error > 0 else 'high'})"
                if memory_error else "")
         )

@@ -1,10 +1,12 @@
 """Memory per rank: what a rank holds all step and what its actions add and free.
 
-Three figures per rank (RankStats): `memory_allocated`, the peak of live tensors (what
+Four figures per rank (RankStats): `memory_allocated`, the peak of live tensors (what
 torch.cuda.max_memory_allocated and torch's MemTracker measure); `memory_reserved`, the caching
-allocator's reserve at that peak (FRAGMENTATION x allocated, what torchtitan publishes); and
-`memory_bytes`, what the GPU must hold (the reserve and the CUDA context and NCCL buffers outside it,
-RESERVED_BYTES), which the fits check compares with the GPU's memory.
+allocator's reserve at that peak when memory is plentiful (FRAGMENTATION x allocated, what torchtitan's
+max_reserved publishes); `memory_bytes`, that reserve and the CUDA context and NCCL buffers outside
+the allocator (RESERVED_BYTES), the figure compared with published peaks; and `memory_needed`, what
+the step needs to run under memory pressure (allocated x (1 + STRANDED) + RESERVED_BYTES), the figure
+the fits check compares with the GPU's memory.
 
 Static: each module's training state under its data-parallel mode (`Layout.dp_mode`: DDP, ZeRO-1,
 ZeRO-2, FSDP, HSDP) in the bytes per parameter its software stack keeps
@@ -47,11 +49,30 @@ RESERVED_BYTES = 1.0 * GiB
 # mean 1.175. The allocated model itself is checked against torch's FSDPMemTracker running
 # torchtitan's Llama 3 8B at full depth (0.98-0.99 of this estimate), so the factor is the allocator's.
 FRAGMENTATION = 1.175
+# What decides an out-of-memory error is not that unpressured reserve: when no cached block fits and
+# cudaMalloc fails, PyTorch's caching allocator frees its cached free blocks and retries
+# (c10/cuda/CUDACachingAllocator.cpp `malloc`: release_available_cached_blocks, then
+# release_cached_blocks, then alloc_block again; pytorch/pytorch at eb42ad6e). Only the free space
+# stranded inside segments that still hold live blocks cannot be given back, and the OOM message
+# measures it after that retry ("... X GiB is allocated by PyTorch, and Y GiB is reserved by PyTorch
+# but unallocated"). STRANDED = Y / X at the failure point: the median over the 11 LLM / multimodal
+# training-step OOM messages on 40-80 GB GPUs in results/validation/allocator_oom_messages.csv (public
+# issue threads; quartiles 0.25% and 3.7%, range 0.03-17%). Not fitted on published_runs.csv.
+STRANDED = 0.0044
 ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatron-LM's DDP bucket)
 # DeepSpeed ZeRO-3's stage3_max_live_parameters default (deepspeed/runtime/zero/constants.py at v0.3.14,
 # April 2021, the release Narayanan et al.'s ZeRO-3 comparison could use): it prefetches no further
 # parameters while this many are gathered
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1e9
+
+
+
+def memory_needed(allocated: float) -> float:
+    """Bytes a rank whose live tensors peak at `allocated` needs to run under memory pressure: the
+    allocator gives back every cached block it can before it fails, so only the space stranded in
+    partly used segments (STRANDED) and what lives outside the allocator (RESERVED_BYTES) add to it."""
+    return allocated * (1.0 + STRANDED) + RESERVED_BYTES
+
 
 # Whose memory conventions (training-state dtypes, costs.STATE_DTYPES; activations,
 # costs.ACTIVATION_STACKS) each kernel stack (simulator/kernels.py::Stack) charges: "eager" is this
@@ -70,6 +91,8 @@ MEMORY_STACKS = {
     # al.): softmax and dropout outputs and the dropout mask of every s x s score matrix
     "megatron-2021": ("megatron", "megatron"),
     "nemo": ("nemo", "megatron"),
+    # Megatron-LM with --grad-reduce-in-bf16 (bf16 main gradients)
+    "megatron-bf16-grads": ("megatron-bf16-grads", "megatron"),
     # MosaicML Composer / llm-foundry: PyTorch FSDP with fp32 shards; MPT's blocks keep Korthikanti's
     # set (low-precision LayerNorm, fused qkv, flash attention, GELU MLP), as Megatron's do
     "composer": ("torchtitan", "megatron"),
@@ -80,7 +103,7 @@ MEMORY_STACKS = {
 UNFUSED_ATTENTION_SOURCES = ("shoeybi2019", "narayanan2021", "korthikanti2022")
 # NeMo 24.07's performance runs came from the NeMo(-Megatron) launcher, whose performance example scripts
 # reduce gradients in bf16 (`+training.model.optim.grad_sync_dtype=bf16`, NVIDIA/NeMo-Framework-Launcher
-# examples/training/llama/h100/*.sh): Megatron-LM's bf16 main gradients. Megatron-Bridge's performance
+# examples/training/llama/h100/*.sh): Megatron-LM's bf16 main gradients (--grad-reduce-in-bf16). Megatron-Bridge's performance
 # recipes start from bf16_mixed (grad_reduce_in_fp32) and, in FP8, keep FP8 weights (fp8_param_gather;
 # its scripts/performance/utils/helpers.py at da5a1bee8).
 BF16_GRAD_SOURCES = ("nemo-perf",)
@@ -97,21 +120,22 @@ def published_memory_stack(row) -> str:
       RMSNorm in the April 2024 A100 table (the Llama 2 13B and Llama 3 8B configs of 1ea476e9f, the
       commit that published it; the 70B ones used the eager norm);
     - llm-foundry ("fsdp"): Composer;
-    - Megatron-LM, DeepSpeed, MegaScale, Meta's Llama 3 stack: Megatron-LM's (bf16 main gradients),
-      unfused attention for the 2019-22 papers' runs;
-    - NeMo 24.07 (launcher) as Megatron-LM; Megatron-Bridge: fp32 main gradients, FP8 weights in FP8;
+    - Megatron-LM, DeepSpeed, MegaScale, Meta's Llama 3 stack: Megatron-LM's (fp32 main gradients
+      under DDP and the distributed optimizer), unfused attention for the 2019-22 papers' runs;
+    - NeMo 24.07 (launcher): Megatron-LM with bf16 main gradients; Megatron-Bridge: fp32 main
+      gradients, FP8 weights in FP8;
     - "+fp8" where Transformer Engine's FP8 linears ran (Megatron and NeMo rows in fp8)."""
     stack = _STACK_COLUMN.get(row.stack, "megatron")
     if stack == "megatron" and row.source in UNFUSED_ATTENTION_SOURCES:
         stack = "megatron-2021"
     if stack == "nemo" and row.source in BF16_GRAD_SOURCES:
-        stack = "megatron"
+        stack = "megatron-bf16-grads"
     where = f"{row.notes} {row.table}"
     if stack == "torchtitan" and "compile" in where:
         stack = "torchtitan-compile-loss" if "2025" in row.table else "torchtitan-compile"
     elif stack == "torchtitan" and "docs/performance.md" in row.table and row.hidden in (4096, 5120):
         stack = "torchtitan-fused-norm"
-    if row.precision == "fp8" and stack in ("megatron", "nemo"):
+    if row.precision == "fp8" and stack in ("megatron", "nemo", "megatron-bf16-grads"):
         stack += "+fp8"
     return stack
 
@@ -579,3 +603,4 @@ class MemoryMixin:
         stats.memory_allocated = stats.memory_static + peak_live
         stats.memory_reserved = FRAGMENTATION * stats.memory_allocated
         stats.memory_bytes = stats.memory_reserved + RESERVED_BYTES
+        stats.memory_needed = memory_needed(stats.memory_allocated)

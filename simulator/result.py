@@ -46,10 +46,11 @@ class RankStats:
     exposed_comm: float = 0.0  # compute stream blocked on communication
     optimizer: float = 0.0
     comm_busy: float = 0.0  # time the collective and p2p streams were busy
-    memory_bytes: float = 0.0  # what the GPU must hold: the allocator's reserve and what lives outside it
+    memory_bytes: float = 0.0  # the allocator's unpressured reserve and what lives outside it (published peaks')
     memory_static: float = 0.0
     memory_allocated: float = 0.0  # peak of live tensors (torch.cuda.max_memory_allocated's measure)
     memory_reserved: float = 0.0  # the caching allocator's peak reserve (max_memory_reserved's)
+    memory_needed: float = 0.0  # what the step needs under memory pressure: the fits check's figure
     memory_peak_at: str = ""  # the action during which the peak happens
     compute_by_module: dict = field(default_factory=dict)  # module -> own compute seconds
 
@@ -155,7 +156,13 @@ class SimResult:
 
     @property
     def peak_memory(self) -> float:
+        """The most loaded rank's unpressured reserve and context (RankStats.memory_bytes)."""
         return max((r.memory_bytes for r in self.ranks), default=0.0)
+
+    @property
+    def peak_needed(self) -> float:
+        """The most loaded rank's need under memory pressure (RankStats.memory_needed): what fits is decided on."""
+        return max((r.memory_needed for r in self.ranks), default=0.0)
 
     def metrics(self) -> dict:
         return {
@@ -179,6 +186,7 @@ class SimResult:
             "bubble": self.bubble,
             "exposed_comm": self.exposed_comm,
             "peak_memory_gib": self.peak_memory / GiB,
+            "peak_memory_needed_gib": self.peak_needed / GiB,
             "memory_capacity_gib": self.memory_capacity / GiB,
             "compute_s_by_module": self.compute_by_module(),
             "breakdown_s": self.breakdown(),

@@ -25,14 +25,17 @@ def test_eager_replicated_state_is_fp32_and_each_zero_stage_shards_one_more_part
     assert costs.dp_state_bytes(P, mode, n, "eager").total == pytest.approx(want * P)
 
 
-def test_megatron_distributed_optimizer_keeps_4_plus_12_over_d_bytes_and_nemo_6_plus_12_over_d():
-    # Megatron-LM docs/source/api-guide/dist_optimizer.md: bf16 params with bf16 grads (Megatron-LM's
-    # default) or fp32 grads (NeMo 2.0's grad_reduce_in_fp32): 16 / 18 bytes under DDP
-    assert costs.dp_state_bytes(P, "ddp", 8, "megatron").total == pytest.approx(16 * P)
-    assert costs.dp_state_bytes(P, "zero1", 8, "megatron").total == pytest.approx((4 + 12 / 8) * P)
+def test_megatron_distributed_optimizer_keeps_6_plus_12_over_d_bytes_and_4_plus_12_over_d_with_bf16_grads():
+    # Megatron-LM docs/source/api-guide/dist_optimizer.md: bf16 params with fp32 grads (what --bf16
+    # sets, megatron/training/arguments.py; NeMo 2.0's grad_reduce_in_fp32 too) or bf16 grads
+    # (--grad-reduce-in-bf16): 18 / 16 bytes under DDP
+    assert costs.dp_state_bytes(P, "ddp", 8, "megatron").total == pytest.approx(18 * P)
+    assert costs.dp_state_bytes(P, "zero1", 8, "megatron").total == pytest.approx((6 + 12 / 8) * P)
     assert costs.dp_state_bytes(P, "ddp", 8, "nemo").total == pytest.approx(18 * P)
     assert costs.dp_state_bytes(P, "zero1", 8, "nemo").total == pytest.approx((6 + 12 / 8) * P)
-    assert costs.dp_state_bytes(P, "zero2", 8, "megatron").total == pytest.approx((2 + 14 / 8) * P)
+    assert costs.dp_state_bytes(P, "ddp", 8, "megatron-bf16-grads").total == pytest.approx(16 * P)
+    assert costs.dp_state_bytes(P, "zero1", 8, "megatron-bf16-grads").total == pytest.approx((4 + 12 / 8) * P)
+    assert costs.dp_state_bytes(P, "zero2", 8, "megatron").total == pytest.approx((2 + 16 / 8) * P)
 
 
 def test_state_bytes_refuse_an_unknown_mode_or_stack():
@@ -73,7 +76,7 @@ def test_eager_zero_reduces_into_a_slice_at_grad_sync_and_zero2_frees_the_whole_
     assert _engine("zero1")._grad_sync_delta("llm", 0) == pytest.approx(4 * p / 4)
     m = _engine("zero2", memory_stack="megatron")
     assert m._grad_sync_delta("llm", 0) == 0.0  # a gradient partition allocated at start-up
-    assert m._static_memory(0) == pytest.approx((2 + (2 + 4 + 8) / 4) * p)
+    assert m._static_memory(0) == pytest.approx((2 + (4 + 4 + 8) / 4) * p)
 
 
 def test_zero_shards_the_optimizer_step_and_fsdp_the_weights():

@@ -34,7 +34,7 @@ def test_a_step_fits_or_not_by_its_peak_times_one_plus_the_error_and_says_so():
     plan = get_planner("omni").plan(model, parallel, batch)
     base = simulate(plan, model, cluster, options=SimOptions(recompute="full"))
     assert base.fits
-    edge = cluster.gpu.memory_bytes / base.peak_memory - 1  # the error at which the peak fills the GPU
+    edge = cluster.gpu.memory_bytes / base.peak_needed - 1  # the error at which the need fills the GPU
     under = simulate(plan, model, cluster, options=SimOptions(recompute="full", memory_error=edge - 0.01))
     over = simulate(plan, model, cluster, options=SimOptions(recompute="full", memory_error=edge + 0.01))
     assert under.fits and not over.fits
@@ -50,7 +50,7 @@ def test_a_cached_step_answers_every_memory_error_without_simulating_again(tmp_p
     store = cache.SimCache(tmp_path)
     job = cache.StepJob("omni", model, parallel, batch, cluster, options=SimOptions(recompute="full"))
     first = cache.run_step(job, store)
-    edge = cluster.gpu.memory_bytes / first.result.peak_memory - 1
+    edge = cluster.gpu.memory_bytes / first.result.peak_needed - 1
     tight = cache.run_step(replace(job, options=SimOptions(recompute="full", memory_error=edge + 0.01)), store)
     assert (store.misses, store.hits) == (1, 1) and tight.cached
     assert not tight.result.fits and not tight.metrics["fits"] and "low" in tight.metrics["fit_message"]

@@ -109,10 +109,18 @@ def test_an_unpublished_recompute_that_does_not_fit_is_replaced_by_the_lightest_
 
 @pytest.mark.timeout(300)
 def test_an_unpublished_dp_mode_that_does_not_fit_becomes_the_distributed_optimizer_when_that_fits_and_is_said():
-    row = _rows()["megatron-18.4b-256gpu"]  # DDP's whole fp32 optimizer state per rank: 86.5 GiB of 80
-    assert "dp_mode" in row.unpublished and row.dp_mode == "ddp" and row.recompute == "full"
+    row = _rows()["megascale-175b-megatron-256gpu"]  # DDP's whole fp32 optimizer state per rank
+    assert "dp_mode" in row.unpublished and row.dp_mode == "ddp"
     c = check_row(row)
-    assert c.fits and c.filled == "dp_mode zero1" and c.row.dp_mode == "ddp"
-    assert "unpublished" in c.fit_message and "zero1/full" in c.fit_message
+    assert c.fits and "dp_mode zero1" in c.filled and c.row.dp_mode == "ddp"
+    assert "unpublished" in c.fit_message and "zero1/" in c.fit_message
     published = check_row(replace(row, notes="unpublished: micro_batch"))  # DDP published: stays, does not fit
     assert not published.fits and not published.filled
+
+
+@pytest.mark.timeout(300)
+def test_runs_whose_reserve_exceeds_the_gpu_but_whose_need_under_pressure_does_not_fit_as_they_ran():
+    # allocated 70.6 and 77.0 GiB: reserved 83.9 and 91.5 when unpressured, needed 71.9 and 78.4 of 80
+    for name in ("tt-a100-llama2-13b-noac", "megatron-18.4b-256gpu"):
+        c = check_row(_rows()[name])
+        assert c.fits and not c.filled and c.peak_memory_gib > 80, name

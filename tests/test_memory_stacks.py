@@ -87,7 +87,7 @@ def test_a_layout_that_does_not_fit_still_gets_its_step_time():
     cluster = load_cluster("h100", 2)
     small = replace(cluster, gpu=replace(cluster.gpu, memory_gib=8.0))
     res = Engine(plan, spec, small).run()
-    assert not res.fits and "does not fit" in res.fit_message and f"{res.peak_memory / 2**30:.1f} GiB" in res.fit_message
+    assert not res.fits and "does not fit" in res.fit_message and f"{res.peak_needed / 2**30:.1f} GiB" in res.fit_message
     assert res.step_time == pytest.approx(Engine(plan, spec, cluster).run().step_time)
 
 

@@ -25,8 +25,9 @@ from omnibench.specs.model import SpecError
 from omnibench.specs.run import RunSpec
 
 GiB = 1024**3
-# of the device's memory: the estimate (SimResult memory_bytes) already holds the caching allocator's reserve
-# and the CUDA context and NCCL buffers outside it (simulator/memory.py FRAGMENTATION, RESERVED_BYTES)
+# of the device's memory: the estimate (RankStats memory_needed) already holds what the caching allocator
+# cannot give back under pressure and the CUDA context and NCCL buffers outside it (simulator/memory.py
+# STRANDED, RESERVED_BYTES)
 HEADROOM = 1.0
 DEPTHS = (0, 16, 8, 4, 2)  # 0: the preset's own depth
 

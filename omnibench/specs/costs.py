@@ -484,17 +484,29 @@ STATE_DTYPES = {
         "zero": StateDtypes("torchtitan", weights=2, master=4, grads=4),
         "sharded": StateDtypes("torchtitan", weights=4, master=0, grads=4),
     },
-    # Megatron-LM (Megatron Core, bf16): bf16 parameters, a main-grad buffer allocated at start-up
-    # (gradient accumulation fusion writes into it) in the parameters' dtype unless
-    # --accumulate-allreduce-grads-in-fp32 (off by default), fp32 master weights and AdamW moments in
-    # the optimizer (which makes an fp32 copy of its gradient shard only while it steps): 16 bytes per
-    # parameter under DDP, 4 + 12/d with the distributed optimizer (Megatron-LM
-    # docs/source/api-guide/dist_optimizer.md: "bf16 param, bf16 grads"). DeepSpeed ZeRO-1/2/3 keeps
-    # the same fp32 master and moments (Rajbhandari et al. 2020: K = 12 bytes per parameter).
+    # Megatron-LM (Megatron Core, bf16): bf16 parameters and a main-grad buffer allocated at start-up
+    # (gradient accumulation fusion writes into it) in fp32: "bfloat16 requires gradient accumulation
+    # and all-reduce to be done in fp32" (megatron/training/arguments.py, NVIDIA/Megatron-LM at
+    # 307dcf37: under --bf16 it sets accumulate_allreduce_grads_in_fp32, main grads fp32, unless
+    # --grad-reduce-in-bf16). The optimizer keeps fp32 master weights and AdamW moments. The
+    # distributed optimizer (zero1) shards those 12 bytes only: the grad buffer stays whole on every
+    # rank (its reduce-scatter writes into the rank's slice of it), so 18 bytes per parameter under
+    # DDP, 6 + 12/d distributed (docs/source/api-guide/dist_optimizer.md: "bf16 param, fp32 grads").
+    # "sharded" under this convention is what the DeepSpeed ZeRO-3 rows of Narayanan et al. 2021 ran
+    # (fp16 gradient partitions and reduce buckets in the parameters' dtype: `_zero3_grad_buffer`), so
+    # it keeps 2-byte gradients. DeepSpeed ZeRO-1/2/3 keep the same fp32 master and moments
+    # (Rajbhandari et al. 2020: K = 12 bytes per parameter).
     "megatron": {
-        "replicated": StateDtypes("megatron", weights=2, master=4, grads=2, grads_static=True),
-        "zero": StateDtypes("megatron", weights=2, master=4, grads=2, grads_static=True),
+        "replicated": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
+        "zero": StateDtypes("megatron", weights=2, master=4, grads=4, grads_static=True),
         "sharded": StateDtypes("megatron", weights=2, master=4, grads=2),
+    },
+    # Megatron-LM run with --grad-reduce-in-bf16 (NeMo's launcher scripts' grad_sync_dtype=bf16):
+    # bf16 main gradients, 16 bytes per parameter under DDP, 4 + 12/d distributed.
+    "megatron-bf16-grads": {
+        "replicated": StateDtypes("megatron-bf16-grads", weights=2, master=4, grads=2, grads_static=True),
+        "zero": StateDtypes("megatron-bf16-grads", weights=2, master=4, grads=2, grads_static=True),
+        "sharded": StateDtypes("megatron-bf16-grads", weights=2, master=4, grads=2),
     },
     # NeMo 2.0 on Megatron Core: the same with fp32 main gradients (its bf16 DDP config sets
     # grad_reduce_in_fp32): 18 bytes per parameter under DDP, 6 + 12/d distributed.

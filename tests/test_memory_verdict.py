@@ -1,0 +1,94 @@
+"""What decides "does it fit": the allocated peak, the space PyTorch's caching allocator cannot give
+back once it has released its cache and retried, and the context outside it (simulator/memory.py
+STRANDED, from public OOM messages), not the reserve an unpressured run shows; and the training
+state Megatron-LM keeps in bf16 (fp32 main gradients)."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from omnibench.specs import costs
+from omnibench.specs.parallel import ParallelSpec
+from omnibench.specs.presets import get_model
+from simulator.engine import Engine, SimOptions, check_fit
+from simulator.hardware import GiB, load_cluster
+from simulator.memory import FRAGMENTATION, RESERVED_BYTES, STRANDED, memory_needed, published_memory_stack
+from simulator.published import load_published
+from systems import get_planner
+from workloads.sample import Batch, Sample, Segment
+
+ROOT = Path(__file__).resolve().parents[1]
+OOM_CSV = ROOT / "results" / "validation" / "allocator_oom_messages.csv"
+RUNS_CSV = ROOT / "results" / "validation" / "published_runs.csv"
+
+
+def _oom_rows() -> list[dict]:
+    with OOM_CSV.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_stranded_fraction_is_the_median_of_the_collected_oom_messages():
+    rows = _oom_rows()
+    assert len(rows) >= 10 and all(r["url"].startswith("https://github.com/") for r in rows)
+    # training steps on 40-80 GB GPUs only, each with both figures of the message
+    assert all(38 <= float(r["total_capacity_gib"]) <= 81 for r in rows)
+    ratios = [float(r["reserved_unallocated_gib"]) / float(r["allocated_gib"]) for r in rows]
+    assert STRANDED == pytest.approx(statistics.median(ratios), abs=5e-5)
+    # the pressured need is far below the unpressured reserve the allocator shows with memory to spare
+    assert STRANDED < FRAGMENTATION - 1
+
+
+def _result(world=2, tokens=4096):
+    spec = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", tokens),)) for i in range(world * 2)])
+    plan = get_planner("homogeneous").plan(spec, ParallelSpec(world_size=world), batch)
+    return Engine(plan, spec, load_cluster("h100", world), options=SimOptions(check_memory=False)).run()
+
+
+def test_a_rank_needs_its_allocated_peak_with_the_stranded_space_and_the_context():
+    r = _result().ranks[0]
+    assert r.memory_needed == pytest.approx(r.memory_allocated * (1 + STRANDED) + RESERVED_BYTES)
+    assert r.memory_needed == pytest.approx(memory_needed(r.memory_allocated))
+    # the reserve stays what published max_reserved readings are compared with
+    assert r.memory_bytes == pytest.approx(FRAGMENTATION * r.memory_allocated + RESERVED_BYTES)
+    assert r.memory_needed < r.memory_bytes
+
+
+def test_a_step_between_its_need_and_its_unpressured_reserve_fits_and_the_verdict_names_the_figure():
+    res = _result()
+    worst = max(res.ranks, key=lambda s: s.memory_needed)
+    between = (worst.memory_needed + res.peak_memory) / 2  # a GPU holding the need, not the reserve
+    fits = check_fit(replace(res, memory_capacity=between))
+    assert fits.fits and not fits.fit_message
+    tight = check_fit(replace(res, memory_capacity=worst.memory_needed * 0.99))
+    assert not tight.fits
+    assert f"needs {worst.memory_needed / GiB:.1f} GiB" in tight.fit_message
+    assert "under memory pressure" in tight.fit_message and "reserved when unpressured" in tight.fit_message
+    assert res.metrics()["peak_memory_needed_gib"] == pytest.approx(res.peak_needed / GiB)
+
+
+def test_megatron_in_bf16_keeps_fp32_main_gradients_and_the_distributed_optimizer_does_not_shard_them():
+    p, d = 1e9, 8
+    ddp = costs.dp_state_bytes(p, "ddp", d, stack="megatron")
+    assert (ddp.params + ddp.grads + ddp.optimizer) / p == pytest.approx(18)  # 2 + 4 master + 4 grads + 8
+    dist = costs.dp_state_bytes(p, "zero1", d, stack="megatron")
+    assert dist.grads == pytest.approx(4 * p)  # the whole grad buffer on every rank
+    assert (dist.params + dist.grads + dist.optimizer) / p == pytest.approx(6 + 12 / d)
+    # --grad-reduce-in-bf16 (NeMo launcher's grad_sync_dtype=bf16) keeps bf16 main gradients
+    bf16 = costs.dp_state_bytes(p, "zero1", d, stack="megatron-bf16-grads")
+    assert (bf16.params + bf16.grads + bf16.optimizer) / p == pytest.approx(4 + 12 / d)
+
+
+def test_the_published_rows_that_reduced_gradients_in_bf16_keep_bf16_gradients_the_others_fp32():
+    rows = load_published(RUNS_CSV)
+    nemo_perf = [r for r in rows if r.source == "nemo-perf"]
+    megatron = [r for r in rows if r.stack == "megatron" and r.source not in ("shoeybi2019", "narayanan2021",
+                                                                              "korthikanti2022")]
+    assert nemo_perf and megatron
+    assert {published_memory_stack(r).removesuffix("+fp8") for r in nemo_perf} == {"megatron-bf16-grads"}
+    assert {published_memory_stack(r).removesuffix("+fp8") for r in megatron} == {"megatron"}
