@@ -45,8 +45,8 @@ INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a ru
 # results.csv: results.json's rows, flat (per-step metrics stay in results.json's "per_step").
 RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
-                  "peak_memory_gib", "memory_capacity_gib", "speedup_over_best_baseline", "distinct_ranks",
-                  "sim_seconds", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space", "tune_moved",
+                  "peak_memory_gib", "peak_memory_needed_gib", "memory_capacity_gib", "speedup_over_best_baseline",
+                  "distinct_ranks", "sim_seconds", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space", "tune_moved",
                   "tune_converged", "steps_failed"]
 # steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
 STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "step_time_s", "tokens_per_s",
@@ -336,7 +336,10 @@ def _summary(results, metrics) -> dict:
         "flop_formula": first.flop_formula,
         "bubble": sum(r.bubble * r.step_time for r in results) / t if t else 0.0,
         "exposed_comm": sum(r.exposed_comm * r.step_time for r in results) / t if t else 0.0,
+        # the unpressured reserve (what published max_reserved readings are) and the need under memory
+        # pressure, which decides what fits (simulator/memory.py STRANDED)
         "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
+        "peak_memory_needed_gib": max(r.peak_needed for r in results) / 2**30,
         "memory_capacity_gib": first.memory_capacity / 2**30,
         "distinct_ranks": max(r.classes for r in results),
         "sim_seconds": sum(r.sim_seconds for r in results),
@@ -784,15 +787,16 @@ def register(app: typer.Typer) -> None:
             return
         table = Table(title=f"{spec.name} on {hardware}, workload {workload}, {steps} step(s)")
         for col in ("GPUs", "system", "tokens/s", "tok/s/GPU", "TFLOPS/GPU", "MFU", "bubble", "exposed comm",
-                    "peak mem GiB", "speedup"):
+                    "mem need / reserve GiB", "speedup"):
             table.add_column(col, justify="right" if col not in ("system",) else "left")
         for r in rows:
             if "error" in r:
                 table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 7)
             else:
                 sp = r.get("speedup_over_best_baseline")
-                mem = (f"{r['peak_memory_gib']:.1f}" if r["fits"] else
-                       f"[red]{r['peak_memory_gib']:.1f} > {r['memory_capacity_gib']:.0f}[/]")
+                need = f"{r['peak_memory_needed_gib']:.1f}"
+                mem = (need if r["fits"] else f"[red]{need} > {r['memory_capacity_gib']:.0f}[/]")
+                mem += f" / {r['peak_memory_gib']:.1f}"
                 table.add_row(
                     str(r["gpus"]), r["system"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                     f"{r['tflops_per_gpu']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}", f"{r['exposed_comm']:.1%}",
