@@ -398,6 +398,9 @@ class GroupCosts:
         self._seconds: dict[tuple, float] = {}  # per (module, positions, k)
         self._coefficients: dict[tuple, object] = {}  # per (module, k, bf16)
         self._sequences: dict[tuple, tuple] = {}  # per (module, sample): (sample, its attention sequences)
+        # per (module, k, bf16, attention sequences): a step's samples share a few hundred sets of
+        # sequences (images of a few sizes, videos of a few grids) among tens of thousands
+        self._priced: dict[tuple, float] = {}
 
     def seconds(self, module: str, positions: int, k: int) -> float:
         key = (module, positions, k)
@@ -452,8 +455,13 @@ class GroupCosts:
                 self.model, self.hardware, module, k, self.recompute.get(module, "none"), bf16)
         got = self._sequences.get((module, id(sample)))
         if got is None or got[0] is not sample:
-            got = self._sequences[(module, id(sample))] = (sample, attention_sequences(sample, module, self.model))
-        return sum(c.sequence(n) for n in got[1])
+            got = self._sequences[(module, id(sample))] = (
+                sample, tuple(attention_sequences(sample, module, self.model)))
+        key = (module, k, bf16, got[1])
+        out = self._priced.get(key)
+        if out is None:
+            out = self._priced[key] = sum(c.sequence(n) for n in got[1])
+        return out
 
     def microbatch_seconds(self, module: str, samples: Sequence, k: int = 1, layout=None) -> float:
         """A rank's seconds for one encoder microbatch of `samples` (forward with its inputs, backward)
