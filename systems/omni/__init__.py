@@ -54,11 +54,11 @@ from systems.omni.layout import build_layouts, locks_encoders, placement_notes, 
 from systems.omni.llm_long_short import llm_group_size, llm_groups, place_llm_long
 from systems.omni.long_short import (
     SCHEMES,
+    Candidates,
     GroupCosts,
     checked_finish,
     choose,
     pack_by_due,
-    place_module,
     split_long_short,
 )
 from systems.omni.options import OmniOptions
@@ -285,6 +285,24 @@ class OmniPlanner:
                 prefer_cache[key] = got
             return got
 
+        candidate_cache: dict[str, Candidates] = {}
+
+        def candidates(m: str) -> Candidates:
+            """Every (scheme, group size) placement of encoder m weighed this step, with what they
+            share worked out once for both placements (even, bubble-aware)."""
+            got = candidate_cache.get(m)
+            if got is None:
+                enc, pos = layouts[m], enc_pos[m]
+                alone = priced(m, 1) if exchange.measured else None  # priced as the simulator will (long_short.py)
+                got = candidate_cache[m] = Candidates(enc_cost[m], enc_leaders[m], enc_short_home[m], due, alone,
+                                                      exchange.fixed(m, 1, enc))
+                for scheme, k in schemes[m]:
+                    groups = sp_by_size[m].get(k, [])
+                    member = priced(m, k) if exchange.measured and groups else None
+                    got.add(scheme, groups, lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k),
+                            preferred(m, scheme, k), member, exchange.fixed(m, k, enc))
+            return got
+
         def place(bubble: dict[int, float]):
             assignment_enc: dict = {}
             routes: list[tuple] = []
@@ -296,20 +314,7 @@ class OmniPlanner:
                 enc = layouts[m]
                 leaders = enc_leaders[m]
                 pos = enc_pos[m]
-                short_home = enc_short_home[m]
-                cands = []
-                for scheme, k in schemes[m]:
-                    groups = sp_by_size[m].get(k, [])
-                    prefer = preferred(m, scheme, k)
-                    fixed = (exchange.fixed(m, 1, enc), exchange.fixed(m, k, enc))
-                    alone = member = None
-                    if exchange.measured:  # priced as the simulator will: per group size (long_short.py)
-                        alone = priced(m, 1)
-                        member = priced(m, k) if groups else None
-                    cands.append(place_module(scheme, enc_cost[m], leaders, groups, short_home,
-                                              {r: -bubble[r] for r in leaders},
-                                              lambda i, m=m, k=k, pos=pos: exchange.seconds(m, pos[i], k), prefer,
-                                              due, fixed, alone, member))
+                cands = candidates(m).place({r: -bubble[r] for r in leaders})
                 checked: dict[int, float] = {}
                 if exchange.measured:  # check the estimate's most loaded ranks at the simulator's prices
                     start = {r: -bubble[r] for r in leaders}

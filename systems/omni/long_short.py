@@ -39,7 +39,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, reduce
+from operator import add as add_
 
 SCHEMES = ("none", "long_short", "all")  # in order of preference when they tie (less parallelism first)
 SLACK = 0.02  # of a balanced per-rank share: how much imbalance locality may buy (as in reshard.py)
@@ -155,16 +156,167 @@ def place_module(scheme: str, cost: dict[int, float], ranks: Sequence[int], grou
     """Short samples, then group samples (module docstring), from `start` loads. `cost` decides
     which samples are long; placement prices a sample at `alone[i]` on one rank and at `member[i]`
     per member of a group (GroupCosts.cost; default `cost` and `cost` / k); `fixed`: a
-    microbatch's cost beyond its samples alone and as a group member (GroupCosts.fixed)."""
-    k = len(groups[0]) if groups else 1
-    split = split_for(scheme, cost, len(ranks), k)
-    loads = dict(start)
-    on_rank = place_short(split.short, alone or cost, {i: home[i] for i in split.short}, loads, due, fixed[0])
-    slack = SLACK * sum(cost.values()) / max(1, len(ranks))
-    per_member = member if member is not None else {i: cost[i] / k for i in split.long}
-    on_group = (place_on_groups(split.long, {i: per_member[i] * k for i in split.long}, groups, loads, exchange,
-                                prefer, slack, due, fixed[1]) if split.long else {})
-    return ModulePlacement(scheme, split, on_rank, on_group, loads, list(groups))
+    microbatch's cost beyond its samples alone and as a group member (GroupCosts.fixed).
+    One candidate of `Candidates`, which weighs many sharing their work."""
+    cands = Candidates(cost, ranks, home, due or {}, alone, fixed[0])
+    cands.add(scheme, groups, exchange, prefer, member, fixed[1])
+    return cands.place(start)[0]
+
+
+class Candidates:
+    """Every candidate placement (scheme, group size) of one encoder's samples in one step, placed
+    as `place_module` places one, sharing their work: each split (which samples run over a group:
+    the same for every group size of a scheme), the samples' orders, every group sample's share,
+    exchange and preferred group are worked out once, for every start the candidates are placed from
+    (the even and the bubble-aware placements); the short samples' placement once per start and
+    split (long_short's is the same at every group size). The placements are those `place_module`
+    makes one candidate at a time, float for float: the same sums in the same order."""
+
+    def __init__(self, cost: dict[int, float], ranks: Sequence[int], home: dict[int, Sequence[int]],
+                 due: dict[int, int], alone: dict[int, float] | None = None, fixed_alone: float = 0.0):
+        self.cost, self.ranks, self.home, self.due = cost, ranks, home, due
+        self.alone = alone or cost
+        self.fixed_alone = fixed_alone
+        self.total = sum(cost.values())
+        self.slack = SLACK * self.total / max(1, len(ranks))
+        self._by_cost = [i for i, _ in sorted(cost.items(), key=lambda x: (-x[1], x[0]))]  # split_for's order
+        self._splits: dict[str, LongShortSplit] = {}
+        self._short: dict[str, tuple[list[int], list[tuple[int, ...]], list[int]]] = {}
+        self._heap_key: dict[int, tuple[int, ...]] = {}  # per home list: loaders with one home share a heap
+        self._cands: list[tuple] = []
+
+    def _split(self, scheme: str, k: int) -> tuple[str, LongShortSplit]:
+        """split_for(scheme, cost, ranks, k), kept per what it depends on (all / long_short over a
+        group, or none)."""
+        kind = scheme if scheme in ("all", "long_short") and k > 1 else "none"
+        got = self._splits.get(kind)
+        if got is None:
+            cost, share = self.cost, self.total / len(self.ranks) if self.ranks else 0.0
+            if kind == "all":
+                got = LongShortSplit(share, tuple(self._by_cost), ())
+            elif kind == "long_short":
+                long = tuple(i for i in self._by_cost if cost[i] > share)
+                on_long = set(long)
+                got = LongShortSplit(share, long, tuple(sorted(i for i in cost if i not in on_long)))
+            else:
+                got = LongShortSplit(share, (), tuple(sorted(cost)))
+            self._splits[kind] = got
+        return kind, got
+
+    def _short_order(self, kind: str, split: LongShortSplit):
+        """place_short's order (costliest alone first) of a split's short samples, with each one's
+        heap (its home group) and LLM microbatch."""
+        got = self._short.get(kind)
+        if got is None:
+            alone, due, keys = self.alone, self.due, self._heap_key
+            order = sorted(split.short, key=lambda i: (-alone[i], i))
+            heaps = []
+            for i in order:
+                h = self.home[i]
+                key = keys.get(id(h))
+                if key is None:
+                    key = keys[id(h)] = tuple(h)
+                heaps.append(key)
+            got = self._short[kind] = (order, heaps, [due.get(i, 0) for i in order])
+        return got
+
+    def add(self, scheme: str, groups: list[tuple[int, ...]], exchange: Callable[[int], float] | None,
+            prefer: dict[int, int] | None, member: dict[int, float] | None = None, fixed_member: float = 0.0) -> None:
+        """One more candidate: `scheme` over `groups` (all of one size), as place_module's arguments."""
+        k = len(groups[0]) if groups else 1
+        if any(len(g) != k for g in groups):
+            raise ValueError(f"groups: a candidate's sequence-parallel groups are all of one size, got "
+                             f"{sorted({len(g) for g in groups})}")
+        kind, split = self._split(scheme, k)
+        self._short_order(kind, split)
+        on_groups = None
+        if split.long:
+            per_member = member if member is not None else {i: self.cost[i] / k for i in split.long}
+            priced = {i: per_member[i] * k for i in split.long}
+            order = sorted(split.long, key=lambda i: (-priced[i], i))
+            prefer, due = prefer or {}, self.due
+            # a member's share of each sample in place_on_groups' order: its price over the group, its exchange
+            adds = [priced[i] / k + (exchange(i) if exchange else 0.0) for i in order]
+            on_groups = (order, adds, [prefer.get(i, -1) for i in order], [due.get(i, 0) for i in order])
+        self._cands.append((scheme, kind, split, list(groups), on_groups, fixed_member))
+
+    def place(self, start: dict[int, float]) -> list[ModulePlacement]:
+        """Every candidate, in the order added, each from loads `start`. Candidates with the same
+        split share one `on_rank` (read it, do not change it)."""
+        shorts: dict[str, tuple[dict[int, list[int]], dict[int, float]]] = {}
+        out = []
+        for scheme, kind, split, groups, on_groups, fixed_member in self._cands:
+            if kind not in shorts:
+                loads = dict(start)
+                order, heaps, dues = self._short[kind]
+                shorts[kind] = (_place_short(order, heaps, dues, self.alone, loads, self.fixed_alone), loads)
+            on_rank, after_short = shorts[kind]
+            loads = dict(after_short)
+            placed = (_place_on_groups(*on_groups, groups, loads, self.slack, fixed_member)
+                      if on_groups is not None else {})
+            out.append(ModulePlacement(scheme, split, on_rank, placed, loads, groups))
+        return out
+
+
+def _place_short(order: list[int], heaps: list[tuple[int, ...]], dues: list[int], cost: dict[int, float],
+                 loads: dict[int, float], fixed: float) -> dict[int, list[int]]:
+    """place_short over samples already in its order, each with its home group and LLM microbatch."""
+    out: dict[int, list[int]] = {r: [] for r in loads}
+    by_home: dict[tuple[int, ...], list[tuple[float, int]]] = {}
+    opened: set[tuple[int, int]] = set()
+    pop, push = heapq.heappop, heapq.heappush
+    for i, key, j in zip(order, heaps, dues, strict=True):
+        heap = by_home.get(key)
+        if heap is None:
+            heap = by_home[key] = [(loads[r], r) for r in key]
+            heapq.heapify(heap)
+        _, r = pop(heap)
+        out[r].append(i)
+        load = loads[r] + cost[i]
+        if fixed and (r, j) not in opened:
+            opened.add((r, j))
+            load += fixed
+        loads[r] = load
+        push(heap, (load, r))
+    return out
+
+
+def _place_on_groups(order: list[int], adds: list[float], prefer: list[int], dues: list[int],
+                     groups: list[tuple[int, ...]], loads: dict[int, float], slack: float,
+                     fixed: float) -> dict[int, list[int]]:
+    """place_on_groups over samples already in its order, with each one's share of a member's
+    load, preferred group (-1: none) and LLM microbatch. Every member of a group takes the same
+    shares in the same order, so each member's load is summed once the group's shares are known:
+    the same additions, in the same order, as adding them one by one."""
+    out: dict[int, list[int]] = {g: [] for g in range(len(groups))}
+    if not groups:
+        return out
+    top = [max(loads[r] for r in grp) for grp in groups]  # a group finishes with its most loaded member
+    shares: list[list[float]] = [[] for _ in groups]
+    opened: set[tuple[int, int]] = set()
+    heap = [(top[g], g) for g in range(len(groups))]
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    for i, add, p, j in zip(order, adds, prefer, dues, strict=True):
+        while True:  # lazy heap: every placement pushes its group's new top, so a stale entry just goes
+            t, g = heap[0]
+            if t == top[g]:
+                break
+            pop(heap)
+        if p >= 0 and top[p] <= top[g] + slack:
+            g = p
+        out[g].append(i)
+        if fixed and (g, j) not in opened:
+            opened.add((g, j))
+            add += fixed
+        shares[g].append(add)
+        top[g] += add  # every member takes the same share
+        push(heap, (top[g], g))
+    for g, grp in enumerate(groups):
+        if shares[g]:
+            for r in grp:
+                loads[r] = reduce(add_, shares[g], loads[r])  # ((load + a1) + a2) + ..., as one by one
+    return out
 
 
 def choose(candidates: list[ModulePlacement], finish: Callable[[ModulePlacement], float] | None = None
@@ -246,6 +398,9 @@ class GroupCosts:
         self._seconds: dict[tuple, float] = {}  # per (module, positions, k)
         self._coefficients: dict[tuple, object] = {}  # per (module, k, bf16)
         self._sequences: dict[tuple, tuple] = {}  # per (module, sample): (sample, its attention sequences)
+        # per (module, k, bf16, attention sequences): a step's samples share a few hundred sets of
+        # sequences (images of a few sizes, videos of a few grids) among tens of thousands
+        self._priced: dict[tuple, float] = {}
 
     def seconds(self, module: str, positions: int, k: int) -> float:
         key = (module, positions, k)
@@ -300,8 +455,13 @@ class GroupCosts:
                 self.model, self.hardware, module, k, self.recompute.get(module, "none"), bf16)
         got = self._sequences.get((module, id(sample)))
         if got is None or got[0] is not sample:
-            got = self._sequences[(module, id(sample))] = (sample, attention_sequences(sample, module, self.model))
-        return sum(c.sequence(n) for n in got[1])
+            got = self._sequences[(module, id(sample))] = (
+                sample, tuple(attention_sequences(sample, module, self.model)))
+        key = (module, k, bf16, got[1])
+        out = self._priced.get(key)
+        if out is None:
+            out = self._priced[key] = sum(c.sequence(n) for n in got[1])
+        return out
 
     def microbatch_seconds(self, module: str, samples: Sequence, k: int = 1, layout=None) -> float:
         """A rank's seconds for one encoder microbatch of `samples` (forward with its inputs, backward)
