@@ -45,4 +45,6 @@ class exit_on_sigterm:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        global _stopped
         signal.signal(signal.SIGTERM, self._previous)
+        _stopped = None  # the signal was this block's: code after it (a later command in-process) runs on

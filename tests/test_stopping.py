@@ -46,6 +46,11 @@ def test_a_sweep_stops_after_the_item_during_which_a_dropped_sigterm_arrived():
     assert seen == [0, 1]
 
 
-def test_without_a_sigterm_nothing_is_raised():
+def test_without_a_sigterm_nothing_is_raised_and_a_block_s_signal_does_not_outlive_it():
     with exit_on_sigterm():
         raise_if_stopped()
+    with exit_on_sigterm():
+        _SignalledInAFinalizer()
+    raise_if_stopped()  # the stop was the block's; a sweep after it (another command in this process) runs
+    with Sweep(workers=1) as sweep:
+        assert sweep.map(abs, [-1, 2]) == [1, 2]
