@@ -159,3 +159,20 @@ def test_a_seed_keeps_its_encoder_share_of_the_ranks_on_another_cluster():
     [(_, tr)] = res.seeded
     assert tr is not None and tr.candidate.encoder_ranks == 16
     assert tune_mod.Seed.from_row(Seed(c, 128, "x").row()) == Seed(c, 128, "x")
+
+
+def test_tune_cli_starts_from_the_seeds_and_says_so(tmp_path):
+    from omnibench.cli import tune as tune_cli
+
+    seeds = tmp_path / "seeds.json"
+    seeds.write_text(json.dumps({"seeds": [Seed(WON, 1024, "mixed_video 1,024 h100").row()]}))
+    app = typer.Typer()
+    tune_cli.register(app)
+    args = ["--system", "omni", "--workload", "mixed_video", "--gpus", "16", "--budget", "1", "--seed-from", str(seeds)]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.output[r.output.index("{"):])
+    [sd] = got["seeds"]
+    assert sd["label"] == WON.label() and sd["fits"] and got["best"]["step_s"] <= sd["step_s"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "seeds: 1 for omni, the fastest" in " ".join(r.output.split())
