@@ -620,12 +620,12 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     seeded_search = ["--tune-budget", str(seeded_budget)] if budget else search
     seeded_tag = (f"b{seeded_budget}" if budget else f"f{sweep.tune_fraction}") + "s"
 
-    def seeded(key: str) -> tuple[list[str], Callable[[], None]]:
+    def seeded(key: str, workload: str | None = None) -> tuple[list[str], Callable[[], None]]:
         path = sims_dir / "seeds" / f"{key}.json"
 
         def prepare() -> None:  # a stage run again (--resume) reads the seeds it was given the first time
             if not path.is_file():
-                write_seeds(Path(cache), path)
+                write_seeds(Path(cache), path, workload)
         return ["--seed-from", str(path)], prepare
     # wall seconds on 2 quiet cores: the tune of one system at a size (budget 8, checked at 16: about 20
     # simulated layouts; a fraction of the space is about 3x that) and the simulation of one of its steps
@@ -720,12 +720,13 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                                 sum(len(systems) * (tune_s[n] * 0.5 + step_s[n]) for n in cond_gpus),
                                 prepare=prepare))
     # 7. the largest clusters, last (their simulations are the dearest: 4-8x a 1,024-GPU step each), seeded with
-    # every answer before them (mixed_video's at 1,024 GPUs among them). Searched alone at 8,192 GPUs, omni's
-    # tune settled on tp 4 (4 -> 8 layouts moved 0%) and missed tp 1 / cp 4, 1.36x faster.
+    # the same workload's answers at the sizes and on the machines before them (each seed costs a simulation
+    # at this size; per-GPU work is the same at every size). Searched alone at 8,192 GPUs, omni's tune settled
+    # on tp 4 (4 -> 8 layouts moved 0%) and missed tp 1 / cp 4, 1.36x faster.
     for wl, n in LARGEST_QUICK if quick else LARGEST:
         extra = dynamic_args(wl)
         key = f"largest-{wl}-{n}-{seeded_tag}"
-        seed_args, prepare = seeded(key)
+        seed_args, prepare = seeded(key, wl)
         stages.append(Stage(key, f"tune every system on {wl} at {n:,} GPUs from the layouts that won before, "
                             "simulate it there" + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),
                             ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(n), *extra,
@@ -734,9 +735,10 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     return stages
 
 
-def write_seeds(tune_cache: Path, path: Path) -> None:
+def write_seeds(tune_cache: Path, path: Path, workload: str | None = None) -> None:
     """The seeds file a stage's `--seed-from` names: every layout the tune cache holds (each system's answer
-    at each workload, size, machine and grid cell tuned so far, with nominal memory estimates), once."""
+    at each workload, size, machine and grid cell tuned so far, with nominal memory estimates; only
+    `workload`'s when given), once."""
     import json
 
     from omnibench.tune import Candidate, Seed
@@ -745,7 +747,7 @@ def write_seeds(tune_cache: Path, path: Path) -> None:
     entries = json.loads(tune_cache.read_text()) if tune_cache.is_file() else {}
     rows, seen = [], set()
     for e in entries.values():
-        if "candidate" not in e or e.get("memory_error"):
+        if "candidate" not in e or e.get("memory_error") or (workload and e.get("workload") != workload):
             continue
         c = Candidate(**e["candidate"])
         if (c, e.get("model")) in seen:
