@@ -137,6 +137,8 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
 
 
 def test_every_seeded_stage_reads_the_answers_of_the_stages_before_it_and_keeps_them_when_resumed(tmp_path):
+    from dataclasses import asdict, replace
+
     from omnibench.cli.simulate import read_seeds
     from omnibench.tune import Candidate
 
@@ -149,18 +151,21 @@ def test_every_seeded_stage_reads_the_answers_of_the_stages_before_it_and_keeps_
     won = Candidate("omni", tp=1, cp=4, microbatches=1, recompute="vision=full,audio=full")
     cache = sims / "tuned-layouts.json"
     sims.mkdir(parents=True)
+    # its answer and runner-up (the entry's prior: its fastest distinct layouts), not its third
+    top = [won, replace(won, microbatches=2), replace(won, cp=2)]
     entry = {"system": "omni", "workload": "mixed_video", "gpus": 1024, "hardware": "h100", "model": "omni-7b",
-             "memory_error": 0.0, "candidate": {**won.__dict__}}
-    cache.write_text(json.dumps({"a": entry, "b": {**entry, "memory_error": 0.2,
-                                                   "candidate": {**won.__dict__, "tp": 2}}}))
+             "memory_error": 0.0, "candidate": asdict(won), "prior": {"top": [asdict(c) for c in top]}}
+    cache.write_text(json.dumps({"a": entry, "b": {**entry, "memory_error": 0.2, "prior": None,
+                                                   "candidate": asdict(replace(won, tp=2))}}))
     st = seeded[0]
     st.prepare()
     path = Path(st.args[st.args.index("--seed-from") + 1])
-    [sd] = read_seeds([path], "omni-7b")  # a layout tuned under a memory error is no seed
-    assert sd.candidate == won and sd.world == 1024 and sd.source == "mixed_video 1,024 h100"
+    got = read_seeds([path], "omni-7b")  # a layout tuned under a memory error is no seed
+    assert [sd.candidate for sd in got] == top[:report.SEEDS_PER_TUNE] and {sd.world for sd in got} == {1024}
+    assert [sd.source for sd in got] == ["mixed_video 1,024 h100", "mixed_video 1,024 h100 (runner-up)"]
     cache.write_text(json.dumps({}))  # what a later stage added no longer changes this stage's seeds
     st.prepare()
-    assert read_seeds([path], "omni-7b") == [sd]
+    assert read_seeds([path], "omni-7b") == got
     largest = [st for st in stages if st.key.startswith("largest-")]
     assert [st.args[st.args.index("--gpus") + 1] for st in largest] == [str(n) for _, n in report.LARGEST]
 
