@@ -29,8 +29,9 @@ SIM_ABLATIONS = (*ABLATIONS, "llm-long-short")  # and the one only a cluster sho
 # tune.WAVE: the fastest of each pipeline depth and tp x cp split) and checks it converged (twice that
 # moves the best by <= 2%, OUT/convergence.csv); `--tune-budget 0` simulates TUNE_FRACTION of each pruned
 # space instead (about 3x the time: 27 layouts of a 108-layout space, 54 for the check). --quick simulates
-# TUNE_BUDGET_QUICK. The dynamic workloads are tuned on TUNE_STEPS_DYNAMIC batches picked across their
-# window (calmest, median, burstiest), so a layout survives the burst.
+# TUNE_BUDGET_QUICK. Every tune after the first is seeded with the earlier tunes' answers (tune.Seed) and
+# searches half that budget. The dynamic workloads are tuned on TUNE_STEPS_DYNAMIC batches picked across
+# their window (calmest, median, burstiest), so a layout survives the burst.
 TUNE_FRACTION, TUNE_BUDGET, TUNE_BUDGET_QUICK = 0.25, 8, 2
 TUNE_STEPS_DYNAMIC = 3
 SWEEP_GPUS, SWEEP_GPUS_QUICK = (1024,), (64, 128)
@@ -207,7 +208,8 @@ def register(app: typer.Typer) -> None:
         repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
                                    "throughput figure shows their mean with an error bar."),
         tune_budget: int = typer.Option(None, "--tune-budget", help=f"Layouts `tune` simulates per system for the "
-                                        f"tuned figures (default {TUNE_BUDGET}, {TUNE_BUDGET_QUICK} with --quick); 0: "
+                                        f"tuned figures (default {TUNE_BUDGET}, {TUNE_BUDGET_QUICK} with --quick; the "
+                                        "seeded tunes after the first: half of it); 0: "
                                         "--tune-fraction of each system's space."),
         tune_fraction: float = typer.Option(TUNE_FRACTION, "--tune-fraction", help="With --tune-budget 0: the share "
                                             "of each system's pruned layout space its tune simulates."),
@@ -227,7 +229,8 @@ def register(app: typer.Typer) -> None:
         again under memory estimates 20% low and high, and the condition grid (video share x
         length spread, omni-7b, 256 GPUs); then every figure and its table (CSV) under
         OUT/figures, OUT/report.html, and OUT/convergence.csv: each tune searched again at twice its budget,
-        and how far its best step time moved. Tunes are kept in OUT/sims/reproduce/tuned-layouts.json and
+        and how far its best step time moved (and, for the tunes seeded with the earlier tunes' answers, how
+        far it beat its fastest seed). Tunes are kept in OUT/sims/reproduce/tuned-layouts.json and
         reused by later stages and --resume; simulations run on every core (--workers) and through the
         step cache. Prints each stage (k of N, what it runs, time left; --plan lists them and runs
         nothing); exits 1 if a stage failed or a figure could not be drawn."""
@@ -631,10 +634,14 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
             if not path.is_file():
                 write_seeds(Path(cache), path, workload)
         return ["--seed-from", str(path)], prepare
-    # wall seconds on 2 quiet cores: the tune of one system at a size (budget 8, checked at 16: about 20
-    # simulated layouts; a fraction of the space is about 3x that) and the simulation of one of its steps
+    # wall seconds on 2 quiet cores (CPU / 2 of the stages measured in BENCHMARKS "Seeded tunes"): the tune of
+    # one system at a size (budget 8, checked at 16 and doubled while it moves: 12-60 simulated layouts; a
+    # fraction of the space is about 3x that; seeded at half the budget: SEEDED_SCALE of it) and the
+    # simulation of one of its steps
     per_layout = 1.0 if budget else 3.0
-    tune_s = {n: (1.0 if quick else 15.0 * per_layout * n / 1024) for n in (*gpus, largest, *CONDITION_GPUS,
+    # (above 1,024 GPUs a search started from smaller sizes' answers simulates fewer layouts: the 8,192-GPU
+    # stage took as long as the 1,024-GPU one in the reproduce of BENCHMARKS, hence the square root)
+    tune_s = {n: (1.0 if quick else 25.0 * per_layout * (n / 1024 if n <= 1024 else (n / 1024) ** 0.5)) for n in (*gpus, largest, *CONDITION_GPUS,
                                                                          *(n for _, n in (*LARGEST, *LARGEST_QUICK)))}
     step_s = {n: (0.4 if quick else 1.0 * n / 1024) for n in tune_s}
     workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
