@@ -39,6 +39,11 @@ each system's own space:
 4. **Converged?** (`tune_converged`) The search again at twice the budget, reusing every layout
    already simulated: the best step time may move by at most `CONVERGED` (2%); while it moves more,
    the budget doubles again (at most `MAX_DOUBLINGS` times), and the last doubling is reported.
+   A search compared with itself can "converge" away from a layout its first wave missed, so a
+   search may be **seeded** (`Seed`) with the layouts that won for the same system elsewhere (other
+   workloads, sizes, grid cells): they join its first wave and are simulated whatever the budget,
+   and the convergence also says how far the answer beat its fastest seed (0: it found nothing
+   faster than a seed).
 
 `batches` may hold several steps (each layout is timed on all, and fits only if it fits every
 one); `regime_batches` picks them from a window by how bursty they are (the calmest, the median,
@@ -138,6 +143,8 @@ class Convergence:
     budget_2x: int
     best_s: float  # the best step time at `budget` (0: nothing fitted)
     best_s_2x: float
+    # the fastest seed (a layout that won elsewhere, `Seed`) as simulated here; 0: no seed, or none fitted
+    seeds_best_s: float = 0.0
 
     @property
     def moved(self) -> float:
@@ -150,10 +157,20 @@ class Convergence:
     def converged(self) -> bool:
         return self.moved <= CONVERGED
 
+    @property
+    def over_seeds(self) -> float | None:
+        """How much faster the search's best is than its fastest seed (0.0: a seed is the answer, the
+        search found nothing faster); None without a fitting seed. Never negative: the seeds are
+        simulated, so the answer is at least as fast as each of them."""
+        if not self.seeds_best_s or not self.best_s_2x:
+            return None
+        return self.seeds_best_s / self.best_s_2x - 1
+
     def row(self) -> dict:
         return {"budget": self.budget, "budget_2x": self.budget_2x, "best_s": self.best_s,
                 "best_s_2x": self.best_s_2x, "moved": self.moved if math.isfinite(self.moved) else None,
-                "converged": self.converged}
+                "converged": self.converged, "seeds_best_s": self.seeds_best_s or None,
+                "over_seeds": self.over_seeds}
 
 
 @dataclass
@@ -176,6 +193,27 @@ class Prior:
         return Prior(int(row["world"]), [Candidate(**c) for c in row["top"]], dict(row["ratio"]))
 
 
+@dataclass(frozen=True)
+class Seed:
+    """A layout that won for the same system elsewhere: another workload, cluster size or grid cell
+    (`source` says which), on `world` GPUs. A seeded search simulates every seed that its layout rules
+    and memory bound admit, in its first wave, so its answer is never slower than a seed; a layout
+    near the memory limit that the analytic order ranks late (omni's tp 1 / cp 4 on the condition
+    grid's video-heavy cells, 78 of 80 GiB) is then not missed by a small budget."""
+
+    candidate: Candidate
+    world: int
+    source: str = ""
+
+    def row(self) -> dict:
+        return {"candidate": asdict(self.candidate), "world": self.world, "source": self.source,
+                "label": self.candidate.label()}
+
+    @staticmethod
+    def from_row(row: dict) -> Seed:
+        return Seed(Candidate(**row["candidate"]), int(row["world"]), str(row.get("source", "")))
+
+
 @dataclass
 class TuneResult:
     system: str
@@ -195,6 +233,16 @@ class TuneResult:
     evaluated: dict = field(default_factory=dict, repr=False)  # Candidate -> Trial: all tried, for a re-run
 
     ratio: dict = field(default_factory=dict, repr=False)  # the memory ratios learned per recompute mode
+    # the seeds this search was given, each as mapped to its cluster (None: outside its space), and
+    # each mapped seed's trial after its recompute retries
+    seeds: list = field(default_factory=list)
+    seeded: list = field(default_factory=list)  # [(Seed, Trial | None)]
+
+    @property
+    def seeds_best(self) -> Trial | None:
+        """The fastest fitting seed as simulated here."""
+        ok = [t for _, t in self.seeded if t is not None and t.fits]
+        return min(ok, key=lambda t: (t.step_s, t.candidate.label())) if ok else None
 
     @property
     def best(self) -> Trial | None:
@@ -893,7 +941,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
          fraction: float = BUDGET_FRACTION, options: dict | None = None, encoder_search: bool = True, log=None,
          sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None,
          stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None,
-         memory_error: float = 0.0) -> TuneResult:
+         memory_error: float = 0.0, seeds: list[Seed] | None = None) -> TuneResult:
     """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
     `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated with
     the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`; what fits
@@ -902,7 +950,10 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
     `omnibench.sweep.Sweep` the simulations go through (default: this process); `known`: trials of
     an earlier search with the same inputs (`TuneResult.evaluated`), reused instead of simulated;
-    `prior`: a smaller cluster's answer (`TuneResult.prior()`), its layouts in the first wave."""
+    `prior`: a smaller cluster's answer (`TuneResult.prior()`), its layouts in the first wave;
+    `seeds`: layouts that won for this system elsewhere (`Seed`: other workloads, sizes, grid cells),
+    in the first wave after the default and the prior's, and simulated whatever the budget (those of
+    other systems are ignored): the answer is never slower than a seed that fits here."""
     from omnibench.sweep import Sweep
     from systems import get_planner
 
@@ -945,8 +996,14 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
             mapped = _scaled(c, prior.world, world, settled)
             if mapped is not None and mapped not in first:
                 first.append(mapped)
+        mine = [sd for sd in (seeds or []) if sd.candidate.system == system]
+        seeded = [(sd, _seeded(sd, search, settled)) for sd in mine]
+        for _, c in seeded:
+            if c is not None and c not in first:
+                first.append(c)
         search.llm_phase(keep, n_budget, first)
-        search.run([default.candidate])  # timed whatever the budget (a no-op when the phase did)
+        # timed whatever the budget (a no-op when the phase did): the default, and every seed
+        search.run([default.candidate] + [c for _, c in seeded if c is not None])
         if encoder_search:
             # around the best LLM layouts: more of them as the budget grows (twice the budget also
             # searches the encoder knobs of more layouts)
@@ -960,6 +1017,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
             for base in bases:
                 search.encoder_descent(base, notes)
         d = search.final(default.candidate)
+        seeded = [(sd, search.final(c) if c is not None else None) for sd, c in seeded]
     finally:
         if own:
             sweep.close()
@@ -968,9 +1026,18 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     for t in search.done.values():
         if not t.simulated and t.note:
             notes.append(f"{t.candidate.label()}: {t.note}")
-    return TuneResult(system, world, len(space), pruned, refused, len(sims), sims, d, time.perf_counter() - t0,
-                      notes, budget=n_budget, space=len(keep), steps=[b.step for b in batches],
-                      evaluated=dict(search.done), ratio=dict(search.ratio))
+    for sd, tr in seeded:
+        if tr is None:
+            notes.append(f"seed {sd.candidate.label()} ({sd.source}): outside this search's space "
+                         "(a layout rule, or over the memory bound in every recompute mode)")
+    res = TuneResult(system, world, len(space), pruned, refused, len(sims), sims, d, time.perf_counter() - t0,
+                     notes, budget=n_budget, space=len(keep), steps=[b.step for b in batches],
+                     evaluated=dict(search.done), ratio=dict(search.ratio), seeds=list(mine), seeded=seeded)
+    if res.seeds_best is not None and res.best is not None:
+        gain = res.seeds_best.step_s / res.best.step_s - 1
+        notes.append(f"beat its fastest seed ({res.seeds_best.candidate.label()}) by {gain:.1%}" if gain > 0 else
+                     f"the answer is a seed ({res.best.candidate.label()}): the search found nothing faster")
+    return res
 
 
 def _scaled(c: Candidate, world_from: int, world: int, settled: dict) -> Candidate | None:
@@ -988,6 +1055,26 @@ def _scaled(c: Candidate, world_from: int, world: int, settled: dict) -> Candida
     return out
 
 
+def _seeded(seed: Seed, search: _Search, settled: dict) -> Candidate | None:
+    """`seed` on this search's cluster: its LLM layout (it must be in the pruned space), its encoder
+    knobs (the encoders' share of ranks scaled with the cluster), in its own recompute mode where the
+    analytic bound allows it here, else in the mode this search settled for the layout; None where
+    the layout is outside this search's space."""
+    c = _scaled(seed.candidate, seed.world, search.world, settled)
+    if c is None:
+        return None
+    own = replace(c, recompute=seed.candidate.recompute)
+    for cand in (own, c):
+        try:
+            cand.parallel(search.world, search.gpn).validate(search.model)
+            if cand.recompute not in search.modes or search.bound(cand) > search.capacity:
+                continue
+        except (SpecError, PlanError, ValueError):
+            continue
+        return cand
+    return None
+
+
 def tune_converged(system: str, model: MultimodalSpec, batches: list, cluster, *, budget: int = DEFAULT_BUDGET,
                    fraction: float = BUDGET_FRACTION, doublings: int = MAX_DOUBLINGS, **kw) -> TuneResult:
     """`tune` at `budget`, then again at twice it reusing every layout already simulated, and again
@@ -1000,8 +1087,10 @@ def tune_converged(system: str, model: MultimodalSpec, batches: list, cluster, *
         second = tune(system, model, batches, cluster, budget=2 * first.budget, fraction=fraction,
                       known=first.evaluated, **kw)
         seconds += second.seconds
+        seed = second.seeds_best
         second.convergence = Convergence(first.budget, second.budget, first.best.step_s if first.best else 0.0,
-                                         second.best.step_s if second.best else 0.0)
+                                         second.best.step_s if second.best else 0.0,
+                                         seed.step_s if seed is not None else 0.0)
         if second.convergence.converged or second.budget <= first.budget:  # settled, or the space is spent
             break
         first = second

@@ -101,7 +101,12 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
     cache = str(sims / "tuned-layouts.json")
     for st in tuned:
         a = st.args
-        assert "--tuned" in a and a[a.index("--tune-budget") + 1] == str(report.TUNE_BUDGET)
+        # the first tune and the ablations that read its answer at the full budget, every later one seeded
+        unseeded = st.key.startswith(("tuned-mixed_video-", "tuned-omni-no-")) and "h200" not in st.key
+        assert "--tuned" in a and a[a.index("--tune-budget") + 1] == str(report.TUNE_BUDGET // (1 if unseeded else 2))
+        assert ("--seed-from" in a) != unseeded
+        if not unseeded:
+            assert a[a.index("--seed-from") + 1] == str(sims / "seeds" / f"{st.key}.json") and st.prepare
         assert "--tune-fraction" not in a and "--check-convergence" in a  # one wave of layouts, checked at 2x
         assert a[a.index("--tune-cache") + 1] == cache  # one cache: a layout is tuned once, then read
     sweep = {st.args[st.args.index("--workload") + 1]: st for st in tuned if "omni-no" not in st.key
@@ -125,10 +130,44 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
     for st in ablation:
         assert [a for a in st.args if a in keyed] == [a for a in sweep["mixed_video"].args if a in keyed]
     small = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=9)
-    assert all(st.args[st.args.index("--tune-budget") + 1] == "9" for st in small if st.key.startswith("tuned-"))
+    assert {st.args[st.args.index("--tune-budget") + 1] for st in small if st.key.startswith("tuned-")} == {"9", "4"}
     share = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, tune_budget=0)  # 0: a share of each space
     assert all(st.args[st.args.index("--tune-fraction") + 1] == str(report.TUNE_FRACTION) and "--tune-budget" not in
                st.args for st in share if st.key.startswith("tuned-"))
+
+
+def test_every_seeded_stage_reads_the_answers_of_the_stages_before_it_and_keeps_them_when_resumed(tmp_path):
+    from dataclasses import asdict, replace
+
+    from omnibench.cli.simulate import read_seeds
+    from omnibench.tune import Candidate
+
+    sims = tmp_path / "sims"
+    stages = report._stages(tmp_path / "runs", sims, SYSTEMS, quick=False)
+    first = next(st for st in stages if st.key.startswith("tuned-mixed_video-"))
+    seeded = [st for st in stages if st.prepare is not None]
+    assert seeded and all(stages.index(st) > stages.index(first) for st in seeded)
+    assert {st.key.split("-")[0] for st in seeded} == {"tuned", "memory", "conditions", "largest"}
+    won = Candidate("omni", tp=1, cp=4, microbatches=1, recompute="vision=full,audio=full")
+    cache = sims / "tuned-layouts.json"
+    sims.mkdir(parents=True)
+    # its answer and runner-up (the entry's prior: its fastest distinct layouts), not its third
+    top = [won, replace(won, microbatches=2), replace(won, cp=2)]
+    entry = {"system": "omni", "workload": "mixed_video", "gpus": 1024, "hardware": "h100", "model": "omni-7b",
+             "memory_error": 0.0, "candidate": asdict(won), "prior": {"top": [asdict(c) for c in top]}}
+    cache.write_text(json.dumps({"a": entry, "b": {**entry, "memory_error": 0.2, "prior": None,
+                                                   "candidate": asdict(replace(won, tp=2))}}))
+    st = seeded[0]
+    st.prepare()
+    path = Path(st.args[st.args.index("--seed-from") + 1])
+    got = read_seeds([path], "omni-7b")  # a layout tuned under a memory error is no seed
+    assert [sd.candidate for sd in got] == top[:report.SEEDS_PER_TUNE] and {sd.world for sd in got} == {1024}
+    assert [sd.source for sd in got] == ["mixed_video 1,024 h100", "mixed_video 1,024 h100 (runner-up)"]
+    cache.write_text(json.dumps({}))  # what a later stage added no longer changes this stage's seeds
+    st.prepare()
+    assert read_seeds([path], "omni-7b") == got
+    largest = [st for st in stages if st.key.startswith("largest-")]
+    assert [st.args[st.args.index("--gpus") + 1] for st in largest] == [str(n) for _, n in report.LARGEST]
 
 
 def test_reproduce_passes_its_sweep_options_to_every_simulation_and_to_no_measured_run():

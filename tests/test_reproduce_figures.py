@@ -109,11 +109,11 @@ def test_reproduce_adds_the_largest_cluster_a_second_machine_the_memory_errors_a
         return st.args[st.args.index(flag) + 1]
 
     sims_ = {st.key: st for st in stages if st.key.startswith(("tuned-", "largest-")) and "omni-no" not in st.key}
-    largest = [st for st in sims_.values() if arg(st, "--gpus").endswith(f",{report.LARGEST_GPUS}")]
-    assert {arg(st, "--workload") for st in largest} == set(report.LARGEST_WORKLOADS)
-    # with the first size, at its budget: that size's tune (from the cache) is the larger search's prior
-    assert all(arg(st, "--gpus") == f"{report.SWEEP_GPUS[0]},{report.LARGEST_GPUS}" and
-               arg(st, "--tune-budget") == str(report.TUNE_BUDGET) for st in largest)
+    largest = [st for st in sims_.values() if st.key.startswith("largest-")]
+    assert [(arg(st, "--workload"), int(arg(st, "--gpus"))) for st in largest] == list(report.LARGEST)
+    # alone, seeded with its workload's answers at the sizes before it, at the seeded budget
+    assert all("--seed-from" in st.args and arg(st, "--tune-budget") == str(report.TUNE_BUDGET // 2)
+               for st in largest)
     assert stages.index(largest[0]) > max(stages.index(st) for st in sims_.values() if st not in largest)  # last
     second = [st for st in sims_.values() if arg(st, "--hardware") == report.SECOND_HARDWARE]
     assert {arg(st, "--workload") for st in second} == set(report.SECOND_HARDWARE_WORKLOADS)
@@ -127,6 +127,7 @@ def test_reproduce_adds_the_largest_cluster_a_second_machine_the_memory_errors_a
     assert cells and all(callable(st.args) for st in cells)
     first = cells[0].args()  # the cell's workload file is written when its stage starts
     assert Path(arg_of(first, "--workload")).is_file()
+    assert all("--seed-from" in st.args() for st in cells)  # seeded with every answer before them
     assert {arg_of(st.args(), "--model") for st in cells} == set(report.CONDITION_MODELS)
 
 

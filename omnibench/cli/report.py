@@ -29,8 +29,9 @@ SIM_ABLATIONS = (*ABLATIONS, "llm-long-short")  # and the one only a cluster sho
 # tune.WAVE: the fastest of each pipeline depth and tp x cp split) and checks it converged (twice that
 # moves the best by <= 2%, OUT/convergence.csv); `--tune-budget 0` simulates TUNE_FRACTION of each pruned
 # space instead (about 3x the time: 27 layouts of a 108-layout space, 54 for the check). --quick simulates
-# TUNE_BUDGET_QUICK. The dynamic workloads are tuned on TUNE_STEPS_DYNAMIC batches picked across their
-# window (calmest, median, burstiest), so a layout survives the burst.
+# TUNE_BUDGET_QUICK. Every tune after the first is seeded with the earlier tunes' answers (tune.Seed) and
+# searches half that budget. The dynamic workloads are tuned on TUNE_STEPS_DYNAMIC batches picked across
+# their window (calmest, median, burstiest), so a layout survives the burst.
 TUNE_FRACTION, TUNE_BUDGET, TUNE_BUDGET_QUICK = 0.25, 8, 2
 TUNE_STEPS_DYNAMIC = 3
 SWEEP_GPUS, SWEEP_GPUS_QUICK = (1024,), (64, 128)
@@ -48,6 +49,14 @@ DYNAMIC_RUNS_QUICK = {"bursty_mix": ("--seed", "14", "--steps", "10"),
 # --tuned ...` makes it).
 LARGEST_GPUS, LARGEST_GPUS_QUICK = 8192, 256
 LARGEST_WORKLOADS = ("mixed_video",)
+LARGEST, LARGEST_QUICK = tuple((wl, LARGEST_GPUS) for wl in LARGEST_WORKLOADS), (("mixed_video", LARGEST_GPUS_QUICK),)
+# a seeded tune (half the budget, its seeds on top): its time as a share of an unseeded one's (measured in
+# results/BENCHMARKS.md "The tuned comparison as `reproduce` regenerates it")
+SEEDED_SCALE = 0.5
+# the layouts of each earlier tune that seed the later ones: its answer and its runner-up (colocated's
+# image_sft answer, tp 1 / cp 4 / 2 microbatches, was its runner-up on mixed_video; seeded with the answers
+# alone, its search at half the budget settled 2.2% slower than an unseeded search at the full budget)
+SEEDS_PER_TUNE = 2
 SECOND_HARDWARE = "h200"
 SECOND_HARDWARE_WORKLOADS = ("mixed_video", "image_sft")  # a video mix, and the one the baselines fit without
                                                           # recomputation (where 141 GB can move the verdict)
@@ -199,7 +208,8 @@ def register(app: typer.Typer) -> None:
         repeat: int = typer.Option(1, "--repeat", help="Repeats of each measured CPU run: the measured "
                                    "throughput figure shows their mean with an error bar."),
         tune_budget: int = typer.Option(None, "--tune-budget", help=f"Layouts `tune` simulates per system for the "
-                                        f"tuned figures (default {TUNE_BUDGET}, {TUNE_BUDGET_QUICK} with --quick); 0: "
+                                        f"tuned figures (default {TUNE_BUDGET}, {TUNE_BUDGET_QUICK} with --quick; the "
+                                        "seeded tunes after the first: half of it); 0: "
                                         "--tune-fraction of each system's space."),
         tune_fraction: float = typer.Option(TUNE_FRACTION, "--tune-fraction", help="With --tune-budget 0: the share "
                                             "of each system's pruned layout space its tune simulates."),
@@ -219,7 +229,8 @@ def register(app: typer.Typer) -> None:
         again under memory estimates 20% low and high, and the condition grid (video share x
         length spread, omni-7b, 256 GPUs); then every figure and its table (CSV) under
         OUT/figures, OUT/report.html, and OUT/convergence.csv: each tune searched again at twice its budget,
-        and how far its best step time moved. Tunes are kept in OUT/sims/reproduce/tuned-layouts.json and
+        and how far its best step time moved (and, for the tunes seeded with the earlier tunes' answers, how
+        far it beat its fastest seed). Tunes are kept in OUT/sims/reproduce/tuned-layouts.json and
         reused by later stages and --resume; simulations run on every core (--workers) and through the
         step cache. Prints each stage (k of N, what it runs, time left; --plan lists them and runs
         nothing); exits 1 if a stage failed or a figure could not be drawn."""
@@ -277,6 +288,8 @@ class Stage:
     # an ablation at a kept layout: "nothing fits" is its answer (that switch costs the layout its
     # memory), kept as the stage's note rather than a failure
     no_fit_is_an_answer: bool = False
+    # run just before the command (when the earlier stages are done): writes the seeds file it reads
+    prepare: Callable[[], None] | None = None
 
 
 def _omnibench(args: list[str]) -> tuple[bool, str]:
@@ -447,13 +460,15 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         write_csv(out / "convergence.csv", conv, CONVERGENCE_COLUMNS)
         table = Table(title="convergence of the tunes (best step time at the budget and at twice it)")
         for col in ("workload", "GPUs", "system", "layout", "space", "budget", "best s", "2x budget", "best s (2x)",
-                    "moved"):
+                    "moved", "vs seeds"):
             table.add_column(col, justify="left" if col in ("workload", "system", "layout") else "right")
         for r in conv:
             moved = "-" if r["moved"] is None else f"{r['moved']:.1%}"
+            # how far the answer beat its fastest seed; "a seed": the search found nothing faster than one
+            over = "-" if r["over_seeds"] is None else "a seed" if r["over_seeds"] <= 0 else f"+{r['over_seeds']:.1%}"
             table.add_row(r["workload"], str(r["gpus"]), r["system"], r["layout"], str(r["space"]), str(r["budget"]),
                           f"{r['best_s']:.3f}", str(r["budget_2x"]), f"{r['best_s_2x']:.3f}",
-                          moved if r["converged"] else f"[red]{moved}[/]")
+                          moved if r["converged"] else f"[red]{moved}[/]", over)
         console.print(table)
         results.append(("convergence.csv", "written" if not unconverged else
                         f"written: {len(unconverged)} of {len(conv)} tunes moved by more than 2% at twice the budget "
@@ -512,6 +527,8 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
             continue
         left = sum(x.estimate_s for x in todo[todo.index(st):]) * (spent / estimated if estimated else 1.0)
         console.print(f"[{k}/{len(stages)}] {st.what} (about {_duration(left)} left)", highlight=False)
+        if st.prepare is not None:
+            st.prepare()
         args = st.args() if callable(st.args) else st.args
         t0 = time.perf_counter()
         if err_console.is_terminal:  # a spinner while the stage runs (its own bar is quiet: --json)
@@ -602,10 +619,30 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                 cache, "--out", str(out), "--json", *sweep.run_args()]
 
     tuned_common = tuned(sims_dir, search)
-    # wall seconds on 2 quiet cores: the tune of one system at a size (budget 8, checked at 16: about 20
-    # simulated layouts; a fraction of the space is about 3x that) and the simulation of one of its steps
+    # Every tune after the first starts from what won for the same system in the stages before it (tune.Seed:
+    # the layouts in the tune cache when it starts, written to seeds/<stage>.json, which its command names):
+    # a first wave that holds them settles at half the budget (the seeds are simulated on top), and the
+    # condition grid's video-heavy cells no longer miss omni's tp 1 / cp 4
+    seeded_budget = max(TUNE_BUDGET_QUICK, budget // 2) if budget else 0
+    seeded_search = ["--tune-budget", str(seeded_budget)] if budget else search
+    seeded_tag = (f"b{seeded_budget}" if budget else f"f{sweep.tune_fraction}") + "s"
+
+    def seeded(key: str, workload: str | None = None) -> tuple[list[str], Callable[[], None]]:
+        path = sims_dir / "seeds" / f"{key}.json"
+
+        def prepare() -> None:  # a stage run again (--resume) reads the seeds it was given the first time
+            if not path.is_file():
+                write_seeds(Path(cache), path, workload)
+        return ["--seed-from", str(path)], prepare
+    # wall seconds on 2 quiet cores (CPU / 2 of the stages measured in BENCHMARKS "Seeded tunes"): the tune of
+    # one system at a size (budget 8, checked at 16 and doubled while it moves: 12-60 simulated layouts; a
+    # fraction of the space is about 3x that; seeded at half the budget: SEEDED_SCALE of it) and the
+    # simulation of one of its steps
     per_layout = 1.0 if budget else 3.0
-    tune_s = {n: (1.0 if quick else 15.0 * per_layout * n / 1024) for n in (*gpus, largest, *CONDITION_GPUS)}
+    # (above 1,024 GPUs a search started from smaller sizes' answers simulates fewer layouts: the 8,192-GPU
+    # stage took as long as the 1,024-GPU one in the reproduce of BENCHMARKS, hence the square root)
+    tune_s = {n: (1.0 if quick else 25.0 * per_layout * (n / 1024 if n <= 1024 else (n / 1024) ** 0.5)) for n in (*gpus, largest, *CONDITION_GPUS,
+                                                                         *(n for _, n in (*LARGEST, *LARGEST_QUICK)))}
     step_s = {n: (0.4 if quick else 1.0 * n / 1024) for n in tune_s}
     workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
     dynamic_runs = DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS
@@ -623,17 +660,29 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
         return len(systems) * (k * tune_s[n] * tune_scale + n_steps * step_s[n])
 
     at = _sizes(gpus)
-    for wl in workloads:
-        stages.append(Stage(f"tuned-{wl}-{tag}", f"tune every system on {wl} at {at} GPUs, simulate it there",
+    for i, wl in enumerate(workloads):
+        if i == 0:  # the first tune: nothing won before it, so a full budget
+            stages.append(Stage(f"tuned-{wl}-{tag}", f"tune every system on {wl} at {at} GPUs, simulate it there",
+                                ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
+                                 *tuned_common], sum(cost(wl, n) for n in gpus)))
+            continue
+        key = f"tuned-{wl}-{seeded_tag}"
+        seed_args, prepare = seeded(key)
+        stages.append(Stage(key, f"tune every system on {wl} at {at} GPUs from the layouts that won before, "
+                            "simulate it there",
                             ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
-                             *tuned_common], sum(cost(wl, n) for n in gpus)))
+                             *tuned(sims_dir, seeded_search), *seed_args],
+                            sum(cost(wl, n, SEEDED_SCALE) for n in gpus), prepare=prepare))
     for wl, extra in dynamic_runs.items():
         n_steps = int(extra[extra.index("--steps") + 1])
         k = min(TUNE_STEPS_DYNAMIC, n_steps)
-        stages.append(Stage(f"tuned-{wl}-{tag}", f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} "
-                            "of them (calmest to burstiest) and kept",
+        key = f"tuned-{wl}-{seeded_tag}"
+        seed_args, prepare = seeded(key)
+        stages.append(Stage(key, f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} of them (calmest "
+                            "to burstiest) from the layouts that won before, and kept",
                             ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
-                             *dynamic_args(wl), *tuned_common], sum(cost(wl, n) for n in gpus)))
+                             *dynamic_args(wl), *tuned(sims_dir, seeded_search), *seed_args],
+                            sum(cost(wl, n, SEEDED_SCALE) for n in gpus), prepare=prepare))
     if "omni" in systems:  # the ablation at omni's own tuned layout (from the cache: no tune again)
         for tech in SIM_ABLATIONS[:1] if quick else SIM_ABLATIONS:
             stages.append(Stage(f"tuned-omni-no-{tech}-{tag}", f"simulate omni without {tech} at its tuned layout, "
@@ -642,48 +691,85 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                                 step_s[gpus[0]] * 2, no_fit_is_an_answer=True))
     # 4. a second machine (same compute, 141 GB), a figure of its own
     for wl in [w for w in workloads if w in SECOND_HARDWARE_WORKLOADS]:
-        stages.append(Stage(f"tuned-{wl}-{SECOND_HARDWARE}-{tag}", f"tune every system on {wl} at {gpus[0]:,} "
-                            f"{SECOND_HARDWARE.upper()}s, simulate it there",
+        key = f"tuned-{wl}-{SECOND_HARDWARE}-{seeded_tag}"
+        seed_args, prepare = seeded(key)
+        stages.append(Stage(key, f"tune every system on {wl} at {gpus[0]:,} {SECOND_HARDWARE.upper()}s from the "
+                            "layouts that won before, simulate it there",
                             ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(gpus[0]),
-                             *tuned(sims_dir / SECOND_HARDWARE, search, hardware=SECOND_HARDWARE)],
-                            cost(wl, gpus[0])))
+                             *tuned(sims_dir / SECOND_HARDWARE, seeded_search, hardware=SECOND_HARDWARE),
+                             *seed_args], cost(wl, gpus[0], SEEDED_SCALE), prepare=prepare))
     # 5. memory sensitivity: every system tuned again and judged as if each memory estimate were off by
     # -20% / +20% (the step cache answers the layouts already simulated: the error moves no time)
     for wl in MEMORY_WORKLOADS:
         extra = dynamic_args(wl)
         for err in MEMORY_ERRORS:
-            stages.append(Stage(f"memory-{wl}-{err:+.2f}-{tag}", f"{wl} at {gpus[0]:,} GPUs, every system tuned as if "
-                                f"memory were {abs(err):.0%} {'under' if err > 0 else 'over'}-estimated",
+            key = f"memory-{wl}-{err:+.2f}-{seeded_tag}"
+            seed_args, prepare = seeded(key)
+            stages.append(Stage(key, f"{wl} at {gpus[0]:,} GPUs, every system tuned as if memory were {abs(err):.0%} "
+                                f"{'under' if err > 0 else 'over'}-estimated",
                                 ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(gpus[0]),
-                                 *extra, "--memory-error", str(err), *tuned(sims_dir / "memory", search)],
-                                cost(wl, gpus[0], 0.5)))  # half its layouts answered by the step cache
+                                 *extra, "--memory-error", str(err), *tuned(sims_dir / "memory", seeded_search),
+                                 *seed_args],
+                                cost(wl, gpus[0], SEEDED_SCALE * 0.5), prepare=prepare))  # the step cache answers half
     # 6. the condition grid (workloads/conditions.py): where decoupling pays, every system tuned per cell at a
-    # small fixed budget whose convergence the figure's caption reports
+    # small fixed budget whose convergence the figure's caption reports, seeded with every answer before it
     grid_dir, cond_dir = sims_dir / "conditions" / "grid", sims_dir / "conditions"
     cond_gpus = CONDITION_GPUS_QUICK if quick else CONDITION_GPUS
     cond_budget = TUNE_BUDGET_QUICK if quick else CONDITION_BUDGET
     for model in CONDITION_MODELS_QUICK if quick else CONDITION_MODELS:
         for share, sigma in _grid_cells(quick):
             cell = grid_dir / f"{cell_name(share, sigma)}.toml"
-            stages.append(Stage(f"conditions-{model}-{cell.stem}-b{cond_budget}",
-                                f"condition cell {cell.stem} ({model}) at {_sizes(cond_gpus)} GPUs, every system tuned",
+            key = f"conditions-{model}-{cell.stem}-b{cond_budget}s"
+            seed_args, prepare = seeded(key)
+            stages.append(Stage(key, f"condition cell {cell.stem} ({model}) at {_sizes(cond_gpus)} GPUs, every system "
+                                "tuned",
                                 _cell_args(cell, share, sigma,
                                            ["simulate", "--workload", str(cell), "--system", ",".join(systems),
                                             "--gpus", _csv(cond_gpus),
-                                            *tuned(cond_dir, ["--tune-budget", str(cond_budget)], model=model)]),
-                                sum(len(systems) * (tune_s[n] * 0.5 + step_s[n]) for n in cond_gpus)))
-    # 7. the largest cluster, last (its simulations are the dearest: 8x a 1,024-GPU step each), tuned in the
-    # same command as the first size so that its search starts from that size's answer (tune.Prior): the
-    # first size is the tune cache's and the step cache's (the same record again). Searched alone at 8,192
-    # GPUs, omni's tune settled on tp 4 (4 -> 8 layouts moved 0%) and missed tp 1 / cp 4, 1.36x faster.
-    for wl in LARGEST_WORKLOADS:
+                                            *tuned(cond_dir, ["--tune-budget", str(cond_budget)], model=model),
+                                            *seed_args]),
+                                sum(len(systems) * (tune_s[n] * 0.5 + step_s[n]) for n in cond_gpus),
+                                prepare=prepare))
+    # 7. the largest clusters, last (their simulations are the dearest: 4-8x a 1,024-GPU step each), seeded with
+    # the same workload's answers at the sizes and on the machines before them (each seed costs a simulation
+    # at this size; per-GPU work is the same at every size). Searched alone at 8,192 GPUs, omni's tune settled
+    # on tp 4 (4 -> 8 layouts moved 0%) and missed tp 1 / cp 4, 1.36x faster.
+    for wl, n in LARGEST_QUICK if quick else LARGEST:
         extra = dynamic_args(wl)
-        stages.append(Stage(f"largest-{wl}-{largest}-{tag}",
-                            f"tune every system on {wl} at {largest:,} GPUs from its {gpus[0]:,}-GPU layout, simulate "
-                            "it there" + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),
-                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus",
-                             f"{gpus[0]},{largest}", *extra, *tuned_common], cost(wl, largest)))
+        key = f"largest-{wl}-{n}-{seeded_tag}"
+        seed_args, prepare = seeded(key, wl)
+        stages.append(Stage(key, f"tune every system on {wl} at {n:,} GPUs from the layouts that won before, "
+                            "simulate it there" + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(n), *extra,
+                             *tuned(sims_dir, seeded_search), *seed_args], cost(wl, n, SEEDED_SCALE),
+                            prepare=prepare))
     return stages
+
+
+def write_seeds(tune_cache: Path, path: Path, workload: str | None = None) -> None:
+    """The seeds file a stage's `--seed-from` names: each system's answer and runner-up (SEEDS_PER_TUNE
+    distinct layouts: the entry's `prior`) at each workload, size, machine and grid cell the tune cache
+    holds (tuned with nominal memory estimates; only `workload`'s when given), each layout once."""
+    import json
+
+    from omnibench.tune import Candidate, Seed
+    from simulator.traces import write_json_atomic
+
+    entries = json.loads(tune_cache.read_text()) if tune_cache.is_file() else {}
+    rows, seen = [], set()
+    for e in entries.values():
+        if "candidate" not in e or e.get("memory_error") or (workload and e.get("workload") != workload):
+            continue
+        source = f"{Path(str(e.get('workload'))).stem} {int(e['gpus']):,} {e.get('hardware')}"
+        top = [Candidate(**e["candidate"])] + [Candidate(**t) for t in (e.get("prior") or {}).get("top", [])]
+        ranked = list(dict.fromkeys(top))[:SEEDS_PER_TUNE]
+        for i, c in enumerate(ranked):
+            if (c, e.get("model")) not in seen:
+                seen.add((c, e.get("model")))
+                rows.append({**Seed(c, int(e["gpus"]), source + (" (runner-up)" if i else "")).row(),
+                             "model": e.get("model")})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"from": str(tune_cache), "seeds": rows})
 
 
 def _csv(sizes) -> str:
@@ -715,8 +801,8 @@ def _cell_args(cell: Path, share: float, sigma: float, args: list[str]) -> Calla
 
 
 CONVERGENCE_COLUMNS = ["system", "workload", "gpus", "hardware", "model", "memory_error", "layout", "space", "budget",
-                       "budget_2x", "best_s", "best_s_2x", "moved", "converged", "tuned_at_steps", "simulated",
-                       "tune_seconds"]
+                       "budget_2x", "best_s", "best_s_2x", "moved", "converged", "seeds", "seeds_best_s", "over_seeds",
+                       "tuned_at_steps", "simulated", "tune_seconds"]
 
 
 def convergence_rows(tune_cache: Path) -> list[dict]:
@@ -733,7 +819,8 @@ def convergence_rows(tune_cache: Path) -> list[dict]:
         rows.append({**{k: entry.get(k) for k in ("system", "gpus", "hardware", "model", "space", "simulated",
                                                    "tune_seconds")},
                      "workload": Path(str(entry.get("workload"))).stem, "memory_error": entry.get("memory_error", 0.0),
-                     "layout": entry.get("label"), **conv,
+                     "layout": entry.get("label"), "seeds": len(entry.get("seeds") or []),
+                     "seeds_best_s": None, "over_seeds": None, **conv,
                      "tuned_at_steps": " ".join(str(k) for k in entry.get("tuned_at_steps", []))})
     return sorted(rows, key=lambda r: (str(r["hardware"]), str(r["model"]), r["memory_error"] or 0.0, r["workload"],
                                        r["gpus"], r["system"]))

@@ -46,8 +46,8 @@ INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a ru
 RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "peak_memory_needed_gib", "memory_capacity_gib", "speedup_over_best_baseline",
-                  "distinct_ranks", "sim_seconds", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space", "tune_moved",
-                  "tune_converged", "steps_failed"]
+                  "distinct_ranks", "sim_seconds", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space",
+                  "tune_moved", "tune_converged", "tune_seeds", "tune_over_seeds", "steps_failed"]
 # steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
 STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "step_time_s", "tokens_per_s",
                 "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
@@ -230,8 +230,45 @@ TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "g
                    "calibration", "tune_steps", "converge", "prior", "memory_error")
 
 
-def _tune_key(**fields) -> str:
-    return "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS)
+def _tune_key(seeds: list | None = None, **fields) -> str:
+    """The tune cache's key: the inputs that decide the answer (a seeded search: its seeds too, as a
+    digest, so that an unseeded answer is never taken for a seeded one)."""
+    key = "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS)
+    if seeds:
+        import hashlib
+
+        rows = json.dumps(sorted(json.dumps(sd.row(), sort_keys=True) for sd in seeds))
+        key += f"|seeds={hashlib.sha256(rows.encode()).hexdigest()[:12]}"
+    return key
+
+
+def read_seeds(paths: list[Path], model: str) -> list:
+    """The layouts in `paths` (`--seed-from`), as `tune.Seed`s of `model`: a tune cache (`--tune-cache`:
+    each entry's answer) or a seeds file (`{"seeds": [Seed rows with "model"]}`, what `reproduce`
+    passes from stage to stage). Each layout once (the first source that names it); a layout of
+    another model is not a seed."""
+    from omnibench.tune import Candidate, Seed
+
+    out: dict = {}
+    for path in paths:
+        try:
+            got = json.loads(Path(path).read_text())
+            if isinstance(got, dict) and isinstance(got.get("seeds"), list):
+                rows = [(r, Seed.from_row(r)) for r in got["seeds"]]
+            elif isinstance(got, dict):
+                rows = [(e, Seed(Candidate(**e["candidate"]), int(e["gpus"]),
+                                 f"{Path(str(e.get('workload'))).stem} {int(e['gpus']):,} {e.get('hardware')}"
+                                 + (f" memory error {e['memory_error']:+.0%}" if e.get("memory_error") else "")))
+                        for e in got.values() if isinstance(e, dict) and "candidate" in e and "gpus" in e]
+            else:
+                raise ValueError("neither a tune cache nor a seeds file")
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            fail(f"seed-from: cannot read layouts from {path} ({type(e).__name__}: {e}); give a tune cache "
+                 "(--tune-cache) or a seeds file ({\"seeds\": [...]})")
+        for row, sd in rows:
+            if row.get("model", model) == model and sd.candidate not in out:
+                out[sd.candidate] = sd
+    return list(out.values())
 
 
 def read_tune_cache(path: Path | None) -> dict:
@@ -247,13 +284,14 @@ def read_tune_cache(path: Path | None) -> dict:
 def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str,
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
                  use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
-                 dp_mode: str | None = None, memory_error: float = 0.0):
+                 dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
     batch, or batches picked across the simulated window by regime) with every omni technique on
     (the ablation keeps the full system's layout), starting from `prior` (the next smaller size's
     answer, a `tune.Prior`); or the layout `cache[key]` holds from an earlier tune with the same
     inputs (its entry then says `tune_seconds` 0 for this command). The entry keeps this search's
-    own answer as the prior of the next size (`entry["prior"]`)."""
+    own answer as the prior of the next size (`entry["prior"]`), and the `seeds` (`tune.Seed`s) it
+    started from with each one's simulated step time here (`entry["seeds"]`)."""
     from dataclasses import asdict
 
     from omnibench import tune as tune_mod
@@ -266,7 +304,8 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     res = search(system, spec, batches, cluster, profile=profile, budget=budget,
                  fraction=fraction or tune_mod.BUDGET_FRACTION,
                  options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
-                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error)
+                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error,
+                 seeds=seeds)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
@@ -274,6 +313,12 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
              "budget": res.convergence.budget if res.convergence else res.budget,
              "enumerated": res.enumerated, "tuned_at_steps": res.steps, "best_s": res.best.step_s,
              "prior": res.prior().row(), "started_from": prior.world if prior is not None else None}
+    if res.seeded:
+        entry["seeds"] = [{**sd.row(), "as": tr.candidate.label() if tr else None,
+                           "step_s": tr.step_s if tr and tr.simulated else None, "fits": bool(tr and tr.fits)}
+                          for sd, tr in res.seeded]
+        entry["seeds_best_s"] = res.seeds_best.step_s if res.seeds_best else None
+        entry["over_seeds"] = res.seeds_best.step_s / res.best.step_s - 1 if res.seeds_best else None
     if res.convergence is not None:
         entry["convergence"] = res.convergence.row()
     cache[key] = entry
@@ -521,6 +566,9 @@ def register(app: typer.Typer) -> None:
         ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
         tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
+        seed_from: list[Path] = typer.Option([], "--seed-from", help="With --tuned: each system's search starts from "
+                                             "the layouts that won for it in these files (a tune cache or a seeds "
+                                             "file; repeatable)."),
         memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
     ) -> None:
         from omnibench.specs.parallel import ParallelSpec
@@ -554,6 +602,8 @@ def register(app: typer.Typer) -> None:
             fail(f"workers must be a positive integer (default: every core), got {workers}")
         check_memory_error(memory_error)
         cache = read_tune_cache(tune_cache) if tuned else {}
+        if seed_from and not tuned:
+            fail("seed-from: seeds start a tune; give --tuned too")
         dp_fields = _dp_fields(dp_mode, dp_shard)
         _check_stack(stack)
         if micro_batch < 0 or (micro_batch and microbatches):
@@ -588,6 +638,7 @@ def register(app: typer.Typer) -> None:
             clusters = {n: load_cluster(hardware, n) for n in sizes}
         except ValueError as e:
             fail(str(e))
+        seeds = read_seeds(seed_from, spec.name) if seed_from else []
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         # the systems in the name: two simulations of one workload started in the same second differ by it
         name = f"{stamp}-{Path(workload).stem}-{system.replace(',', '+')}-{spec.name}-{Path(hardware).stem}"
@@ -636,7 +687,8 @@ def register(app: typer.Typer) -> None:
                                     budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
                                     # each size's search starts from the next smaller size's answer
                                     prior = priors[s] if s in priors and priors[s].world < n else None
-                                    key = _tune_key(system=s, workload=workload, gpus=n, model=spec.name,
+                                    mine = [sd for sd in seeds if sd.candidate.system == s]
+                                    key = _tune_key(mine, system=s, workload=workload, gpus=n, model=spec.name,
                                                     hardware=hardware, seed=seed, global_batch_tokens=gbt,
                                                     budget=budget_key, calibration=calibration,
                                                     tune_steps=",".join(str(b.step) for b in window),
@@ -651,7 +703,7 @@ def register(app: typer.Typer) -> None:
                                                                       "hardware": hardware, "model": spec.name,
                                                                       "memory_error": memory_error},
                                                             prior=prior, stack=stack, dp_mode=dp_mode,
-                                                            memory_error=memory_error)
+                                                            memory_error=memory_error, seeds=mine)
                                     if entry.get("prior") and (s not in priors or priors[s].world < n):
                                         from omnibench.tune import Prior
 
@@ -671,6 +723,9 @@ def register(app: typer.Typer) -> None:
                                     if conv:
                                         row["tune_budget_2x"] = conv["budget_2x"]
                                         row["tune_moved"], row["tune_converged"] = conv["moved"], conv["converged"]
+                                    if entry.get("seeds"):
+                                        row["tune_seeds"] = len(entry["seeds"])
+                                        row["tune_over_seeds"] = entry.get("over_seeds")
                                 else:
                                     sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
                                                                             step_stride, clusters[n], tp, pp, cp, recompute,
@@ -749,7 +804,7 @@ def register(app: typer.Typer) -> None:
                     # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
                     # batches picked across the window by regime), kept for every step
                     **({"tune_budget": tune_budget, "tune_fraction": tune_fraction, "tune_steps": tune_steps,
-                        "check_convergence": check_convergence,
+                        "check_convergence": check_convergence, "seed_from": [str(p) for p in seed_from],
                         "tuned_at_step": min((r["tuned_at_step"] for r in rows if "tuned_at_step" in r), default=0),
                         "tuned_at_steps": sorted({k for r in rows for k in r.get("tuned_at_steps", [])}),
                         "layout_kept": True} if tuned else {}),
@@ -820,6 +875,10 @@ def register(app: typer.Typer) -> None:
                     conv = (f"; budget {r['tune_budget_2x']} moved the best by "
                             + (f"{moved:.1%}" if moved is not None else "(only it found a fit)")
                             + (": converged" if r["tune_converged"] else ": NOT converged"))
+                if r.get("tune_seeds"):
+                    over = r.get("tune_over_seeds")
+                    conv += (f"; {r['tune_seeds']} seed(s): " + ("none fitted" if over is None else
+                             "the answer is a seed" if over <= 0 else f"beat the fastest by {over:.1%}"))
                 said.append(f"tuned layout {r['layout']} (budget {r.get('tune_budget')} of {r.get('tune_space')}, "
                             f"tuned at step(s) {at}{kept}{spent}{conv})")
             elif r.get("layout"):

@@ -52,7 +52,8 @@ def _batches(workload: str, seed: int, tokens: int, steps: int, start: int, wind
 def run_tune(system: str, workload: str, n: int, model: str, hardware: str, steps: int, start_step: int,
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
              log=None, *, fraction: float | None = None, window: int = 0, converge: bool = False, sweep=None,
-             use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0):
+             use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0,
+             seeds: list | None = None):
     """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
     starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
     each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
@@ -77,7 +78,8 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     search = tune_mod.tune_converged if converge else tune_mod.tune
     return search(system, spec, batches, cluster, profile=profile, budget=budget,
                   fraction=fraction or tune_mod.BUDGET_FRACTION, options=options, log=log, sweep=sweep,
-                  use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start, memory_error=memory_error)
+                  use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start, memory_error=memory_error,
+                  seeds=seeds)
 
 
 def check_sweep_options(workers: int | None, fraction: float | None = None, budget: int = 0) -> None:
@@ -121,10 +123,13 @@ def register(app: typer.Typer) -> None:
                                 "ray://host:port (pip install 'omnibench[ray]')."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate everything again (no step cache)."),
         memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
+        seed_from: list[Path] = typer.Option([], "--seed-from", help="Start from the layouts that won for this "
+                                             "system in these files (a tune cache or a seeds file; repeatable)."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every layout as it is simulated."),
     ) -> None:
-        from omnibench.cli.simulate import _check_stack, _dp_fields
+        from omnibench.cli.simulate import _check_stack, _dp_fields, read_seeds
+        from omnibench.specs.presets import get_model
         from omnibench.sweep import Sweep, SweepError
         from systems import available_systems
 
@@ -141,6 +146,10 @@ def register(app: typer.Typer) -> None:
             fail(f"window must be 0 (consecutive batches) or at least --steps ({steps}), got {window}")
         check_sweep_options(workers, fraction, budget)
         check_memory_error(memory_error)
+        try:
+            seeds = read_seeds(seed_from, get_model(model).name) if seed_from else None
+        except ValueError as e:
+            fail(str(e))
         log = (lambda t: console.print(f"  {t.candidate.label():48s} "
                                        + (f"{t.step_s:.3f} s, {t.peak_gib:.1f} GiB" if t.simulated else t.note),
                                        highlight=False)) if verbose else None
@@ -149,7 +158,7 @@ def register(app: typer.Typer) -> None:
                 res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
                                budget, calibration, log=log, fraction=fraction, window=window,
                                converge=check_convergence, sweep=sweep, use_cache=not no_cache, stack=stack,
-                               dp_mode=dp_mode, memory_error=memory_error)
+                               dp_mode=dp_mode, memory_error=memory_error, seeds=seeds)
         except SweepError as e:
             fail(str(e))
         except ValueError as e:
@@ -161,7 +170,10 @@ def register(app: typer.Typer) -> None:
                               "budget": res.budget, "simulated": res.simulated, "steps": res.steps,
                               "seconds": res.seconds, "convergence": conv.row() if conv else None,
                               "best": res.best.row() if res.best else None, "default": res.default.row(),
-                              "layouts": [t.row() for t in res.trials[:top]], "notes": res.notes[:20]}, indent=1))
+                              "layouts": [t.row() for t in res.trials[:top]], "notes": res.notes[:20],
+                              "seeds": [{**sd.row(), "as": tr.candidate.label() if tr else None,
+                                         "step_s": tr.step_s if tr and tr.simulated else None,
+                                         "fits": bool(tr and tr.fits)} for sd, tr in res.seeded]}, indent=1))
             return
         table = Table(title=f"{system}: {model} on {gpus} x {hardware}, workload {Path(workload).stem}, "
                             f"step(s) {', '.join(map(str, res.steps))}")
@@ -183,5 +195,12 @@ def register(app: typer.Typer) -> None:
             verdict = "converged" if conv.converged else "[yellow]not converged[/]"
             console.print(f"convergence: best {conv.best_s:.3f} s at budget {conv.budget}, {conv.best_s_2x:.3f} s at "
                           f"{conv.budget_2x}: moved {conv.moved:.1%} ({verdict}, limit 2%)", highlight=False)
+        if res.seeded:
+            fast = res.seeds_best
+            said = "none fitted" if fast is None else \
+                f"the fastest {fast.candidate.label()} at {fast.step_s:.3f} s" + (
+                    ": the answer is a seed" if fast.step_s <= res.best.step_s else
+                    f", beaten by {fast.step_s / res.best.step_s - 1:.1%}")
+            console.print(f"seeds: {len(res.seeded)} for {system}, {said}", highlight=False)
         for note in res.notes[:5]:
             console.print(f"not simulated: {note}", highlight=False)

@@ -148,14 +148,20 @@ def tune_convergence() -> str:
     moved = [(float(r["moved"]), r) for r in rows if r["moved"]]
     worst, w = max(moved, key=lambda x: x[0])
     budgets = sorted({int(r["budget"]) for r in rows})
+    # seeded tunes (tune.Seed): how many found nothing faster than a layout that won elsewhere
+    seeded = [r for r in rows if r.get("over_seeds")]
+    is_seed = [r for r in seeded if float(r["over_seeds"]) <= 0]
+    seeds = (f"; {len(seeded)} were seeded with the layouts earlier tunes found, and in {len(is_seed)} of them the "
+             "answer is a seed (the search found nothing faster)") if seeded else ""
     return (f"{len(ok)} of {len(rows)} tunes converged (twice the budget, {'/'.join(map(str, budgets))} layouts, "
             f"moved the best step time by <= 2%); the worst moved {worst:.1%} ({w['system']}, {w['workload']}, "
-            f"{int(w['gpus']):,} {w['hardware'].upper()}s{', ' + w['model'] if w['model'] != 'omni-7b' else ''})")
+            f"{int(w['gpus']):,} {w['hardware'].upper()}s{', ' + w['model'] if w['model'] != 'omni-7b' else ''})"
+            + seeds)
 
 
 _GROUPS = (("run-", "CPU runs (2 ranks, tiny model)"), ("calibrate", "calibrate"), ("sim-", "one-layout simulations"),
            ("tuned-omni-no-", "omni's ablation"), ("tuned-", "tuned comparison, 1,024 H100s"),
-           ("memory-", "memory errors"), ("conditions-", "condition grid"), ("largest-", "8,192 H100s"))
+           ("memory-", "memory errors"), ("conditions-", "condition grid"), ("largest-", "largest clusters"))
 
 
 @table("reproduce-stages")
@@ -168,7 +174,9 @@ def reproduce_stages() -> str:
         name = next((lab for pre, lab in _GROUPS if key.startswith(pre)), key)
         if key.startswith("tuned-") and "-h200-" in key:
             name = "tuned comparison, 1,024 H200s"
-        elif key.startswith(("tuned-", "largest-")) and not key.startswith("tuned-omni-no-"):
+        elif key.startswith("largest-"):  # largest-<workload>-<gpus>-<budget>
+            name = f"{int(key.split('-')[2]):,} H100s: {key.split('-')[1]}"
+        elif key.startswith("tuned-") and not key.startswith("tuned-omni-no-"):
             name = f"{name}: {key.split('-')[1]}"
         groups.setdefault(name, []).append(float(r["seconds"]))
     lines = ["| stage | commands | seconds |", "|---|---|---|"]
