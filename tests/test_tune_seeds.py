@@ -88,6 +88,20 @@ def test_convergence_is_checked_against_the_seeds_too():
     assert unseeded.convergence.over_seeds is None and unseeded.convergence.row()["over_seeds"] is None
 
 
+def test_an_answer_that_is_a_seed_is_settled_only_after_one_more_doubling():
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
+    seeds = [Seed(WON, 1024, "mixed_video 1,024 h100")]
+    once = tune_converged("omni", model, _batch(16), cluster, budget=2, encoder_search=False, doublings=1,
+                          seeds=seeds)
+    # 2 -> 4 layouts: the seed is the answer at both budgets, so "moved 0%" by construction
+    assert once.convergence.over_seeds == 0 and once.convergence.converged and once.convergence.budget_2x == 4
+    res = tune_converged("omni", model, _batch(16), cluster, budget=2, encoder_search=False, doublings=3,
+                         seeds=seeds)
+    assert res.convergence.budget == 4 and res.convergence.budget_2x == 8  # one more doubling, then settled
+    unseeded = tune_converged("omni", model, _batch(16), cluster, budget=2, encoder_search=False, doublings=3)
+    assert unseeded.convergence.over_seeds is None
+
+
 def test_omni_on_a_video_heavy_grid_cell_seeded_with_its_mixed_video_answer_is_at_least_that_fast(tmp_path):
     # BENCHMARKS "the condition grid": at 60% video / sigma 0.25, 256 H100s, omni's unseeded search of 4
     # layouts (doubled to 8, "converged") settled on tp 4 at 0.78x temporal; tp 1 / cp 4 (78 of 80 GiB)
