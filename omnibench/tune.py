@@ -998,12 +998,16 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
                 first.append(mapped)
         mine = [sd for sd in (seeds or []) if sd.candidate.system == system]
         seeded = [(sd, _seeded(sd, search, settled)) for sd in mine]
-        for _, c in seeded:
-            if c is not None and c not in first:
+        # a seed's layout also in the mode this search settles for it: a seed carries the recompute
+        # that fitted where it won (H100), which shadowed a lighter mode that fits here (H200)
+        companions = [settled[k] for _, c in seeded if c is not None
+                      and (k := search.llm_key(c)) in settled and settled[k] != c]
+        for c in [c for _, c in seeded if c is not None] + companions:
+            if c not in first:
                 first.append(c)
         search.llm_phase(keep, n_budget, first)
-        # timed whatever the budget (a no-op when the phase did): the default, and every seed
-        search.run([default.candidate] + [c for _, c in seeded if c is not None])
+        # timed whatever the budget (a no-op when the phase did): the default, every seed and its companion
+        search.run([default.candidate] + [c for _, c in seeded if c is not None] + companions)
         if encoder_search:
             # around the best LLM layouts: more of them as the budget grows (twice the budget also
             # searches the encoder knobs of more layouts)

@@ -88,6 +88,16 @@ def test_convergence_is_checked_against_the_seeds_too():
     assert unseeded.convergence.over_seeds is None and unseeded.convergence.row()["over_seeds"] is None
 
 
+def test_a_seed_is_also_timed_in_the_lighter_mode_this_search_settles_for_its_layout():
+    # WON carries the recompute that fitted on 80 GB; on 141 GB the search settles its layout lighter
+    model, cluster = get_model("omni-7b"), load_cluster("h200", 16)
+    res = tune("omni", model, _batch(16), cluster, budget=1, encoder_search=False,
+               seeds=[Seed(WON, 1024, "mixed_video 1,024 h100")])
+    lighter = [c for c in res.evaluated if _same_layout(c, WON) and c.recompute != WON.recompute]
+    assert lighter and all(res.evaluated[c].simulated for c in lighter)
+    assert res.best.step_s <= min(res.evaluated[c].step_s for c in lighter if res.evaluated[c].fits)
+
+
 def test_an_answer_that_is_a_seed_is_settled_only_after_one_more_doubling():
     model, cluster = get_model("omni-7b"), load_cluster("h100", 16)
     seeds = [Seed(WON, 1024, "mixed_video 1,024 h100")]
