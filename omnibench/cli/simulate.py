@@ -566,9 +566,8 @@ def register(app: typer.Typer) -> None:
         ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
         tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
-        seed_from: list[Path] = typer.Option([], "--seed-from", help="With --tuned: each system's search starts from "
-                                             "the layouts that won for it in these files (a tune cache or a seeds "
-                                             "file; repeatable)."),
+        seed_from: list[Path] = typer.Option([], "--seed-from", metavar="FILE", help="With --tuned: seed each search from a tune "
+                                             "cache or seeds file."),
         memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
     ) -> None:
         from omnibench.specs.parallel import ParallelSpec

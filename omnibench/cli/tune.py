@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
                                 "ray://host:port (pip install 'omnibench[ray]')."),
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate everything again (no step cache)."),
         memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
-        seed_from: list[Path] = typer.Option([], "--seed-from", help="Start from the layouts that won for this "
+        seed_from: list[Path] = typer.Option([], "--seed-from", metavar="FILE", help="Start from the layouts that won for this "
                                              "system in these files (a tune cache or a seeds file; repeatable)."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every layout as it is simulated."),
