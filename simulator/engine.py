@@ -112,13 +112,16 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         for r in plan.routes:
             self.message_tokens[(r.module, r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)] += r.tokens
 
-    def _module_params_on_rank(self, m: str, rank: int) -> float:
-        # asked for by every compute op (weight copies, gradients) and the rank's static memory
-        key = (m, rank)
+    def _memo(self, key: tuple, compute, *args):
+        """compute(self, *args), worked out once per run under `key`."""
         got = self._params_cache.get(key)
         if got is None:
-            got = self._params_cache[key] = MemoryMixin._module_params_on_rank(self, m, rank)
+            got = self._params_cache[key] = compute(self, *args)
         return got
+
+    def _module_params_on_rank(self, m: str, rank: int) -> float:
+        # asked for by every compute op (weight copies, gradients) and the rank's static memory
+        return self._memo((m, rank), MemoryMixin._module_params_on_rank, m, rank)
 
     # The memory model's conventions and per-rank lookups are fixed for a run (its options, kernel
     # profile and plan), yet asked for several times by every compute op: worked out once here
@@ -129,26 +132,14 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
     activation_stack = functools.cached_property(MemoryMixin.activation_stack.fget)
 
     def _dp_mode(self, module: str, rank: int) -> tuple[str, int]:
-        key = ("dp-mode", module, rank)
-        got = self._params_cache.get(key)
-        if got is None:
-            got = self._params_cache[key] = MemoryMixin._dp_mode(self, module, rank)
-        return got
+        return self._memo(("dp-mode", module, rank), MemoryMixin._dp_mode, module, rank)
 
     def _dtypes(self, module: str, rank: int):
         # a function of the module and its data-parallel mode on the rank (and the run's stack)
-        key = ("dtypes", module, self._dp_mode(module, rank)[0])
-        got = self._params_cache.get(key)
-        if got is None:
-            got = self._params_cache[key] = MemoryMixin._dtypes(self, module, rank)
-        return got
+        return self._memo(("dtypes", module, self._dp_mode(module, rank)[0]), MemoryMixin._dtypes, module, rank)
 
     def _model_parallel_params(self, module: str, rank: int) -> tuple[float, float]:
-        key = ("mp-params", module, rank)
-        got = self._params_cache.get(key)
-        if got is None:
-            got = self._params_cache[key] = MemoryMixin._model_parallel_params(self, module, rank)
-        return got
+        return self._memo(("mp-params", module, rank), MemoryMixin._model_parallel_params, module, rank)
 
     @_gc_paused
     def run(self) -> SimResult:
