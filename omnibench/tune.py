@@ -520,7 +520,6 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     (ParallelSpec.options, e.g. omni's encoder_dp). In the figure the simulator's fits check
     compares with the device (simulator/memory.py memory_needed: the allocated bytes with the space
     the allocator cannot give back under pressure, and the context)."""
-    from simulator.engine import RESERVED_BYTES
     from simulator.flops import audio_work, llm_work, stage_layers, vision_work
     from simulator.memory import memory_needed
 
@@ -546,7 +545,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
                                      llm_state.optimizer + e.optimizer)
     in_flight = min(c.pp, m)
     llm_act = in_flight * (w.act_bytes - w.act_transient)
-    llm_side = RESERVED_BYTES + llm_state.params + llm_state.optimizer + llm_state.grads + llm_act
+    llm_side = llm_state.params + llm_state.optimizer + llm_state.grads + llm_act  # allocated bytes
     enc_state = enc_grads = enc_act = 0.0
     for name, enc in model.encoders.items():
         if not positions[name]:
@@ -564,10 +563,9 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
         enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if rules.whole_batch_live else in_flight / m)
     if rules.separate_encoders:
-        return memory_needed(max(llm_side, RESERVED_BYTES + enc_state + enc_grads + enc_act) - RESERVED_BYTES)
+        return memory_needed(max(llm_side, enc_state + enc_grads + enc_act))
     # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
-    return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads)
-                         - RESERVED_BYTES)
+    return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads))
 
 
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
