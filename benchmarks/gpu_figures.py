@@ -83,6 +83,10 @@ def main() -> None:
     ap.add_argument("--workloads", default="text_only,mixed_video")
     ap.add_argument("--extra", default="", help="more `omnibench run` flags, space separated")
     ap.add_argument("--no-chunk-runs", action="store_true", help="skip the encoder-chunking runs")
+    ap.add_argument("--cells", default="", help="system:workload pairs instead of --systems x --workloads, "
+                                                "comma separated (e.g. homogeneous:text_only,omni:mixed_video)")
+    ap.add_argument("--chunk-workloads", default="mixed_video,long_video", help="workloads of the chunking runs")
+    ap.add_argument("--no-fit", action="store_true", help="leave the calibrate/validate pass to another machine")
     a = ap.parse_args()
     systems = SYSTEMS if a.systems == "all" else tuple(a.systems.split(","))
     table = os.path.join(a.out, "gpu_figures.json")
@@ -92,8 +96,10 @@ def main() -> None:
             done = {(r["system"], r["workload"], r.get("variant", "")): r for r in json.load(f)}
     rows = []
     cells = [(system, workload, "") for workload in a.workloads.split(",") for system in systems]
+    if a.cells:
+        cells = [(*c.split(":", 1), "") for c in a.cells.split(",")]
     if not a.no_chunk_runs:
-        cells += [("homogeneous", w, v) for w in ("mixed_video", "long_video") for v in CHUNK_RUNS]
+        cells += [("homogeneous", w, v) for w in a.chunk_workloads.split(",") for v in CHUNK_RUNS]
     for system, workload, variant in cells:
         key = (system, workload, variant)
         folder = os.path.join(a.out, "runs", "-".join(x for x in key if x))
@@ -136,7 +142,7 @@ def main() -> None:
                         f"{r['tokens_per_s_per_gpu']:.0f} | {r['mfu']:.1%} | {r['peak_memory_bytes'] / 2**30:.1f} | "
                         f"{est} |\n")
     ok = [r for r in rows if "error" not in r and not r.get("variant")]
-    if len(ok) < 4:
+    if len(ok) < 4 or a.no_fit:
         return
     # Split before fitting, by Plan: the first table's runs (every system, the same single-rank Plan
     # per workload on one GPU) are fitted; the chunking runs (other recompute modes and chunk sizes,

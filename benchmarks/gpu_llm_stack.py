@@ -58,20 +58,22 @@ class PlainLayer(nn.Module):
         return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
 
 
-def plain_stack(llm, layers: int, compile: bool) -> tuple[nn.Module, nn.Module, nn.ModuleList, nn.Module]:
+def plain_stack(llm, layers: int, compile: bool, dtype=torch.bfloat16) -> tuple[nn.Module, nn.Module, nn.ModuleList, nn.Module]:
     emb = nn.Embedding(llm.vocab, llm.hidden)
     blocks = nn.ModuleList(PlainLayer(llm.hidden, llm.heads, llm.kv_heads, llm.ffn) for _ in range(layers))
     norm, head = nn.RMSNorm(llm.hidden, eps=1e-6), nn.Linear(llm.hidden, llm.vocab, bias=False)
     for m in (emb, blocks, norm, head):
-        m.to("cuda", torch.bfloat16)
+        m.to("cuda", dtype)
     if compile:
         for i, b in enumerate(blocks):
             blocks[i] = torch.compile(b)
     return emb, blocks, norm, head
 
 
-def time_plain(llm, layers, seq, tokens, steps, compile) -> dict:
-    emb, blocks, norm, head = plain_stack(llm, layers, compile)
+def time_plain(llm, layers, seq, tokens, steps, compile, autocast: bool = False) -> dict:
+    """`autocast`: fp32 weights cast per op to bf16, as the harness holds them on one rank (no FSDP),
+    instead of bf16 weights: how much of the gap that arrangement alone explains."""
+    emb, blocks, norm, head = plain_stack(llm, layers, compile, torch.float32 if autocast else torch.bfloat16)
     n = tokens // seq
     ids = torch.randint(0, llm.vocab - 3, (tokens,), device="cuda")
     labels = torch.roll(ids, -1)
@@ -80,10 +82,11 @@ def time_plain(llm, layers, seq, tokens, steps, compile) -> dict:
     cos, sin = rope_cos_sin(pos, llm.dim_head, llm.rope_theta)
 
     def step():
-        x = emb(ids)
-        for b in blocks:
-            x = b(x, cos, sin, cu, seq)
-        ce, count = linear_cross_entropy(norm(x), head.weight, labels)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            x = emb(ids)
+            for b in blocks:
+                x = b(x, cos, sin, cu, seq)
+            ce, count = linear_cross_entropy(norm(x), head.weight, labels)
         (ce / count).backward()
 
     for _ in range(3):
@@ -133,6 +136,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also measure both with torch.compile")
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--out", default="")
+    ap.add_argument("--autocast-plain", action="store_true",
+                    help="also time the plain stack with fp32 weights under autocast (the harness's one-rank arrangement)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_llm_stack needs a CUDA GPU")
@@ -140,12 +145,32 @@ def main() -> None:
     peak = peak_tflops(torch.device("cuda"))
     model = f"llm-7b@{a.layers}L"
     rows = []
+
+    def save() -> None:  # after every row: a call cut off keeps what it measured
+        if not a.out:
+            return
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gpu_llm_stack.json"), "w") as f:
+            json.dump({"provenance": provenance(torch.cuda.get_device_name(), cuda=True),
+                       "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
+                       "peak_tflops": peak, "rows": rows}, f, indent=1)
+
     for compile in ([False, True] if a.compile else [False]):
         torch.cuda.reset_peak_memory_stats()
         plain = time_plain(llm, a.layers, a.seq, a.tokens, a.steps, compile)
         torch.cuda.empty_cache()
-        harness = time_harness(model, a.seq, a.tokens, a.steps + 1, compile, a.recompute)
-        rows.append({"compile": compile, "plain": plain, "harness": harness})
+        row = {"compile": compile, "plain": plain}
+        if a.autocast_plain:
+            torch.cuda.reset_peak_memory_stats()
+            row["plain_autocast"] = time_plain(llm, a.layers, a.seq, a.tokens, a.steps, compile, autocast=True)
+            torch.cuda.empty_cache()
+        row["harness"] = time_harness(model, a.seq, a.tokens, a.steps + 1, compile, a.recompute)
+        rows.append(row)
+        save()
+        print(f"compile={compile}: plain {plain['tflops']:.1f} TFLOP/s"
+              + (f", plain under autocast {row['plain_autocast']['tflops']:.1f}" if a.autocast_plain else "")
+              + (f", harness {row['harness']['tflops']:.1f}" if "error" not in row["harness"] else
+                 f", harness failed: {row['harness']['error']}"), flush=True)
     print(f"{torch.cuda.get_device_name()} peak {peak} TFLOP/s; {model}, {a.tokens} tokens/step in "
           f"{a.tokens // a.seq} sequences of {a.seq}; harness recompute={a.recompute}")
     print("harness: its whole step (optimizer included) and its forward + backward actions alone")
@@ -159,12 +184,6 @@ def main() -> None:
         print(f"{r['compile']!s:>8} {p['tflops']:14.1f} {p['tflops'] / peak:10.1%} {h['tflops']:16.1f} "
               f"{h['tflops'] / peak:12.1%} {h['tflops'] / p['tflops']:6.2f} {h['fwd_bwd_tflops'] / peak:12.1%} "
               f"{h['fwd_bwd_tflops'] / p['tflops']:6.2f}")
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "gpu_llm_stack.json"), "w") as f:
-            json.dump({"provenance": provenance(torch.cuda.get_device_name(), cuda=True),
-                       "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
-                       "peak_tflops": peak, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -42,17 +42,72 @@ def _version(package: str) -> str | None:
 
 
 def git_state(root: Path = REPO_ROOT) -> dict:
-    """{"commit": sha or None, "dirty": bool or None}: None where the code is not a git checkout."""
+    """{"commit": sha or None, "dirty": bool or None}: None where the code is not a git checkout.
+
+    A copy of a checkout without its .git (a lent GPU machine gets the working tree alone) can still
+    say which commit it is: `OMNIBENCH_GIT_MANIFEST` names a file written at the source by
+    `git rev-parse HEAD` then `git ls-files -s` (see `write_manifest`). The commit is then that
+    file's, and `dirty` is whether any file it lists differs from its blob there (hashed here the
+    way git hashes a blob); "commit_source" says so."""
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10)
         if sha.returncode != 0:
-            return {"commit": None, "dirty": None}
+            return _manifest_state(root)
         status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        return _manifest_state(root)
     return {"commit": sha.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
+
+
+MANIFEST_ENV = "OMNIBENCH_GIT_MANIFEST"
+
+
+def write_manifest(path: Path | str, root: Path = REPO_ROOT) -> str:
+    """At the checkout: the commit (first line) and every tracked file's blob (`git ls-files -s`),
+    for a copy of the tree that travels without .git. Returns the commit."""
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    files = subprocess.run(["git", "-C", str(root), "ls-files", "-s"], capture_output=True, text=True,
+                           check=True).stdout
+    Path(path).write_text(f"{head}\n{files}")
+    return head
+
+
+def blob_sha(data: bytes) -> str:
+    """What `git hash-object` gives a file's content."""
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _manifest_state(root: Path) -> dict:
+    path = os.environ.get(MANIFEST_ENV)
+    if not path:
+        return {"commit": None, "dirty": None}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return {"commit": None, "dirty": None}
+    commit, changed = (lines[0].strip() if lines else ""), []
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return {"commit": None, "dirty": None}
+    for line in lines[1:]:
+        meta, _, name = line.partition("\t")
+        fields = meta.split()
+        if len(fields) != 3 or fields[0] == "160000":  # a submodule has no blob to compare
+            continue
+        f = root / name
+        try:
+            data = os.readlink(f).encode() if fields[0] == "120000" else f.read_bytes()
+        except OSError:
+            changed.append(name)
+            continue
+        if blob_sha(data) != fields[1]:
+            changed.append(name)
+    return {"commit": commit, "dirty": bool(changed), "commit_source": f"{MANIFEST_ENV} (no git checkout here)",
+            **({"changed_files": changed[:20]} if changed else {})}
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -17,8 +17,10 @@ import torch
 
 from omnibench.provenance import (
     GPU_FIELDS,
+    MANIFEST_ENV,
     cuda_facts,
     driver_in_proc,
+    git_state,
     missing,
     provenance,
     record_provenance,
@@ -57,6 +59,32 @@ def test_the_driver_version_is_read_from_the_kernel_modules_line():
     line = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\nGCC version: 12.3\n"
     assert driver_in_proc(line) == "550.54.15"
     assert driver_in_proc("") is None
+
+
+def test_a_copy_without_git_names_its_commit_from_the_manifest_and_finds_changed_files(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+
+    src, copy = tmp_path / "src", tmp_path / "copy"
+    src.mkdir()
+    (src / "a.py").write_text("x = 1\n")
+    (src / "b.txt").write_text("kept\n")
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    from omnibench.provenance import write_manifest
+
+    commit = write_manifest(tmp_path / "manifest.txt", src)
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns(".git"))
+    monkeypatch.setenv(MANIFEST_ENV, str(tmp_path / "manifest.txt"))
+    state = git_state(copy)
+    assert state["commit"] == commit and state["dirty"] is False and "no git checkout" in state["commit_source"]
+    (copy / "a.py").write_text("x = 2\n")
+    state = git_state(copy)
+    assert state["dirty"] is True and state["changed_files"] == ["a.py"]
+    monkeypatch.delenv(MANIFEST_ENV)
+    assert git_state(copy) == {"commit": None, "dirty": None}  # nothing claimed without the manifest
 
 
 def test_a_script_names_itself_as_the_command():

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine: every GPU measurement issues 23 and 24 ask for, most needed first, each
+# part under its own time limit, everything it wrote packed into $OUT/gpu_session.tar.gz after each
+# part (a call cut off keeps what the finished parts measured) and its log in $OUT/session.log.
+#
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh            # from the repository root, one CUDA GPU
+#
+# Parts: the device's facts; the caching allocator under memory pressure (gpu_allocator.py); the
+# harness's runs with provenance (gpu_figures.py: an LLM-only and the CUDA default first, then more
+# Plans and the encoder-chunking runs); the LLM-only step against a plain bf16 stack, eager and
+# compiled (gpu_llm_stack.py); the allocator again with expandable segments.
+# Where the tree travelled without .git, OMNIBENCH_GIT_MANIFEST (omnibench/provenance.py
+# write_manifest, made at the checkout: `python -c "from omnibench.provenance import write_manifest;
+# write_manifest('.prov/manifest.txt')"`) lets every record name its commit and whether any file differs.
+set -u
+OUT=${OUT:-/tmp/gpu-session-out}
+W=/tmp/gpu-session
+rm -rf "$W"; mkdir -p "$W" "$OUT"
+export PYTHONUNBUFFERED=1 COLUMNS=200
+if ! git rev-parse HEAD >/dev/null 2>&1 && [ -f .prov/manifest.txt ]; then
+  export OMNIBENCH_GIT_MANIFEST=$PWD/.prov/manifest.txt
+fi
+LOG=$OUT/session.log
+: >"$LOG"
+
+part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there so far
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout -k 10 "$limit" "$@" >"$W/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$W/$name.log" | tee -a "$LOG"
+  echo "== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+  tar -czf "$OUT/gpu_session.tar.gz" -C "$W" . 2>/dev/null
+}
+
+part facts 30 bash -c 'nvidia-smi; python3 -c "
+import json, torch
+from omnibench.provenance import provenance
+print(json.dumps(provenance(torch.cuda.get_device_name(), cuda=True)))
+free, total = torch.cuda.mem_get_info()
+print(\"mem_get_info after init: free\", free, \"total\", total, \"in use\", total - free)
+torch.ones(1, device=\"cuda\") @ torch.ones(1, device=\"cuda\")
+free, total = torch.cuda.mem_get_info()
+print(\"after a first matmul: in use\", total - free, \"reserved\", torch.cuda.memory_reserved())
+"'
+part allocator 170 python3 benchmarks/gpu_allocator.py --out "$W/allocator"
+part runs 150 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-chunk-runs --no-fit \
+  --cells homogeneous:text_only,omni:mixed_video
+part llm_stack 210 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 --tokens 16384 --steps 8 \
+  --compile --autocast-plain --out "$W/llm_stack"
+part runs_more 240 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-fit --chunk-workloads mixed_video \
+  --cells homogeneous:text_only,omni:mixed_video,omni:omni_av,omni:image_sft
+part allocator_expandable 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+  python3 benchmarks/gpu_allocator.py --cases mm --out "$W/allocator-expandable"
+echo "== done in $SECONDS s" | tee -a "$LOG"
