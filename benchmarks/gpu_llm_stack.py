@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true", help="also measure both with torch.compile")
+    ap.add_argument("--compile-only", action="store_true", help="measure both with torch.compile only")
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--out", default="")
     ap.add_argument("--autocast-plain", action="store_true",
@@ -155,7 +156,7 @@ def main() -> None:
                        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
                        "peak_tflops": peak, "rows": rows}, f, indent=1)
 
-    for compile in ([False, True] if a.compile else [False]):
+    for compile in ([True] if a.compile_only else [False, True] if a.compile else [False]):
         torch.cuda.reset_peak_memory_stats()
         plain = time_plain(llm, a.layers, a.seq, a.tokens, a.steps, compile)
         torch.cuda.empty_cache()

@@ -8,8 +8,9 @@
 # Parts: the device's facts; the caching allocator under memory pressure (gpu_allocator.py); the
 # harness's runs with provenance (gpu_figures.py: an LLM-only and the CUDA default first, then more
 # Plans and the encoder-chunking runs); the LLM-only step against a plain bf16 stack, eager and
-# compiled (gpu_llm_stack.py); the allocator again with expandable segments.
-# Where the tree travelled without .git, OMNIBENCH_GIT_MANIFEST (omnibench/provenance.py
+# compiled (gpu_llm_stack.py); the allocator again with expandable segments; the compiled stacks last
+# (their compilation alone takes minutes).
+# OMNIBENCH_GIT_MANIFEST (omnibench/provenance.py
 # write_manifest, made at the checkout: `python -c "from omnibench.provenance import write_manifest;
 # write_manifest('.prov/manifest.txt')"`) lets every record name its commit and whether any file differs.
 set -u
@@ -17,7 +18,9 @@ OUT=${OUT:-/tmp/gpu-session-out}
 W=/tmp/gpu-session
 rm -rf "$W"; mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=200
-if ! git rev-parse HEAD >/dev/null 2>&1 && [ -f .prov/manifest.txt ]; then
+# the lent machine's copy carries a .git of the session's first commit under uncommitted changes:
+# the manifest, where every file matches it, names the commit the tree really is
+if [ -f .prov/manifest.txt ]; then
   export OMNIBENCH_GIT_MANIFEST=$PWD/.prov/manifest.txt
 fi
 LOG=$OUT/session.log
@@ -47,10 +50,13 @@ print(\"after a first matmul: in use\", total - free, \"reserved\", torch.cuda.m
 part allocator 170 python3 benchmarks/gpu_allocator.py --out "$W/allocator"
 part runs 150 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-chunk-runs --no-fit \
   --cells homogeneous:text_only,omni:mixed_video
-part llm_stack 210 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 --tokens 16384 --steps 8 \
-  --compile --autocast-plain --out "$W/llm_stack"
+part llm_stack 120 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 --tokens 16384 --steps 8 \
+  --autocast-plain --out "$W/llm_stack"
 part runs_more 240 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-fit --chunk-workloads mixed_video \
   --cells homogeneous:text_only,omni:mixed_video,omni:omni_av,omni:image_sft
 part allocator_expandable 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
   python3 benchmarks/gpu_allocator.py --cases mm --out "$W/allocator-expandable"
+# torch.compile of the plain stack and the harness took more than 3 minutes on an H100 (2026-11-27)
+part llm_stack_compile 330 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 --tokens 16384 --steps 8 \
+  --compile-only --out "$W/llm_stack_compile"
 echo "== done in $SECONDS s" | tee -a "$LOG"

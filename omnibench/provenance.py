@@ -44,20 +44,24 @@ def _version(package: str) -> str | None:
 def git_state(root: Path = REPO_ROOT) -> dict:
     """{"commit": sha or None, "dirty": bool or None}: None where the code is not a git checkout.
 
-    A copy of a checkout without its .git (a lent GPU machine gets the working tree alone) can still
-    say which commit it is: `OMNIBENCH_GIT_MANIFEST` names a file written at the source by
-    `git rev-parse HEAD` then `git ls-files -s` (see `write_manifest`). The commit is then that
-    file's, and `dirty` is whether any file it lists differs from its blob there (hashed here the
-    way git hashes a blob); "commit_source" says so."""
+    A copy of a checkout can say which commit it is without its own .git (or with a .git of an older
+    commit under uncommitted changes, as a lent GPU machine's copy of the working tree has):
+    `OMNIBENCH_GIT_MANIFEST` names a file written at the source by `write_manifest` (the commit, then
+    `git ls-files -s`). Where every file it lists hashes to its blob here, the code is that commit
+    (clean); where the copy has no git at all, the manifest's commit with `dirty` saying whether any
+    file differs. "commit_source" says when the answer came from the manifest."""
+    listed = _manifest_state(root)
+    if listed.get("dirty") is False:
+        return listed
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10)
         if sha.returncode != 0:
-            return _manifest_state(root)
+            return listed
         status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return _manifest_state(root)
+        return listed
     return {"commit": sha.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
 
 
@@ -106,7 +110,7 @@ def _manifest_state(root: Path) -> dict:
             continue
         if blob_sha(data) != fields[1]:
             changed.append(name)
-    return {"commit": commit, "dirty": bool(changed), "commit_source": f"{MANIFEST_ENV} (no git checkout here)",
+    return {"commit": commit, "dirty": bool(changed), "commit_source": f"{MANIFEST_ENV} (every tracked file hashed against it)",
             **({"changed_files": changed[:20]} if changed else {})}
 
 

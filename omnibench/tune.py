@@ -511,7 +511,7 @@ def _state(params: float, lay) -> costs.StateBytes:
 
 
 def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
-                    samples, options: dict | None = None) -> float:
+                    samples, options: dict | None = None, memory_stack: str = "eager") -> float:
     """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2), under each
     system's own memory rules (`_rules`): its data-parallel mode per module (omni's encoders ZeRO-2 by
     default, the others' FSDP), how far the largest sample is split (temporal: over its Ulysses
@@ -519,7 +519,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     which encoder outputs stay live through the LLM pass. `options`: the system's switches
     (ParallelSpec.options, e.g. omni's encoder_dp). In the figure the simulator's fits check
     compares with the device (simulator/memory.py memory_needed: the allocated bytes with the space
-    the allocator cannot give back under pressure, and the context)."""
+    the allocator cannot give back under pressure, and what lives outside it, as `memory_stack` has them)."""
     from simulator.flops import audio_work, llm_work, stage_layers, vision_work
     from simulator.memory import memory_needed
 
@@ -563,9 +563,10 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
         enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if rules.whole_batch_live else in_flight / m)
     if rules.separate_encoders:
-        return memory_needed(max(llm_side, enc_state + enc_grads + enc_act))
+        return memory_needed(max(llm_side, enc_state + enc_grads + enc_act), memory_stack)
     # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
-    return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads))
+    return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads),
+                         memory_stack)
 
 
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
@@ -690,8 +691,11 @@ class _Search:
     # -- analytic side
     def bound(self, c: Candidate) -> float:
         if c not in self._bound:
+            from simulator.memory import MEMORY_OF_STACK
+
             self._bound[c] = memory_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
-                                             options=self.options)
+                                             options=self.options,
+                                             memory_stack=MEMORY_OF_STACK.get(self.stack, "eager"))
         return self._bound[c]
 
     def flops_rank(self, mode: str) -> float:

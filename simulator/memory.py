@@ -4,9 +4,10 @@ Four figures per rank (RankStats): `memory_allocated`, the peak of live tensors 
 torch.cuda.max_memory_allocated and torch's MemTracker measure); `memory_reserved`, the caching
 allocator's reserve at that peak when memory is plentiful (FRAGMENTATION x allocated, what torchtitan's
 max_reserved publishes); `memory_bytes`, that reserve and the CUDA context and NCCL buffers outside
-the allocator (RESERVED_BYTES), the figure compared with published peaks; and `memory_needed`, what
-the step needs to run under memory pressure (allocated x (1 + STRANDED) + RESERVED_BYTES), the figure
-the fits check compares with the GPU's memory.
+the allocator, the figure compared with published peaks; and `memory_needed`, what the step needs to
+run under memory pressure (allocated x (1 + stranded) + outside, per stack: `allocator_need`), the
+figure the fits check compares with the GPU's memory (the capacity torch reports: the hardware
+presets' memory_gib).
 
 Static: each module's training state under its data-parallel mode (`Layout.dp_mode`: DDP, ZeRO-1,
 ZeRO-2, FSDP, HSDP) in the bytes per parameter its software stack keeps
@@ -26,6 +27,8 @@ the default), Megatron-LM ("megatron", what the `fused` kernel stack charges), t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from omnibench.plan import (
     BACKWARD,
 )
@@ -35,11 +38,51 @@ from simulator.flops import (
 )
 from simulator.hardware import GiB
 
-# Outside the caching allocator, so in no max_memory_allocated / max_memory_reserved reading: the CUDA
-# context and NCCL's own buffers. One figure for every stack: about 0.5 GiB of context for a CUDA 12
-# process on an H100 and about as much of NCCL channel buffers for the few communicators a rank
-# joins. Not fitted (no published run reports it); it only enters the fits check.
-RESERVED_BYTES = 1.0 * GiB
+
+# What the caching allocator and the process add to the live tensors, per software stack:
+# `stranded`, the free space stranded inside segments that still hold live blocks, as a share of the
+# allocated peak, when memory is short; `outside`, what lives outside the allocator (CUDA context, the
+# libraries' loaded kernels and handles, NCCL's buffers), so in no max_memory_allocated /
+# max_memory_reserved reading.
+#
+# When no cached block fits and cudaMalloc fails, PyTorch's caching allocator frees its cached free
+# blocks and retries (c10/cuda/CUDACachingAllocator.cpp `malloc`: release_available_cached_blocks,
+# then release_cached_blocks, then alloc_block again; pytorch/pytorch at eb42ad6e). Only the stranded
+# space cannot be given back, so a step needs allocated x (1 + stranded) + outside (`memory_needed`),
+# not its unpressured reserve.
+@dataclass(frozen=True)
+class AllocatorNeed:
+    stranded: float
+    outside: float  # bytes
+    source: str
+
+
+# The published stacks (Megatron-LM, NeMo, torchtitan, Composer, DeepSpeed): stranded = Y / X at the
+# failure point of the 11 LLM / multimodal training-step OOM messages on 40-80 GB GPUs in
+# results/validation/allocator_oom_messages.csv (public issue threads, "X GiB is allocated by PyTorch, and
+# Y GiB is reserved by PyTorch but unallocated"; median 0.44%, quartiles 0.25% and 3.7%); outside: 1 GiB,
+# about what the training processes' OOM messages in results/validation/gpu_capacity.md show beyond
+# PyTorch's memory (0.4-1.8 GiB on A100/H100/H200). Not fitted on published_runs.csv.
+PUBLISHED_ALLOCATOR = AllocatorNeed(0.0044, 1.0 * GiB, "public OOM messages")
+# This project's runtime ("eager"), measured on one H100 80GB HBM3 (torch 2.11, CUDA 13) by
+# benchmarks/gpu_allocator.py (results/gpu/session-2026-11-27/allocator): its own step, the allocator capped
+# (set_per_process_memory_fraction) and bisected to the smallest cap under which the same steps run.
+# stranded: the larger of the two Plans measured (llm-7b@4L text_only 9.1%, its loss's 1 GiB chunks
+# need contiguous blocks; omni-7b@4L mixed_video with encoders 3.0%); outside: the most a fresh run's
+# process held beyond PyTorch (4.72 GiB: the omni-7b@8L omni_av run's OOM message; 3.18 GiB measured on
+# the LLM-only step; 6.60 GiB in a process that had run both Plans of the allocator benchmark).
+EAGER_ALLOCATOR = AllocatorNeed(0.0913, 4.72 * GiB, "measured on one H100 (benchmarks/gpu_allocator.py)")
+
+
+def allocator_need(memory_stack: str) -> AllocatorNeed:
+    """The allocator figures of a memory stack (MEMORY_STACKS): measured for this project's runtime,
+    from public OOM messages for the others."""
+    return EAGER_ALLOCATOR if memory_stack == "eager" else PUBLISHED_ALLOCATOR
+
+
+# The figures of the published stacks, under their old names (the validation's readers quote them).
+RESERVED_BYTES = PUBLISHED_ALLOCATOR.outside
+STRANDED = PUBLISHED_ALLOCATOR.stranded
 # The caching allocator reserves more than its live tensors hold (blocks split and cached between
 # differently sized requests): reserved = FRAGMENTATION x allocated at the peak, one factor for every
 # stack and GPU. Fitted (`python benchmarks/published_memory.py` prints it) on the 6 calibration rows
@@ -48,17 +91,8 @@ RESERVED_BYTES = 1.0 * GiB
 # tt-405b-fsdp8-tp8-pp8-1f1b, tt-405b-fsdp4-cp2-64k) over this model's allocated peak, geometric
 # mean 1.175. The allocated model itself is checked against torch's FSDPMemTracker running
 # torchtitan's Llama 3 8B at full depth (0.98-0.99 of this estimate), so the factor is the allocator's.
+# (This runtime's own steps on one H100 read 1.210 and 1.081: benchmarks/gpu_allocator.py.)
 FRAGMENTATION = 1.175
-# What decides an out-of-memory error is not that unpressured reserve: when no cached block fits and
-# cudaMalloc fails, PyTorch's caching allocator frees its cached free blocks and retries
-# (c10/cuda/CUDACachingAllocator.cpp `malloc`: release_available_cached_blocks, then
-# release_cached_blocks, then alloc_block again; pytorch/pytorch at eb42ad6e). Only the free space
-# stranded inside segments that still hold live blocks cannot be given back, and the OOM message
-# measures it after that retry ("... X GiB is allocated by PyTorch, and Y GiB is reserved by PyTorch
-# but unallocated"). STRANDED = Y / X at the failure point: the median over the 11 LLM / multimodal
-# training-step OOM messages on 40-80 GB GPUs in results/validation/allocator_oom_messages.csv (public
-# issue threads; quartiles 0.25% and 3.7%, range 0.03-17%). Not fitted on published_runs.csv.
-STRANDED = 0.0044
 ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatron-LM's DDP bucket)
 # DeepSpeed ZeRO-3's stage3_max_live_parameters default (deepspeed/runtime/zero/constants.py at v0.3.14,
 # April 2021, the release Narayanan et al.'s ZeRO-3 comparison could use): it prefetches no further
@@ -66,12 +100,12 @@ ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatr
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1e9
 
 
-
-def memory_needed(allocated: float) -> float:
+def memory_needed(allocated: float, memory_stack: str = "eager") -> float:
     """Bytes a rank whose live tensors peak at `allocated` needs to run under memory pressure: the
     allocator gives back every cached block it can before it fails, so only the space stranded in
-    partly used segments (STRANDED) and what lives outside the allocator (RESERVED_BYTES) add to it."""
-    return allocated * (1.0 + STRANDED) + RESERVED_BYTES
+    partly used segments and what lives outside the allocator (`allocator_need`) add to it."""
+    need = allocator_need(memory_stack)
+    return allocated * (1.0 + need.stranded) + need.outside
 
 
 # Whose memory conventions (training-state dtypes, costs.STATE_DTYPES; activations,
@@ -602,5 +636,5 @@ class MemoryMixin:
         stats.memory_static = self._static_memory(rank)
         stats.memory_allocated = stats.memory_static + peak_live
         stats.memory_reserved = FRAGMENTATION * stats.memory_allocated
-        stats.memory_bytes = stats.memory_reserved + RESERVED_BYTES
-        stats.memory_needed = memory_needed(stats.memory_allocated)
+        stats.memory_bytes = stats.memory_reserved + allocator_need(self.memory_stack).outside
+        stats.memory_needed = memory_needed(stats.memory_allocated, self.memory_stack)

@@ -29,7 +29,7 @@ from workloads.sample import Batch, Sample
 
 MEGATRON_SYSTEMS = ("homogeneous", "colocated", "noncolocated", "omni")
 MAX_TP = 8  # Megatron keeps tp inside one NVLink domain; 8 GPUs on every node preset here
-DEVICE_BYTES = 80 * 2**30  # an H100/A100-80G, when the caller knows no device
+DEVICE_BYTES = 85_017_493_504  # an H100 80GB as torch reports it (simulator/data/hardware/h100.toml), when the caller knows no device
 # Megatron's distributed optimizer: bf16 weights and fp32 main gradients on every rank of the model
 # slice, fp32 master weights and Adam's two moments sharded over the data-parallel ranks.
 UNSHARDED_BYTES_PER_PARAM = 2 + 4

@@ -88,3 +88,24 @@ def test_auto_leaves_encoders_unchunked_when_they_fit():
 def test_bad_chunk_budget_is_refused_naming_the_field():
     with pytest.raises(SpecError, match="encoder_chunk_tokens must be"):
         RunSpec(system="omni", encoder_chunk_tokens=-3).validate()
+
+
+H100_GIB = 85_017_493_504 / 2**30  # torch's capacity of the H100 80GB HBM3 the GPU records ran on
+
+
+def test_the_check_refuses_what_ran_out_of_memory_on_an_h100_and_admits_what_ran():
+    """The one-H100 session of 2026-11-27 (results/gpu/session-2026-11-27/gpu_figures-call1.json): the
+    CUDA default for omni on omni_av (omni-7b@8L, full recomputation) ran out of memory at 71.8 GiB
+    allocated, 2.3 GiB stranded and 4.7 GiB outside the allocator of 79.18; omni-7b@8L on mixed_video
+    and image_sft ran (63.6 and 64.0 GiB allocated). The check decides on the allocator's measured need."""
+    oom = _cuda_spec(system="omni", workload="omni_av", model="omni-7b@8L", recompute="full")
+    with pytest.raises(SpecError, match="omni-7b@8L with recompute=full needs an estimated"):
+        fit_to_device(oom, model_given=True, memory_gib=H100_GIB)
+    for workload in ("mixed_video", "image_sft"):
+        ran = _cuda_spec(system="omni", workload=workload, model="omni-7b@8L", recompute="full")
+        fitted, _ = fit_to_device(ran, model_given=True, memory_gib=H100_GIB)
+        assert fitted.model == "omni-7b@8L" and fitted.recompute == "full"
+    # left to choose, the default no longer takes the depth that ran out of memory
+    chosen, note = fit_to_device(replace(oom, model="omni-7b", recompute="auto"), model_given=False,
+                                 memory_gib=H100_GIB)
+    assert chosen.model != "omni-7b@8L" or chosen.recompute != "full", note

@@ -17,7 +17,15 @@ from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.presets import get_model
 from simulator.engine import Engine, SimOptions, check_fit
 from simulator.hardware import GiB, load_cluster
-from simulator.memory import FRAGMENTATION, RESERVED_BYTES, STRANDED, memory_needed, published_memory_stack
+from simulator.memory import (
+    EAGER_ALLOCATOR,
+    FRAGMENTATION,
+    RESERVED_BYTES,
+    STRANDED,
+    allocator_need,
+    memory_needed,
+    published_memory_stack,
+)
 from simulator.published import load_published
 from systems import get_planner
 from workloads.sample import Batch, Sample, Segment
@@ -43,20 +51,44 @@ def test_the_stranded_fraction_is_the_median_of_the_collected_oom_messages():
     assert STRANDED < FRAGMENTATION - 1
 
 
-def _result(world=2, tokens=4096):
+def _result(world=2, tokens=4096, memory_stack=""):
     spec = get_model("llm-7b@4L")
     batch = Batch(0, [Sample(i, "t", (Segment("text", tokens),)) for i in range(world * 2)])
     plan = get_planner("homogeneous").plan(spec, ParallelSpec(world_size=world), batch)
-    return Engine(plan, spec, load_cluster("h100", world), options=SimOptions(check_memory=False)).run()
+    opts = SimOptions(check_memory=False, memory_stack=memory_stack, stack="fused" if memory_stack else "eager")
+    return Engine(plan, spec, load_cluster("h100", world), options=opts).run()
 
 
-def test_a_rank_needs_its_allocated_peak_with_the_stranded_space_and_the_context():
-    r = _result().ranks[0]
+def test_a_published_stacks_rank_needs_its_allocated_peak_with_the_stranded_space_and_the_context():
+    r = _result(memory_stack="torchtitan").ranks[0]
     assert r.memory_needed == pytest.approx(r.memory_allocated * (1 + STRANDED) + RESERVED_BYTES)
-    assert r.memory_needed == pytest.approx(memory_needed(r.memory_allocated))
+    assert r.memory_needed == pytest.approx(memory_needed(r.memory_allocated, "torchtitan"))
     # the reserve stays what published max_reserved readings are compared with
     assert r.memory_bytes == pytest.approx(FRAGMENTATION * r.memory_allocated + RESERVED_BYTES)
     assert r.memory_needed < r.memory_bytes
+
+
+def test_this_runtimes_rank_needs_what_the_allocator_measured_on_a_gpu():
+    r = _result().ranks[0]
+    need = allocator_need("eager")
+    assert need is EAGER_ALLOCATOR and need.stranded > STRANDED and need.outside > RESERVED_BYTES
+    assert r.memory_needed == pytest.approx(r.memory_allocated * (1 + need.stranded) + need.outside)
+    assert r.memory_bytes == pytest.approx(FRAGMENTATION * r.memory_allocated + need.outside)
+
+
+def test_the_eager_figures_are_the_committed_gpu_measurement():
+    """EAGER_ALLOCATOR is what benchmarks/gpu_allocator.py measured (its JSON is committed): the largest
+    stranded share of its Plans, and the most a fresh run's process held outside the allocator."""
+    import json
+
+    d = json.loads((ROOT / "results" / "gpu" / "session-2026-11-27" / "allocator" / "gpu_allocator.json").read_text())
+    assert d["provenance"]["gpu_name"] == "NVIDIA H100 80GB HBM3"
+    shares = [c["stranded_share"] for c in d["cases"]]
+    assert all(c["need_reproduced"] for c in d["cases"])
+    assert EAGER_ALLOCATOR.stranded == pytest.approx(max(shares), abs=5e-4)
+    fresh = [c["outside_allocator_bytes"] for c in d["cases"][:1]]  # the first case: a fresh process
+    assert EAGER_ALLOCATOR.outside >= max(fresh)
+    assert EAGER_ALLOCATOR.outside < max(c["outside_allocator_bytes"] for c in d["cases"])
 
 
 def test_a_step_between_its_need_and_its_unpressured_reserve_fits_and_the_verdict_names_the_figure():

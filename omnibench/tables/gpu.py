@@ -56,6 +56,23 @@ def runs() -> tuple[dict, ...]:
     return tuple(out)
 
 
+def verified(r: dict) -> bool:
+    """Whether a run record carries every field a GPU figure needs (omnibench.provenance.GPU_FIELDS)."""
+    return not missing(record_provenance(REPO_ROOT / r["path"]))
+
+
+def _verification(rs: list[dict]) -> str:
+    """Which of `rs` are unverifiable, in words (the tables quote records of both kinds)."""
+    bad = [r for r in rs if not verified(r)]
+    if not bad:
+        return "Every run carries its provenance (commit, driver, GPU, command)."
+    if len(bad) == len(rs):
+        return f"Every run is {UNVERIFIABLE}."
+    folders = sorted({r["path"].removeprefix(GPU_DIR + "/").split("/")[0] + "/" for r in bad})
+    return (f"{len(bad)} of {len(rs)} runs are {UNVERIFIABLE} (those under {', '.join(f'`{x}`' for x in folders)}); "
+            "the others carry commit, driver, GPU and command (`results/gpu/README.md`).")
+
+
 def plan_label(r: dict) -> str:
     label = f"{r['workload']}, {r['model']}, recompute {r['recompute']}"
     if r["chunk"]:
@@ -166,7 +183,7 @@ def h100_validation() -> str:
         f"- Kernel profile (`h100-measured`, nothing fitted to these runs; its model of this project's eager "
         f"stack was written against `{STACK_MODEL_SEEN}`): **{_mae(seen, kernel):.1%}** on those "
         f"({_count(seen)}), **{_mae(unseen, kernel):.1%}** on the runs that came after it ({_count(unseen)}).",
-        "- Every run is " + UNVERIFIABLE + " (`results/gpu/README.md`); `results/gpu/runs/` do not name their "
+        f"- {_verification(modelled())} `results/gpu/runs/` do not name their "
         f"GPU and are simulated as `{HARDWARE}` (their memory check saw 79.2 GiB, an H100 80GB's).",
     ]
     if _left_out():
@@ -244,7 +261,7 @@ def h100_memory() -> str:
     lines += ["", f"{_count(modelled())}; peaks: the largest per-step peak after the first step (max allocated, "
               "reset every step), the estimate the same steps' Plans give (`simulator.calibrate.memory_check`). "
               f"No record is of a full-depth model (the deepest: `{deepest}`). {_left_out()} "
-              f"Every run is {UNVERIFIABLE}.".rstrip()]
+              f"{_verification(modelled())}".rstrip()]
     return "\n".join(lines)
 
 
@@ -259,21 +276,29 @@ def h100_memory_range() -> str:
 @table("h100-runs")
 def h100_runs() -> str:
     """Every run recorded on the GPU, as its summary.json has it, and the runs the launcher refused."""
-    lines = [f"**{UNVERIFIABLE}**: these records name no commit, driver or command (`results/gpu/README.md`).",
+    lines = [f"{_verification(list(runs()))} Chunked encoders (`--encoder-chunk-tokens`) are the runs' "
+             "`encoder chunks` in the model column.",
              "",
-             "| record | system | workload | model | recompute | step ms | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| record | system | workload | model | recompute | step ms | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | provenance |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs():
         s = r["summary"]
-        model = r["model"] + (" (--compile)" if r["compile"] else "")
+        model = r["model"] + (" (--compile)" if r["compile"] else "") + (f", encoder chunks of {r['chunk']:,}" if r["chunk"] else "")
+        prov = record_provenance(REPO_ROOT / r["path"])
+        where = (f"`{prov['commit'][:10]}`" + (" (dirty)" if prov.get("dirty") else "")) if verified(r) else "unverifiable"
         lines.append(f"| `{r['path'].removeprefix(GPU_DIR + '/')}` | {r['system']} | {r['workload']} | {model} | "
                      f"{r['recompute']} | {s['mean_step_time_s'] * 1e3:,.0f} | {s['tokens_per_s_per_gpu']:,.0f} | "
-                     f"{s['tflops_per_gpu']:.1f} | {s['mfu']:.1%} | {s['peak_memory_bytes'] / GiB:.1f} |")
-    figures = REPO_ROOT / GPU_DIR / "gpu_figures.json"
-    if figures.is_file():
+                     f"{s['tflops_per_gpu']:.1f} | {s['mfu']:.1%} | {s['peak_memory_bytes'] / GiB:.1f} | {where} |")
+    for figures in [REPO_ROOT / GPU_DIR / "gpu_figures.json", *sorted((REPO_ROOT / GPU_DIR).glob("session-*/gpu_figures*.json"))]:
+        if not figures.is_file():
+            continue
         for row in _read(figures):
-            if "error" in row:
-                lines.append(f"| - | {row['system']} | {row['workload']} | refused: \"{row['error']}\" | | | | | | |")
+            if "error" not in row:
+                continue
+            what = "ran out of memory" if "OutOfMemoryError" in row["error"] else "refused"
+            text = row["error"].split("; traceback in")[0].split(" If reserved but unallocated")[0]
+            lines.append(f"| `{_rel(figures).removeprefix(GPU_DIR + '/')}` | {row['system']} | {row['workload']} | "
+                         f"{what}: \"{text}\" | | | | | | | |")
     lines += ["", "Step ms, tokens/s and MFU: means over the steps after the first; MFU = model FLOPs (exact "
               "formula, no recomputation) / step time / 989 TFLOP/s."]
     return "\n".join(lines)
@@ -453,3 +478,79 @@ def h100_op_profile() -> str:
     lines += ["", f"Measured: `{GPU_DIR}/op_profile.txt` ({UNVERIFIABLE}); kernel model: "
               "`simulator/kernels.py::llm_pass` on the same shapes with the eager stack of one rank."]
     return "\n".join(lines)
+
+
+SESSION = "results/gpu/session-2026-11-27"
+
+
+def _prov_line(prov: dict) -> str:
+    commit = prov.get("commit") or "no commit"
+    return (f"{prov.get('gpu_name')}, driver {prov.get('driver')}, torch {prov.get('torch')}, CUDA {prov.get('cuda')}, "
+            f"commit `{commit[:10]}`{' with uncommitted changes' if prov.get('dirty') else ''}: `{prov.get('command')}`")
+
+
+def _resolution(tries: list[dict]) -> float:
+    shares = sorted({t["share"] for t in tries})
+    return min(b - a for a, b in zip(shares, shares[1:], strict=False))
+
+
+@table("h100-allocator")
+def h100_allocator() -> str:
+    """The caching allocator under memory pressure, measured on this runtime's steps (gpu_allocator.py)."""
+    d = _read(REPO_ROOT / SESSION / "allocator" / "gpu_allocator.json")
+    lines = ["| Plan | allocated peak GiB | unpressured reserve / allocated | outside the allocator GiB | "
+             "need under pressure / allocated | Y / X at the failed caps |", "|---|---|---|---|---|---|"]
+    for c in d["cases"]:
+        fails = [f["y_over_x"] for f in c["at_failure"]]
+        lines.append(f"| {c['workload']}, {c['model']}, recompute {c['recompute']} | "
+                     f"{c['uncapped']['max_allocated'] / GiB:.2f} | {c['unpressured_reserve_ratio']:.3f} | "
+                     f"{c['outside_allocator_bytes'] / GiB:.2f} | {1 + c['stranded_share']:.4f} (stranded "
+                     f"{c['stranded_share']:.1%}; reproduced: {'yes' if c['need_reproduced'] else 'no'}) | "
+                     f"{_span([100 * x for x in fails], '.1f')}% |")
+    lines += ["", f"Capacity torch reports: {d['total_memory_bytes']:,} bytes ({d['total_memory_gib']:.2f} GiB). "
+              f"{len(d['cases'])} Plans, {d['cases'][0]['steps']} steps replayed at every cap after one warm-up step, "
+              f"caps bisected to {_resolution(d['cases'][0]['tries']):.3%} of the allocated peak. The outside figure of the second Plan was read in a process that had run the "
+              f"first. {_prov_line(d['provenance'])} (`{SESSION}/allocator/gpu_allocator.json`)."]
+    return "\n".join(lines)
+
+
+@table("h100-llm-stack-session")
+def h100_llm_stack_session() -> str:
+    """The LLM-only step against the plain bf16 stack, with provenance, and the plain stack under autocast."""
+    d = _read(REPO_ROOT / SESSION / "llm_stack" / "gpu_llm_stack.json")
+    peak = d["peak_tflops"]
+    lines = ["| | plain stack, bf16 weights | plain stack, fp32 weights under autocast | harness, whole step | "
+             "harness, forward + backward | harness / plain | harness / plain under autocast |",
+             "|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        p, a, h = r["plain"], r.get("plain_autocast"), r["harness"]
+
+        def cell(x):
+            return f"{x:.1f} TFLOP/s ({x / peak:.1%})"
+
+        under = f"{h['tflops'] / a['tflops']:.2f}" if a else "-"
+        lines.append(f"| {'`--compile`' if r['compile'] else 'eager'} | {cell(p['tflops'])} | "
+                     f"{cell(a['tflops']) if a else 'not measured'} | {cell(h['tflops'])} | {cell(h['fwd_bwd_tflops'])} | "
+                     f"{h['tflops'] / p['tflops']:.2f} | {under} |")
+    a = d["args"]
+    lines += ["", f"{a['layers']} Qwen2-7B layers, {a['tokens']:,} tokens per step in sequences of {a['seq']:,}, "
+              f"{a['steps']} timed steps; MFU against {peak:.0f} TFLOP/s. The compiled row was not measured: "
+              f"torch.compile of both stacks outlasted the part's 210 s. {_prov_line(d['provenance'])} "
+              f"(`{SESSION}/llm_stack/gpu_llm_stack.json`)."]
+    return "\n".join(lines)
+
+
+@table("h100-session-summary")
+def h100_session_summary() -> str:
+    """One line: the figures of the records with provenance (the LLM-only step, the CUDA default)."""
+    by_name = {r["path"]: r["summary"] for r in runs()}
+    text = by_name["results/gpu/runs-2026-11-27/homogeneous-text_only"]
+    default = by_name["results/gpu/runs-2026-11-27/omni-mixed_video"]
+    d = _read(REPO_ROOT / SESSION / "llm_stack" / "gpu_llm_stack.json")
+    row = next(r for r in d["rows"] if not r["compile"])
+    h = row["harness"]["tflops"]
+    return (f"LLM-only {text['mfu']:.1%} MFU ({text['model']}, {text['mean_step_time_s'] * 1e3:.0f} ms per step); the "
+            f"harness's step {h / row['plain']['tflops']:.2f} of a plain bf16 stack of the same shapes measured beside "
+            f"it and {h / row['plain_autocast']['tflops']:.2f} of that stack holding fp32 weights under autocast, "
+            f"as the harness does on one GPU; the CUDA default on mixed_video {default['mfu']:.1%} MFU "
+            f"({default['model']}, recompute {default['recompute']})")
