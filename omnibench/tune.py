@@ -48,6 +48,9 @@ each system's own space:
 `batches` may hold several steps (each layout is timed on all, and fits only if it fits every
 one); `regime_batches` picks them from a window by how bursty they are (the calmest, the median,
 the burstiest, ...), so a layout tuned on calm batches is not the answer when a burst will come.
+The picks are a proxy: with `guard_batches` (the whole window a layout will be kept for) the answer
+is also simulated on every other step of it, and one that cannot run some step is ruled out for
+the next fastest simulated layout (`_guarded`), so what `tune` returns runs the whole window.
 
 No torch here (planners and the simulator only).
 """
@@ -129,6 +132,8 @@ class Trial:
     peak_gib: float = 0.0
     fits: bool = False
     note: str = ""  # why it was pruned / refused
+    # tune's guard_batches: the first step of the window simulated for it that it could not run (fits is then False)
+    guard_step: int | None = None
 
     def row(self) -> dict:
         return {"layout": self.candidate.label(), **asdict(self.candidate),
@@ -237,6 +242,11 @@ class TuneResult:
     # each mapped seed's trial after its recompute retries
     seeds: list = field(default_factory=list)
     seeded: list = field(default_factory=list)  # [(Seed, Trial | None)]
+    # tune's guard_batches: the window steps checked beyond `steps`; each layout the guard ruled out, as
+    # (label, the first of those steps it could not run), fastest first; the step simulations it ran
+    guard_steps: list[int] = field(default_factory=list)
+    guarded: list[tuple[str, int]] = field(default_factory=list)
+    guard_simulations: int = 0
 
     @property
     def seeds_best(self) -> Trial | None:
@@ -745,16 +755,20 @@ class _Search:
             c = nxt
         return c
 
-    def _evaluate(self, wave: list[Candidate]) -> list[Trial]:
-        from simulator.cache import StepJob, pack, run_step
+    def _job(self, c: Candidate, batch):
+        """`c` on `batch` as the simulate command runs a kept layout's step (same key in the step cache)."""
+        from simulator.cache import StepJob, pack
         from simulator.engine import SimOptions
 
-        jobs = [StepJob(self.system, self.model, replace(c.parallel(self.world, self.gpn, self.options), **self.dp_fields),
-                        pack(b), self.cluster, self.profile, SimOptions(recompute=c.recompute, stack=self.stack,
-                                                                       memory_error=self.memory_error),
-                        use_cache=self.use_cache)
-                for c in wave for b in self.batches]
-        outs = self.sweep.map(run_step, jobs)
+        return StepJob(self.system, self.model, replace(c.parallel(self.world, self.gpn, self.options), **self.dp_fields),
+                       pack(batch), self.cluster, self.profile, SimOptions(recompute=c.recompute, stack=self.stack,
+                                                                          memory_error=self.memory_error),
+                       use_cache=self.use_cache)
+
+    def _evaluate(self, wave: list[Candidate]) -> list[Trial]:
+        from simulator.cache import run_step
+
+        outs = self.sweep.map(run_step, [self._job(c, b) for c in wave for b in self.batches])
         trials = []
         k = len(self.batches)
         for i, c in enumerate(wave):
@@ -938,12 +952,50 @@ class _Search:
                 return tr or Trial(c)
             c = nxt
 
+    def guard(self, trials: list[Trial]) -> tuple[Trial | None, list[tuple[str, int]], object, int]:
+        """The first fitting trial of `trials` (fastest first, as a search returns them) that also runs
+        every batch of this search (the window's steps the search was not tuned on), with the fits
+        check the simulator applies; each one ruled out before it is marked (fits False, `guard_step`,
+        the note says why) and listed as (label, the first step it could not run of those simulated
+        for it). Also answers the batch that ruled out the fastest (where it needed the most memory;
+        a planner's refusal first) and the step simulations run. The batch where a ruled-out layout
+        needed the most is simulated first for each layout after it, alone: the burst that broke one
+        layout usually breaks the next, which then costs one step, not the window."""
+        from simulator.cache import run_step
+
+        killers: list[int] = []  # indices into self.batches
+        ruled_out: list[tuple[str, int]] = []
+        worst, runs = None, 0
+        for tr in trials:
+            if not tr.fits:
+                continue
+            failed = []
+            for group in (list(killers), [i for i in range(len(self.batches)) if i not in killers]):
+                if not group:
+                    continue
+                outs = self.sweep.map(run_step, [self._job(tr.candidate, self.batches[i]) for i in group])
+                runs += len(group)
+                failed = [(i, o) for i, o in zip(group, outs, strict=True) if o.error or not o.result.fits]
+                if failed:
+                    break
+            if not failed:
+                return tr, ruled_out, worst, runs
+            first, o = min(failed, key=lambda f: self.batches[f[0]].step)
+            tr.fits, tr.guard_step = False, self.batches[first].step
+            tr.note = f"step {tr.guard_step}: {o.error or o.result.fit_message}"
+            ruled_out.append((tr.candidate.label(), tr.guard_step))
+            burst, _ = max(failed, key=lambda f: (bool(f[1].error), f[1].result.peak_needed if f[1].result else 0.0))
+            if burst not in killers:
+                killers.append(burst)
+            worst = self.batches[burst] if worst is None else worst
+        return None, ruled_out, worst, runs
+
 
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
          fraction: float = BUDGET_FRACTION, options: dict | None = None, encoder_search: bool = True, log=None,
          sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None,
          stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None,
-         memory_error: float = 0.0, seeds: list[Seed] | None = None) -> TuneResult:
+         memory_error: float = 0.0, seeds: list[Seed] | None = None, guard_batches: list | None = None) -> TuneResult:
     """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
     `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated with
     the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`; what fits
@@ -955,7 +1007,23 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     `prior`: a smaller cluster's answer (`TuneResult.prior()`), its layouts in the first wave;
     `seeds`: layouts that won for this system elsewhere (`Seed`: other workloads, sizes, grid cells),
     in the first wave after the default and the prior's, and simulated whatever the budget (those of
-    other systems are ignored): the answer is never slower than a seed that fits here."""
+    other systems are ignored): the answer is never slower than a seed that fits here.
+
+    `guard_batches`: the window the answer will be kept for (every step a static deployment runs);
+    the answer then runs every one of them (`_guarded`). None: the search's own answer on `batches`."""
+    kw = dict(profile=profile, budget=budget, fraction=fraction, options=options, encoder_search=encoder_search,
+              log=log, sweep=sweep, use_cache=use_cache, known=known, prior=prior, stack=stack, dp_mode=dp_mode,
+              default=default, memory_error=memory_error, seeds=seeds)
+    if guard_batches:
+        return _guarded(_tune_once, system, model, batches, cluster, guard_batches, kw)
+    return _tune_once(system, model, batches, cluster, **kw)
+
+
+def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, profile, budget: int, fraction: float,
+               options: dict | None, encoder_search: bool, log, sweep, use_cache: bool, known: dict | None,
+               prior: Prior | None, stack: str, dp_mode: str | None, default: Candidate | None, memory_error: float,
+               seeds: list[Seed] | None) -> TuneResult:
+    """`tune` without a guard: the search on `batches` alone."""
     from omnibench.sweep import Sweep
     from systems import get_planner
 
@@ -1082,11 +1150,20 @@ def _seeded(seed: Seed, search: _Search, settled: dict) -> Candidate | None:
 
 
 def tune_converged(system: str, model: MultimodalSpec, batches: list, cluster, *, budget: int = DEFAULT_BUDGET,
-                   fraction: float = BUDGET_FRACTION, doublings: int = MAX_DOUBLINGS, **kw) -> TuneResult:
+                   fraction: float = BUDGET_FRACTION, doublings: int = MAX_DOUBLINGS, guard_batches: list | None = None,
+                   **kw) -> TuneResult:
     """`tune` at `budget`, then again at twice it reusing every layout already simulated, and again
     while that moved the best step time by more than CONVERGED, at most `doublings` times (or until
     the whole space is simulated): the last search's result (at least as fast: it holds every
-    earlier trial), with `convergence` comparing it with the search before it."""
+    earlier trial), with `convergence` comparing it with the search before it. `guard_batches`: as
+    `tune`'s, checked once the doublings have settled (`convergence` is the search's own: a layout
+    the guard rules out may be its best)."""
+    if guard_batches:
+        def search(system, model, batches, cluster, **rest):
+            return tune_converged(system, model, batches, cluster, budget=budget, fraction=fraction,
+                                  doublings=doublings, **rest)
+
+        return _guarded(search, system, model, batches, cluster, guard_batches, kw)
     first = tune(system, model, batches, cluster, budget=budget, fraction=fraction, **kw)
     seconds = first.seconds
     seed_rechecked = False
@@ -1111,3 +1188,78 @@ def tune_converged(system: str, model: MultimodalSpec, batches: list, cluster, *
         first = second
     second.seconds = seconds
     return second
+
+
+GUARD_ROUNDS = 2  # searches again with a ruled-out layout's burst among the tuned batches, at most this often
+
+
+def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster, guard_batches: list,
+             kw: dict) -> TuneResult:
+    """`search(system, model, batches, cluster, **kw)` (a tune), then its answer checked on every batch
+    of `guard_batches` that is not among `batches` (`_Search.guard`, with the search's own memory error
+    and stack): a layout that cannot run one of them is ruled out and the next fastest simulated one
+    is checked, so the answer runs every step of the window it will be kept for. When every simulated
+    layout is ruled out, the batch that ruled out the fastest joins the tuned batches and the search
+    runs again (from scratch: its trials were timed on other batches), at most GUARD_ROUNDS times;
+    then a one-line ValueError names the step. The regime picks (`regime_batches`) are a proxy for
+    the window's bursts; the simulator knows which steps fit (omni on bursty_mix at 1,024 GPUs, tuned
+    on 3 regime steps: 80.0 of 80.0 GiB at step 12, dropped from the comparison)."""
+    from omnibench.sweep import Sweep
+    from simulator.cache import pack
+
+    own = kw.get("sweep") is None
+    sweep = kw.get("sweep") or Sweep(workers=1)
+    kw = {**kw, "sweep": sweep}
+    tuned = list(batches)
+    guarded: list[tuple[str, int]] = []
+    runs, seconds = 0, 0.0
+    rounds = 0
+    try:
+        while True:
+            res = search(system, model, tuned, cluster, **kw)
+            t0 = time.perf_counter()
+            seen = {pack(b).digest for b in tuned}
+            window = []
+            for b in guard_batches:
+                digest = pack(b).digest
+                if digest not in seen:
+                    seen.add(digest)
+                    window.append(b)
+            res.guard_steps = [b.step for b in window]
+            steps = ", ".join(str(b.step) for b in tuned)
+            if res.best is None and rounds:  # the burst added is more than any layout holds
+                raise ValueError(f"tune: no layout of {system} on {cluster.num_gpus} GPUs runs step {tuned[-1].step} "
+                                 f"(tuned on steps {steps}; ruled out before: "
+                                 + ", ".join(f"{lab} at step {k}" for lab, k in guarded) + ")")
+            survivor, out = res.best, []
+            if survivor is not None and window:
+                from omnibench.specs.parallel import dp_mode_fields
+
+                dp_fields = dp_mode_fields(kw["dp_mode"]) if kw.get("dp_mode") is not None else {}
+                check = _Search(system, model, window, cluster, kw.get("profile"), kw.get("options"), sweep,
+                                kw.get("use_cache", True), None, None, stack=kw.get("stack", "eager"),
+                                dp_fields=dp_fields, memory_error=kw.get("memory_error", 0.0))
+                survivor, out, worst, n = check.guard(list(res.trials))
+                guarded += out
+                runs += n
+                res.trials.sort(key=lambda t: (not t.fits, t.step_s, t.candidate.label()))
+                if out:
+                    res.notes.append("guard: ruled out " + ", ".join(f"{lab} (step {k})" for lab, k in out)
+                                     + (f"; {survivor.candidate.label()} runs every step" if survivor else ""))
+            seconds += res.seconds + time.perf_counter() - t0
+            if survivor is not None or (res.best is None and not out):
+                res.guarded, res.guard_simulations, res.seconds = guarded, runs, seconds
+                return res
+            if rounds == GUARD_ROUNDS:
+                lab, k = out[0]
+                why = next(t.note for t in res.trials if t.candidate.label() == lab)
+                raise ValueError(f"tune: no layout of {system} on {cluster.num_gpus} GPUs that the search simulated "
+                                 f"runs every step of the window (tuned on steps {steps}; the fastest, {lab}, "
+                                 f"at {why})")
+            tuned = tuned + [worst]
+            if "known" in kw:  # trials timed on the batches before: not this search's verdicts
+                kw["known"] = None
+            rounds += 1
+    finally:
+        if own:
+            sweep.close()

@@ -126,16 +126,22 @@ def test_regime_batches_span_the_calmest_to_the_burstiest():
 
 
 def test_a_layout_tuned_across_regimes_survives_the_burst_one_tuned_on_step_0_does_not(tmp_path):
-    def run(k):
+    def run(k, *extra):
         r = _simulate(["--workload", "bursty_mix", "--seed", "14", "--steps", "16", "--system", "homogeneous",
                        "--gpus", "16", "--global-batch-tokens", "131072", "--tuned", "--tune-steps", str(k),
-                       "--tune-budget", "6", "--out", str(tmp_path / str(k)), "--json"])
+                       "--tune-budget", "6", "--out", str(tmp_path / f"{k}{''.join(extra)}"), "--json", *extra])
         assert r.exit_code == 0, r.output
         return json.loads(r.output)["results"][0]
 
-    calm, regimes = run(1), run(3)
+    calm, regimes = run(1, "--no-tune-guard"), run(3, "--no-tune-guard")
     assert calm["tuned_at_steps"] == [0] and not calm["fits"] and "does not fit" in calm["fit_message"]
     assert len(regimes["tuned_at_steps"]) == 3 and regimes["fits"] and regimes["steps_failed"] == 0
+    assert "tune_guarded" not in calm
+    # the guard (the default) checks step 0's answer on the other 15 steps: it is ruled out for one that runs all
+    guarded = run(1)
+    assert guarded["tuned_at_steps"] == [0] and guarded["fits"] and guarded["steps_failed"] == 0
+    assert guarded["tune_guarded"][0]["layout"] == calm["layout"] != guarded["layout"]
+    assert guarded["tune_guard_steps"] == list(range(1, 16))
 
 
 def test_search_space_of_a_moe_model_has_expert_parallelism():
@@ -241,20 +247,21 @@ def test_simulate_tuned_over_many_steps_tunes_once_on_step_0_and_keeps_that_layo
     # A layout in the cache is used as it is for every step (a re-tune would not find this one: it is
     # not the best), and nothing is tuned again.
     (key, entry), = json.loads(cache.read_text()).items()
+    assert key.endswith("|guard=0,300,600")  # the answer was checked on these steps (the same command's only)
     other = {**entry["candidate"], "tp": 4, "cp": 1, "recompute": "full"}
     cache.write_text(json.dumps({key: {**entry, "candidate": other}}))
     calls.clear()
     r = _simulate(["--workload", "drifting_video", "--system", "homogeneous", "--gpus", "16", "--global-batch-tokens",
-                   "131072", "--tuned", "--tune-budget", "2", "--steps", "2", "--step-stride", "300",
+                   "131072", "--tuned", "--tune-budget", "2", "--steps", "3", "--step-stride", "300",
                    "--tune-cache", str(cache), "--out", str(tmp_path / "b"), "--json"])
     assert r.exit_code == 0, r.output
     assert calls == []
     record = Path(json.loads(r.output)["record"])
-    for k in (0, 300):
+    for k in (0, 300, 600):
         llm = json.loads((record / f"plan_homogeneous_16_step{k}.json").read_text())["layouts"]["llm"]
         assert (llm["tp"], llm["cp"]) == (4, 1)
     steps = (record / "steps.csv").read_text().splitlines()
-    assert steps[0].startswith("gpus,system,step,layout") and len(steps) == 3 and "tp4 pp1" in steps[1]
+    assert steps[0].startswith("gpus,system,step,layout") and len(steps) == 4 and "tp4 pp1" in steps[1]
 
 
 def test_simulate_tuned_ablation_keeps_omnis_own_tuned_layout(tmp_path, monkeypatch):

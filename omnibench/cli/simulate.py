@@ -47,7 +47,7 @@ RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens"
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "peak_memory_gib", "peak_memory_needed_gib", "memory_capacity_gib", "speedup_over_best_baseline",
                   "distinct_ranks", "sim_seconds", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space",
-                  "tune_moved", "tune_converged", "tune_seeds", "tune_over_seeds", "steps_failed"]
+                  "tune_moved", "tune_converged", "tune_seeds", "tune_over_seeds", "tune_ruled_out", "steps_failed"]
 # steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
 STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "step_time_s", "tokens_per_s",
                 "tokens_per_s_per_gpu", "mfu", "bubble", "peak_memory_gib"]
@@ -230,10 +230,13 @@ TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "g
                    "calibration", "tune_steps", "converge", "prior", "memory_error")
 
 
-def _tune_key(seeds: list | None = None, **fields) -> str:
+def _tune_key(seeds: list | None = None, guard: str = "", **fields) -> str:
     """The tune cache's key: the inputs that decide the answer (a seeded search: its seeds too, as a
-    digest, so that an unseeded answer is never taken for a seeded one)."""
+    digest, so that an unseeded answer is never taken for a seeded one; a guarded one: the steps its
+    answer was checked on, so that an unguarded answer is never taken for a guarded one)."""
     key = "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS)
+    if guard:
+        key += f"|guard={guard}"
     if seeds:
         import hashlib
 
@@ -284,9 +287,12 @@ def read_tune_cache(path: Path | None) -> dict:
 def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str,
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
                  use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
-                 dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None):
+                 dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
+                 guard_batches: list | None = None):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
-    batch, or batches picked across the simulated window by regime) with every omni technique on
+    batch, or batches picked across the simulated window by regime), its answer checked to run every
+    batch of `guard_batches` (the window it is kept for; the layouts ruled out in `entry["guarded"]`),
+    with every omni technique on
     (the ablation keeps the full system's layout), starting from `prior` (the next smaller size's
     answer, a `tune.Prior`); or the layout `cache[key]` holds from an earlier tune with the same
     inputs (its entry then says `tune_seconds` 0 for this command). The entry keeps this search's
@@ -305,7 +311,7 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
                  fraction=fraction or tune_mod.BUDGET_FRACTION,
                  options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
                  use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error,
-                 seeds=seeds)
+                 seeds=seeds, guard_batches=guard_batches)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
@@ -313,6 +319,10 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
              "budget": res.convergence.budget if res.convergence else res.budget,
              "enumerated": res.enumerated, "tuned_at_steps": res.steps, "best_s": res.best.step_s,
              "prior": res.prior().row(), "started_from": prior.world if prior is not None else None}
+    if guard_batches:
+        entry["guard_steps"] = res.guard_steps
+        entry["guarded"] = [{"layout": lab, "step": k} for lab, k in res.guarded]
+        entry["guard_simulations"] = res.guard_simulations
     if res.seeded:
         entry["seeds"] = [{**sd.row(), "as": tr.candidate.label() if tr else None,
                            "step_s": tr.step_s if tr and tr.simulated else None, "fits": bool(tr and tr.fits)}
@@ -502,8 +512,9 @@ SIMULATE_HELP = "\n\n".join([
     "over training), each system's layout kept for all of them.",
     "Tuned: --tuned puts each system at its own best layout, `omnibench tune` on step 0's batch (or, with "
     "--tune-steps K, on K batches picked across the simulated steps by how bursty they are), kept for every step "
-    "(a static deployment, never re-tuned); the layout flags are then ignored, and with --no-* switches omni keeps "
-    "the layout tuned with every technique on. --tune-budget 0 simulates --tune-fraction of each system's pruned "
+    "(a static deployment, never re-tuned); with --steps > 1 the answer is also simulated on every step, and one "
+    "that cannot run some step is ruled out for the next fastest (--no-tune-guard: kept anyway); the layout flags "
+    "are then ignored, and with --no-* switches omni keeps the layout tuned with every technique on. --tune-budget 0 simulates --tune-fraction of each system's pruned "
     "space; --check-convergence tunes again at twice the budget and says how far the best moved (doubling "
     "again, up to 3 times, while it moves more than 2%).",
     "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
@@ -569,11 +580,12 @@ def register(app: typer.Typer) -> None:
         seed_from: list[Path] = typer.Option([], "--seed-from", metavar="FILE", help="With --tuned: seed each search from a tune "
                                              "cache or seeds file."),
         memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
+        no_tune_guard: bool = typer.Option(False, "--no-tune-guard", help="With --tuned: no check that the layout runs every step."),
     ) -> None:
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
         from omnibench.sweep import Sweep
-        from simulator.cache import run_step
+        from simulator.cache import pack, run_step
         from simulator.calibrate import Profile
         from simulator.hardware import load_cluster
         from simulator.traces import perfetto_events, write_json_atomic
@@ -680,8 +692,13 @@ def register(app: typer.Typer) -> None:
                                     from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
 
                                     if window is None:  # the same batches for every system
-                                        window = regime_batches([stream.batch(k) for k in step_indices(steps, step_stride)],
-                                                                tune_steps) if tune_steps > 1 else [stream.batch(0)]
+                                        span = [stream.batch(k) for k in step_indices(steps, step_stride)]
+                                        window = regime_batches(span, tune_steps)
+                                        # the window a kept layout must run (--no-tune-guard: whatever the
+                                        # tuned batches say); packed once for the tune and the steps alike
+                                        guard = span if steps > 1 and not no_tune_guard else []
+                                        for b in span:
+                                            packed.setdefault(b.step, pack(b))
                                     sweep.describe(f"tune {s} at {n:,} GPUs")
                                     budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
                                     # each size's search starts from the next smaller size's answer
@@ -693,7 +710,8 @@ def register(app: typer.Typer) -> None:
                                                     tune_steps=",".join(str(b.step) for b in window),
                                                     converge=MAX_DOUBLINGS if check_convergence else 0,
                                                     prior=prior.world if prior is not None else 0,
-                                                    memory_error=memory_error)
+                                                    memory_error=memory_error,
+                                                    guard=",".join(str(b.step) for b in guard))
                                     c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
                                                             hardware, cache, key, fraction=tune_fraction,
                                                             converge=check_convergence, sweep=sweep,
@@ -702,7 +720,8 @@ def register(app: typer.Typer) -> None:
                                                                       "hardware": hardware, "model": spec.name,
                                                                       "memory_error": memory_error},
                                                             prior=prior, stack=stack, dp_mode=dp_mode,
-                                                            memory_error=memory_error, seeds=mine)
+                                                            memory_error=memory_error, seeds=mine,
+                                                            guard_batches=guard)
                                     if entry.get("prior") and (s not in priors or priors[s].world < n):
                                         from omnibench.tune import Prior
 
@@ -725,6 +744,10 @@ def register(app: typer.Typer) -> None:
                                     if entry.get("seeds"):
                                         row["tune_seeds"] = len(entry["seeds"])
                                         row["tune_over_seeds"] = entry.get("over_seeds")
+                                    if "guarded" in entry:
+                                        row["tune_guard_steps"] = entry["guard_steps"]
+                                        row["tune_guarded"] = entry["guarded"]
+                                        row["tune_ruled_out"] = len(entry["guarded"])
                                 else:
                                     sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
                                                                             step_stride, clusters[n], tp, pp, cp, recompute,
@@ -804,6 +827,7 @@ def register(app: typer.Typer) -> None:
                     # batches picked across the window by regime), kept for every step
                     **({"tune_budget": tune_budget, "tune_fraction": tune_fraction, "tune_steps": tune_steps,
                         "check_convergence": check_convergence, "seed_from": [str(p) for p in seed_from],
+                        "tune_guard": not no_tune_guard,
                         "tuned_at_step": min((r["tuned_at_step"] for r in rows if "tuned_at_step" in r), default=0),
                         "tuned_at_steps": sorted({k for r in rows for k in r.get("tuned_at_steps", [])}),
                         "layout_kept": True} if tuned else {}),
@@ -878,6 +902,10 @@ def register(app: typer.Typer) -> None:
                     over = r.get("tune_over_seeds")
                     conv += (f"; {r['tune_seeds']} seed(s): " + ("none fitted" if over is None else
                              "the answer is a seed" if over <= 0 else f"beat the fastest by {over:.1%}"))
+                if r.get("tune_guard_steps"):
+                    out = r.get("tune_guarded") or []
+                    conv += (f"; checked on {len(r['tune_guard_steps'])} more step(s)" + (
+                        ", ruled out " + ", ".join(f"{g['layout']} (step {g['step']})" for g in out) if out else ""))
                 said.append(f"tuned layout {r['layout']} (budget {r.get('tune_budget')} of {r.get('tune_space')}, "
                             f"tuned at step(s) {at}{kept}{spent}{conv})")
             elif r.get("layout"):

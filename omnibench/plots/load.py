@@ -160,7 +160,8 @@ class SimRecord:
             if k in c and v != _SIM_DEFAULTS[k] and not (c.get("tuned") and k in ("tp", "pp", "cp", "recompute")):
                 parts.append(f"--{k.replace('_', '-')} {v}")
         if c.get("tuned"):
-            parts.append("--tuned" + (" --check-convergence" if c.get("check_convergence") else ""))
+            parts.append("--tuned" + (" --check-convergence" if c.get("check_convergence") else "")
+                         + (" --no-tune-guard" if c.get("tune_guard") is False else ""))
         parts += [f"--no-{k.replace('_', '-')}" for k, v in sorted((c.get("options") or {}).items()) if v is False]
         parts.append(f"--out {self.path.parent}")
         return " ".join(parts)

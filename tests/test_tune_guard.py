@@ -1,0 +1,158 @@
+"""tune's guard: a layout kept for a window of steps runs every one of them. The search's answer is
+simulated on the window's other steps; one that cannot run a step is ruled out for the next fastest
+(issue 20: omni on bursty_mix, tuned on three regime steps, needed 80.0 of 80.0 GiB at step 12)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from omnibench import tune as tune_mod
+from omnibench.specs.presets import get_model
+from omnibench.tune import tune, tune_converged
+from simulator.hardware import load_cluster
+from workloads.sample import Batch
+from workloads.stream import WorkloadStream
+
+pytestmark = pytest.mark.timeout(300)
+
+# bursty_mix, seed 14, 131,072 tokens a step on 16 H100s: steps 0-8 calm (largest sample ~15k), 9-15 bursts
+# (~120k); the homogeneous layout tuned on step 0 needs more than 80 GiB at step 3 and at every burst.
+
+
+@pytest.fixture(scope="module")
+def window():
+    stream = WorkloadStream("bursty_mix", seed=14, global_batch_tokens=131072)
+    return [stream.batch(s) for s in range(16)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return get_model("omni-7b"), load_cluster("h100", 16)
+
+
+def _runs(system, model, cluster, c, batches):
+    """Each batch's (fits, message) for candidate `c`, simulated here (not through the guard)."""
+    from simulator.engine import SimOptions, simulate
+    from systems import get_planner
+
+    out = []
+    for b in batches:
+        plan = get_planner(system).plan(model, c.parallel(cluster.num_gpus, cluster.gpus_per_node), b)
+        res = simulate(plan, model, cluster, options=SimOptions(recompute=c.recompute))
+        out.append((b.step, res.fits))
+    return out
+
+
+def _trials(res):
+    return [(t.candidate.label(), t.step_s, t.fits, t.note) for t in res.trials]
+
+
+def test_without_a_guard_or_with_nothing_left_to_check_the_search_is_unchanged(window, setup):
+    model, cluster = setup
+    plain = tune("homogeneous", model, window[:1], cluster, budget=6)
+    same = tune("homogeneous", model, window[:1], cluster, budget=6, guard_batches=[window[0]])
+    assert _trials(same) == _trials(plain) and same.best.candidate == plain.best.candidate
+    assert (same.guarded, same.guard_steps, same.guard_simulations) == ([], [], 0)
+    assert all(t.guard_step is None for t in plain.trials)
+
+
+def test_an_answer_that_runs_every_step_is_kept_and_each_step_simulated_once(window, setup):
+    model, cluster = setup
+    plain = tune("omni", model, window[:1], cluster, budget=6)
+    guarded = tune("omni", model, window[:1], cluster, budget=6, guard_batches=window)
+    assert guarded.guarded == [] and guarded.best.candidate == plain.best.candidate
+    assert guarded.guard_steps == list(range(1, 16)) and guarded.guard_simulations == 15
+    assert _trials(guarded) == _trials(plain) and guarded.steps == [0]
+
+
+def test_a_layout_that_cannot_run_a_step_of_the_window_is_ruled_out_for_one_that_can(window, setup):
+    model, cluster = setup
+    plain = tune("homogeneous", model, window[:1], cluster, budget=6)
+    res = tune("homogeneous", model, window[:1], cluster, budget=6, guard_batches=window)
+    # the search's own answer does not fit some step: the guard says which, and so does a direct simulation
+    label, step = res.guarded[0]
+    assert label == plain.best.candidate.label() and res.best.candidate != plain.best.candidate
+    assert (step, False) in _runs("homogeneous", model, cluster, plain.best.candidate, window[step:step + 1])
+    ruled = next(t for t in res.trials if t.candidate.label() == label)
+    assert not ruled.fits and ruled.guard_step == step and ruled.note.startswith(f"step {step}: ")
+    assert any(n.startswith("guard: ruled out") for n in res.notes)
+    # the answer is the fastest simulated layout the guard did not rule out, and it runs every step
+    assert res.best.step_s >= plain.best.step_s and res.steps == [0]
+    assert all(fits for _, fits in _runs("homogeneous", model, cluster, res.best.candidate, window))
+    ruled_out = {lab for lab, _ in res.guarded}
+    faster = [t for t in plain.trials if t.fits and t.step_s < res.best.step_s]
+    assert {t.candidate.label() for t in faster} == ruled_out
+    # a ruled-out layout after the first costs the step that broke one before it, not the whole window
+    assert 2 * 15 <= res.guard_simulations < 15 * (len(res.guarded) + 1)
+
+
+def test_when_every_simulated_layout_is_ruled_out_the_burst_joins_the_tuned_batches(window, setup, monkeypatch):
+    model, cluster = setup
+    # budget 1: the default layout and its recompute retries only; none runs the whole window
+    res = tune("homogeneous", model, window[:1], cluster, budget=1, encoder_search=False, guard_batches=window)
+    assert res.guarded and len(res.steps) == 2 and res.steps[0] == 0 and res.steps[1] in range(1, 16)
+    assert res.guard_steps == [k for k in range(1, 16) if k != res.steps[1]]
+    assert all(fits for _, fits in _runs("homogeneous", model, cluster, res.best.candidate, window))
+    # no search again allowed: a one-line error naming the step
+    monkeypatch.setattr(tune_mod, "GUARD_ROUNDS", 0)
+    with pytest.raises(ValueError, match=r"runs every step of the window \(tuned on steps 0; .* at step \d+: ") as e:
+        tune("homogeneous", model, window[:1], cluster, budget=1, encoder_search=False, guard_batches=window)
+    assert "\n" not in str(e.value)
+
+
+def test_a_step_no_layout_runs_is_named(window, setup):
+    model, cluster = setup
+    lone = Batch(7, window[0].samples[:1])  # one sample for 16 data ranks: no planner takes it
+    with pytest.raises(ValueError, match=r"no layout of homogeneous on 16 GPUs runs step 7 \(tuned on steps 0, 7"):
+        tune("homogeneous", model, window[:1], cluster, budget=2, encoder_search=False, guard_batches=[lone])
+
+
+def test_a_converged_search_is_guarded_once_it_has_settled(window, setup):
+    model, cluster = setup
+    plain = tune_converged("homogeneous", model, window[:1], cluster, budget=3, encoder_search=False, doublings=1)
+    res = tune_converged("homogeneous", model, window[:1], cluster, budget=3, encoder_search=False, doublings=1,
+                         guard_batches=window)
+    assert res.convergence is not None and res.convergence.row() == plain.convergence.row()
+    assert res.guarded and res.guarded[0][0] == plain.best.candidate.label()
+    assert all(fits for _, fits in _runs("homogeneous", model, cluster, res.best.candidate, window))
+
+
+def _simulate(args):
+    from omnibench.cli import simulate as sim_cli
+
+    app = typer.Typer()
+    sim_cli.register(app)
+    return CliRunner().invoke(app, ["simulate", *args])
+
+
+def test_simulate_tuned_over_steps_keeps_a_layout_that_runs_every_one(tmp_path):
+    # steps 0, 5, 10 of bursty_mix: step 10 is a burst the layout tuned on step 0 does not fit
+    base = ["--workload", "bursty_mix", "--seed", "14", "--system", "homogeneous", "--gpus", "16",
+            "--global-batch-tokens", "131072", "--tuned", "--tune-budget", "6", "--steps", "3", "--step-stride", "5",
+            "--tune-steps", "1"]
+    r = _simulate([*base, "--no-tune-guard", "--out", str(tmp_path / "off"), "--json"])
+    assert r.exit_code == 0, r.output
+    off = json.loads(r.output)["results"][0]
+    assert not off["fits"] and off["steps_failed"] and "tune_guarded" not in off
+    cache = tmp_path / "tuned.json"
+    r = _simulate([*base, "--tune-cache", str(cache), "--out", str(tmp_path / "on"), "--json"])
+    assert r.exit_code == 0, r.output
+    record = Path(json.loads(r.output)["record"])
+    row = json.loads((record / "results.json").read_text())[0]
+    assert row["fits"] and row["steps_failed"] == 0 and all(m["fits"] for m in row["per_step"])
+    assert [m["step"] for m in row["per_step"]] == [0, 5, 10] and row["tune_guard_steps"] == [5, 10]
+    assert row["tune_guarded"][0]["layout"] == off["layout"] != row["layout"]
+    assert row["tune_ruled_out"] == len(row["tune_guarded"])
+    assert json.loads((record / "config.json").read_text())["tune_guard"] is True
+    (key, entry), = json.loads(cache.read_text()).items()
+    assert key.endswith("|guard=0,5,10") and entry["guarded"] == row["tune_guarded"]
+    assert entry["guard_simulations"] >= 2
+    # the cached answer is reused, its ruled-out layouts said again
+    r = _simulate([*base, "--tune-cache", str(cache), "--out", str(tmp_path / "again")])
+    assert r.exit_code == 0, r.output
+    assert f"ruled out {off['layout']} (step " in " ".join(r.output.split()) and "from --tune-cache" in r.output
