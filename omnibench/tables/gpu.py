@@ -509,8 +509,9 @@ def h100_allocator() -> str:
                      f"{_span([100 * x for x in fails], '.1f')}% |")
     lines += ["", f"Capacity torch reports: {d['total_memory_bytes']:,} bytes ({d['total_memory_gib']:.2f} GiB). "
               f"{len(d['cases'])} Plans, {d['cases'][0]['steps']} steps replayed at every cap after one warm-up step, "
-              f"caps bisected to {_resolution(d['cases'][0]['tries']):.3%} of the allocated peak. The outside figure of the second Plan was read in a process that had run the "
-              f"first. {_prov_line(d['provenance'])} (`{SESSION}/allocator/gpu_allocator.json`)."]
+              f"caps bisected to {_resolution(d['cases'][0]['tries']):.3%} of the allocated peak. The outside "
+              f"figure of the second Plan was read in a process that had run the first. "
+              f"{_prov_line(d['provenance'])} (`{SESSION}/allocator/gpu_allocator.json`)."]
     return "\n".join(lines)
 
 
