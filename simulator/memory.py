@@ -74,9 +74,19 @@ PUBLISHED_ALLOCATOR = AllocatorNeed(0.0044, 1.0 * GiB, "public OOM messages")
 EAGER_ALLOCATOR = AllocatorNeed(0.0913, 4.72 * GiB, "measured on one H100 (benchmarks/gpu_allocator.py)")
 
 
-def allocator_need(memory_stack: str) -> AllocatorNeed:
-    """The allocator figures of a memory stack (MEMORY_STACKS): measured for this project's runtime,
-    from public OOM messages for the others."""
+# CPU ranks (gloo): no caching allocator and no CUDA context; about 1 GiB per process for Python,
+# torch and gloo, the figure the CPU runs' check has always added (their check guards a laptop from a
+# real preset, it is not a precise one).
+HOST_ALLOCATOR = AllocatorNeed(0.0, 1.0 * GiB, "a CPU process")
+HOST_DEVICE = "cpu-process"  # a cluster whose gpu has this name is a host's memory (cpu-gloo.toml)
+
+
+def allocator_need(memory_stack: str, device: str = "") -> AllocatorNeed:
+    """The allocator figures of a memory stack (MEMORY_STACKS) on a device (the cluster's gpu name):
+    measured on a GPU for this project's runtime, from public OOM messages for the others; a CPU
+    process's on the host."""
+    if device == HOST_DEVICE:
+        return HOST_ALLOCATOR
     return EAGER_ALLOCATOR if memory_stack == "eager" else PUBLISHED_ALLOCATOR
 
 
@@ -100,11 +110,11 @@ ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatr
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1e9
 
 
-def memory_needed(allocated: float, memory_stack: str = "eager") -> float:
+def memory_needed(allocated: float, memory_stack: str = "eager", device: str = "") -> float:
     """Bytes a rank whose live tensors peak at `allocated` needs to run under memory pressure: the
     allocator gives back every cached block it can before it fails, so only the space stranded in
     partly used segments and what lives outside the allocator (`allocator_need`) add to it."""
-    need = allocator_need(memory_stack)
+    need = allocator_need(memory_stack, device)
     return allocated * (1.0 + need.stranded) + need.outside
 
 
@@ -636,5 +646,6 @@ class MemoryMixin:
         stats.memory_static = self._static_memory(rank)
         stats.memory_allocated = stats.memory_static + peak_live
         stats.memory_reserved = FRAGMENTATION * stats.memory_allocated
-        stats.memory_bytes = stats.memory_reserved + allocator_need(self.memory_stack).outside
-        stats.memory_needed = memory_needed(stats.memory_allocated, self.memory_stack)
+        device = self.cluster.gpu.name
+        stats.memory_bytes = stats.memory_reserved + allocator_need(self.memory_stack, device).outside
+        stats.memory_needed = memory_needed(stats.memory_allocated, self.memory_stack, device)

@@ -218,4 +218,4 @@ def test_an_ablation_whose_kept_layout_stops_fitting_is_an_answer_not_a_failure(
     assert "nothing fits: does not fit: rank" in out and "the ablation's answer" in out
     assert list(json.loads((sims / "reproduce-stages.json").read_text())) == ["abl"]  # the other one failed
     assert json.loads((sims / "reproduce-notes.json").read_text())["abl"].startswith("does not fit: rank")
-    assert "GiB of 80.0 GiB" in err and [x.startswith("FAILED") for x in log] == [False, True]
+    assert "GiB of 79.2 GiB" in err and [x.startswith("FAILED") for x in log] == [False, True]

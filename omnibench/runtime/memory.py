@@ -82,16 +82,19 @@ def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None
     parallel.validate(model)
     batches = batch_source(trial)
     peak, rank = peak_memory(trial.system, model, parallel, [batches(s) for s in range(min(trial.steps, ESTIMATE_STEPS))],
-                             _cluster(trial.nproc, memory_gib), chunk)
+                             _cluster(trial.nproc, memory_gib, trial.extra.get("device", "cpu")), chunk)
     return Estimate(peak, rank, name, mode, chunk)
 
 
-def _cluster(nproc: int, memory_gib: float):
-    """The cluster a run is estimated on: the h100 preset's network, the device's memory."""
+def _cluster(nproc: int, memory_gib: float, device: str = "cuda"):
+    """The cluster a run is estimated on: the h100 preset's network, the device's memory; on CPU a
+    host's process (simulator/memory.py HOST_DEVICE: no caching allocator, no CUDA context)."""
     from simulator.hardware import load_cluster
+    from simulator.memory import HOST_DEVICE
 
     cluster = load_cluster("h100", nproc)
-    return replace(cluster, gpu=replace(cluster.gpu, memory_gib=memory_gib))
+    gpu = replace(cluster.gpu, memory_gib=memory_gib, **({} if device == "cuda" else {"name": HOST_DEVICE}))
+    return replace(cluster, gpu=gpu)
 
 
 def device_memory_gib(device: str) -> float:
@@ -160,7 +163,8 @@ def _settle(spec: RunSpec, cap: float, budget: float, chunk_options):
 
     batches = batch_source(spec)
     return resolve_layout(spec.system, get_model(spec.model), parallel_spec(replace(spec, recompute="none"), spec.nproc),
-                          [batches(s) for s in range(min(spec.steps, ESTIMATE_STEPS))], _cluster(spec.nproc, cap),
+                          [batches(s) for s in range(min(spec.steps, ESTIMATE_STEPS))],
+                          _cluster(spec.nproc, cap, spec.extra.get("device", "cpu")),
                           tp=spec.tp, pp=spec.pp, cp=spec.cp, recompute=spec.recompute, budget_bytes=budget,
                           chunk_options=chunk_options, estimate=True)
 

@@ -226,6 +226,7 @@ def reproduce_total() -> str:
     cpu = t["user"] + t["sys"]
     load = t["load"]
     parts = f" over {t['parts']} parts (continued with --resume)" if t["parts"] > 1 else ""
+    seen = (f"1-minute load average {min(load):.1f}-{max(load):.1f} (mean {sum(load) / len(load):.1f})" if len(load) > 1
+            else f"1-minute load average {load[0]:.1f} (one reading)" if load else "load not sampled")
     return (f"{_min(t['wall'])} wall{parts}, {_min(cpu)} CPU (user + sys; CPU / 2 = {_min(cpu / 2)}, the bound on "
-            f"2 quiet cores), 1-minute load average {min(load):.1f}-{max(load):.1f} (mean "
-            f"{sum(load) / len(load):.1f}) on the 2 cores, last exit status {t['exit']}")
+            f"2 quiet cores), {seen} on the 2 cores, last exit status {t['exit']}")
