@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.hardware import GiB, HardwareError, available_presets, load_cluster
+from simulator.hardware import HardwareError, available_presets, load_cluster
 
 
 def test_presets_carry_datasheet_figures():
