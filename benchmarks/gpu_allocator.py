@@ -1,9 +1,9 @@
 """What a training step needs when the GPU is nearly full, against what its live tensors peak at.
 
 The simulator decides "does it fit" as the caching allocator decides it: a step needs its allocated
-peak, plus the free space stranded inside segments that still hold live blocks (STRANDED), plus what
-lives outside the allocator (CUDA context, cuBLAS and NCCL buffers: RESERVED_BYTES), compared with
-the capacity torch reports (`simulator/memory.py::memory_needed`). This measures all three on the
+peak, plus the free space stranded inside segments that still hold live blocks, plus what lives
+outside the allocator (CUDA context, libraries' kernels, NCCL buffers), compared with the capacity
+torch reports (`simulator/memory.py::memory_needed`, `allocator_need`). This measures all three on the
 GPU at hand, with this project's own runtime step (the Executor every `omnibench run` rank runs, one
 rank, in this process):
 
@@ -14,8 +14,8 @@ rank, in this process):
 - the need under pressure: the allocator capped with `torch.cuda.set_per_process_memory_fraction`
   (a cap on the memory it reserves, as a smaller GPU would be), bisected to the smallest cap under
   which the same steps all run; need / allocated - 1 is the stranded share. At each failed cap the
-  state the OOM message reports (allocated X, reserved but unallocated Y) is kept too, as in the
-  public messages behind STRANDED (results/validation/allocator_oom_messages.csv).
+  state the OOM message reports (allocated X, reserved but unallocated Y, the process's memory outside
+  the allocator) is kept too, as in the public messages of results/validation/allocator_oom_messages.csv.
 
     python benchmarks/gpu_allocator.py --out DIR [--cases llm,mm] [--steps 3]
 
@@ -48,6 +48,7 @@ from omnibench.runtime.run_inputs import batch_source, parallel_spec  # noqa: E4
 from omnibench.runtime.worker import loss_tokens  # noqa: E402
 from omnibench.specs.presets import get_model  # noqa: E402
 from omnibench.specs.run import RunSpec  # noqa: E402
+from simulator.memory import oom_figures  # noqa: E402
 from systems import get_planner  # noqa: E402
 
 GiB = 2**30
@@ -91,6 +92,7 @@ class Step:
         """What an interrupted step leaves: its activations and gradients; the weights and the
         optimizer's state stay, as they would in a training loop that caught the error."""
         self.ex.state = StepState()
+        self.ex.spans.clear()
         for m in self.ex.modules.values():
             for p in m.parameters():
                 p.grad = None
@@ -117,9 +119,12 @@ def trial(step: Step, cap_bytes: float | None, total: int) -> dict:
         if not isinstance(e, torch.OutOfMemoryError) and not any(
                 w in str(e) for w in ("out of memory", "ALLOC_FAILED", "OutOfMemory")):
             raise
-        # the state the OOM message describes, read before anything is freed
-        out.update(ok=False, allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
-                   message=str(e).splitlines()[0][:400])
+        # the state at the failure is the message's: by the time this block runs, unwinding the step
+        # has freed its autograd graph, so memory_allocated() reads less than the allocator held
+        message = str(e).splitlines()[0]
+        figures = oom_figures(message) or {}
+        out.update(ok=False, allocated=figures.get("allocated"), stranded=figures.get("stranded"),
+                   outside=figures.get("outside"), message=message[:600])
         return out
     out["ok"] = True
     if step.cuda:
@@ -127,7 +132,45 @@ def trial(step: Step, cap_bytes: float | None, total: int) -> dict:
     return out
 
 
+def bisect_need(run_at, span: float, iters: int) -> tuple[float | None, list[dict]]:
+    """The smallest headroom share (of the allocated peak) under which `run_at(share)["ok"]`, to
+    span / 2**iters: `span` first, doubled (up to 1) until it runs; then no headroom at all, unless a
+    share already failed; then bisected between the largest share that failed and the smallest that
+    ran. Returns (share or None when nothing ran, every try with its share)."""
+    tries = []
+    hi, lo = span, 0.0
+    while True:  # a cap the steps surely run under
+        t = run_at(hi)
+        tries.append({**t, "share": hi})
+        if t["ok"] or hi >= 1.0:
+            break
+        lo, hi = hi, hi * 2  # the bisection starts above a share that already failed
+    if not tries[-1]["ok"]:
+        return None, tries
+    if lo == 0.0:  # nothing has failed yet: no headroom at all first
+        t = run_at(0.0)
+        tries.append({**t, "share": 0.0})
+        if t["ok"]:
+            return 0.0, tries
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        t = run_at(mid)
+        tries.append({**t, "share": mid})
+        lo, hi = (lo, mid) if t["ok"] else (mid, hi)
+    return hi, tries
+
+
 def measure(name: str, case: tuple, steps: int, device: str, span: float, iters: int) -> dict:
+    try:
+        return _measure(name, case, steps, device, span, iters)
+    finally:  # whatever happened, the next case starts with the whole GPU and this case's model gone
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            torch.cuda.empty_cache()
+
+
+def _measure(name: str, case: tuple, steps: int, device: str, span: float, iters: int) -> dict:
     step = Step(case, steps, device)
     row = {"case": name, "system": case[0], "workload": case[1], "model": step.spec.model,
            "recompute": step.spec.recompute, "global_batch_tokens": case[4], "steps": steps,
@@ -145,41 +188,20 @@ def measure(name: str, case: tuple, steps: int, device: str, span: float, iters:
     # cuBLAS workspaces, NCCL), read while the uncapped reserve is still held.
     gpu_free, gpu_total = torch.cuda.mem_get_info()
     row["outside_allocator_bytes"] = (gpu_total - gpu_free) - torch.cuda.memory_reserved()
-    tries = []
-    hi = span
-    while True:  # a cap the steps surely run under
-        t = trial(step, alloc * (1 + hi), total)
-        tries.append({**t, "share": hi})
-        if t["ok"] or hi >= 1.0:
-            break
-        hi *= 2
-    lo = 0.0
-    if tries[-1]["ok"]:
-        t = trial(step, alloc, total)  # no headroom at all
-        tries.append({**t, "share": 0.0})
-        if t["ok"]:
-            hi = 0.0
-        else:
-            for _ in range(iters):
-                mid = (lo + hi) / 2
-                t = trial(step, alloc * (1 + mid), total)
-                tries.append({**t, "share": mid})
-                lo, hi = (lo, mid) if t["ok"] else (mid, hi)
-        again = trial(step, alloc * (1 + hi), total)  # the answer reproduces from the same state
-        row["need_reproduced"] = again["ok"]
-        row["stranded_share"] = hi
-        row["need_bytes"] = alloc * (1 + hi)
-    else:
-        row["stranded_share"] = None  # did not run even at 2x its allocated peak: say so, do not guess
+
+    def run_at(share: float) -> dict:
+        return trial(step, alloc * (1 + share), total)
+
+    share, tries = bisect_need(run_at, span, iters)
+    row["stranded_share"] = share  # None: it did not run even at the largest headroom tried
+    if share is not None:
+        row["need_reproduced"] = run_at(share)["ok"]  # the answer reproduces from the same state
+        row["need_bytes"] = alloc * (1 + share)
     failed = [t for t in tries if not t["ok"]]
-    row["at_failure"] = [{"share": t["share"], "allocated": t["allocated"], "reserved_unallocated": t["reserved"] - t["allocated"],
-                          "y_over_x": (t["reserved"] - t["allocated"]) / t["allocated"], "message": t["message"]}
-                         for t in failed]
+    row["at_failure"] = [{"share": t["share"], "allocated": t["allocated"], "reserved_unallocated": t["stranded"],
+                          "outside": t["outside"], "y_over_x": t["stranded"] / t["allocated"] if t["allocated"] else None,
+                          "message": t["message"]} for t in failed]
     row["tries"] = [{"share": t["share"], "ok": t["ok"]} for t in tries]
-    torch.cuda.set_per_process_memory_fraction(1.0)
-    del step
-    gc.collect()
-    torch.cuda.empty_cache()
     return row
 
 
@@ -220,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{row['unpressured_reserve_ratio']:.3f}, outside the allocator {row['outside_allocator_bytes'] / GiB:.2f} GiB, "
                      f"need under pressure " + (f"x{1 + row['stranded_share']:.4f} (stranded {row['stranded_share']:.2%}, "
                                                  f"reproduced: {row['need_reproduced']})" if row["stranded_share"] is not None
-                                                 else "not found below 2x"))
+                                                 else "not found"))
         else:
             line += f": ran uncapped ({row['pressure']})"
         print(line, flush=True)

@@ -44,24 +44,29 @@ def _version(package: str) -> str | None:
 def git_state(root: Path = REPO_ROOT) -> dict:
     """{"commit": sha or None, "dirty": bool or None}: None where the code is not a git checkout.
 
-    A copy of a checkout can say which commit it is without its own .git (or with a .git of an older
-    commit under uncommitted changes, as a lent GPU machine's copy of the working tree has):
+    A copy of a checkout can say which commit it is without its own .git, or with a .git of an older
+    commit under uncommitted changes, as a lent GPU machine's copy of the working tree has:
     `OMNIBENCH_GIT_MANIFEST` names a file written at the source by `write_manifest` (the commit, then
-    `git ls-files -s`). Where every file it lists hashes to its blob here, the code is that commit
-    (clean); where the copy has no git at all, the manifest's commit with `dirty` saying whether any
-    file differs. "commit_source" says when the answer came from the manifest."""
+    every file of its tree with its blob). Where it is given and valid, the commit is the manifest's,
+    and `dirty` says whether any file it lists differs here (`changed_files` names them); the local
+    git's own answer, if any, is kept as "git_head". "commit_source" says the answer is the manifest's."""
     listed = _manifest_state(root)
-    if listed.get("dirty") is False:
-        return listed
+    local = _git_head(root)
+    if listed["commit"] is not None:
+        return {**listed, **({"git_head": local} if local["commit"] and local["commit"] != listed["commit"] else {})}
+    return local
+
+
+def _git_head(root: Path) -> dict:
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10)
         if sha.returncode != 0:
-            return listed
+            return {"commit": None, "dirty": None}
         status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return listed
+        return {"commit": None, "dirty": None}
     return {"commit": sha.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
 
 
@@ -69,13 +74,20 @@ MANIFEST_ENV = "OMNIBENCH_GIT_MANIFEST"
 
 
 def write_manifest(path: Path | str, root: Path = REPO_ROOT) -> str:
-    """At the checkout: the commit (first line) and every tracked file's blob (`git ls-files -s`),
-    for a copy of the tree that travels without .git. Returns the commit."""
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    files = subprocess.run(["git", "-C", str(root), "ls-files", "-s"], capture_output=True, text=True,
-                           check=True).stdout
-    Path(path).write_text(f"{head}\n{files}")
+    """At the checkout: the commit (first line), then every file of its tree as `mode blob<TAB>path`
+    (`git ls-tree -r -z HEAD`: what was committed, not what is staged). Refuses a checkout with
+    uncommitted changes to tracked files, whose tree is not the commit's. Returns the commit."""
+    run = dict(capture_output=True, text=True, check=True)
+    if subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip():
+        raise RuntimeError("write_manifest: the checkout has uncommitted changes; commit them first")
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], **run).stdout.strip()
+    lines = []
+    for entry in subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "-z", "HEAD"], **run).stdout.split("\0"):
+        meta, _, name = entry.partition("\t")
+        fields = meta.split()
+        if len(fields) == 3 and fields[1] == "blob" and "\n" not in name:
+            lines.append(f"{fields[0]} {fields[2]}\t{name}")
+    Path(path).write_text(head + "\n" + "".join(line + "\n" for line in lines))
     return head
 
 
@@ -100,7 +112,7 @@ def _manifest_state(root: Path) -> dict:
     for line in lines[1:]:
         meta, _, name = line.partition("\t")
         fields = meta.split()
-        if len(fields) != 3 or fields[0] == "160000":  # a submodule has no blob to compare
+        if len(fields) != 2:
             continue
         f = root / name
         try:

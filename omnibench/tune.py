@@ -521,7 +521,7 @@ def _state(params: float, lay) -> costs.StateBytes:
 
 
 def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
-                    samples, options: dict | None = None, memory_stack: str = "eager") -> float:
+                    samples, options: dict | None = None, memory_stack: str = "eager", device: str = "") -> float:
     """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2), under each
     system's own memory rules (`_rules`): its data-parallel mode per module (omni's encoders ZeRO-2 by
     default, the others' FSDP), how far the largest sample is split (temporal: over its Ulysses
@@ -573,10 +573,10 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
         enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if rules.whole_batch_live else in_flight / m)
     if rules.separate_encoders:
-        return memory_needed(max(llm_side, enc_state + enc_grads + enc_act), memory_stack)
+        return memory_needed(max(llm_side, enc_state + enc_grads + enc_act), memory_stack, device)
     # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
     return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads),
-                         memory_stack)
+                         memory_stack, device)
 
 
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
@@ -705,7 +705,8 @@ class _Search:
 
             self._bound[c] = memory_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
                                              options=self.options,
-                                             memory_stack=MEMORY_OF_STACK.get(self.stack, "eager"))
+                                             memory_stack=MEMORY_OF_STACK.get(self.stack, "eager"),
+                                             device=self.cluster.gpu.name)
         return self._bound[c]
 
     def flops_rank(self, mode: str) -> float:

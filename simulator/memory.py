@@ -27,6 +27,7 @@ the default), Megatron-LM ("megatron", what the `fused` kernel stack charges), t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from omnibench.plan import (
@@ -88,6 +89,22 @@ def allocator_need(memory_stack: str, device: str = "") -> AllocatorNeed:
     if device == HOST_DEVICE:
         return HOST_ALLOCATOR
     return EAGER_ALLOCATOR if memory_stack == "eager" else PUBLISHED_ALLOCATOR
+
+
+_OOM = re.compile(r"this process has ([0-9.]+) (GiB|MiB) memory in use.*?Of the allocated memory ([0-9.]+) (GiB|MiB) "
+                  r"is allocated by PyTorch.*?and ([0-9.]+) (GiB|MiB) is reserved by PyTorch but unallocated", re.S)
+
+
+def oom_figures(message: str) -> dict | None:
+    """What PyTorch's out-of-memory message says (c10/cuda/CUDACachingAllocator.cpp): bytes in use by
+    the process, allocated by PyTorch (X), reserved but unallocated (Y), and the rest, outside the
+    allocator; None where the message lacks them (the old format, or NVML reported no process)."""
+    m = _OOM.search(message)
+    if not m:
+        return None
+    unit = {"GiB": GiB, "MiB": 2**20}
+    used, x, y = (float(m.group(i)) * unit[m.group(i + 1)] for i in (1, 3, 5))
+    return {"in_use": used, "allocated": x, "stranded": y, "outside": used - x - y}
 
 
 # The figures of the published stacks, under their old names (the validation's readers quote them).

@@ -30,3 +30,27 @@ def test_an_unknown_case_is_one_line_naming_the_cases():
                           cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert done.returncode != 0
     assert done.stderr.strip() == "error: cases: vit not among llm, mm"
+
+
+def _bisect():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_allocator", ROOT / "benchmarks" / "gpu_allocator.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.bisect_need
+
+
+@pytest.mark.parametrize("need", [0.0, 0.0312, 0.091, 0.3, 0.7])
+def test_the_bisection_finds_the_smallest_headroom_a_step_runs_under(need):
+    share, tries = _bisect()(lambda s: {"ok": s >= need}, 0.16, 7)
+    # to a resolution of the bracket the doubling found over 2**7
+    bracket = 0.16 * 2 ** max(0, (need > 0.16) + (need > 0.32) + (need > 0.64))
+    assert share is not None and need <= share <= need + bracket / 2**7 + 1e-12
+    assert all(t["ok"] == (t["share"] >= need) for t in tries)
+    assert share == min(t["share"] for t in tries if t["ok"])
+
+
+def test_a_step_that_never_runs_gives_no_share_rather_than_a_guess():
+    share, tries = _bisect()(lambda s: {"ok": False}, 0.16, 7)
+    assert share is None and tries[-1]["share"] >= 1.0 and not any(t["ok"] for t in tries)

@@ -90,6 +90,32 @@ def test_a_copy_without_git_names_its_commit_from_the_manifest_and_finds_changed
     assert git_state(copy) == {"commit": None, "dirty": None}  # nothing claimed without the manifest
 
 
+def test_a_copy_whose_git_is_an_older_commit_under_changes_names_the_manifests_commit(tmp_path, monkeypatch):
+    """What a lent GPU machine's copy is: the session's first commit, the later ones as uncommitted
+    changes. Its git says "first commit, dirty"; the manifest, whose every file matches, says which
+    commit the tree is."""
+    import subprocess
+
+    from omnibench.provenance import write_manifest
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    first = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "a.py").write_text("x = 2\n")
+    with pytest.raises(RuntimeError, match="uncommitted changes"):
+        write_manifest(tmp_path / "m.txt", tmp_path)  # a tree that is not its commit's names none
+    subprocess.run([*git, "commit", "-qam", "second"], check=True)
+    second = write_manifest(tmp_path / "m.txt", tmp_path)
+    subprocess.run([*git, "reset", "-q", "--soft", first], check=True)  # HEAD first, the tree second's
+    monkeypatch.setenv(MANIFEST_ENV, str(tmp_path / "m.txt"))
+    state = git_state(tmp_path)
+    assert state["commit"] == second and state["dirty"] is False
+    assert state["git_head"] == {"commit": first, "dirty": True}
+
+
 def test_a_script_names_itself_as_the_command():
     assert provenance("cpu", ["benchmarks/gpu_llm_stack.py", "--compile"])["command"] == \
         "python benchmarks/gpu_llm_stack.py --compile"

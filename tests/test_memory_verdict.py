@@ -20,10 +20,13 @@ from simulator.hardware import GiB, load_cluster
 from simulator.memory import (
     EAGER_ALLOCATOR,
     FRAGMENTATION,
+    HOST_ALLOCATOR,
+    HOST_DEVICE,
     RESERVED_BYTES,
     STRANDED,
     allocator_need,
     memory_needed,
+    oom_figures,
     published_memory_stack,
 )
 from simulator.published import load_published
@@ -86,9 +89,37 @@ def test_the_eager_figures_are_the_committed_gpu_measurement():
     shares = [c["stranded_share"] for c in d["cases"]]
     assert all(c["need_reproduced"] for c in d["cases"])
     assert EAGER_ALLOCATOR.stranded == pytest.approx(max(shares), abs=5e-4)
-    fresh = [c["outside_allocator_bytes"] for c in d["cases"][:1]]  # the first case: a fresh process
-    assert EAGER_ALLOCATOR.outside >= max(fresh)
-    assert EAGER_ALLOCATOR.outside < max(c["outside_allocator_bytes"] for c in d["cases"])
+    # outside: the omni_av run's OOM message, a fresh `omnibench run` process on the same GPU
+    calls = json.loads((ROOT / "results" / "gpu" / "session-2026-11-27" / "gpu_figures-call1.json").read_text())
+    (oom,) = [r for r in calls if "OutOfMemoryError" in r.get("error", "")]
+    got = oom_figures(oom["error"])
+    assert EAGER_ALLOCATOR.outside == pytest.approx(got["outside"], abs=0.006 * GiB)  # the message's 2 decimals
+    assert d["cases"][0]["outside_allocator_bytes"] < EAGER_ALLOCATOR.outside  # the LLM-only step's process held less
+
+
+def test_a_cpu_process_adds_a_hosts_figures_not_the_gpus():
+    """cpu-gloo (and run's CPU check) is a host's memory: no caching allocator, no CUDA context."""
+    spec = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 4096),)) for i in range(4)])
+    plan = get_planner("homogeneous").plan(spec, ParallelSpec(world_size=2), batch)
+    r = Engine(plan, spec, load_cluster("cpu-gloo", 2), options=SimOptions(check_memory=False)).run().ranks[0]
+    assert r.memory_needed == pytest.approx(r.memory_allocated + HOST_ALLOCATOR.outside)
+    assert memory_needed(r.memory_allocated, "eager", HOST_DEVICE) == pytest.approx(r.memory_needed)
+
+
+def test_tunes_bound_on_a_cpu_cluster_stays_under_the_simulated_need():
+    """The search prunes on a lower bound: on cpu-gloo it must add the host's figures, as the
+    simulator does, or it throws away layouts that fit (found in review: tp2 pp2 on 4 ranks)."""
+    from omnibench.tune import Candidate, memory_estimate
+
+    model = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 8192),)) for i in range(8)])
+    c = Candidate("homogeneous", tp=2, pp=2, microbatches=8, recompute="none")
+    bound = memory_estimate("homogeneous", model, 4, 64, c, batch.samples, device=HOST_DEVICE)
+    plan = get_planner("homogeneous").plan(model, c.parallel(4, 64, {}), batch)
+    res = Engine(plan, model, load_cluster("cpu-gloo", 4), options=SimOptions(check_memory=False)).run()
+    assert bound <= res.peak_needed
+    assert memory_estimate("homogeneous", model, 4, 64, c, batch.samples) > bound  # the GPU's figures add more
 
 
 def test_a_step_between_its_need_and_its_unpressured_reserve_fits_and_the_verdict_names_the_figure():

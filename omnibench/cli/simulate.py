@@ -233,8 +233,12 @@ TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "g
 def _tune_key(seeds: list | None = None, guard: str = "", **fields) -> str:
     """The tune cache's key: the inputs that decide the answer (a seeded search: its seeds too, as a
     digest, so that an unseeded answer is never taken for a seeded one; a guarded one: the steps its
-    answer was checked on, so that an unguarded answer is never taken for a guarded one)."""
-    key = "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS)
+    answer was checked on, so that an unguarded answer is never taken for a guarded one), and the
+    simulator's code (simulator.cache.code_version: an answer tuned under another memory model or
+    cost model is never reused, as the step cache's own entries are not)."""
+    from simulator.cache import code_version
+
+    key = "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS) + f"|code={code_version()[:12]}"
     if guard:
         key += f"|guard={guard}"
     if seeds:

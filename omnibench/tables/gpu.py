@@ -144,13 +144,17 @@ def _left_out() -> str:
 
 
 def _split(rs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(runs of a Plan the profile was fitted on, runs of other Plans): a later run of a fitted Plan
+    measures the same step again, it is not held out."""
     fit = _fitted_on()
-    return [r for r in rs if r["path"] in fit], [r for r in rs if r["path"] not in fit]
+    plans = {plan_label(r) for r in runs() if r["path"] in fit}
+    return [r for r in rs if plan_label(r) in plans], [r for r in rs if plan_label(r) not in plans]
 
 
 def _seen(rs: list[dict]) -> tuple[list[dict], list[dict]]:
-    return ([r for r in rs if (r["path"] + "/").startswith(STACK_MODEL_SEEN)],
-            [r for r in rs if not (r["path"] + "/").startswith(STACK_MODEL_SEEN)])
+    """(runs of a Plan the kernel model of the eager stack was written against, runs of other Plans)."""
+    plans = {plan_label(r) for r in runs() if (r["path"] + "/").startswith(STACK_MODEL_SEEN)}
+    return [r for r in rs if plan_label(r) in plans], [r for r in rs if plan_label(r) not in plans]
 
 
 @table("h100-validation")
@@ -165,6 +169,8 @@ def h100_validation() -> str:
     ]
     for label, rs in _by_plan(modelled()).items():
         split = {("fitted" if r["path"] in fit else "held out") for r in rs}
+        if split == {"fitted", "held out"}:
+            split = {"fitted (a later run measured the same Plan again)"}
         systems = ", ".join(sorted(r["system"] for r in rs))
         cells = []
         for vals in (fitted, kernel):
@@ -499,9 +505,13 @@ def h100_allocator() -> str:
     """The caching allocator under memory pressure, measured on this runtime's steps (gpu_allocator.py)."""
     d = _read(REPO_ROOT / SESSION / "allocator" / "gpu_allocator.json")
     lines = ["| Plan | allocated peak GiB | unpressured reserve / allocated | outside the allocator GiB | "
-             "need under pressure / allocated | Y / X at the failed caps |", "|---|---|---|---|---|---|"]
+             "need under pressure / allocated | Y / X at the failed caps (their OOM messages) |", "|---|---|---|---|---|---|"]
+    from simulator.memory import oom_figures
+
     for c in d["cases"]:
-        fails = [f["y_over_x"] for f in c["at_failure"]]
+        # from each failure's message: the session's file read memory_allocated() after unwinding
+        got = [oom_figures(f["message"]) for f in c["at_failure"]]
+        fails = [g["stranded"] / g["allocated"] for g in got if g]
         lines.append(f"| {c['workload']}, {c['model']}, recompute {c['recompute']} | "
                      f"{c['uncapped']['max_allocated'] / GiB:.2f} | {c['unpressured_reserve_ratio']:.3f} | "
                      f"{c['outside_allocator_bytes'] / GiB:.2f} | {1 + c['stranded_share']:.4f} (stranded "
