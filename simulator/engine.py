@@ -420,7 +420,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
 def check_fit(result: SimResult, memory_error: float = 0.0) -> SimResult:
     """Decide whether `result`'s step fits its GPU: the most loaded rank's `memory_needed` (its
     allocated peak, the space the caching allocator cannot give back under pressure, and what lives
-    outside it: simulator/memory.py STRANDED), assumed `memory_error` off (+0.2: the estimate is 20%
+    outside it, per stack and device: simulator/memory.py allocator_need), assumed `memory_error` off (+0.2: the estimate is 20%
     low, so a rank needs 1.2x it), against the device's memory. The unpressured reserve
     (`memory_bytes`) is reported beside it and decides nothing. Timing never depends on it, so a
     cached step is re-decided under another error without simulating it again."""

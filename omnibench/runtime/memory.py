@@ -26,8 +26,8 @@ from omnibench.specs.run import RunSpec
 
 GiB = 1024**3
 # of the device's memory: the estimate (RankStats memory_needed) already holds what the caching allocator
-# cannot give back under pressure and the CUDA context and NCCL buffers outside it (simulator/memory.py
-# STRANDED, RESERVED_BYTES)
+# cannot give back under pressure and what lives outside it (simulator/memory.py allocator_need: measured
+# on an H100 for this runtime, a host's figures on CPU)
 HEADROOM = 1.0
 DEPTHS = (0, 16, 8, 4, 2)  # 0: the preset's own depth
 

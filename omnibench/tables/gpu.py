@@ -51,14 +51,14 @@ def runs() -> tuple[dict, ...]:
             "path": _rel(folder), "name": folder.name, "system": summary["system"], "workload": summary["workload"],
             "model": summary["model"], "recompute": summary.get("recompute", run.get("recompute", "none")),
             "compile": bool(summary.get("compile")), "chunk": max(0, int(run.get("encoder_chunk_tokens", 0) or 0)),
-            "summary": summary,
+            "summary": summary, "provenance": record_provenance(folder),
         })
     return tuple(out)
 
 
 def verified(r: dict) -> bool:
     """Whether a run record carries every field a GPU figure needs (omnibench.provenance.GPU_FIELDS)."""
-    return not missing(record_provenance(REPO_ROOT / r["path"]))
+    return not missing(r["provenance"])
 
 
 def _verification(rs: list[dict]) -> str:
@@ -290,7 +290,7 @@ def h100_runs() -> str:
     for r in runs():
         s = r["summary"]
         model = r["model"] + (" (--compile)" if r["compile"] else "") + (f", encoder chunks of {r['chunk']:,}" if r["chunk"] else "")
-        prov = record_provenance(REPO_ROOT / r["path"])
+        prov = r["provenance"]
         where = (f"`{prov['commit'][:10]}`" + (" (dirty)" if prov.get("dirty") else "")) if verified(r) else "unverifiable"
         lines.append(f"| `{r['path'].removeprefix(GPU_DIR + '/')}` | {r['system']} | {r['workload']} | {model} | "
                      f"{r['recompute']} | {s['mean_step_time_s'] * 1e3:,.0f} | {s['tokens_per_s_per_gpu']:,.0f} | "
@@ -392,7 +392,7 @@ def gpu_provenance() -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     root = REPO_ROOT / GPU_DIR
     for r in runs():
-        lines.append(_provenance_row(r["path"].removeprefix(GPU_DIR + "/") + "/", record_provenance(REPO_ROOT / r["path"])))
+        lines.append(_provenance_row(r["path"].removeprefix(GPU_DIR + "/") + "/", r["provenance"]))
     folders = {REPO_ROOT / r["path"] for r in runs()}
     for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".json", ".txt", ".md")
                     and p.name != "README.md" and not any(d in p.parents for d in folders)):
