@@ -54,3 +54,16 @@ def test_the_bisection_finds_the_smallest_headroom_a_step_runs_under(need):
 def test_a_step_that_never_runs_gives_no_share_rather_than_a_guess():
     share, tries = _bisect()(lambda s: {"ok": False}, 0.16, 7)
     assert share is None and tries[-1]["share"] >= 1.0 and not any(t["ok"] for t in tries)
+
+
+def test_the_gpu_session_script_parses_and_names_every_benchmark_it_runs():
+    """A broken session script would spend a GPU lease on a syntax error: bash must parse it, and each
+    benchmark it calls must exist."""
+    import re
+
+    script = ROOT / "benchmarks" / "gpu_session.sh"
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    called = set(re.findall(r"benchmarks/(gpu_\w+\.py)", script.read_text()))
+    assert {"gpu_allocator.py", "gpu_figures.py", "gpu_llm_stack.py"} <= called
+    assert all((ROOT / "benchmarks" / name).is_file() for name in called)
