@@ -67,10 +67,11 @@ CPU_CASES = {
 class Step:
     """One rank's runtime (omnibench/runtime/executor.py) over a fixed list of Plans."""
 
-    def __init__(self, case: tuple, steps: int, device: str):
+    def __init__(self, case: tuple, steps: int, device: str, encoder_chunk_tokens: int = 0):
         system, workload, model, recompute, tokens = case
         self.spec = resolve(RunSpec(system=system, workload=workload, model=model, nproc=1, steps=steps + 1,
-                                    recompute=recompute, global_batch_tokens=tokens, device=device))
+                                    recompute=recompute, global_batch_tokens=tokens, device=device,
+                                    encoder_chunk_tokens=encoder_chunk_tokens))
         self.model = get_model(self.spec.model)
         planner = get_planner(system)
         parallel = parallel_spec(self.spec, 1)
@@ -79,7 +80,8 @@ class Step:
         dev = torch.device(self.spec.extra["device"], 0) if self.spec.extra["device"] == "cuda" else torch.device("cpu")
         dtype = torch.bfloat16 if self.spec.extra["dtype"] == "bf16" else torch.float32
         self.ex = Executor(self.model, self.plans[0], 0, dev, dtype, self.spec.seed, self.spec.lr,
-                           timedelta(seconds=120), self.spec.optimizer, recompute=self.spec.recompute)
+                           timedelta(seconds=120), self.spec.optimizer, recompute=self.spec.recompute,
+                           encoder_chunk_tokens=max(0, self.spec.encoder_chunk_tokens))
         self.counts = [loss_tokens(p, 0) for p in self.plans]
         self.t0 = time.perf_counter()
         self.cuda = dev.type == "cuda"

@@ -5,11 +5,13 @@
 #
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh            # from the repository root, one CUDA GPU
 #
-# Parts: the device's facts; the caching allocator under memory pressure (gpu_allocator.py); the
-# harness's runs with provenance (gpu_figures.py: an LLM-only and the CUDA default first, then more
-# Plans and the encoder-chunking runs); the LLM-only step against a plain bf16 stack, eager and
-# compiled (gpu_llm_stack.py); the allocator again with expandable segments; the compiled stacks last
-# (their compilation alone takes minutes).
+#   PARTS="facts allocator" OUT=/tmp/out bash benchmarks/gpu_session.sh   # some parts, in that order
+#
+# Parts: the device's facts; what the process holds outside the caching allocator, phase by phase and
+# with every kernel loaded eagerly (gpu_memory_phases.py); one profiled step of encoder chunking against
+# block recomputation (gpu_chunk_profile.py); the caching allocator under memory pressure
+# (gpu_allocator.py); the harness's runs with provenance (gpu_figures.py); the LLM-only step against a
+# plain bf16 stack, eager and compiled (gpu_llm_stack.py; compilation alone takes minutes).
 # OMNIBENCH_GIT_MANIFEST (omnibench/provenance.py
 # write_manifest, made at the checkout: `python -c "from omnibench.provenance import write_manifest;
 # write_manifest('.prov/manifest.txt')"`) lets every record name its commit and whether any file differs.
@@ -37,7 +39,13 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there 
   tar -czf "$OUT/gpu_session.tar.gz" -C "$W" . 2>/dev/null
 }
 
-part facts 30 bash -c 'nvidia-smi; python3 -c "
+# PARTS (space separated, in order) picks what one call runs; the default is what the records still
+# lack (session 9: what lives outside the allocator, why chunking is slow, the systems' runs).
+# Session 8's parts stay callable by name.
+PARTS=${PARTS:-"facts phases_mm chunk_profile phases_mm_eager phases_omni_default runs_systems phases_llm"}
+for p in $PARTS; do
+  case $p in
+  facts) part facts 30 bash -c 'nvidia-smi; python3 -c "
 import json, torch
 from omnibench.provenance import provenance
 print(json.dumps(provenance(torch.cuda.get_device_name(), cuda=True)))
@@ -46,17 +54,29 @@ print(\"mem_get_info after init: free\", free, \"total\", total, \"in use\", tot
 torch.ones(1, device=\"cuda\") @ torch.ones(1, device=\"cuda\")
 free, total = torch.cuda.mem_get_info()
 print(\"after a first matmul: in use\", total - free, \"reserved\", torch.cuda.memory_reserved())
-"'
-part allocator 170 python3 benchmarks/gpu_allocator.py --out "$W/allocator"
-part runs 150 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-chunk-runs --no-fit \
-  --cells homogeneous:text_only,omni:mixed_video
-part llm_stack 120 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 --tokens 16384 --steps 8 \
-  --autocast-plain --out "$W/llm_stack"
-part runs_more 240 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-fit --chunk-workloads mixed_video \
-  --cells homogeneous:text_only,omni:mixed_video,omni:omni_av,omni:image_sft
-part allocator_expandable 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-  python3 benchmarks/gpu_allocator.py --cases mm --out "$W/allocator-expandable"
-# torch.compile of the plain stack and the harness took more than 3 minutes on an H100 (2026-11-27)
-part llm_stack_compile 330 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 --tokens 16384 --steps 8 \
-  --compile-only --out "$W/llm_stack_compile"
+"' ;;
+  phases_mm) part phases_mm 75 python3 benchmarks/gpu_memory_phases.py --case mm --steps 6 --out "$W/phases" ;;
+  phases_mm_eager) part phases_mm_eager 90 env CUDA_MODULE_LOADING=EAGER \
+    python3 benchmarks/gpu_memory_phases.py --case mm --steps 6 --tag eager --out "$W/phases" ;;
+  phases_omni_default) part phases_omni_default 90 python3 benchmarks/gpu_memory_phases.py --case omni-default \
+    --steps 5 --out "$W/phases" ;;
+  phases_llm) part phases_llm 60 python3 benchmarks/gpu_memory_phases.py --case llm --steps 4 --out "$W/phases" ;;
+  chunk_profile) part chunk_profile 120 python3 benchmarks/gpu_chunk_profile.py --out "$W/chunk_profile" ;;
+  runs_systems) part runs_systems 180 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-chunk-runs \
+    --no-fit --cells colocated:mixed_video,temporal:mixed_video,homogeneous:mixed_video ;;
+  allocator) part allocator 170 python3 benchmarks/gpu_allocator.py --out "$W/allocator" ;;
+  runs) part runs 150 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-chunk-runs --no-fit \
+    --cells homogeneous:text_only,omni:mixed_video ;;
+  llm_stack) part llm_stack 120 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 --tokens 16384 --steps 8 \
+    --autocast-plain --out "$W/llm_stack" ;;
+  runs_more) part runs_more 240 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-fit \
+    --chunk-workloads mixed_video --cells homogeneous:text_only,omni:mixed_video,omni:omni_av,omni:image_sft ;;
+  allocator_expandable) part allocator_expandable 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    python3 benchmarks/gpu_allocator.py --cases mm --out "$W/allocator-expandable" ;;
+  # torch.compile of the plain stack and the harness took more than 3 minutes on an H100 (2026-11-27)
+  llm_stack_compile) part llm_stack_compile 330 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 \
+    --tokens 16384 --steps 8 --compile-only --out "$W/llm_stack_compile" ;;
+  *) echo "== unknown part $p" | tee -a "$LOG" ;;
+  esac
+done
 echo "== done in $SECONDS s" | tee -a "$LOG"

@@ -65,5 +65,25 @@ def test_the_gpu_session_script_parses_and_names_every_benchmark_it_runs():
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     called = set(re.findall(r"benchmarks/(gpu_\w+\.py)", script.read_text()))
-    assert {"gpu_allocator.py", "gpu_figures.py", "gpu_llm_stack.py"} <= called
+    assert {"gpu_allocator.py", "gpu_figures.py", "gpu_llm_stack.py", "gpu_memory_phases.py",
+            "gpu_chunk_profile.py"} <= called
     assert all((ROOT / "benchmarks" / name).is_file() for name in called)
+
+
+@pytest.mark.parametrize("script", ["gpu_memory_phases.py", "gpu_chunk_profile.py"])
+def test_the_cuda_only_benchmarks_say_so_in_one_line_without_a_gpu(script, tmp_path):
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode != 0
+    assert done.stderr.strip().startswith(f"error: {script} needs a CUDA device")
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_the_profiles_busy_time_is_the_union_of_kernel_intervals():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_chunk_profile", ROOT / "benchmarks" / "gpu_chunk_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.busy_seconds([(0.0, 1.0), (0.5, 1.5), (2.0, 3.0), (2.2, 2.4)]) == pytest.approx(2.5)
+    assert mod.busy_seconds([]) == 0.0
