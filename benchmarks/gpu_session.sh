@@ -40,9 +40,9 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there 
 }
 
 # PARTS (space separated, in order) picks what one call runs; the default is what the records still
-# lack (session 9: what lives outside the allocator, why chunking is slow, the systems' runs).
-# Session 8's parts stay callable by name.
-PARTS=${PARTS:-"facts phases_mm chunk_profile phases_mm_eager phases_omni_default runs_systems phases_llm"}
+# lack (session 10: the NCCL communicators' memory as a committed script, the chunked step again after
+# its host synchronisations were removed, the compiled LLM stack). Earlier sessions' parts stay callable.
+PARTS=${PARTS:-"facts nccl_memory chunk_profile llm_stack_compile"}
 for p in $PARTS; do
   case $p in
   facts) part facts 30 bash -c 'nvidia-smi; python3 -c "
@@ -60,6 +60,7 @@ print(\"after a first matmul: in use\", total - free, \"reserved\", torch.cuda.m
     python3 benchmarks/gpu_memory_phases.py --case mm --steps 6 --tag eager --out "$W/phases" ;;
   phases_omni_default) part phases_omni_default 90 python3 benchmarks/gpu_memory_phases.py --case omni-default \
     --steps 5 --out "$W/phases" ;;
+  nccl_memory) part nccl_memory 120 python3 benchmarks/gpu_nccl_memory.py --out "$W/nccl_memory" ;;
   phases_llm) part phases_llm 60 python3 benchmarks/gpu_memory_phases.py --case llm --steps 4 --out "$W/phases" ;;
   chunk_profile) part chunk_profile 120 python3 benchmarks/gpu_chunk_profile.py --out "$W/chunk_profile" ;;
   runs_systems) part runs_systems 180 python3 benchmarks/gpu_figures.py --out "$W/gpu" --steps 5 --no-chunk-runs \

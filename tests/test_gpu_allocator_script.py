@@ -66,11 +66,11 @@ def test_the_gpu_session_script_parses_and_names_every_benchmark_it_runs():
     assert done.returncode == 0, done.stderr
     called = set(re.findall(r"benchmarks/(gpu_\w+\.py)", script.read_text()))
     assert {"gpu_allocator.py", "gpu_figures.py", "gpu_llm_stack.py", "gpu_memory_phases.py",
-            "gpu_chunk_profile.py"} <= called
+            "gpu_chunk_profile.py", "gpu_nccl_memory.py"} <= called
     assert all((ROOT / "benchmarks" / name).is_file() for name in called)
 
 
-@pytest.mark.parametrize("script", ["gpu_memory_phases.py", "gpu_chunk_profile.py"])
+@pytest.mark.parametrize("script", ["gpu_memory_phases.py", "gpu_chunk_profile.py", "gpu_nccl_memory.py"])
 def test_the_cuda_only_benchmarks_say_so_in_one_line_without_a_gpu(script, tmp_path):
     done = subprocess.run([sys.executable, f"benchmarks/{script}", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=110)
