@@ -530,6 +530,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     (ParallelSpec.options, e.g. omni's encoder_dp). In the figure the simulator's fits check
     compares with the device (simulator/memory.py memory_needed: the allocated bytes with the space
     the allocator cannot give back under pressure, and what lives outside it, as `memory_stack` has them)."""
+    from omnibench.process_groups import fewest_groups
     from simulator.flops import audio_work, llm_work, stage_layers, vision_work
     from simulator.memory import memory_needed
 
@@ -572,11 +573,13 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         # whole until grad_sync under this runtime's ZeRO (simulator/memory.py _grad_timeline)
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
         enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if rules.whole_batch_live else in_flight / m)
+    # the NCCL communicators the fewest-grouped rank holds (the world's and its layouts' groups)
+    comms = 1 + fewest_groups({"llm": rules.llm, **rules.encoders}, world)
     if rules.separate_encoders:
-        return memory_needed(max(llm_side, enc_state + enc_grads + enc_act), memory_stack, device)
+        return memory_needed(max(llm_side, enc_state + enc_grads + enc_act), memory_stack, device, comms)
     # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
     return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads),
-                         memory_stack, device)
+                         memory_stack, device, comms)
 
 
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,

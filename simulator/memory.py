@@ -54,8 +54,14 @@ from simulator.hardware import GiB
 @dataclass(frozen=True)
 class AllocatorNeed:
     stranded: float
-    outside: float  # bytes
+    outside: float  # bytes, for a rank that holds one NCCL communicator (the world's)
     source: str
+    # bytes each further NCCL communicator of the rank holds outside the allocator (0: in `outside`)
+    per_communicator: float = 0.0
+
+    def outside_for(self, communicators: int) -> float:
+        """What lives outside the allocator on a rank holding `communicators` NCCL communicators."""
+        return self.outside + self.per_communicator * max(0, communicators - 1)
 
 
 # The published stacks (Megatron-LM, NeMo, torchtitan, Composer, DeepSpeed): stranded = Y / X at the
@@ -65,14 +71,28 @@ class AllocatorNeed:
 # about what the training processes' OOM messages in results/validation/gpu_capacity.md show beyond
 # PyTorch's memory (0.4-1.8 GiB on A100/H100/H200). Not fitted on published_runs.csv.
 PUBLISHED_ALLOCATOR = AllocatorNeed(0.0044, 1.0 * GiB, "public OOM messages")
-# This project's runtime ("eager"), measured on one H100 80GB HBM3 (torch 2.11, CUDA 13) by
-# benchmarks/gpu_allocator.py (results/gpu/session-2026-11-27/allocator): its own step, the allocator capped
-# (set_per_process_memory_fraction) and bisected to the smallest cap under which the same steps run.
-# stranded: the larger of the two Plans measured (llm-7b@4L text_only 9.1%, its loss's 1 GiB chunks
-# need contiguous blocks; omni-7b@4L mixed_video with encoders 3.0%); outside: the most a fresh run's
-# process held beyond PyTorch (4.72 GiB: the omni-7b@8L omni_av run's OOM message; 3.18 GiB measured on
-# the LLM-only step; 6.60 GiB in a process that had run both Plans of the allocator benchmark).
-EAGER_ALLOCATOR = AllocatorNeed(0.0913, 4.72 * GiB, "measured on one H100 (benchmarks/gpu_allocator.py)")
+# This project's runtime ("eager"), measured on one H100 80GB HBM3 (torch 2.11, CUDA 13, NCCL 2.28).
+# stranded, by benchmarks/gpu_allocator.py (results/gpu/session-2026-11-27/allocator): its own step, the
+# allocator capped (set_per_process_memory_fraction) and bisected to the smallest cap under which the
+# same steps run; the larger of the two Plans measured (llm-7b@4L text_only 9.1%, its loss's 1 GiB
+# chunks need contiguous blocks; omni-7b@4L mixed_video with encoders 3.0%).
+# outside, by benchmarks/gpu_memory_phases.py (results/gpu/session-2026-11-27b/phases): the driver's
+# in-use figure less the allocator's reserve after each phase of one process. It does not grow with
+# steps or shapes; it appears with the CUDA context (0.51 GiB), the first GEMM's libraries (0.16), the
+# first NCCL communicator (0.55) and the step's kernels (0.06): 1.28 GiB; and then 0.380 GiB for each
+# further NCCL communicator (nccl_groups.log: 6 one-member groups, 0.379-0.381 each; the runtime creates
+# every group its layouts name at once, as init_process_group gets `device_id`). The Executor's groups
+# (omnibench/process_groups.py) reproduce both Plans: 1.28 + 5 x 0.380 = 3.18 GiB (LLM-only, 5 groups,
+# measured 3.18) and 1.28 + 9 x 0.380 = 4.70 (encoders + LLM, 9 groups, measured 4.70). With
+# NCCL_MAX_NCHANNELS=2 the same step holds 1.07 GiB: the communicators' share scales with NCCL's channels.
+# Why (NVIDIA/nccl v2.28.3-1, src/channel.cc initChannel: three device allocations per channel, each
+# rounded up to the 2 MiB cuMem granule by ncclCuMemAlloc, src/include/alloc.h; a one-rank communicator
+# gets 64 channels): 64 x 3 x 2 MiB = 384 MiB. A communicator over several GPUs also holds its
+# connections' buffers, allocated at the first collective of each algorithm since NCCL 2.22 (about
+# 10-12 MiB per channel and peer on NVLink or InfiniBand, by the same source), which one GPU cannot
+# measure: for such ranks this is a lower bound.
+EAGER_ALLOCATOR = AllocatorNeed(0.0913, 1.28 * GiB, "measured on one H100 (benchmarks/gpu_allocator.py, "
+                                "gpu_memory_phases.py)", per_communicator=0.380 * GiB)
 
 
 # CPU ranks (gloo): no caching allocator and no CUDA context; about 1 GiB per process for Python,
@@ -127,12 +147,35 @@ ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatr
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1e9
 
 
-def memory_needed(allocated: float, memory_stack: str = "eager", device: str = "") -> float:
+def memory_needed(allocated: float, memory_stack: str = "eager", device: str = "", communicators: int = 1) -> float:
     """Bytes a rank whose live tensors peak at `allocated` needs to run under memory pressure: the
     allocator gives back every cached block it can before it fails, so only the space stranded in
-    partly used segments and what lives outside the allocator (`allocator_need`) add to it."""
+    partly used segments and what lives outside the allocator (`allocator_need`, with the rank's
+    `communicators`) add to it."""
     need = allocator_need(memory_stack, device)
-    return allocated * (1.0 + need.stranded) + need.outside
+    return allocated * (1.0 + need.stranded) + need.outside_for(communicators)
+
+
+def communicators(plan, rank: int) -> int:
+    """NCCL communicators `rank` holds in this runtime: the world's, one per group of the layouts it
+    belongs to (omnibench/process_groups.py, created at start-up), and one per sequence-parallel group
+    of this step's long inputs it is in (omni's, omnibench/runtime/long_short.py, created when first
+    named and kept: a later step may hold more)."""
+    from collections import Counter
+
+    from omnibench.process_groups import groups_of_rank
+
+    cached = _STEP_GROUPS.get(id(plan))
+    if cached is None or cached[0] is not plan:  # one Plan at a time: its ranks are asked in turn
+        members = Counter(r for groups in plan.options.get("long_short", {}).get("groups", {}).values()
+                          for g in groups for r in g)
+        cached = (plan, members)
+        _STEP_GROUPS.clear()
+        _STEP_GROUPS[id(plan)] = cached
+    return 1 + groups_of_rank(plan.layouts, rank) + cached[1].get(rank, 0)
+
+
+_STEP_GROUPS: dict[int, tuple] = {}
 
 
 # Whose memory conventions (training-state dtypes, costs.STATE_DTYPES; activations,
@@ -664,5 +707,6 @@ class MemoryMixin:
         stats.memory_allocated = stats.memory_static + peak_live
         stats.memory_reserved = FRAGMENTATION * stats.memory_allocated
         device = self.cluster.gpu.name
-        stats.memory_bytes = stats.memory_reserved + allocator_need(self.memory_stack, device).outside
-        stats.memory_needed = memory_needed(stats.memory_allocated, self.memory_stack, device)
+        comms = communicators(self.plan, rank)
+        stats.memory_bytes = stats.memory_reserved + allocator_need(self.memory_stack, device).outside_for(comms)
+        stats.memory_needed = memory_needed(stats.memory_allocated, self.memory_stack, device, comms)

@@ -25,6 +25,7 @@ from simulator.memory import (
     RESERVED_BYTES,
     STRANDED,
     allocator_need,
+    communicators,
     memory_needed,
     oom_figures,
     published_memory_stack,
@@ -72,29 +73,62 @@ def test_a_published_stacks_rank_needs_its_allocated_peak_with_the_stranded_spac
 
 
 def test_this_runtimes_rank_needs_what_the_allocator_measured_on_a_gpu():
-    r = _result().ranks[0]
+    res = _result()
+    r = res.ranks[0]
     need = allocator_need("eager")
-    assert need is EAGER_ALLOCATOR and need.stranded > STRANDED and need.outside > RESERVED_BYTES
-    assert r.memory_needed == pytest.approx(r.memory_allocated * (1 + need.stranded) + need.outside)
-    assert r.memory_bytes == pytest.approx(FRAGMENTATION * r.memory_allocated + need.outside)
+    assert need is EAGER_ALLOCATOR and need.stranded > STRANDED and need.per_communicator > 0
+    # the world's communicator and one per group of the layouts: llm tp, cp, dpcp, ep, edp
+    spec = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 4096),)) for i in range(4)])
+    plan = get_planner("homogeneous").plan(spec, ParallelSpec(world_size=2), batch)
+    assert communicators(plan, 0) == 6
+    outside = need.outside + 5 * need.per_communicator
+    assert outside > RESERVED_BYTES
+    assert r.memory_needed == pytest.approx(r.memory_allocated * (1 + need.stranded) + outside)
+    assert r.memory_bytes == pytest.approx(FRAGMENTATION * r.memory_allocated + outside)
+
+
+PHASES = ROOT / "results" / "gpu" / "session-2026-11-27b" / "phases"
+
+
+def _one_rank_plan(case):
+    from omnibench.runtime.launch import resolve
+    from omnibench.runtime.run_inputs import batch_source, parallel_spec
+    from omnibench.specs.run import RunSpec
+
+    system, workload, model, recompute, tokens = case
+    spec = resolve(RunSpec(system=system, workload=workload, model=model, nproc=1, steps=1, recompute=recompute,
+                           global_batch_tokens=tokens, device="cpu"))
+    return get_planner(system).plan(get_model(spec.model), parallel_spec(spec, 1), batch_source(spec)(0))
 
 
 def test_the_eager_figures_are_the_committed_gpu_measurement():
-    """EAGER_ALLOCATOR is what benchmarks/gpu_allocator.py measured (its JSON is committed): the largest
-    stranded share of its Plans, and the most a fresh run's process held outside the allocator."""
+    """EAGER_ALLOCATOR is what the GPU benchmarks measured (their JSON is committed): the largest stranded
+    share of gpu_allocator.py's Plans; outside the allocator, a base and a figure per NCCL communicator
+    (gpu_memory_phases.py, the NCCL log) that reproduce every measured process from the groups its
+    runtime created, and the omni_av run's OOM message."""
     import json
+
+    from omnibench.tables.gpu import nccl_group_costs
 
     d = json.loads((ROOT / "results" / "gpu" / "session-2026-11-27" / "allocator" / "gpu_allocator.json").read_text())
     assert d["provenance"]["gpu_name"] == "NVIDIA H100 80GB HBM3"
     shares = [c["stranded_share"] for c in d["cases"]]
     assert all(c["need_reproduced"] for c in d["cases"])
     assert EAGER_ALLOCATOR.stranded == pytest.approx(max(shares), abs=5e-4)
-    # outside: the omni_av run's OOM message, a fresh `omnibench run` process on the same GPU
+    assert EAGER_ALLOCATOR.per_communicator == pytest.approx(nccl_group_costs()["per_group"] * GiB, abs=0.002 * GiB)
+    for name in ("llm", "mm", "omni-default"):
+        run = json.loads((PHASES / f"memory_phases-{name}.json").read_text())
+        assert run["provenance"]["gpu_name"] == "NVIDIA H100 80GB HBM3" and not run["provenance"]["dirty"]
+        plan = _one_rank_plan(run["spec"])
+        measured = [p for p in run["phases"] if p["phase"].startswith("step ")][-1]["outside"]
+        assert EAGER_ALLOCATOR.outside_for(communicators(plan, 0)) == pytest.approx(measured, abs=0.02 * GiB), name
+    # the omni_av run that ran out of memory: a fresh `omnibench run` process, its OOM message's figure
     calls = json.loads((ROOT / "results" / "gpu" / "session-2026-11-27" / "gpu_figures-call1.json").read_text())
     (oom,) = [r for r in calls if "OutOfMemoryError" in r.get("error", "")]
-    got = oom_figures(oom["error"])
-    assert EAGER_ALLOCATOR.outside == pytest.approx(got["outside"], abs=0.006 * GiB)  # the message's 2 decimals
-    assert d["cases"][0]["outside_allocator_bytes"] < EAGER_ALLOCATOR.outside  # the LLM-only step's process held less
+    plan = _one_rank_plan(("omni", "omni_av", "omni-7b@8L", "full", 0))
+    assert EAGER_ALLOCATOR.outside_for(communicators(plan, 0)) == pytest.approx(oom_figures(oom["error"])["outside"],
+                                                                               abs=0.05 * GiB)
 
 
 def test_a_cpu_process_adds_a_hosts_figures_not_the_gpus():
@@ -155,3 +189,39 @@ def test_the_published_rows_that_reduced_gradients_in_bf16_keep_bf16_gradients_t
     assert nemo_perf and megatron
     assert {published_memory_stack(r).removesuffix("+fp8") for r in nemo_perf} == {"megatron-bf16-grads"}
     assert {published_memory_stack(r).removesuffix("+fp8") for r in megatron} == {"megatron"}
+
+
+def test_a_rank_holds_a_communicator_per_group_it_is_in_omnis_step_groups_included():
+    """simulator/memory.py communicators: the world's, every layout group the runtime creates with the
+    rank in it (the counting shortcut equals the runtime's enumeration), and omni's sequence-parallel
+    groups of the step; its need grows by the measured figure per communicator."""
+    from collections import Counter
+
+    from omnibench.process_groups import group_counts, groups_of_rank
+    from tests.test_omni_planner import _omni7b_plan
+
+    p = _omni7b_plan(cp=4, microbatches=2, options={"encoder_sp_scheme": "all"})
+    sp = Counter(r for gs in p.options["long_short"]["groups"].values() for g in gs for r in g)
+    assert sp  # the step names sequence-parallel groups
+    counted = group_counts(p.layouts)
+    world = max(r for lay in p.layouts.values() for r in lay.ranks) + 1
+    for r in range(world):
+        assert groups_of_rank(p.layouts, r) == counted.get(r, 0)
+        assert communicators(p, r) == 1 + counted.get(r, 0) + sp.get(r, 0)
+    r = next(iter(sp))
+    assert EAGER_ALLOCATOR.outside_for(communicators(p, r)) == pytest.approx(
+        EAGER_ALLOCATOR.outside + (counted[r] + sp[r]) * EAGER_ALLOCATOR.per_communicator)
+
+
+@pytest.mark.parametrize("tp,pp,cp,dp_shard", [(1, 1, 1, 0), (2, 2, 2, 0), (1, 2, 2, 2), (2, 1, 1, 4)])
+def test_counting_groups_without_enumerating_them_matches_the_runtimes_groups(tp, pp, cp, dp_shard):
+    from omnibench.process_groups import fewest_groups, group_counts, groups_of_rank
+    from systems.common import encoder_layout, llm_layout, with_dp_shard
+
+    world = 32
+    parallel = ParallelSpec(world_size=world, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard)
+    layouts = {"llm": llm_layout(parallel, range(world)),
+               "vision": with_dp_shard(encoder_layout("vision", range(world // 2), tp=1, sp=2), parallel)}
+    counted = group_counts(layouts)
+    assert [groups_of_rank(layouts, r) for r in range(world)] == [counted.get(r, 0) for r in range(world)]
+    assert fewest_groups(layouts, world) == min(counted.get(r, 0) for r in range(world))

@@ -1,0 +1,116 @@
+"""The process groups a Plan's layouts need, torch-free: what the runtime creates
+(omnibench/runtime/groups.py, one `new_group` each, in this order on every rank) and what the
+simulator counts per rank, since each group a rank belongs to is an NCCL communicator holding GPU
+memory outside the caching allocator (simulator/memory.py `communicators`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from omnibench.plan import Layout
+
+
+def process_groups(layouts: dict[str, Layout]) -> Iterator[tuple[tuple[str, str], tuple[int, ...]]]:
+    """((module, dimension), member ranks) of every group, in the order the runtime creates them."""
+    for name in sorted(layouts):
+        lay = layouts[name]
+        if name == "llm":
+            for key, ranks_list in llm_groups(lay).items():
+                for ranks in ranks_list:
+                    yield ("llm", key), tuple(ranks)
+        else:
+            # "dp": the gradient (FSDP) group, dp x sp; "sp": Ulysses groups (temporal's encoders).
+            for ranks in lay.fsdp_groups():
+                yield (name, "dp"), tuple(ranks)
+            for ranks in lay.groups("tp"):
+                yield (name, "tp"), tuple(ranks)
+            if lay.sp > 1:
+                for ranks in lay.groups("sp"):
+                    yield (name, "sp"), tuple(ranks)
+            if lay.hsdp:
+                for key, ranks_list in hsdp_groups(lay, lay.fsdp_groups()).items():
+                    for ranks in ranks_list:
+                        yield (name, key), tuple(ranks)
+
+
+def llm_groups(lay: Layout) -> dict[str, list[tuple[int, ...]]]:
+    out: dict[str, list[tuple[int, ...]]] = {"tp": lay.groups("tp"), "cp": lay.groups("cp"), "dpcp": [], "ep": [], "edp": []}
+    for p in range(lay.pp):
+        for t in range(lay.tp):
+            flat = [lay.rank_at(pp=p, dp=d, cp=c, tp=t) for d in range(lay.dp) for c in range(lay.cp)]
+            out["dpcp"].append(tuple(flat))
+            ep = lay.ep
+            out["ep"] += [tuple(flat[i : i + ep]) for i in range(0, len(flat), ep)]
+            out["edp"] += [tuple(flat[i::ep]) for i in range(ep)]
+    if lay.hsdp:
+        out.update(hsdp_groups(lay, out["dpcp"]))
+    return out
+
+
+def hsdp_groups(lay: Layout, fsdp_groups: list[tuple[int, ...]]) -> dict[str, list[tuple[int, ...]]]:
+    """HSDP (Layout.dp_shard): each FSDP group split into shard groups of `shard_size` consecutive
+    members, the replicate groups across them (members holding the same shard), and, with
+    experts split over ep, the members of a shard group holding the same experts."""
+    s, ep = lay.shard_size, lay.ep if lay.module == "llm" else 1
+    out: dict[str, list[tuple[int, ...]]] = {"dp_shard": [], "dp_replicate": [], "edp_shard": []}
+    for flat in fsdp_groups:
+        chunks = [flat[i : i + s] for i in range(0, len(flat), s)]
+        out["dp_shard"] += chunks
+        out["dp_replicate"] += [flat[j::s] for j in range(s)]
+        if ep > 1:
+            out["edp_shard"] += [c[i::ep] for c in chunks for i in range(ep)]
+    return out
+
+
+def kinds(name: str, lay: Layout) -> int:
+    """How many of `process_groups`' groups each rank of `lay` belongs to: every kind (tp, cp, dpcp, ...)
+    partitions the layout's ranks, so a member is in exactly one group of each kind that has any."""
+    if name == "llm":
+        n = 5  # tp, cp, dpcp, ep, edp
+        if lay.hsdp:
+            n += 2 + (lay.ep > 1)  # dp_shard, dp_replicate, edp_shard (experts split over ep only)
+        return n
+    return 2 + (lay.sp > 1) + (2 if lay.hsdp else 0)  # dp, tp; sp; dp_shard, dp_replicate
+
+
+def groups_of_rank(layouts: dict[str, Layout], rank: int, extra: list[tuple[int, ...]] = ()) -> int:
+    """How many of the layouts' groups (and of `extra` groups, e.g. omni's sequence-parallel groups of
+    a step) `rank` belongs to; the world group is not counted."""
+    return (sum(kinds(name, lay) for name, lay in layouts.items() if rank in _members(lay))
+            + sum(rank in g for g in extra))
+
+
+def fewest_groups(layouts: dict[str, Layout], world: int) -> int:
+    """The least any rank of a world of `world` belongs to (a lower bound for every rank)."""
+    sets = [(_members(lay), kinds(name, lay)) for name, lay in layouts.items()]
+    covered: dict[frozenset, int] = {}
+    for r in range(world):
+        key = frozenset(i for i, (m, _) in enumerate(sets) if r in m)
+        if key not in covered:
+            covered[key] = sum(sets[i][1] for i in key)
+    return min(covered.values(), default=0)
+
+
+def _members(lay: Layout) -> frozenset:
+    got = _MEMBERS.get(id(lay))
+    if got is None or got[0] is not lay:
+        got = (lay, frozenset(lay.ranks))
+        if len(_MEMBERS) > 64:
+            _MEMBERS.clear()
+        _MEMBERS[id(lay)] = got
+    return got[1]
+
+
+_MEMBERS: dict[int, tuple] = {}
+
+
+def group_counts(layouts: dict[str, Layout], extra: list[tuple[int, ...]] = ()) -> Counter:
+    """rank -> how many groups it belongs to, by enumerating them (what `groups_of_rank` computes
+    without enumerating; the tests hold the two equal)."""
+    counts: Counter = Counter()
+    for _, ranks in process_groups(layouts):
+        counts.update(ranks)
+    for ranks in extra:
+        counts.update(ranks)
+    return counts
