@@ -295,3 +295,35 @@ def test_experts_without_tokens_still_get_gradients():
     moe.experts.zero_grad(set_to_none=True)
     moe.experts(x[:0], torch.zeros(4, dtype=torch.long)).sum().backward()
     assert all(w.grad is not None for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3))
+
+
+def test_the_vision_tower_moves_its_angles_to_the_device_once_per_call_not_per_block():
+    """A grid on the host (encoder chunks pass one per chunk) makes the RoPE angles host tensors; a copy
+    per block synchronised a chunked H100 step 1,315 times (benchmarks/gpu_chunk_profile.py). The count
+    of `.to` calls must not grow with the blocks."""
+    from dataclasses import replace
+
+    from torch.overrides import TorchFunctionMode
+
+    class CountTo(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            moves = [a for a in (*args[1:], (kwargs or {}).get("device")) if isinstance(a, (torch.device, str))]
+            if func is torch.Tensor.to and moves:  # a move to a device, not a cast
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    base = get_model("tiny-vl")
+    grid = torch.tensor([[1, 4, 6], [2, 2, 4]])
+    pixels = torch.randn(40, 3 * 2 * 14 * 14)
+    counts = []
+    for layers in (1, 4):
+        spec = replace(base, vision=replace(base.vision, layers=layers))
+        vit = build_model(spec, seed=0).vision
+        with torch.no_grad(), CountTo() as mode:
+            vit(pixels, grid)
+        counts.append(mode.n)
+    assert counts[0] == counts[1], counts

@@ -164,8 +164,12 @@ class VisionTransformer(nn.Module):
             cos, sin = cos[start:end], sin[start:end]
         if cos.shape[0] != pixel_patches.shape[0]:
             raise ValueError(f"{pixel_patches.shape[0]} patches given, grid_thw/patch_range say {cos.shape[0]}")
-        cu_seqlens = cu_seqlens.to(pixel_patches.device)
+        # Moved once per call, not per block: a grid on the host (encoder chunks pass one) makes the
+        # angles host tensors, and each pageable copy synchronises the host with the GPU (one chunked
+        # step on an H100 synchronised 1,315 times: benchmarks/gpu_chunk_profile.py).
+        device = pixel_patches.device
+        cu_seqlens, cos, sin = cu_seqlens.to(device), cos.to(device), sin.to(device)
         h = self.patch_embed(pixel_patches)
         for layer in self.layers.values():
-            h = layer(h, cos.to(h.device), sin.to(h.device), cu_seqlens, max_seqlen)
+            h = layer(h, cos, sin, cu_seqlens, max_seqlen)
         return self.merger(h)
