@@ -259,6 +259,7 @@ def _vit_peak(model: str, recompute: str, chunk: int) -> dict:
     return got
 
 
+@pytest.mark.slow  # 87 s on 2 cores: the default run stays under CI's 10 minutes
 @pytest.mark.timeout(600)
 def test_encoder_chunking_lowers_the_tracked_vit_peak_and_the_estimate_follows():
     """The whole ViT (all 32 blocks): the peak-only tracker makes it as cheap as 8 blocks were."""
