@@ -35,7 +35,8 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 # What plans and costs a step (tests/test_sweep.py checks that every module of this repository a
 # plan-and-simulate imports lies under one of these).
-CODE = ("simulator", "systems", "workloads", "omnibench/specs", "omnibench/plan.py", "omnibench/__init__.py")
+CODE = ("simulator", "systems", "workloads", "omnibench/specs", "omnibench/plan.py", "omnibench/process_groups.py",
+        "omnibench/__init__.py")
 _SUFFIXES = (".py", ".json", ".toml", ".yaml", ".yml")
 FORMAT = 1  # bump when StepOutcome changes shape
 

@@ -565,3 +565,76 @@ def h100_session_summary() -> str:
             f"it and {h / row['plain_autocast']['tflops']:.2f} of that stack holding fp32 weights under autocast, "
             f"as the harness does on one GPU; the CUDA default on mixed_video {default['mfu']:.1%} MFU "
             f"({default['model']}, recompute {default['recompute']})")
+
+
+SESSION_B = "results/gpu/session-2026-11-27b"
+# gpu_memory_phases.py's cases, in the order the table shows them, and what each run differs in
+PHASE_FILES = [("llm", ""), ("mm", ""), ("omni-default", ""), ("mm-eager", "CUDA_MODULE_LOADING=EAGER"),
+               ("mm-nchannels2", "NCCL_MAX_NCHANNELS=2")]
+PHASES = ["CUDA context", "first bf16 GEMM", "NCCL process group", "model + optimizer built", "step 0"]
+
+
+def _phases(name: str) -> dict:
+    return _read(REPO_ROOT / SESSION_B / "phases" / f"memory_phases-{name}.json")
+
+
+def nccl_group_costs() -> dict[str, float]:
+    """From the NCCL log (results/gpu/session-2026-11-27b/nccl_groups.log, `benchmarks/gpu_nccl_memory.py`
+    measures the same): the first process group and each further one-member group, GiB outside the allocator."""
+    text = (REPO_ROOT / SESSION_B / "nccl_groups.log").read_text()
+    outside = {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^\s*(.+?): in use [0-9.]+ reserved [0-9.]+ outside ([0-9.]+)",
+                                                                            text, re.M)}
+    groups = sorted((int(k.split()[1]), v) for k, v in outside.items() if re.fullmatch(r"new_group \d+", k))
+    steps = [b - a for (_, a), (_, b) in zip([(-1, outside["default pg all_reduce"])] + groups[:-1], groups, strict=True)]
+    return {"context": outside["context"], "first": outside["default pg all_reduce"] - outside["context"],
+            "per_group": sum(steps) / len(steps), "per_group_min": min(steps), "per_group_max": max(steps),
+            "groups": len(steps)}
+
+
+@table("h100-outside-allocator")
+def h100_outside_allocator() -> str:
+    """What this runtime's process holds on the GPU outside the caching allocator, phase by phase
+    (gpu_memory_phases.py), and what one NCCL communicator costs (the NCCL log)."""
+    lines = ["| Plan | setting | " + " | ".join(PHASES) + " | last step | growth after step 0 |",
+             "|---|---|" + "---|" * (len(PHASES) + 2)]
+    provs = []
+    for name, setting in PHASE_FILES:
+        d = _phases(name)
+        by = {r["phase"]: r["outside"] / GiB for r in d["phases"]}
+        steps = [r for r in d["phases"] if r["phase"].startswith("step ")]
+        system, workload, model, recompute, _ = d["spec"]
+        lines.append(f"| {system}, {workload}, {model}, recompute {recompute} | {setting or 'defaults'} | "
+                     + " | ".join(f"{by[p]:.2f}" for p in PHASES)
+                     + f" | {steps[-1]['outside'] / GiB:.2f} ({steps[-1]['phase']}) | "
+                     f"{d['outside_growth_after_step0_bytes'] / GiB:+.2f} |")
+        provs.append(d["provenance"])
+    n = nccl_group_costs()
+    p = provs[0]
+    lines += ["", f"GiB outside the allocator (the driver's in-use figure, `mem_get_info`, less `memory_reserved`), "
+              f"read after each phase of one process. One NCCL process group in a world of one (`nccl_groups.log`): "
+              f"the first {n['first']:.2f} GiB, each of {n['groups']} further one-member groups created with "
+              f"`device_id` given {n['per_group']:.3f} GiB ({n['per_group_min']:.3f}-{n['per_group_max']:.3f}). "
+              f"{_prov_line(p)} (`{SESSION_B}/phases/`); the NCCL_MAX_NCHANNELS=2 row ran on the same tree, "
+              f"carried without its manifest, so its record reads `{provs[-1]['commit'][:10]}` with uncommitted changes."]
+    return "\n".join(lines)
+
+
+@table("h100-chunk-profile")
+def h100_chunk_profile() -> str:
+    """One profiled step of encoder chunking against block recomputation (gpu_chunk_profile.py)."""
+    d = _read(REPO_ROOT / SESSION_B / "chunk_profile" / "chunk_profile.json")
+    lines = ["| variant | step wall s (profiled) | GPU busy s | GPU idle s | kernels | host synchronisations | "
+             "host CPU s (profiler's self CPU total) | vision forward s | vision backward s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for v in d["variants"]:
+        cpu = re.search(r"Self CPU time total: ([0-9.]+)(ms|s)", v["top_ops"])
+        cpu_s = float(cpu.group(1)) / (1000 if cpu.group(2) == "ms" else 1) if cpu else float("nan")
+        spans = v["span_seconds_by_module"]
+        lines.append(f"| {v['variant']} (recompute {v['recompute']}) | {v['wall_s']:.2f} | {v['gpu_busy_s']:.2f} | "
+                     f"{v['gpu_idle_s']:.2f} | {v['kernels']:,} | {sum(v['host_syncs'].values()):,} | {cpu_s:.2f} | "
+                     f"{spans.get('vision:forward', 0):.2f} | {spans.get('vision:backward', 0):.2f} |")
+    system, workload, model = d["case"]
+    lines += ["", f"{system}, {workload}, {model}, {d['tokens']:,} tokens per step; one step after two warm-up steps, "
+              f"under torch.profiler (CPU + CUDA). GPU busy: the union of the kernels' intervals. "
+              f"{_prov_line(d['provenance'])} (`{SESSION_B}/chunk_profile/chunk_profile.json`)."]
+    return "\n".join(lines)
