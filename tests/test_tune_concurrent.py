@@ -1,5 +1,7 @@
 """What makes `reproduce` cheaper must leave every answer as it was (issue 21): a tune under a memory
-error reuses the steps simulated at the nominal estimate and finds what it finds from nothing."""
+error reuses the steps simulated at the nominal estimate and finds what it finds from nothing; the
+analytic estimates a search settles its space with, answered once per candidate and batch, are the
+ones computed afresh."""
 
 from __future__ import annotations
 
@@ -40,3 +42,30 @@ def test_a_tune_under_a_memory_error_from_a_warm_step_cache_is_the_one_from_a_co
     assert from_warm.guarded == from_cold.guarded and from_warm.convergence == from_cold.convergence
     # the error moved no time: the steps simulated at the nominal estimate answered most of it
     assert simulated_warm < _entries(cold) / 2, (simulated_warm, _entries(cold))
+
+
+def test_the_first_pipeline_stage_read_from_the_strides_is_the_one_coords_gives():
+    from omnibench.specs.parallel import ParallelSpec
+    from omnibench.tune import _first_stage
+    from systems.common import llm_layout
+
+    for tp, pp, cp, world, offset in ((1, 1, 1, 8, 0), (2, 4, 1, 64, 0), (1, 2, 4, 64, 16), (4, 8, 2, 512, 0),
+                                      (2, 2, 2, 48, 8)):
+        lay = llm_layout(ParallelSpec(world_size=world, tp=tp, pp=pp, cp=cp), range(offset, world))
+        assert _first_stage(lay) == [r for r in lay.ranks if lay.coords(r)["pp"] == 0]
+
+
+def test_the_estimates_are_answered_once_per_candidate_and_batch_and_equal_a_fresh_computation():
+    from omnibench import tune as tune_mod
+
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 64)
+    samples = WorkloadStream("mixed_video", seed=0, global_batch_tokens=64 * 8192).batch(0).samples
+    for c in tune_mod.search_space("omni", model, 64)[:6]:
+        for fn, args in ((tune_mod.memory_estimate, ()), (tune_mod.time_estimate, (cluster,))):
+            memo = fn(c.system, model, 64, 8, c, samples, *args, options={"hardware": "h100"})
+            again = fn(c.system, model, 64, 8, c, samples, *args, options={"hardware": "h100"})
+            fresh = fn.__wrapped__(c.system, model, 64, 8, c, list(samples), *args, options={"hardware": "h100"})
+            assert memo == again == fresh
+        # another batch with the same samples' values is computed again (keyed by identity), to the same value
+        assert tune_mod.memory_estimate(c.system, model, 64, 8, c, list(samples)) == \
+            tune_mod.memory_estimate.__wrapped__(c.system, model, 64, 8, c, samples)
