@@ -1,13 +1,17 @@
-"""What makes `reproduce` cheaper must leave every answer as it was (issue 21): a tune under a memory
-error reuses the steps simulated at the nominal estimate and finds what it finds from nothing; the
-analytic estimates a search settles its space with, answered once per candidate and batch, are the
-ones computed afresh."""
+"""What makes `reproduce` cheaper must leave every answer as it was (issue 21): a tune under a memory error
+reuses the steps simulated at the nominal estimate and finds what it finds from nothing; the analytic
+estimates a search settles its space with, answered once per candidate and batch, are the ones computed
+afresh; and `simulate --tuned` running every system's search at once (`_tune_all`) keeps each answer,
+the tune cache's entries and their order, and the record's numbers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import typer
+from typer.testing import CliRunner
 
 from omnibench.specs.presets import get_model
 from omnibench.tune import tune_converged
@@ -42,6 +46,53 @@ def test_a_tune_under_a_memory_error_from_a_warm_step_cache_is_the_one_from_a_co
     assert from_warm.guarded == from_cold.guarded and from_warm.convergence == from_cold.convergence
     # the error moved no time: the steps simulated at the nominal estimate answered most of it
     assert simulated_warm < _entries(cold) / 2, (simulated_warm, _entries(cold))
+
+
+def _simulate(args):
+    from omnibench.cli import simulate as sim_cli
+
+    app = typer.Typer()
+    sim_cli.register(app)
+    app.command("noop")(lambda: None)
+    return CliRunner().invoke(app, ["simulate", *args])
+
+
+TIMES = {"tune_seconds", "sim_seconds"}
+
+
+def _strip(x):
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items() if k not in TIMES}
+    if isinstance(x, list):
+        return [_strip(v) for v in x]
+    return x
+
+
+def test_every_systems_search_at_once_gives_each_answer_it_gives_alone(tmp_path, monkeypatch):
+    from omnibench.cli import simulate as sim_cli
+
+    started = []
+    real = sim_cli._tune_all
+    monkeypatch.setattr(sim_cli, "_tune_all", lambda systems, *a: started.append(systems) or real(systems, *a))
+    common = ["--workload", "bursty_mix", "--seed", "14", "--system", "homogeneous,temporal,omni", "--gpus", "16",
+              "--global-batch-tokens", "131072", "--tuned", "--tune-budget", "2", "--check-convergence",
+              "--steps", "4", "--step-stride", "3", "--tune-steps", "2", "--json"]
+    got = {}
+    for workers in (1, 2):
+        monkeypatch.setenv("OMNIBENCH_CACHE", str(tmp_path / f"steps{workers}"))  # each from nothing
+        cache = tmp_path / f"tuned{workers}.json"
+        r = _simulate([*common, "--workers", str(workers), "--tune-cache", str(cache), "--out",
+                       str(tmp_path / f"out{workers}")])
+        assert r.exit_code == 0, r.output
+        record = Path(json.loads(r.output)["record"])
+        got[workers] = (_strip(json.loads((record / "results.json").read_text())),
+                        [(k, _strip(e)) for k, e in json.loads(cache.read_text()).items()],  # order too
+                        (record / "steps.csv").read_text())
+    assert started == [["homogeneous", "temporal", "omni"]]  # only the pool runs them at once
+    assert got[2] == got[1]
+    rows, entries, _ = got[2]
+    assert [e["system"] for _, e in entries] == ["homogeneous", "temporal", "omni"]
+    assert any(r.get("tune_guarded") for r in rows) or all(r["fits"] for r in rows)
 
 
 def test_the_first_pipeline_stage_read_from_the_strides_is_the_one_coords_gives():
