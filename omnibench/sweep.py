@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
@@ -148,6 +149,11 @@ class Sweep:
             self._bar.update(self._task, description=text)
 
     # -- mapping
+    def concurrent(self) -> bool:
+        """Do maps from several threads at once run side by side? With a process pool they do: every
+        item a thread other than the main one maps runs in the pool's workers (`map`)."""
+        return not self.ray_address and resolve_workers(self.workers, 2) > 1
+
     def map(self, fn: Callable[[Any], Any], items: Sequence) -> list:
         items = list(items)
         if not items:
@@ -155,8 +161,11 @@ class Sweep:
         if self.ray_address:
             return self._map_ray(fn, items)
         # one item runs here even with a pool: nothing to overlap, and its job and result (a large
-        # cluster's step with spans) are not pickled across, nor is a spare plan of the parent lost
-        if resolve_workers(self.workers, 2) == 1 or len(items) == 1:
+        # cluster's step with spans) are not pickled across, nor is a spare plan of the parent lost;
+        # but not in a thread mapping beside others (`concurrent`): this process would run them one
+        # at a time while the workers wait
+        if resolve_workers(self.workers, 2) == 1 or (len(items) == 1
+                                                     and threading.current_thread() is threading.main_thread()):
             self._grow(len(items))
             out = []
             for x in items:

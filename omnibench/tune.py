@@ -448,6 +448,46 @@ def _largest(model: MultimodalSpec, samples) -> tuple[int, dict[str, int]]:
 
 # Layout-independent sums over a batch's samples, asked for every candidate and mode: once per batch.
 _mean_loads, _largest = _per_batch(_mean_loads), _per_batch(_largest)
+_batch_flops = _per_batch(costs.batch_flops)  # per module, once per batch and recompute mode
+
+
+def _per_candidate(fn):
+    """`fn(system, model, world, gpus_per_node, c, samples, *args, **kw)` (an analytic estimate) answered
+    once per its inputs: each search of a convergence check, and the guard's, is a new `_Search` over the
+    same batch and candidates, and settling its space asked for every candidate's estimates again (at
+    1,024 GPUs most of a tune's time outside the simulations). The model, the samples and any other
+    object argument (a cluster) are keyed by identity and kept alive with the answer, so an identity is
+    never reused; strings, numbers and candidates by value, a dict (a system's options) by its items."""
+    memo: dict = {}
+
+    def by_value(x) -> bool:
+        return x is None or isinstance(x, (str, int, float, bool, Candidate))
+
+    def part(x):
+        if by_value(x):
+            return x
+        if isinstance(x, dict):
+            return tuple(sorted((k, repr(v)) for k, v in x.items()))
+        return ("id", id(x))
+
+    def wrapped(system, model, world, gpus_per_node, c, samples, *args, **kw):
+        named = sorted(kw.items())
+        objs = (model, samples, *(v for v in (*args, *(v for _, v in named)) if not by_value(v)
+                                  and not isinstance(v, dict)))
+        k = (system, world, gpus_per_node, c, id(model), id(samples), tuple(part(a) for a in args),
+             tuple((n, part(v)) for n, v in named))
+        hit = memo.get(k)
+        if hit is not None and all(a is b for a, b in zip(hit[0], objs, strict=True)):
+            return hit[1]
+        if len(memo) >= 1 << 16:
+            memo.clear()
+        out = fn(system, model, world, gpus_per_node, c, samples, *args, **kw)
+        memo[k] = (objs, out)
+        return out
+
+    wrapped.__wrapped__ = fn
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
 
 
 @dataclass(frozen=True)
@@ -469,6 +509,18 @@ class _Rules:
     fills_bubbles: bool
     stage0_encoders: bool
     separate_encoders: bool
+
+
+def _first_stage(lay) -> list[int]:
+    """The ranks of `lay` at pipeline coordinate 0, in rank order: `[r for r in lay.ranks if
+    lay.coords(r)["pp"] == 0]` from the mesh's strides (plan.Layout._tables), without the coordinates
+    of every rank that `coords` builds once per layout (tune asks for a new layout per candidate)."""
+    stride = 1
+    for d, n in zip(reversed(lay.mesh_dims), reversed(lay.mesh_shape), strict=True):
+        if d == "pp":
+            break
+        stride *= n
+    return [r for i, r in enumerate(lay.ranks) if (i // stride) % lay.pp == 0]
 
 
 def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
@@ -496,7 +548,7 @@ def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c
         if opts.llm_long_short:
             llm_split = llm_group_size(model, flat, llm)[0]
     elif system in ("homogeneous", "temporal"):
-        stage0 = [r for r in llm.ranks if llm.coords(r)["pp"] == 0]
+        stage0 = _first_stage(llm)
         sp = c.cp if system == "temporal" else 1
         tp = 1 if system == "temporal" else c.tp
         for m in model.encoders:
@@ -520,6 +572,7 @@ def _state(params: float, lay) -> costs.StateBytes:
     return costs.dp_state_bytes(params, lay.dp_mode if n > 1 else "ddp", max(1, n))
 
 
+@_per_candidate
 def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
                     samples, options: dict | None = None, memory_stack: str = "eager", device: str = "") -> float:
     """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2), under each
@@ -582,6 +635,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
                          memory_stack, device, comms)
 
 
+@_per_candidate
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
                   cluster, options: dict | None = None) -> float:
     """Seconds, for ordering candidates only: each module's compute at the datasheet's achievable
@@ -591,7 +645,7 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
     their own beside it, temporal splits every sample over its Ulysses degree, omni puts encoder
     work in the pipeline's bubbles and splits its largest samples over their groups."""
     rules = _rules(system, model, world, gpus_per_node, c, options)
-    per_module = costs.batch_flops(model, samples, c.recompute)
+    per_module = _batch_flops(model, samples, c.recompute)
     gpu = cluster.gpu
     rate = gpu.peak_flops * gpu.matmul_efficiency
     llm_flops = per_module["llm"].total
@@ -687,7 +741,8 @@ class _Search:
         # what an estimate may reach: with the estimates assumed `memory_error` off (SimOptions), the
         # analytic bound is held to the same margin the simulator's verdict applies
         self.capacity = cluster.gpu.memory_bytes / (1.0 + memory_error)
-        self.per_batch = list(batches[0].samples)  # the analytic estimates read the first batch
+        # the analytic estimates read the first batch (the batch's own list: their memos key by its identity)
+        self.per_batch = batches[0].samples
         self.modes = recompute_modes(model)
         self.done: dict[Candidate, Trial] = {}
         # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to

@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import typer
@@ -288,11 +289,61 @@ def read_tune_cache(path: Path | None) -> dict:
     return got if isinstance(got, dict) else {}
 
 
+def _search(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str, *,
+            fraction: float | None = None, converge: bool = False, sweep=None, use_cache: bool = True, prior=None,
+            stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
+            guard_batches: list | None = None):
+    """`tuned_layout`'s search: the `tune.TuneResult` of `system` (every omni technique on)."""
+    from omnibench import tune as tune_mod
+
+    full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
+    search = tune_mod.tune_converged if converge else tune_mod.tune
+    return search(system, spec, batches, cluster, profile=profile, budget=budget,
+                  fraction=fraction or tune_mod.BUDGET_FRACTION,
+                  options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
+                  use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error,
+                  seeds=seeds, guard_batches=guard_batches)
+
+
+def _tune_all(systems: list[str], tune_inputs, cache: dict, spec, batches, cluster, profile, budget: int,
+              options: dict, hardware: str) -> dict:
+    """Every system's search (`_search`, its arguments from `tune_inputs(system)`) not already in the tune
+    `cache`, started at once, each in a thread of its own whose waves go through the one sweep (its
+    process pool runs them, whichever thread maps them): {tune cache key: a future of the TuneResult or
+    of the error the search raised}. A search reads nothing another writes (its seeds, prior and
+    batches are fixed before they start; the step cache answers the same for any order), so each
+    answer is the one it finds alone; the caller takes them in the systems' order. Daemon threads:
+    a command stopped meanwhile (SIGTERM, Ctrl-C) does not wait for them, and its sweep's abort ends
+    their simulations."""
+    import threading
+    from concurrent.futures import Future
+
+    def start(fut: Future, fn, kw: dict) -> None:
+        def body() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(**kw))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it in its own thread
+                fut.set_exception(e)
+        threading.Thread(target=body, daemon=True, name=f"tune-{kw['system']}").start()
+
+    found: dict = {}
+    for s in systems:
+        key, kw = tune_inputs(s)
+        if key in cache or key in found:
+            continue
+        found[key] = Future()
+        start(found[key], _search, dict(system=s, spec=spec, batches=batches, cluster=cluster, profile=profile,
+                                        budget=budget, options=options, hardware=hardware, **kw))
+    return found
+
+
 def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str,
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
                  use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
                  dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
-                 guard_batches: list | None = None):
+                 guard_batches: list | None = None, found=None):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
     batch, or batches picked across the simulated window by regime), its answer checked to run every
     batch of `guard_batches` (the window it is kept for; the layouts ruled out in `entry["guarded"]`),
@@ -301,21 +352,20 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     answer, a `tune.Prior`); or the layout `cache[key]` holds from an earlier tune with the same
     inputs (its entry then says `tune_seconds` 0 for this command). The entry keeps this search's
     own answer as the prior of the next size (`entry["prior"]`), and the `seeds` (`tune.Seed`s) it
-    started from with each one's simulated step time here (`entry["seeds"]`)."""
+    started from with each one's simulated step time here (`entry["seeds"]`). `found`: a future of
+    this very search already started (`_tune_all`), whose result (or error) is taken instead."""
     from dataclasses import asdict
 
-    from omnibench import tune as tune_mod
     from omnibench.tune import Candidate
 
     if key in cache:
         return Candidate(**cache[key]["candidate"]), {**cache[key], "tune_seconds": 0.0}
-    full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
-    search = tune_mod.tune_converged if converge else tune_mod.tune
-    res = search(system, spec, batches, cluster, profile=profile, budget=budget,
-                 fraction=fraction or tune_mod.BUDGET_FRACTION,
-                 options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
-                 use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error,
-                 seeds=seeds, guard_batches=guard_batches)
+    if found is not None:  # the same search, run beside the other systems' (`_tune_all`)
+        res = found.result()
+    else:
+        res = _search(system, spec, batches, cluster, profile, budget, options, hardware, fraction=fraction,
+                      converge=converge, sweep=sweep, use_cache=use_cache, prior=prior, stack=stack,
+                      dp_mode=dp_mode, memory_error=memory_error, seeds=seeds, guard_batches=guard_batches)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
@@ -688,13 +738,36 @@ def register(app: typer.Typer) -> None:
                         except ValueError as e:
                             fail(batch_error(e, n, global_batch_tokens))
                         window, packed = None, {}
+                        if tuned:
+                            from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
+
+                            def tune_inputs(s: str, window: list, guard: list, n: int = n,
+                                            gbt: int = gbt) -> tuple[str, dict]:
+                                """`s`'s tune cache key and `_search`'s arguments at `n` GPUs, tuned on
+                                `window` and guarded on `guard`: the same whether the search runs here or
+                                beside the others'."""
+                                budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
+                                # each size's search starts from the next smaller size's answer
+                                prior = priors[s] if s in priors and priors[s].world < n else None
+                                mine = [sd for sd in seeds if sd.candidate.system == s]
+                                key = _tune_key(mine, system=s, workload=workload, gpus=n, model=spec.name,
+                                                hardware=hardware, seed=seed, global_batch_tokens=gbt,
+                                                budget=budget_key, calibration=calibration,
+                                                tune_steps=",".join(str(b.step) for b in window),
+                                                converge=MAX_DOUBLINGS if check_convergence else 0,
+                                                prior=prior.world if prior is not None else 0,
+                                                memory_error=memory_error,
+                                                guard=",".join(str(b.step) for b in guard))
+                                return key, dict(fraction=tune_fraction, converge=check_convergence, sweep=sweep,
+                                                 use_cache=not no_cache, prior=prior, stack=stack, dp_mode=dp_mode,
+                                                 memory_error=memory_error, seeds=mine, guard_batches=guard)
+
+                        found: dict = {}  # tune cache key -> the future of its search, started beside the others
                         for s in systems:
                             row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
                             sys_parallel, sys_recompute = parallel, recompute
                             try:
                                 if tuned:
-                                    from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
-
                                     if window is None:  # the same batches for every system
                                         span = [stream.batch(k) for k in step_indices(steps, step_stride)]
                                         window = regime_batches(span, tune_steps)
@@ -703,29 +776,22 @@ def register(app: typer.Typer) -> None:
                                         guard = span if steps > 1 and not no_tune_guard else []
                                         for b in span:
                                             packed.setdefault(b.step, pack(b))
-                                    sweep.describe(f"tune {s} at {n:,} GPUs")
-                                    budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
-                                    # each size's search starts from the next smaller size's answer
-                                    prior = priors[s] if s in priors and priors[s].world < n else None
-                                    mine = [sd for sd in seeds if sd.candidate.system == s]
-                                    key = _tune_key(mine, system=s, workload=workload, gpus=n, model=spec.name,
-                                                    hardware=hardware, seed=seed, global_batch_tokens=gbt,
-                                                    budget=budget_key, calibration=calibration,
-                                                    tune_steps=",".join(str(b.step) for b in window),
-                                                    converge=MAX_DOUBLINGS if check_convergence else 0,
-                                                    prior=prior.world if prior is not None else 0,
-                                                    memory_error=memory_error,
-                                                    guard=",".join(str(b.step) for b in guard))
+                                        if len(systems) > 1 and sweep.concurrent():
+                                            # every system's search at once: one system's waves alone leave
+                                            # a worker idle, and no search reads another's (the answers go
+                                            # into the tune cache in the systems' order below)
+                                            sweep.describe(f"tune {len(systems)} systems at {n:,} GPUs")
+                                            found = _tune_all(systems, partial(tune_inputs, window=window, guard=guard),
+                                                              cache, spec, window, clusters[n], profile, tune_budget,
+                                                              options, hardware)
+                                    if not found:
+                                        sweep.describe(f"tune {s} at {n:,} GPUs")
+                                    key, kw = tune_inputs(s, window, guard)
                                     c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
-                                                            hardware, cache, key, fraction=tune_fraction,
-                                                            converge=check_convergence, sweep=sweep,
-                                                            use_cache=not no_cache,
+                                                            hardware, cache, key, found=found.get(key),
                                                             describe={"system": s, "workload": workload, "gpus": n,
                                                                       "hardware": hardware, "model": spec.name,
-                                                                      "memory_error": memory_error},
-                                                            prior=prior, stack=stack, dp_mode=dp_mode,
-                                                            memory_error=memory_error, seeds=mine,
-                                                            guard_batches=guard)
+                                                                      "memory_error": memory_error}, **kw)
                                     if entry.get("prior") and (s not in priors or priors[s].world < n):
                                         from omnibench.tune import Prior
 
