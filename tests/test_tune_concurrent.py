@@ -120,3 +120,25 @@ def test_the_estimates_are_answered_once_per_candidate_and_batch_and_equal_a_fre
         # another batch with the same samples' values is computed again (keyed by identity), to the same value
         assert tune_mod.memory_estimate(c.system, model, 64, 8, c, list(samples)) == \
             tune_mod.memory_estimate.__wrapped__(c.system, model, 64, 8, c, samples)
+
+
+def test_a_search_that_fails_beside_the_others_is_its_rows_error_and_the_others_are_kept(tmp_path, monkeypatch):
+    from omnibench.cli import simulate as sim_cli
+
+    real = sim_cli._search
+
+    def failing(system, *a, **kw):
+        if system == "temporal":
+            raise ValueError("tune: no layout of temporal fits 16 GPUs")
+        return real(system, *a, **kw)
+
+    monkeypatch.setattr(sim_cli, "_search", failing)
+    cache = tmp_path / "tuned.json"
+    r = _simulate(["--workload", "mixed_video", "--system", "homogeneous,temporal,omni", "--gpus", "16",
+                   "--tuned", "--tune-budget", "2", "--workers", "2", "--tune-cache", str(cache), "--out",
+                   str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["results"]
+    assert [x["system"] for x in rows] == ["homogeneous", "temporal", "omni"]
+    assert rows[1]["error"] == "tune: no layout of temporal fits 16 GPUs" and "error" not in rows[0] | rows[2]
+    assert [e["system"] for e in json.loads(cache.read_text()).values()] == ["homogeneous", "omni"]

@@ -577,7 +577,7 @@ SIMULATE_HELP = "\n\n".join([
     "explicit fsdp never shards within nodes; hsdp shards within 8 nodes, or --dp-shard ranks); --cp-kind ring "
     "and allgather (Llama 3's all-gathered K/V) are simulated only.",
     "Sweeps: every simulation runs in a pool (--workers, default every core) or on Ray (--ray), each step cached on "
-    "disk (--no-cache to simulate again).",
+    "disk (--no-cache to simulate again); with a pool, --tuned searches every system at once (the same answers).",
     "The --no-* switches turn off one omni technique each, for the ablation a paper shows.",
     "--memory-error E decides what fits (and, with --tuned or --recompute auto, what is chosen) as if every memory "
     "estimate were off by E (0.2: each rank needs 20% more than estimated); the peaks reported stay the estimates.",
