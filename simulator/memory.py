@@ -159,8 +159,8 @@ def memory_needed(allocated: float, memory_stack: str = "eager", device: str = "
 def communicators(plan, rank: int) -> int:
     """NCCL communicators `rank` holds in this runtime: the world's, one per group of the layouts it
     belongs to (omnibench/process_groups.py, created at start-up), and one per sequence-parallel group
-    of this step's long inputs it is in (omni's, omnibench/runtime/long_short.py, created when first
-    named and kept: a later step may hold more)."""
+    of this step's long inputs it is in (omni's, omnibench/runtime/long_short.py: a rank keeps the groups
+    its step names and releases the others before creating new ones, tests/test_long_short_groups.py)."""
     from collections import Counter
 
     from omnibench.process_groups import groups_of_rank

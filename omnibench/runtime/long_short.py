@@ -48,7 +48,11 @@ class LongShortRuntime:
     """Process groups of omni's sequence-parallel and long-sample groups. A step's plan may name groups
     of another size than earlier steps (the planner weighs group sizes per batch): `prepare` creates
     the ones not built yet at the start of the step, collectively (every rank plans the same step, so
-    every rank creates the same new groups in the same order), and keeps them for later steps."""
+    every rank creates the same new groups in the same order), keeps those a later step names again,
+    and releases the rest first. On a GPU each group a rank is in is an NCCL communicator of its own
+    (0.38 GiB on an H100: simulator/memory.py), so a rank holds no more of them than its step's groups,
+    which is what the simulator's memory check counts (`simulator.memory.communicators`); kept for
+    the whole run, a dynamic mix would leave every group size the planner ever chose on every rank."""
 
     def __init__(self, rank: int, timeout):
         self.rank, self.timeout = rank, timeout
@@ -67,6 +71,11 @@ class LongShortRuntime:
         """This step's groups: this rank's per module, every one the plan names built (collectively)."""
         cfg = plan.options.get("long_short", {}).get("groups", {})
         self.groups = {}
+        named = {tuple(ranks) for module in cfg for ranks in cfg[module]}
+        for key in [k for k in self.built if k not in named]:
+            group = self.built.pop(key)
+            if self.rank in key:  # a rank outside a group holds no communicator of it (NON_GROUP_MEMBER)
+                dist.destroy_process_group(group)
         for module in sorted(cfg):
             for ranks in cfg[module]:
                 key = tuple(ranks)
