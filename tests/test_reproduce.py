@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _cheap_stages(bad: Path):
-    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=0, sweep=None):
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=0, sweep=None, extended=False):
         return [
             report.Stage("a", "list the workloads", ["workloads", "list"], 2.0),
             report.Stage("b", "a stage that fails until its input exists",
@@ -206,7 +206,7 @@ def test_an_ablation_whose_kept_layout_stops_fitting_is_an_answer_not_a_failure(
            "--tp", "2", "--recompute", "none", "--global-batch-tokens", str(16 * 65536), "--out", str(tmp_path / "o"),
            "--json"]
 
-    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=None, sweep=None):
+    def stages(runs_dir, sims_dir, systems, quick, repeat=1, tune_budget=None, sweep=None, extended=False):
         return [report.Stage("abl", "an ablation that does not fit", big, 2.0, no_fit_is_an_answer=True),
                 report.Stage("plain", "a simulation that does not fit", big, 2.0)]
 
@@ -219,3 +219,37 @@ def test_an_ablation_whose_kept_layout_stops_fitting_is_an_answer_not_a_failure(
     assert list(json.loads((sims / "reproduce-stages.json").read_text())) == ["abl"]  # the other one failed
     assert json.loads((sims / "reproduce-notes.json").read_text())["abl"].startswith("does not fit: rank")
     assert "GiB of 79.2 GiB" in err and [x.startswith("FAILED") for x in log] == [False, True]
+
+
+def test_extended_adds_every_cell_the_default_plan_leaves_out_after_it_and_repeats_none():
+    """`reproduce --extended` (issue 20 item 4): the static workloads at 4,096 and 8,192 H100s and every
+    workload on 1,024 H200s, after every default stage (so a `--resume` after a default reproduce runs only
+    them, seeded by all of it), each cell once over both plans."""
+    from pathlib import Path as P
+
+    sims = P("/x/sims")
+    default = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False)
+    stages = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False, extended=True)
+    assert [st.key for st in stages[: len(default)]] == [st.key for st in default]
+    extra = stages[len(default):]
+    assert extra and all(st.key.startswith("extended-") for st in extra)
+
+    def cell(st):
+        a = st.args
+        return a[a.index("--workload") + 1], int(a[a.index("--gpus") + 1]), a[a.index("--hardware") + 1]
+
+    tuned = [st for st in default if st.key.startswith(("tuned-", "largest-")) and "omni-no" not in st.key]
+    before = {cell(st) for st in tuned}
+    cells = [cell(st) for st in extra]
+    assert len(set(cells)) == len(cells) and not set(cells) & before
+    dynamic = set(report.DYNAMIC_RUNS)
+    want = {(wl, n, "h100") for wl in report.STATIC_WORKLOADS for n in report.EXTENDED_GPUS} - before
+    want |= {(wl, 1024, "h200") for wl in (*report.STATIC_WORKLOADS, *dynamic)} - before
+    assert set(cells) == want
+    for st in extra:
+        a = st.args
+        wl, _, hw = cell(st)
+        assert a[a.index("--seed-from") + 1] == str(sims / "seeds" / f"{st.key}.json") and st.prepare
+        assert "--check-convergence" in a and a[a.index("--system") + 1] == ",".join(SYSTEMS)
+        assert a[a.index("--out") + 1] == str(sims / "h200" if hw == "h200" else sims)  # each machine its figure
+        assert ("--steps" in a) == (wl in dynamic)

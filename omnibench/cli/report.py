@@ -71,6 +71,13 @@ CONDITION_GPUS, CONDITION_GPUS_QUICK = (256,), (64,)
 # default plan; `simulate --model omni-moe-30b --workload <cell>.toml --tuned ...` makes it.
 CONDITION_MODELS, CONDITION_MODELS_QUICK = ("omni-7b",), ("omni-7b",)
 CONDITION_BUDGET = 4
+# `reproduce --extended`: the cells the default plan leaves out for time (issue 20 item 4: every workload at
+# 1,024, 4,096 and 8,192 GPUs, H100 and H200), after every default stage and seeded by all of them. The static
+# workloads at these H100 sizes (a cell the default plan has, mixed_video at 8,192, is not repeated), and
+# every workload on 1,024 H200s. The dynamic workloads above 1,024 GPUs stay out: bursty_mix's 16 steps at
+# 4,096 GPUs cost about as much as the whole default tuned comparison (`omnibench simulate --workload
+# bursty_mix --gpus 4096 --seed 14 --steps 16 --tune-steps 3 --tuned ...` makes it).
+EXTENDED_GPUS, EXTENDED_GPUS_QUICK = (4096, 8192), (256,)
 CONDITION_SHARES, CONDITION_SHARES_QUICK, CONDITION_SIGMAS_QUICK = (0.1, 0.6, 0.9), (0.1, 0.9), (1.0,)
 KINDS = ("throughput", "scaling", "dynamic", "speedup", "breakdown", "conditions", "memory", "timeline", "validation",
          "ablation", "workload")
@@ -220,6 +227,10 @@ def register(app: typer.Typer) -> None:
         no_cache: bool = typer.Option(False, "--no-cache", help="Simulate everything again (no step cache)."),
         plan: bool = typer.Option(False, "--plan", help="List the stages, their commands and estimated times; run "
                                   "nothing."),
+        extended: bool = typer.Option(False, "--extended", help="Also the cells the default plan leaves out for time, "
+                                      "after it: the static workloads at 4,096 and 8,192 H100s and every workload "
+                                      "on 1,024 H200s (about 75 more minutes on 2 cores; with --resume after a "
+                                      "default reproduce, only those)."),
     ) -> None:
         """Re-make the reference figures from scratch: CPU runs (2 ranks, tiny model), simulations at 256 to
         8,192 GPUs at one layout (scaling, timelines), and the tuned comparison, each system at its own
@@ -249,7 +260,7 @@ def register(app: typer.Typer) -> None:
             from systems import available_systems
 
             stages = _stages(out / "runs" / "reproduce", out / "sims" / "reproduce", available_systems(), quick,
-                             repeat, tune_budget, sweep)
+                             repeat, tune_budget, sweep, extended=extended)
             for k, st in enumerate(stages, 1):
                 args = st.args if isinstance(st.args, list) else ["(arguments made when it starts)"]
                 console.print(f"[{k}/{len(stages)}] {st.key}: about {_duration(st.estimate_s)}\n      "
@@ -257,7 +268,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"{len(stages)} stages, about {_duration(sum(st.estimate_s for st in stages))} on 2 quiet "
                           "cores, then the figures", highlight=False)
             return
-        reproduce(out, quick, reuse, resume, repeat, tune_budget, sweep)
+        reproduce(out, quick, reuse, resume, repeat, tune_budget, sweep, extended=extended)
 
 
 # -- reproduce -------------------------------------------------------------------------------------
@@ -330,7 +341,7 @@ def _why(stdout: str, stderr: str) -> str:
 
 
 def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1,
-              tune_budget: int | None = None, sweep: SweepArgs = SweepArgs()) -> None:
+              tune_budget: int | None = None, sweep: SweepArgs = SweepArgs(), extended: bool = False) -> None:
     from omnibench.plots import figures, style
     from omnibench.plots.load import PlotInputError, Records, load
     from omnibench.plots.report import draw_all, write_html
@@ -343,8 +354,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         if not (runs_dir.is_dir() and sims_dir.is_dir()):
             fail(f"reproduce --reuse: no earlier data under {runs_dir} and {sims_dir}; run without --reuse first")
     else:
-        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat, tune_budget, sweep)
-    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep)) + 1
+        _produce(runs_dir, sims_dir, systems, quick, resume, log, repeat, tune_budget, sweep, extended=extended)
+    n = len(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep, extended=extended)) + 1
     console.print(f"[{n}/{n}] figures under {fig_dir} and {out / 'report.html'}", highlight=False)
 
     # 3. figures, each from the records whose configs say they are its data; each names the code as it
@@ -499,7 +510,8 @@ def _notes(sims_dir: Path) -> Path:
 
 
 def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, resume: bool, log: list[str],
-             repeat: int = 1, tune_budget: int | None = None, sweep: SweepArgs = SweepArgs()) -> None:
+             repeat: int = 1, tune_budget: int | None = None, sweep: SweepArgs = SweepArgs(),
+             extended: bool = False) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
     left; the finished stages are kept in a ledger so that `--resume` skips them."""
     import json
@@ -514,7 +526,7 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         d.mkdir(parents=True, exist_ok=True)
         for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
             shutil.rmtree(part, ignore_errors=True)
-    stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep)
+    stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep, extended=extended)
     todo = [st for st in stages if st.key not in done]
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
@@ -560,7 +572,7 @@ def _duration(seconds: float) -> str:
 
 
 def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1,
-            tune_budget: int | None = None, sweep: SweepArgs = SweepArgs()) -> list[Stage]:
+            tune_budget: int | None = None, sweep: SweepArgs = SweepArgs(), extended: bool = False) -> list[Stage]:
     stages: list[Stage] = []
     steps = "3" if quick else "5"
     run_s = 8.0 if quick else 11.0
@@ -642,7 +654,8 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
     # (above 1,024 GPUs a search started from smaller sizes' answers simulates fewer layouts: the 8,192-GPU
     # stage took as long as the 1,024-GPU one in the reproduce of BENCHMARKS, hence the square root)
     tune_s = {n: (1.0 if quick else 25.0 * per_layout * (n / 1024 if n <= 1024 else (n / 1024) ** 0.5)) for n in (*gpus, largest, *CONDITION_GPUS,
-                                                                         *(n for _, n in (*LARGEST, *LARGEST_QUICK)))}
+                                                                         *(n for _, n in (*LARGEST, *LARGEST_QUICK)),
+                                                                         *EXTENDED_GPUS, *EXTENDED_GPUS_QUICK)}
     step_s = {n: (0.4 if quick else 1.0 * n / 1024) for n in tune_s}
     workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
     dynamic_runs = DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS
@@ -743,6 +756,48 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                             ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(n), *extra,
                              *tuned(sims_dir, seeded_search), *seed_args], cost(wl, n, SEEDED_SCALE),
                             prepare=prepare))
+    if extended:
+        stages += _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, tuned, seeded, seeded_search,
+                                   seeded_tag, cost)
+    return stages
+
+
+def _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, tuned, seeded, seeded_search, seeded_tag,
+                     cost) -> list[Stage]:
+    """`reproduce --extended` (EXTENDED_GPUS): the cheap cells first (1,024 H200s, the static workloads), then
+    the larger H100 clusters, bursty_mix on H200s last (its 16 steps are the dearest). Each seeded with every
+    answer before it, as the default plan's stages are."""
+    stages: list[Stage] = []
+    gpus = (SWEEP_GPUS_QUICK if quick else SWEEP_GPUS)[0]
+    have = set(LARGEST_QUICK if quick else LARGEST)
+
+    def steps_of(wl: str) -> list[str]:
+        extra = list(dynamic_runs.get(wl, ()))
+        if extra:
+            extra += ["--tune-steps", str(min(TUNE_STEPS_DYNAMIC, int(extra[extra.index("--steps") + 1])))]
+        return extra
+
+    def add(wl: str, n: int, hardware: str) -> None:
+        key = f"extended-{wl}-{n}-{hardware}-{seeded_tag}"
+        seed_args, prepare = seeded(key, wl)
+        out = sims_dir / hardware if hardware != "h100" else sims_dir
+        extra = steps_of(wl)
+        stages.append(Stage(key, f"--extended: tune every system on {wl} at {n:,} {hardware.upper()}s from the layouts "
+                            "that won before, simulate it there"
+                            + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),
+                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(n), *extra,
+                             *tuned(out, seeded_search, hardware=hardware), *seed_args], cost(wl, n, SEEDED_SCALE),
+                            prepare=prepare))
+
+    second = [w for w in (*workloads, *dynamic_runs) if w not in SECOND_HARDWARE_WORKLOADS]
+    for wl in [w for w in second if w != "bursty_mix"]:
+        add(wl, gpus, SECOND_HARDWARE)
+    for n in EXTENDED_GPUS_QUICK if quick else EXTENDED_GPUS:
+        for wl in workloads:
+            if (wl, n) not in have:
+                add(wl, n, "h100")
+    if "bursty_mix" in second:
+        add("bursty_mix", gpus, SECOND_HARDWARE)
     return stages
 
 
