@@ -416,6 +416,10 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     make(f"throughput_{SECOND_HARDWARE}", figures.throughput, Records(sims=second), source="sim", gpus=sizes[0])
     make(f"speedup_{SECOND_HARDWARE}", figures.speedup, Records(sims=second))
     make("breakdown", figures.breakdown, Records(sims=sweep), gpus=sizes[0])
+    # and at each larger size the sweep reached (the 8,192-GPU stage, `--extended`'s 4,096 and 8,192): how the
+    # step's parts move with the cluster
+    for n in sorted({int(g) for r in sweep for g in r.config.get("gpus", [])} - set(sizes)):
+        make(f"breakdown_{n}", figures.breakdown, Records(sims=sweep), gpus=n)
     make("conditions", figures.conditions, Records(sims=grid))
     make("memory", figures.memory_sensitivity, Records(sims=sweep + varied))
     make("throughput_measured", figures.throughput, real, source="run")

@@ -96,6 +96,34 @@ def tuned_breakdown() -> str:
     return "\n".join(lines)
 
 
+@table("tuned-breakdown-scale")
+def tuned_breakdown_scale() -> str:
+    """How omni's and the best baseline's step time and exposed communication move with the cluster, per
+    workload simulated at several sizes (results/figures/breakdown*.csv, one per size)."""
+    best = {(r["workload"], int(r["gpus"])): r["best_baseline"] for r in _speedups() if r["hardware"] == "h100"}
+    at: dict[tuple[str, str, int], dict] = {}
+    for path in sorted(Path(REPO_ROOT / FIGURES).glob("breakdown*.csv")):
+        tail = path.stem.removeprefix("breakdown").lstrip("_")
+        n = int(tail) if tail else min(g for (_, g) in best)
+        for r in _rows(f"{FIGURES}/{path.name}"):
+            at[(r["workload"], r["system"], n)] = r
+    sizes = sorted({n for (_, _, n) in at})
+    lines = ["| workload | system | " + " | ".join(f"{n:,} GPUs: step s (exposed comm s)" for n in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes)]
+    for wl in dict.fromkeys(w for (w, _, _) in sorted(at, key=lambda k: k[2])):
+        have = [n for n in sizes if (wl, "omni", n) in at]
+        if len(have) < 2:
+            continue
+        for system in ("omni", *dict.fromkeys(best[(wl, n)] for n in have if (wl, n) in best)):
+            cells = [f"{float(at[k]['step_time_s']):.3f} ({float(at[k]['exposed_comm']):.3f})"
+                     if (k := (wl, system, n)) in at else "-" for n in sizes]
+            lines.append(f"| {wl} | {system} | " + " | ".join(cells) + " |")
+    lines += ["", "H100s, each system at its own tuned layout (the tables above); exposed communication: mean seconds "
+              "per rank (results/figures/breakdown*.csv, one per size, written by `reproduce`; 4,096 and 8,192 beyond "
+              "mixed_video by `--extended`)."]
+    return "\n".join(lines)
+
+
 @table("memory-sensitivity")
 def memory_sensitivity() -> str:
     """omni over the best baseline when every memory estimate is assumed off by -20%, 0, +20%."""
