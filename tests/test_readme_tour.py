@@ -127,8 +127,9 @@ def test_the_tours_reproduce_in_its_small_form_makes_the_figures_and_the_report(
     work, sh = scratch
     res = sh("omnibench reproduce --quick", timeout=1700)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # breakdown_256: the breakdown again at the largest size the quick sweep reached (LARGEST_GPUS_QUICK)
     for fig in ("throughput", "speedup", "scaling", "dynamic", "dynamic_drifting", "timeline", "validation", "ablation",
-                "workload"):
+                "workload", "breakdown", "breakdown_256"):
         assert (work / "results" / "figures" / f"{fig}.png").is_file(), fig
     assert (work / "results" / "report.html").is_file()
     assert not [p for p in work.rglob(".*")]  # no hidden temporary folder or file left behind
