@@ -762,13 +762,13 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                              *tuned(sims_dir, seeded_search), *seed_args], cost(wl, n, SEEDED_SCALE),
                             prepare=prepare))
     if extended:
-        stages += _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, tuned, seeded, seeded_search,
-                                   seeded_tag, cost)
+        stages += _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, dynamic_args, tuned, seeded,
+                                   seeded_search, seeded_tag, cost)
     return stages
 
 
-def _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, tuned, seeded, seeded_search, seeded_tag,
-                     cost) -> list[Stage]:
+def _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, dynamic_args, tuned, seeded, seeded_search,
+                     seeded_tag, cost) -> list[Stage]:
     """`reproduce --extended` (EXTENDED_GPUS): the cheap cells first (1,024 H200s, the static workloads), then
     the larger H100 clusters, bursty_mix on 1,024 H200s last (its 16 steps are the dearest). Each seeded with the same
     workload's answers before it (as the default plan's largest clusters are: a seed costs a simulation at
@@ -779,17 +779,11 @@ def _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, tuned, s
     gpus = (SWEEP_GPUS_QUICK if quick else SWEEP_GPUS)[0]
     have = set(LARGEST_QUICK if quick else LARGEST)
 
-    def steps_of(wl: str) -> list[str]:
-        extra = list(dynamic_runs.get(wl, ()))
-        if extra:
-            extra += ["--tune-steps", str(min(TUNE_STEPS_DYNAMIC, int(extra[extra.index("--steps") + 1])))]
-        return extra
-
     def add(wl: str, n: int, hardware: str) -> None:
         key = f"extended-{wl}-{n}-{hardware}-{seeded_tag}"
         seed_args, prepare = seeded(key, wl)
         out = sims_dir / hardware if hardware != "h100" else sims_dir
-        extra = steps_of(wl)
+        extra = dynamic_args(wl)
         stages.append(Stage(key, f"--extended: tune every system on {wl} at {n:,} {hardware.upper()}s from the layouts "
                             "that won before, simulate it there"
                             + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),

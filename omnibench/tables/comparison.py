@@ -76,13 +76,19 @@ def tuned_comparison_range() -> str:
     return "; ".join(parts)
 
 
+def _breakdown_size(best: dict, rows: list[dict]) -> int:
+    """The cluster size of results/figures/breakdown.csv (its rows name no size): the smallest at which one of
+    its workloads has a comparison. The figures at other sizes are breakdown_<gpus>.csv."""
+    sizes = sorted({n for (_, n) in best})
+    return next((g for g in sizes if any(k == (r["workload"], g) for r in rows for k in best)), sizes[0])
+
+
 @table("tuned-breakdown")
 def tuned_breakdown() -> str:
     """Where omni's and the best baseline's step goes, per workload, at the breakdown figure's size."""
     best = {(r["workload"], int(r["gpus"])): r["best_baseline"] for r in _speedups() if r["hardware"] == "h100"}
     rows = _rows(f"{FIGURES}/breakdown.csv")
-    sizes = sorted({n for (_, n) in best})
-    n = next((g for g in sizes if any(k == (r["workload"], g) for r in rows for k in best)), sizes[0])
+    n = _breakdown_size(best, rows)
     lines = ["| workload | system | layout | step s | " + " | ".join(lab for _, lab in BREAKDOWN_PARTS) + " |",
              "|---|---|---|---|" + "---|" * len(BREAKDOWN_PARTS)]
     for r in rows:
@@ -103,9 +109,10 @@ def tuned_breakdown_scale() -> str:
     best = {(r["workload"], int(r["gpus"])): r["best_baseline"] for r in _speedups() if r["hardware"] == "h100"}
     at: dict[tuple[str, str, int], dict] = {}
     for path in sorted(Path(REPO_ROOT / FIGURES).glob("breakdown*.csv")):
+        rows = _rows(f"{FIGURES}/{path.name}")
         tail = path.stem.removeprefix("breakdown").lstrip("_")
-        n = int(tail) if tail else min(g for (_, g) in best)
-        for r in _rows(f"{FIGURES}/{path.name}"):
+        n = int(tail) if tail else _breakdown_size(best, rows)
+        for r in rows:
             at[(r["workload"], r["system"], n)] = r
     sizes = sorted({n for (_, _, n) in at})
     lines = ["| workload | system | " + " | ".join(f"{n:,} GPUs: step s (exposed comm s)" for n in sizes) + " |",
