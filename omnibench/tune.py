@@ -94,12 +94,18 @@ class Candidate:
     encoder_tp: int = 0
     encoder_sp: int = 0
     encoder_ranks: int = 0
+    # omni: how the encoders' data parallelism holds their state (systems/omni/options.py `encoder_dp`);
+    # "": the system's default (ZeRO-2) or what the user's options say
+    encoder_dp: str = ""
 
     def parallel(self, world: int, gpus_per_node: int, options: dict | None = None) -> ParallelSpec:
+        options = dict(options or {})
+        if self.encoder_dp:
+            options["encoder_dp"] = self.encoder_dp
         return ParallelSpec(world_size=world, gpus_per_node=gpus_per_node, tp=self.tp, pp=self.pp, cp=self.cp,
                             ep=self.ep, microbatches=self.microbatches, virtual_stages=self.virtual_stages,
                             encoder_tp=self.encoder_tp, encoder_sp=self.encoder_sp,
-                            encoder_ranks=self.encoder_ranks, recompute=self.recompute, options=dict(options or {}))
+                            encoder_ranks=self.encoder_ranks, recompute=self.recompute, options=options)
 
     def label(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
@@ -117,6 +123,8 @@ class Candidate:
             parts.append(f"esp{self.encoder_sp}")
         if self.encoder_ranks:
             parts.append(f"enc{self.encoder_ranks}")
+        if self.encoder_dp:
+            parts.append(f"edp-{self.encoder_dp}")
         return " ".join(parts)
 
 
@@ -378,9 +386,21 @@ def llm_ranks_safe(system, model, world, c, gpus_per_node) -> int | None:
         return None
 
 
-def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidate, gpus_per_node: int) -> list[Candidate]:
+# omni's encoder state modes the search weighs ("": the default, ZeRO-2). HSDP shards the weights over a
+# group of a few nodes (systems/common.py `resolve_dp_shard`) and replicates across groups, so its rings
+# span tens of ranks plus one all-reduce of a shard across groups, where ZeRO-2's reduce-scatter and
+# all-gather span every rank: at thousands of GPUs the rings' latency makes HSDP the faster one on some
+# mixes (omni_av: +7% at 8,192 H100s), though it locks the encoder forward in step with its peers
+# (long_video: -12% there). ddp and zero1 move ZeRO-2's bytes with more memory; fsdp spans every rank
+# like ZeRO-2 and locks like HSDP: neither can win.
+ENCODER_DP_MODES = ("", "hsdp")
+
+
+def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidate, gpus_per_node: int,
+                     options: dict | None = None) -> list[Candidate]:
     """The encoder knobs around one LLM layout: encoder tp (colocated, noncolocated, omni), encoder
-    sp (omni), the encoders' share of ranks (noncolocated)."""
+    sp and the encoders' data-parallel mode (omni; not where the user's `options` fix it), the encoders'
+    share of ranks (noncolocated)."""
     if system not in SYSTEMS_WITH_ENCODER_LAYOUT or not model.encoders:
         return []
     heads = [e.heads for e in model.encoders.values()]
@@ -388,6 +408,11 @@ def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidat
     out = [replace(c, encoder_tp=t) for t in etps if t != 1]
     if system == "omni":
         out += [replace(c, encoder_sp=k) for k in (2, 4, 8) if all(h % k == 0 for h in heads) and k <= gpus_per_node]
+        from systems.common import AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES
+
+        # on a cluster no larger than one shard group HSDP is plain FSDP
+        if "encoder_dp" not in (options or {}) and world > max(AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES * gpus_per_node):
+            out += [replace(c, encoder_dp=m) for m in ENCODER_DP_MODES if m != c.encoder_dp]
     if system == "noncolocated":
         per = c.tp * c.pp * c.cp
         seen = set()
@@ -887,7 +912,7 @@ class _Search:
     @staticmethod
     def llm_key(c: Candidate) -> Candidate:
         """A layout of the pruned space as it was enumerated (recompute and encoder knobs cleared)."""
-        return replace(c, recompute="none", encoder_tp=0, encoder_sp=0, encoder_ranks=0)
+        return replace(c, recompute="none", encoder_tp=0, encoder_sp=0, encoder_ranks=0, encoder_dp="")
 
     def correction(self):
         """What the analytic time misses, learned from every simulated layout: log(simulated /
@@ -986,7 +1011,7 @@ class _Search:
         cur = base
         while True:
             variants = []
-            for var in encoder_variants(self.system, self.model, self.world, cur.candidate, self.gpn):
+            for var in encoder_variants(self.system, self.model, self.world, cur.candidate, self.gpn, self.options):
                 if var in self.done:
                     continue
                 try:
