@@ -76,6 +76,9 @@ class Layout:
     # (`fsdp_groups`) and replicates them across those groups (gradients: reduce-scatter inside the
     # shard group, all-reduce of the shard across the replicate group). 0: one shard group over the
     # whole FSDP group (plain FSDP), which is also what a plan written before this field means.
+    # Under ZeRO-1/2 the same groups make a hybrid ZeRO (Megatron-Core's partial distributed optimizer,
+    # `num_distributed_optimizer_instances`): the training state sharded within each shard group and
+    # replicated across them; the updated weights are all-gathered within the shard group.
     dp_shard: int = 0
     # Interleaved 1F1B (LLM only): each pipeline rank holds `vpp` model chunks; virtual stage
     # c * pp + (pp coordinate) is chunk c of that rank, and an LLM action's `stage` is the virtual one.
@@ -120,12 +123,18 @@ class Layout:
         return self.dp_shard if 0 < self.dp_shard < self.fsdp_size else self.fsdp_size
 
     @cached_property
+    def hybrid(self) -> bool:
+        """Sharded within shard groups and replicated across them: HSDP, or hybrid ZeRO-1/2."""
+        return (self.fsdp or self.zero > 0) and self.shard_size < self.fsdp_size
+
+    @cached_property
     def hsdp(self) -> bool:
-        return self.fsdp and self.shard_size < self.fsdp_size
+        return self.fsdp and self.hybrid
 
     @property
     def dp_mode(self) -> str:
-        """How data parallelism holds the training state: ddp, zero1, zero2, fsdp or hsdp."""
+        """How data parallelism holds the training state: ddp, zero1, zero2, fsdp or hsdp (a hybrid
+        ZeRO says zero1 / zero2: the same state, sharded over `shard_size` ranks; see `hybrid`)."""
         if self.fsdp:
             return "hsdp" if self.hsdp else "fsdp"
         return ("ddp", "zero1", "zero2")[self.zero]

@@ -28,7 +28,7 @@ def process_groups(layouts: dict[str, Layout]) -> Iterator[tuple[tuple[str, str]
             if lay.sp > 1:
                 for ranks in lay.groups("sp"):
                     yield (name, "sp"), tuple(ranks)
-            if lay.hsdp:
+            if lay.hybrid:  # HSDP, or hybrid ZeRO (omni's hzero2 encoders)
                 for key, ranks_list in hsdp_groups(lay, lay.fsdp_groups()).items():
                     for ranks in ranks_list:
                         yield (name, key), tuple(ranks)
@@ -49,7 +49,7 @@ def llm_groups(lay: Layout) -> dict[str, list[tuple[int, ...]]]:
 
 
 def hsdp_groups(lay: Layout, fsdp_groups: list[tuple[int, ...]]) -> dict[str, list[tuple[int, ...]]]:
-    """HSDP (Layout.dp_shard): each FSDP group split into shard groups of `shard_size` consecutive
+    """HSDP or hybrid ZeRO (Layout.dp_shard): each FSDP group split into shard groups of `shard_size` consecutive
     members, the replicate groups across them (members holding the same shard), and, with
     experts split over ep, the members of a shard group holding the same experts."""
     s, ep = lay.shard_size, lay.ep if lay.module == "llm" else 1
@@ -71,7 +71,7 @@ def kinds(name: str, lay: Layout) -> int:
         if lay.hsdp:
             n += 2 + (lay.ep > 1)  # dp_shard, dp_replicate, edp_shard (experts split over ep only)
         return n
-    return 2 + (lay.sp > 1) + (2 if lay.hsdp else 0)  # dp, tp; sp; dp_shard, dp_replicate
+    return 2 + (lay.sp > 1) + (2 if lay.hybrid else 0)  # dp, tp; sp; dp_shard, dp_replicate
 
 
 def groups_of_rank(layouts: dict[str, Layout], rank: int, extra: list[tuple[int, ...]] = ()) -> int:

@@ -386,14 +386,15 @@ def llm_ranks_safe(system, model, world, c, gpus_per_node) -> int | None:
         return None
 
 
-# omni's encoder state modes the search weighs ("": the default, ZeRO-2). HSDP shards the weights over a
-# group of a few nodes (systems/common.py `resolve_dp_shard`) and replicates across groups, so its rings
-# span tens of ranks plus one all-reduce of a shard across groups, where ZeRO-2's reduce-scatter and
-# all-gather span every rank: at thousands of GPUs the rings' latency makes HSDP the faster one on some
-# mixes (omni_av: +7% at 8,192 H100s), though it locks the encoder forward in step with its peers
-# (long_video: -12% there). ddp and zero1 move ZeRO-2's bytes with more memory; fsdp spans every rank
-# like ZeRO-2 and locks like HSDP: neither can win.
-ENCODER_DP_MODES = ("", "hsdp")
+# omni's encoder state modes the search weighs ("": the default, ZeRO-2). ZeRO-2's reduce-scatter and
+# all-gather are rings over every rank, and a ring pays a hop latency per member, so at thousands of GPUs
+# its exposed communication grows with the cluster (omni_av: 0.10 -> 0.18 s per step from 1,024 to 8,192
+# H100s). Two modes keep the rings to a shard group of a few nodes (systems/common.py `resolve_dp_shard`),
+# replicated across groups: HSDP, which also shards the weights and so locks the encoder forward in step
+# with its peers (omni_av +7% at 8,192 H100s, long_video -12% there), and hybrid ZeRO-2 (`hzero2`, whole
+# weights, no lock; a little more optimizer state per rank). ddp and zero1 move ZeRO-2's bytes with more
+# memory, fsdp spans every rank like ZeRO-2 and locks like HSDP: neither can win.
+ENCODER_DP_MODES = ("", "hsdp", "hzero2")
 
 
 def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidate, gpus_per_node: int,
@@ -410,7 +411,7 @@ def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidat
         out += [replace(c, encoder_sp=k) for k in (2, 4, 8) if all(h % k == 0 for h in heads) and k <= gpus_per_node]
         from systems.common import AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES
 
-        # on a cluster no larger than one shard group HSDP is plain FSDP
+        # on a cluster no larger than one shard group HSDP is plain FSDP and hzero2 is ZeRO-2
         if "encoder_dp" not in (options or {}) and world > max(AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES * gpus_per_node):
             out += [replace(c, encoder_dp=m) for m in ENCODER_DP_MODES if m != c.encoder_dp]
     if system == "noncolocated":
@@ -593,7 +594,7 @@ def _state(params: float, lay) -> costs.StateBytes:
     """Per rank: a module's training state under its layout's data-parallel mode (this project's
     runtime's dtypes, costs.STATE_DTYPES["eager"]): FSDP over its shard group, ZeRO over the whole
     data-parallel group, nothing shared without peers."""
-    n = lay.shard_size if lay.fsdp else lay.fsdp_size
+    n = lay.shard_size
     return costs.dp_state_bytes(params, lay.dp_mode if n > 1 else "ddp", max(1, n))
 
 

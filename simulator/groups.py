@@ -204,7 +204,7 @@ class GroupsMixin:
         # action lists, so two ranks' lists line up entry by entry wherever the refinement compares them.
         peers: dict[int, list[int]] = {}
         groups: dict[int, list[tuple[int, ...]]] = {}
-        modules = [(m, self.index[m].coords, lay.hsdp) for m, lay in plan.layouts.items()]
+        modules = [(m, self.index[m].coords, lay.hybrid) for m, lay in plan.layouts.items()]
         for r in ranks:
             sig = []
             ps: list[int] = []

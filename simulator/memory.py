@@ -287,7 +287,8 @@ class MemoryMixin:
         if lay.fsdp:
             n = len(self._shard_group(module, rank))
             return ("hsdp" if lay.hsdp else "fsdp", n) if n > 1 else ("ddp", 1)
-        n = len(self._grad_group(module, rank))
+        # ZeRO's state is sharded over the shard group (the whole data-parallel group unless hybrid)
+        n = len(self._shard_group(module, rank)) if lay.zero else len(self._grad_group(module, rank))
         return (lay.dp_mode, n) if n > 1 else ("ddp", 1)
 
     def _model_parallel_params(self, module: str, rank: int) -> tuple[float, float]:

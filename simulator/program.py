@@ -361,6 +361,8 @@ class ProgramMixin:
             group = self._grad_group(module, rank)
             if lay.fsdp or not lay.zero or len(group) < 2:
                 continue
+            if lay.hybrid:  # the slices live in the shard group: the gather runs there
+                group = self._shard_group(module, rank)
             stage = self.index[module].coords[rank].get("pp", 0)
             w = self.stage_work(module, stage)
             dense = 2.0 * (w.params - w.expert_params) / lay.tp
@@ -393,7 +395,7 @@ class ProgramMixin:
         group = self._grad_group(module, rank)
         if len(group) < 2 or self.stage_work(module, stage).expert_params:
             return self._grad_sync_cost(module, rank, stage)
-        groups = (group, *self.index[module].hsdp(rank)) if self.plan.layouts[module].hsdp else (group,)
+        groups = (group, *self.index[module].hsdp(rank)) if self.plan.layouts[module].hybrid else (group,)
         key = ("grad-sync", module, stage, *map(id, groups))
         hit = self._sig_cache.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[1], groups, strict=True)):
@@ -420,7 +422,7 @@ class ProgramMixin:
         # FSDP2 reduce-scatters from inside the backward (per layer): communication inside compute
         coll = self.coll_inline if lay.fsdp else self.coll
         dense = nbytes * (1 - w.expert_params / w.params) if w.params else nbytes
-        if lay.hsdp:
+        if lay.hybrid:
             return self._hsdp_grad_sync_cost(module, rank, w, nbytes, dense, calls)
         if lay.fsdp and self.coll.inline_overlap:
             # FSDP reduce-scatters layer by layer (in the stack's buckets): at thousands of ranks each
@@ -442,9 +444,10 @@ class ProgramMixin:
     def _hsdp_grad_sync_cost(self, module: str, rank: int, w: Work, nbytes: float, dense: float,
                              calls: int) -> float:
         """HSDP: reduce-scatter inside the shard group, then one all-reduce of the resulting shard
-        over the replicate group (FSDP2 issues both per layer from the backward)."""
+        over the replicate group (FSDP2 issues both per layer from the backward); hybrid ZeRO the
+        same pair per bucket from grad_sync (omnibench/runtime/zero.py)."""
         lay = self.plan.layouts[module]
-        coll = self.coll_inline
+        coll = self.coll_inline if lay.fsdp else self.coll
         shard, rep = self._shard_group(module, rank), self._replicate_group(module, rank)
         cost = calls * (coll.cost("reduce_scatter", dense / calls, shard)
                         + coll.cost("all_reduce", dense / len(shard) / calls, rep))

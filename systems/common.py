@@ -89,12 +89,14 @@ AUTO_SHARD_NODES = 8
 AUTO_SHARD_MIN_RANKS = 64
 
 
-def resolve_dp_shard(parallel: ParallelSpec, layout: Layout) -> int:
+def resolve_dp_shard(parallel: ParallelSpec, layout: Layout, hybrid_zero: bool = False) -> int:
     """The `dp_shard` a module's layout gets: `parallel.dp_shard` when given (-1: plain FSDP), else the largest divisor
     of its FSDP group whose shard group spans at most AUTO_SHARD_NODES nodes (members sit `tp` ranks
-    apart) and holds whole cp (sp) and ep groups; 0 when that is the whole group (plain FSDP)."""
+    apart) and holds whole cp (sp) and ep groups; 0 when that is the whole group (plain FSDP).
+    `hybrid_zero`: the same groups for a ZeRO-1/2 layout (omni's `encoder_dp=hzero2`); a ZeRO layout
+    otherwise shards over its whole data-parallel group."""
     n = layout.fsdp_size
-    if not layout.fsdp or n <= 1 or parallel.dp_shard == -1:
+    if not (layout.fsdp or (hybrid_zero and layout.zero)) or n <= 1 or parallel.dp_shard == -1:
         return 0
     llm = layout.module == "llm"
     dims = "*".join(layout.fsdp_dims)
@@ -114,8 +116,8 @@ def resolve_dp_shard(parallel: ParallelSpec, layout: Layout) -> int:
     return 0 if k == n else k
 
 
-def with_dp_shard(layout: Layout, parallel: ParallelSpec) -> Layout:
-    k = resolve_dp_shard(parallel, layout)
+def with_dp_shard(layout: Layout, parallel: ParallelSpec, hybrid_zero: bool = False) -> Layout:
+    k = resolve_dp_shard(parallel, layout, hybrid_zero)
     return replace(layout, dp_shard=k) if k != layout.dp_shard else layout
 
 

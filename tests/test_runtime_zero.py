@@ -29,13 +29,19 @@ def _data(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 5, generator=g)
 
 
-def _worker(rank: int, world: int, init: str, stage: int, out: str) -> None:
+def _worker(rank: int, world: int, init: str, stage: int, out: str, shard: int = 0) -> None:
     from omnibench.runtime.zero import ShardedState
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     model = _toy()
+    group, replicate = dist.group.WORLD, None
+    if shard:  # hybrid: shard groups of `shard` consecutive ranks, replicated across them
+        shards = [dist.new_group(list(range(i, i + shard))) for i in range(0, world, shard)]
+        reps = [dist.new_group(list(range(j, world, shard))) for j in range(shard)]
+        group, replicate = shards[rank // shard], reps[rank % shard]
     # 9-element buckets: the 35 + 7 + 21 + 3 parameters straddle bucket edges and the last bucket is short.
-    state = ShardedState("toy", list(model.parameters()), dist.group.WORLD, stage, "adamw", 1e-2, bucket_elems=9)
+    state = ShardedState("toy", list(model.parameters()), group, stage, "adamw", 1e-2, bucket_elems=9,
+                         replicate=replicate)
     sizes = {}
     for step in range(3):
         model(_data(step, rank)).pow(2).sum().backward()
@@ -50,12 +56,12 @@ def _worker(rank: int, world: int, init: str, stage: int, out: str) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_sharded_adamw_over_buckets_matches_one_process(stage):
+@pytest.mark.parametrize("stage,world,shard", [(1, 2, 0), (2, 2, 0), (2, 4, 2)], ids=["zero1", "zero2", "hybrid-zero2"])
+def test_sharded_adamw_over_buckets_matches_one_process(stage, world, shard):
     """Two ranks, each with its own data: the ZeRO step equals AdamW over the summed gradients in
     one process; each rank's master holds half the (padded) parameters; ZeRO-2 drops the full
-    gradients at the reduction, ZeRO-1 keeps them until the step ends."""
-    world = 2
+    gradients at the reduction, ZeRO-1 keeps them until the step ends. Hybrid (4 ranks, shard groups
+    of 2 replicated twice): the same step, each master still half of the parameters."""
     ref = _toy()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
     for step in range(3):
@@ -64,12 +70,13 @@ def test_sharded_adamw_over_buckets_matches_one_process(stage):
         opt.zero_grad(set_to_none=True)
     with tempfile.TemporaryDirectory() as out:
         init = f"file://{os.path.join(out, 'store')}"
-        mp.spawn(_worker, args=(world, init, stage, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, init, stage, out, shard), nprocs=world, join=True)
         got = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+    n = shard or world
     for r in range(world):
         for p, q in zip(got[r]["params"], ref.parameters(), strict=True):
             assert torch.allclose(p, q, atol=1e-6), (r, (p - q).abs().max())
-        assert got[r]["master"] == sum(-(-min(9, 66 - lo) // world) for lo in range(0, 66, 9))
+        assert got[r]["master"] == sum(-(-min(9, 66 - lo) // n) for lo in range(0, 66, 9))
         assert all(all(kept) == (stage == 1) for kept in got[r]["grads_kept"].values())
 
 
@@ -79,6 +86,7 @@ CELLS = [
     pytest.param("omni", {"options": {"encoder_dp": "fsdp"}, "pp": 2}, "long", id="omni-encoders-fsdp-pp2"),
     pytest.param("omni", {"options": {"encoder_dp": "zero1"}, "pp": 2}, "long", id="omni-encoders-zero1-pp2"),
     pytest.param("omni", {"options": {"encoder_dp": "ddp"}}, "long", id="omni-encoders-ddp"),
+    pytest.param("omni", {"options": {"encoder_dp": "hzero2"}, "dp_shard": 2}, "long", id="omni-encoders-hzero2"),
     pytest.param("omni", {"fsdp": False, "zero": 2, "cp": 2}, "long", id="omni-llm-zero2-cp2"),
     pytest.param("homogeneous", {"fsdp": False, "zero": 2, "pp": 2}, "mixed", id="homogeneous-zero2-pp2"),
     pytest.param("colocated", {"fsdp": False, "zero": 1, "tp": 2, "encoder_tp": 2}, "mixed",
@@ -106,9 +114,11 @@ def test_zero_modes_train_like_one_process(zero_runs, request, system, layout, b
     losses, params = result.get()
     assert_parity(losses, params, *reference("tiny-omni", _batches(batches)))
     notes = (result.folder / "summary.json").read_text()
-    zero = layout.get("zero") or {"zero1": 1, "zero2": 2}.get(layout.get("options", {}).get("encoder_dp"), 0)
+    zero = layout.get("zero") or {"zero1": 1, "zero2": 2, "hzero2": 2}.get(layout.get("options", {}).get("encoder_dp"), 0)
     if zero:
         assert f"ZeRO-{zero}" in notes
+    if layout.get("options", {}).get("encoder_dp") == "hzero2":
+        assert "sharded over 2 data-parallel ranks, replicated across 2 shard groups" in notes
 
 
 @pytest.mark.timeout(300)

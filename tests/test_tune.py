@@ -313,8 +313,8 @@ def test_the_encoder_knobs_are_searched_until_no_change_helps():
 
 
 def test_omnis_search_weighs_its_encoders_data_parallel_mode():
-    # ZeRO-2 (the default) against HSDP: the knob is one of omni's encoder variants wherever HSDP is not
-    # plain FSDP (more ranks than one shard group), never where the user's options fix it, and a
+    # ZeRO-2 (the default) against HSDP and hybrid ZeRO-2: the knob is one of omni's encoder variants
+    # wherever the shard group is not the whole cluster, never where the user's options fix it, and a
     # candidate carries it into the ParallelSpec's options and its label
     from omnibench import tune as tune_mod
 
@@ -322,24 +322,24 @@ def test_omnis_search_weighs_its_encoders_data_parallel_mode():
     base = tune_mod.Candidate("omni", tp=2, pp=4, microbatches=8)
     modes = lambda world, options=None: {v.encoder_dp for v in tune_mod.encoder_variants(  # noqa: E731
         "omni", model, world, base, 8, options) if replace(v, encoder_dp="") == base}
-    assert modes(1024) == {"hsdp"}
+    assert modes(1024) == {"hsdp", "hzero2"}
     assert modes(64) == set() and modes(1024, {"encoder_dp": "zero2"}) == set()
     assert not any(v.encoder_dp for v in tune_mod.encoder_variants("temporal", model, 1024, base, 8))
     hsdp = replace(base, encoder_dp="hsdp")
-    assert {v.encoder_dp for v in tune_mod.encoder_variants("omni", model, 1024, hsdp, 8)} >= {""}
+    assert {v.encoder_dp for v in tune_mod.encoder_variants("omni", model, 1024, hsdp, 8)} >= {"", "hzero2"}
     spec = hsdp.parallel(1024, 8, {"hardware": "h100"})
     assert spec.options == {"hardware": "h100", "encoder_dp": "hsdp"} and hsdp.label().endswith("edp-hsdp")
     assert tune_mod.Seed.from_row({"candidate": {"system": "omni", "tp": 2}, "world": 8}).candidate.encoder_dp == ""
 
 
-def test_omnis_tune_times_the_hsdp_encoders_of_its_answer():
+def test_omnis_tune_times_every_encoder_state_mode_around_its_answer():
     model, cluster = get_model("omni-7b"), load_cluster("h100", 128)
     batch = WorkloadStream("omni_av", seed=0, global_batch_tokens=128 * 8192).batch(0)
     res = tune("omni", model, [batch], cluster, budget=4)
     best = res.best.candidate
     timed = {replace(c, recompute="none") for c in res.evaluated}
-    other = "" if best.encoder_dp else "hsdp"
-    assert replace(best, encoder_dp=other, recompute="none") in timed, best.label()
+    for other in {"", "hsdp", "hzero2"} - {best.encoder_dp}:
+        assert replace(best, encoder_dp=other, recompute="none") in timed, (best.label(), other)
 
 
 def test_a_larger_cluster_starts_from_the_smaller_ones_answer(tmp_path, monkeypatch):

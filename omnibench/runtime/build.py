@@ -173,10 +173,16 @@ class BuildMixin:
             params = list(module.parameters())
             if lay.zero and not self.fsdp.get(name) and len(ranks) > 1:
                 dense = [p for p in params if id(p) not in experts]
+                replicate, across = None, ""
+                if lay.hybrid:  # sharded within the shard group, replicated across the groups
+                    group, ranks = self.groups.get(name, "dp_shard")
+                    replicate, reps = self.groups.get(name, "dp_replicate")
+                    across = f", replicated across {len(reps)} shard groups"
                 # bf16 runs hold the replicated weights in bf16, the fp32 master in the shards
-                sharded[name] = ShardedState(name, dense, group, lay.zero, optimizer, lr, param_dtype=self.dtype)
+                sharded[name] = ShardedState(name, dense, group, lay.zero, optimizer, lr, param_dtype=self.dtype,
+                                             replicate=replicate)
                 self.notes.append(f"{name}: ZeRO-{lay.zero}, optimizer state{' and gradients' if lay.zero == 2 else ''} "
-                                  f"sharded over {len(ranks)} data-parallel ranks, weights replicated")
+                                  f"sharded over {len(ranks)} data-parallel ranks{across}, weights replicated")
                 plain += [p for p in params if id(p) in experts]
             else:
                 plain += params

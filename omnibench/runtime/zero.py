@@ -18,6 +18,12 @@ The weights themselves are held in the run's compute dtype (bf16 on a GPU run, f
 master copy in fp32: a bf16 weight's gradients accumulate, across microbatches, into an fp32 main
 gradient (a post-accumulate hook, as Megatron's `main_grad`), never in bf16.
 
+Hybrid (`Layout.hybrid`, omni's `encoder_dp=hzero2`): the group above is a shard group of a few nodes
+and the state is replicated across the shard groups, as Megatron-Core's partial distributed optimizer
+(`num_distributed_optimizer_instances`) holds it: after the reduce-scatter inside the shard group,
+each slice is all-reduced over its replicate group (the ranks of the other shard groups holding the
+same slice), so every ring spans tens of ranks, not the whole world.
+
 Buckets: `BUCKET_ELEMS` elements of the flattened parameters, Megatron-LM's default DDP bucket
 size (`bucket_size = max(40_000_000, 1_000_000 * dp)`, megatron/core/distributed/
 distributed_data_parallel.py), so the padded gradient and gather buffers stay bounded.
@@ -45,10 +51,11 @@ class ShardedState:
     """One module's ZeRO-sharded training state on one rank."""
 
     def __init__(self, name: str, params: list[nn.Parameter], group, stage: int, optimizer: str, lr: float,
-                 param_dtype: torch.dtype = torch.float32, bucket_elems: int = BUCKET_ELEMS):
+                 param_dtype: torch.dtype = torch.float32, bucket_elems: int = BUCKET_ELEMS, replicate=None):
         if stage not in (1, 2):
             raise ValueError(f"zero: stage {stage} must be 1 or 2")
         self.name, self.stage, self.group = name, stage, group
+        self.replicate = replicate  # hybrid: the ranks holding the same slice in the other shard groups
         self.params = params
         self.n = dist.get_world_size(group)
         self.me = dist.get_rank(group)
@@ -113,12 +120,15 @@ class ShardedState:
         return torch.cat(parts)
 
     def reduce(self) -> None:
-        """grad_sync: each rank's slice of the gradients, summed over the group (reduce-scatter)."""
+        """grad_sync: each rank's slice of the gradients, summed over the group (reduce-scatter), and
+        hybrid, over the replicate group too (all-reduce of the slice)."""
         shards = []
         for bucket in self.buckets:
             flat = self._bucket(bucket, self._grad)
             out = torch.empty(bucket[2], device=self._device)
             dist.reduce_scatter_single(out, flat, group=self.group)
+            if self.replicate is not None:
+                dist.all_reduce(out, group=self.replicate)
             shards.append(out)
         self.grad_shard = shards
         if self.stage == 2:  # only the slice outlives the reduction

@@ -19,6 +19,13 @@ instead of an all-reduce) and steps 1/n of the optimizer, so it beats DDP on mem
 time and costs nothing in the forward: the natural default. `fsdp` / `hsdp` (the baselines' mode)
 shard the weights too, for memory, at the price of the joint pipeline (the planner then runs encoder
 work all ahead in one order on every rank); `ddp` / `zero1` are there for comparison.
+
+At thousands of GPUs ZeRO-2's reduce-scatter and all-gather are rings over every rank, and a ring
+pays one hop latency per member: `hzero2` keeps ZeRO-2's whole weights but shards the state within
+groups of a few nodes (the automatic HSDP shard group, systems/common.py `resolve_dp_shard`) and
+replicates it across them, as Megatron-Core's partial distributed optimizer does
+(`num_distributed_optimizer_instances`): gradients reduce-scattered within the group, the slice
+all-reduced across the groups, the updated weights all-gathered within the group.
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ def build_layouts(model: MultimodalSpec, parallel: ParallelSpec, encoder_dp: str
     if world % enc_tp:
         raise PlanError(f"encoder_tp={enc_tp} does not divide world_size={world}")
     layouts = {"llm": llm_layout(parallel, range(world))}
-    mode = DP_MODES[encoder_dp]
-    # hsdp: the automatic shard group unless the user gave one; fsdp: the whole group
-    shard = replace(parallel, dp_shard=parallel.dp_shard if parallel.dp_shard > 0 else mode["dp_shard"])
+    hybrid_zero = encoder_dp == "hzero2"
+    mode = DP_MODES["zero2" if hybrid_zero else encoder_dp]
+    # hsdp, hzero2: the automatic shard group unless the user gave one; fsdp, zero2: the whole group
+    auto = 0 if hybrid_zero else mode["dp_shard"]
+    shard = replace(parallel, dp_shard=parallel.dp_shard if parallel.dp_shard > 0 else auto)
     for module in model.encoders:
         lay = encoder_layout(module, range(world), tp=enc_tp, fsdp=mode["fsdp"], zero=mode["zero"])
-        layouts[module] = with_dp_shard(lay, shard)
+        layouts[module] = with_dp_shard(lay, shard, hybrid_zero)
     return layouts
 
 

@@ -10,7 +10,8 @@ from omnibench.specs.parallel import DP_MODES
 
 BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp", "llm_long_short")
 SP_SCHEMES = ("auto", "long_short", "all", "none")
-CHOICES = {"encoder_dp": tuple(DP_MODES), "encoder_sp_scheme": SP_SCHEMES}
+# hzero2: ZeRO-2 sharded within groups of a few nodes and replicated across them (layout.py)
+CHOICES = {"encoder_dp": (*DP_MODES, "hzero2"), "encoder_sp_scheme": SP_SCHEMES}
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class OmniOptions:
     # zero2 (default) / zero1 shard the optimizer state (and the gradients) but keep whole weights, so an
     # encoder's forward never waits for a peer and the joint pipeline can put it in any bubble; ddp
     # replicates everything; fsdp / hsdp shard the weights too, which locks every rank's encoder calls to
-    # every other rank's (the joint pipeline then runs encoder work all ahead, in the same order on every rank).
+    # every other rank's (the joint pipeline then runs encoder work all ahead, in the same order on every rank);
+    # hzero2 is ZeRO-2 within shard groups of a few nodes, replicated across them (whole weights, so no lock;
+    # rings of tens of ranks instead of the whole world).
     encoder_dp: str = "zero2"
     # Which encoder samples run sequence-parallel (long_short.py): auto (chosen per batch and encoder from
     # the step's costs), long_short (only those above the balanced per-rank share), all (every sample, packed
