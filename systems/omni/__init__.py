@@ -22,7 +22,8 @@ Per step:
    are routed to it (Plan.routes);
 7. schedule (schedule.py): the encoder-LLM joint pipeline, from this step's costs.
 
-Encoders' training state is ZeRO-2 over their data ranks by default (layout.py, `encoder_dp`). Every
+Encoders' training state is ZeRO-2 over their data ranks by default (layout.py, `encoder_dp`; `tune`
+also weighs HSDP and hybrid ZeRO-2, which keep the rings inside a few nodes at thousands of GPUs). Every
 technique can be switched off on its own (options.py) for ablations. The Plan's notes record what
 each step decided.
 """
