@@ -61,7 +61,8 @@ def test_reproduce_reuse_without_the_data_for_a_figure_exits_1_naming_it(tmp_pat
     # not stay behind looking current (the documents' tables read the CSVs)
     figs = tmp_path / "figures"
     figs.mkdir()
-    stale = [figs / f"{name}.{ext}" for name in ("dynamic", "breakdown_4096") for ext in ("png", "pdf", "csv")]
+    stale = [figs / f"{name}.{ext}" for name in ("dynamic", "breakdown_4096", "timeline_measured")
+             for ext in ("png", "pdf", "csv")]
     for f in stale:
         f.write_text("from an earlier run")
     with pytest.raises(SystemExit) as e:

@@ -367,16 +367,10 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     fig_dir.mkdir(parents=True, exist_ok=True)
     results: list[tuple[str, str]] = []
 
-    def drop(name: str) -> None:
-        """An earlier command's figure of this name: it would pass for this data's (and feed the tables)."""
-        for ext in ("png", "pdf", "csv"):
-            (fig_dir / f"{name}.{ext}").unlink(missing_ok=True)
-
     def make(name: str, fn, *args, **kw):
         try:
             d = fn(*args, **kw)
         except (PlotInputError, OSError) as e:
-            drop(name)
             results.append((name, f"not produced: {e}"))
             return None
         style.save(d.fig, fig_dir, name, prov)
@@ -424,11 +418,7 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     make("breakdown", figures.breakdown, Records(sims=sweep), gpus=sizes[0])
     # and at each larger size the sweep reached (the 8,192-GPU stage, `--extended`'s 4,096 and 8,192): how the
     # step's parts move with the cluster
-    larger = sorted({int(g) for r in sweep for g in r.config.get("gpus", [])} - set(sizes))
-    for old in fig_dir.glob("breakdown_*.png"):  # sizes an earlier reproduce (--extended) reached, this data not
-        if old.stem.removeprefix("breakdown_").isdigit() and int(old.stem.removeprefix("breakdown_")) not in larger:
-            drop(old.stem)
-    for n in larger:
+    for n in sorted({int(g) for r in sweep for g in r.config.get("gpus", [])} - set(sizes)):
         make(f"breakdown_{n}", figures.breakdown, Records(sims=sweep), gpus=n)
     make("conditions", figures.conditions, Records(sims=grid))
     make("memory", figures.memory_sensitivity, Records(sims=sweep + varied))
@@ -455,6 +445,13 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
          recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name
                       and not re.search(r"-r\d+$", p.name))))  # repeats (--repeat) are the throughput figure's
     make("workload", figures.workload, "mixed_video")
+    # The folder is this command's: a figure an earlier reproduce drew that this one did not (a size only
+    # --extended reached, a figure whose data failed now) would pass for this data's, and the documents'
+    # tables read its CSV.
+    drawn = {name for name, status in results if status == "written"}
+    for old in fig_dir.iterdir():
+        if old.suffix in (".png", ".pdf", ".csv") and old.stem not in drawn:
+            old.unlink()
 
     # 4. the report over everything produced
     try:
