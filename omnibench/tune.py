@@ -592,8 +592,8 @@ def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c
 
 def _state(params: float, lay) -> costs.StateBytes:
     """Per rank: a module's training state under its layout's data-parallel mode (this project's
-    runtime's dtypes, costs.STATE_DTYPES["eager"]): FSDP over its shard group, ZeRO over the whole
-    data-parallel group, nothing shared without peers."""
+    runtime's dtypes, costs.STATE_DTYPES["eager"]): FSDP and ZeRO over its shard group (the whole
+    data-parallel group unless hybrid), nothing shared without peers."""
     n = lay.shard_size
     return costs.dp_state_bytes(params, lay.dp_mode if n > 1 else "ddp", max(1, n))
 
