@@ -236,7 +236,7 @@ def test_simulate_hardware_variants(app, tmp_path, hardware):
 
 def test_simulate_help_lists_the_new_options(app):
     r = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "200"})
-    for opt in ("--stack", "--dp-mode", "--micro-batch", "--cp-kind", "allgather", "h100-500w", "h800"):
+    for opt in ("--stack", "--dp-mode", "--micro-batch", "--cp-kind", "allgather", "h100-500w", "h800", "hzero2"):
         assert opt in r.output, opt
 
 

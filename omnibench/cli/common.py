@@ -13,6 +13,11 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
+from systems.omni.options import CHOICES as OMNI_CHOICES
+
+# `--option` of run and simulate, naming omni's switches (systems/omni/options.py) where the CLI takes them
+OPTION_HELP = ("System option key=value (repeatable), e.g. reorder_group=4; omni's encoder_dp: "
+               f"{', '.join(OMNI_CHOICES['encoder_dp'])} (hzero2: ZeRO-2 within 8 nodes, replicated across them)")
 PIPE_WIDTH = 4096  # columns when output goes to a file or pipe: wide enough that nothing is cut or wrapped
 
 

@@ -16,6 +16,7 @@ from omnibench.cli.common import (
     DEFAULT_LAYOUT_TEXT,
     MAX_GPUS,
     MAX_LOCAL_RANKS,
+    OPTION_HELP,
     PP_HELP,
     RECOMPUTE_HELP,
     RECOMPUTE_TEXT,
@@ -138,7 +139,7 @@ def register(app: typer.Typer) -> None:
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
         no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
                                                help="omni: long LLM samples stay data-parallel (no context-parallel group)"),
-        option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
+        option: list[str] = typer.Option([], "--option", help=OPTION_HELP),
         as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
         config: Path = typer.Option(None, "--config", help="a TOML run config (any of these options, by name, "
                                     "in any tables); options given on the command line override it"),
@@ -250,7 +251,7 @@ def register(app: typer.Typer) -> None:
         no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: no sequence parallelism for long inputs"),
         no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short",
                                                help="omni: long LLM samples stay data-parallel (no context-parallel group)"),
-        option: list[str] = typer.Option([], "--option", help="system option key=value (repeatable), e.g. reorder_group=4"),
+        option: list[str] = typer.Option([], "--option", help=OPTION_HELP),
         recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
         encoder_chunk_tokens: str = typer.Option(
             "0", "--encoder-chunk-tokens", help="encoders in chunks (recomputed in the backward) of at most N tokens, for the memory "
