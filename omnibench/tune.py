@@ -409,10 +409,10 @@ def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidat
     out = [replace(c, encoder_tp=t) for t in etps if t != 1]
     if system == "omni":
         out += [replace(c, encoder_sp=k) for k in (2, 4, 8) if all(h % k == 0 for h in heads) and k <= gpus_per_node]
-        from systems.common import AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES
+        from systems.common import auto_shard_span
 
         # on a cluster no larger than one shard group HSDP is plain FSDP and hzero2 is ZeRO-2
-        if "encoder_dp" not in (options or {}) and world > max(AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES * gpus_per_node):
+        if "encoder_dp" not in (options or {}) and world > auto_shard_span(gpus_per_node):
             out += [replace(c, encoder_dp=m) for m in ENCODER_DP_MODES if m != c.encoder_dp]
     if system == "noncolocated":
         per = c.tp * c.pp * c.cp

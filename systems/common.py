@@ -89,6 +89,12 @@ AUTO_SHARD_NODES = 8
 AUTO_SHARD_MIN_RANKS = 64
 
 
+def auto_shard_span(gpus_per_node: int) -> int:
+    """Ranks the automatic shard group may span (before dividing by tp): a cluster no larger than this
+    gets one shard group, i.e. no HSDP or hybrid ZeRO."""
+    return max(AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES * gpus_per_node)
+
+
 def resolve_dp_shard(parallel: ParallelSpec, layout: Layout, hybrid_zero: bool = False) -> int:
     """The `dp_shard` a module's layout gets: `parallel.dp_shard` when given (-1: plain FSDP), else the largest divisor
     of its FSDP group whose shard group spans at most AUTO_SHARD_NODES nodes (members sit `tp` ranks
@@ -109,8 +115,7 @@ def resolve_dp_shard(parallel: ParallelSpec, layout: Layout, hybrid_zero: bool =
                             f"allowed: 0 (automatic) or a divisor of {n}")
         return 0 if k == n else k
     unit = math.lcm(layout.cp, layout.ep) if llm else layout.sp
-    span = max(AUTO_SHARD_MIN_RANKS, AUTO_SHARD_NODES * parallel.gpus_per_node)
-    target = max(1, span // layout.tp)
+    target = max(1, auto_shard_span(parallel.gpus_per_node) // layout.tp)
     fits = [d for d in range(unit, n + 1, unit) if n % d == 0 and d <= target]
     k = max(fits) if fits else unit
     return 0 if k == n else k

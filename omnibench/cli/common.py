@@ -13,11 +13,9 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
-from systems.omni.options import CHOICES as OMNI_CHOICES
-
-# `--option` of run and simulate, naming omni's switches (systems/omni/options.py) where the CLI takes them
-# One line at 120 columns; a wrong value's error lists the allowed ones (systems/omni/options.py)
-OPTION_HELP = f"key=value, repeatable, e.g. encoder_dp={OMNI_CHOICES['encoder_dp'][-1]} (omni)"
+# `--option` of run and simulate: one line at 120 columns; a wrong value's error lists the allowed ones
+# (systems/omni/options.py)
+OPTION_HELP = "key=value, repeatable, e.g. encoder_dp=hzero2 (omni)"
 PIPE_WIDTH = 4096  # columns when output goes to a file or pipe: wide enough that nothing is cut or wrapped
 
 

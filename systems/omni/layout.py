@@ -34,8 +34,9 @@ from dataclasses import replace
 
 from omnibench.plan import Layout, PlanError
 from omnibench.specs.model import MultimodalSpec
-from omnibench.specs.parallel import DP_MODES, ParallelSpec
+from omnibench.specs.parallel import ParallelSpec
 from systems.common import encoder_layout, llm_layout, with_dp_shard
+from systems.omni.options import ENCODER_STATE_MODES
 
 
 def build_layouts(model: MultimodalSpec, parallel: ParallelSpec, encoder_dp: str = "zero2") -> dict[str, Layout]:
@@ -44,14 +45,12 @@ def build_layouts(model: MultimodalSpec, parallel: ParallelSpec, encoder_dp: str
     if world % enc_tp:
         raise PlanError(f"encoder_tp={enc_tp} does not divide world_size={world}")
     layouts = {"llm": llm_layout(parallel, range(world))}
-    hybrid_zero = encoder_dp == "hzero2"
-    mode = DP_MODES["zero2" if hybrid_zero else encoder_dp]
-    # hsdp, hzero2: the automatic shard group unless the user gave one; fsdp, zero2: the whole group
-    auto = 0 if hybrid_zero else mode["dp_shard"]
-    shard = replace(parallel, dp_shard=parallel.dp_shard if parallel.dp_shard > 0 else auto)
+    mode = ENCODER_STATE_MODES[encoder_dp]
+    # hsdp, hzero2: the automatic shard group unless the user gave one; the others: the whole group
+    shard = replace(parallel, dp_shard=parallel.dp_shard if parallel.dp_shard > 0 else mode["dp_shard"])
     for module in model.encoders:
         lay = encoder_layout(module, range(world), tp=enc_tp, fsdp=mode["fsdp"], zero=mode["zero"])
-        layouts[module] = with_dp_shard(lay, shard, hybrid_zero)
+        layouts[module] = with_dp_shard(lay, shard, hybrid_zero=encoder_dp == "hzero2")
     return layouts
 
 

@@ -10,8 +10,10 @@ from omnibench.specs.parallel import DP_MODES
 
 BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp", "llm_long_short")
 SP_SCHEMES = ("auto", "long_short", "all", "none")
-# hzero2: ZeRO-2 sharded within groups of a few nodes and replicated across them (layout.py)
-CHOICES = {"encoder_dp": (*DP_MODES, "hzero2"), "encoder_sp_scheme": SP_SCHEMES}
+# The encoders' state modes: the data-parallel modes' ParallelSpec fields, and hzero2, ZeRO-2 sharded
+# within the automatic shard group of a few nodes and replicated across the groups (layout.py)
+ENCODER_STATE_MODES = {**DP_MODES, "hzero2": dict(fsdp=False, zero=2, dp_shard=0)}
+CHOICES = {"encoder_dp": tuple(ENCODER_STATE_MODES), "encoder_sp_scheme": SP_SCHEMES}
 
 
 @dataclass(frozen=True)
