@@ -103,8 +103,9 @@ class ProgramMixin:
                 n_calls += calls
             seq_dim = ("cp",) if module == "llm" else ("sp",)
             seq_group = long_group or idx.group(rank, seq_dim)
-            ring = module == "llm" and lay.cp_kind == "ring" and not long_group
-            gather = module == "llm" and lay.cp_kind == "allgather" and not long_group
+            kind = self._llm_cp_kind(bool(long_group)) if module == "llm" else ""
+            ring = kind == "ring" and not long_group
+            gather = kind == "allgather"
             if work.seq_bytes and len(seq_group) > 1 and gather:
                 # All-gather KV: one all-gather of the layer's K/V before its attention (forward); the
                 # backward reduce-scatters their gradients, and gathers again where it recomputes the

@@ -101,6 +101,14 @@ class WorkMixin:
             return self.index["llm"].coords[rank]["pp"] if action.kind == GRAD_SYNC else action.stage
         return 0
 
+    def _llm_cp_kind(self, long_group: bool) -> str:
+        """How the LLM attends across its context-parallel ranks: the layout's kind, or for omni's long
+        samples their group's (plan.options["long_short"]["llm_cp_kind"]: Ulysses or all-gathered K/V)."""
+        lay = self.plan.layouts["llm"]
+        if long_group:
+            return (self.plan.options.get("long_short") or {}).get("llm_cp_kind") or lay.cp_kind
+        return lay.cp_kind
+
     def work(self, module: str, stage: int, sig: tuple, sp: int = 0) -> Work:
         fast = (id(sig), module, stage, sp)  # signatures are shared tuples (`_signature`)
         hit = self._work_cache.get(fast)
@@ -120,7 +128,7 @@ class WorkMixin:
                 layers = stage_layers(llm.layers, lay.stages, stage, lay.embedding_loss_stages)
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, sp or lay.cp,
-                               lay.ep, self.policy["llm"], lay.cp_kind, lay.expert_tp, self.activation_stack,
+                               lay.ep, self.policy["llm"], self._llm_cp_kind(bool(sp)), lay.expert_tp, self.activation_stack,
                                stack, seq_parallel)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)

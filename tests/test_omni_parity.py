@@ -179,19 +179,28 @@ rope_theta = 10000.0
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", [{"cp": 2}, {"pp": 2}], ids=["cp2", "pp2"])
-def test_llm_long_short_at_any_cp_and_pp_matches_single_process(tmp_path, layout):
+@pytest.mark.parametrize(("kv4", "layout", "attention"), [(True, {"cp": 2}, "ulysses"), (True, {"pp": 2}, "ulysses"),
+                                                         (False, {"cp": 2}, "allgather")],
+                         ids=["cp2", "pp2", "cp2-allgather"])
+def test_llm_long_short_at_any_cp_and_pp_matches_single_process(tmp_path, kv4, layout, attention):
     """The LLM long-short split under the layout's own cp (a long sample over 2 data ranks x cp 2:
-    Ulysses over 4 ranks, replacing the cp group's exchange) and with pipeline stages (every stage's
-    members of the group run the long microbatch; chunks travel stage to stage)."""
-    model = tmp_path / "kv4.toml"
-    model.write_text(KV4)
+    Ulysses over 4 ranks, replacing the cp group's exchange; with tiny-omni's 2 kv heads no Ulysses
+    group of 4 exists, so the group all-gathers K/V, each member holding two opposite pieces of the
+    row) and with pipeline stages (every stage's members of the group run the long microbatch;
+    chunks travel stage to stage)."""
+    if kv4:
+        model = tmp_path / "kv4.toml"
+        model.write_text(KV4)
+        model = str(model)
+    else:
+        model = "tiny-omni"
     batches = long_batches(5)
     from omnibench.specs.presets import get_model
 
-    plans = [get_planner("omni").plan(get_model(str(model)), ParallelSpec(world_size=4, options=LONG_SHORT, **layout), b)
+    plans = [get_planner("omni").plan(get_model(model), ParallelSpec(world_size=4, options=LONG_SHORT, **layout), b)
              for b in batches]
     assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 2
     assert all(len(p.options["long_short"]["groups"]["llm"][0]) == 2 * layout.get("cp", 1) for p in plans)
-    losses, params = run_distributed(tmp_path, "omni", str(model), batches, options=LONG_SHORT, **layout)
-    assert_parity(losses, params, *reference(str(model), batches))
+    assert {p.options["long_short"]["llm_cp_kind"] for p in plans if "llm_cp_kind" in p.options["long_short"]} == {attention}
+    losses, params = run_distributed(tmp_path, "omni", model, batches, options=LONG_SHORT, **layout)
+    assert_parity(losses, params, *reference(model, batches))

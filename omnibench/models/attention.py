@@ -105,6 +105,54 @@ class VarlenAttention(nn.Module):
         return _per_sequence(q, k, v, cu_seqlens, causal, math=backend == "math")
 
 
+    def segments(self, q, k, v, cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:
+        """Segment i's queries (rows cu_q[i]:cu_q[i+1] of q) over its own keys (rows cu_k[i]:cu_k[i+1]
+        of k, v), for context-parallel ranks that hold part of a sequence's queries and all its keys
+        (parallelize.AllGatherKVAttention). A segment's queries are the *last* positions its keys
+        reach, so causal masking aligns to the bottom right (query j of Lq sees keys <= j + Lk - Lq),
+        as flash-attn's varlen kernels do when Lq < Lk."""
+        backend = self.backend
+        if backend == "auto":
+            backend = auto_backend(q.device, q.dtype)
+        if backend in ("flash", "varlen"):
+            # bottom-right causal alignment is flash-attn's (>= 2.1) and the kernels torch ships
+            cq, ck = (torch.tensor(c, dtype=torch.int32, device=q.device) for c in (cu_q, cu_k))
+            mq = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:], strict=True))
+            mk = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:], strict=True))
+            if backend == "flash":
+                from flash_attn import flash_attn_varlen_func
+
+                return flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, causal=causal)
+            fn, causal_arg, gqa_flag = _varlen_fn()
+            kwargs = {"window_size": (-1, 0) if causal else (-1, -1)} if causal_arg == "window_size" else {"is_causal": causal}
+            if gqa_flag:
+                kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
+            return fn(q, k, v, cq, ck, mq, mk, **kwargs)
+        hq, hkv = q.shape[1], k.shape[1]
+        outs = []
+        for i in range(len(cu_q) - 1):
+            qa, qb, ka, kb = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+            if qb == qa:
+                continue
+            qi, ki, vi = q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1)  # [H, L, D]
+            if hkv != hq:
+                ki, vi = ki.repeat_interleave(hq // hkv, dim=0), vi.repeat_interleave(hq // hkv, dim=0)
+            mask = None
+            if causal:
+                lq, lk = qb - qa, kb - ka
+                mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+            if backend == "math":
+                scores = torch.matmul(qi, ki.transpose(-1, -2)) * qi.shape[-1] ** -0.5
+                if mask is not None:
+                    scores = scores.masked_fill(~mask, float("-inf"))
+                outs.append(torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(vi.dtype), vi))
+            else:
+                outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask))
+        if not outs:
+            return q.new_zeros(q.shape)
+        return torch.cat(outs, dim=1).transpose(0, 1)
+
+
 def _flash(q, k, v, cu_seqlens, max_seqlen, causal):
     from flash_attn import flash_attn_varlen_func
 

@@ -23,6 +23,7 @@ from omnibench.runtime.parallelize import (
     apply_ep,
     apply_fsdp,
     apply_tp,
+    take_rows,
 )
 
 
@@ -41,8 +42,7 @@ class LLMStage(nn.Module):
             h = self.llm.embed(x)
             for positions, out in enc_outs or []:
                 h = scatter_encoder_outputs(h, positions, out)
-            if cp_chunk is not None:
-                h = h[cp_chunk[0] : cp_chunk[1]]
+            h = take_rows(h, cp_chunk)
             x = h
         if labels is None:
             return self.llm(x, position_ids, cu_seqlens, max_seqlen)

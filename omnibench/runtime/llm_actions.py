@@ -15,6 +15,7 @@ from omnibench.models.loss import IGNORE_INDEX
 from omnibench.plan import (
     Action,
 )
+from omnibench.runtime.parallelize import take_rows, zigzag_index
 from systems.common import data_rank
 from workloads.sample import Sample, Segment
 
@@ -35,7 +36,12 @@ class LLMActionsMixin:
             packed = pack(samples)
         chunk = None
         long = self._llm_long(mb)
-        if long is not None:  # a long sample over a context-parallel group of data ranks
+        if long is not None and self._llm_long_kind() == "allgather":
+            # two opposite pieces of the row per member (parallelize.zigzag_rows): even causal work
+            k = len(long[1])
+            packed = pad_row(packed, 2 * k)
+            chunk = zigzag_index(packed.tokens, k, long[1].index(self.rank))
+        elif long is not None:  # a long sample over a context-parallel group of data ranks
             k = len(long[1])
             packed = pad_row(packed, k)
             n = packed.tokens // k
@@ -58,18 +64,27 @@ class LLMActionsMixin:
         n = sum(self.plan.sample(i).llm_tokens for i in ids) or 2
         long = self._llm_long(mb)
         k = len(long[1]) if long is not None else self.llm_layout.cp
+        if long is not None and self._llm_long_kind() == "allgather":
+            return 2 * -(-n // (2 * k))  # padded to a multiple of 2k, two pieces per member
         return -(-n // k)
 
     def _llm_long(self, mb: int):
         return self.long_short.llm_group(self.plan, mb) if self.long_short is not None else None
 
+    def _llm_long_kind(self) -> str:
+        """How omni's long-sample group attends: "ulysses" or "allgather" (plan.options["long_short"])."""
+        return self.plan.options.get("long_short", {}).get("llm_cp_kind") or "ulysses"
+
     def _llm_cp(self, mb: int):
-        """Ulysses over the long-sample group around an LLM microbatch's forward or backward."""
+        """The long-sample group's context parallelism (Ulysses, or all-gathered K/V where Ulysses
+        cannot split the heads) around an LLM microbatch's forward or backward."""
         long = self._llm_long(mb)
         if long is None:
             return contextlib.nullcontext()
-        from omnibench.runtime.long_short import llm_ulysses
+        from omnibench.runtime.long_short import llm_allgather_kv, llm_ulysses
 
+        if self._llm_long_kind() == "allgather":
+            return llm_allgather_kv(self.modules["llm"], long[0], len(long[1]), long[1].index(self.rank))
         return llm_ulysses(self.modules["llm"], long[0], len(long[1]))
 
     def _llm_forward(self, a: Action) -> None:
@@ -80,10 +95,10 @@ class LLMActionsMixin:
         mb = a.microbatch
         packed, chunk = self._llm_packed(mb)
         stage = self.modules["llm"]
-        pos = packed.position_ids if chunk is None else packed.position_ids[chunk[0] : chunk[1]]
+        pos = take_rows(packed.position_ids, chunk)
         labels = None
         if stage.last:
-            labels = packed.labels if chunk is None else packed.labels[chunk[0] : chunk[1]]
+            labels = take_rows(packed.labels, chunk)
         if stage.first:
             enc_outs = []
             for module in ("vision", "audio"):

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from omnibench.models.inputs import dummy_sample, pack, synthesize
 from omnibench.models.vision import vision_cu_seqlens, vision_position_ids, vision_rope
-from omnibench.runtime.parallelize import UlyssesAttention
+from omnibench.runtime.parallelize import AllGatherKVAttention, UlyssesAttention, gather_chunks
 from omnibench.specs.costs import audio_windows
 from systems.common import encoder_tokens
 
@@ -173,6 +173,25 @@ def ulysses_layer(layer, args: tuple, group, k: int):
 
 
 @contextmanager
+def llm_allgather_kv(stage, group, k: int, member: int):
+    """All-gathered K/V over the long-sample group for one LLM microbatch (where Ulysses cannot split
+    the heads: systems/omni/llm_long_short.py): every attention core of the stage swapped, as
+    `llm_ulysses` does, the layout's own Ulysses core unwrapped first (its ranks are members too)."""
+    from omnibench.models.llm import Attention
+
+    swapped = [m for m in stage.modules() if isinstance(m, Attention)]
+    cores = [m.core for m in swapped]
+    try:
+        for m, core in zip(swapped, cores, strict=True):
+            inner = core.inner if isinstance(core, UlyssesAttention) else core
+            m.core = AllGatherKVAttention(inner, group, k, member)
+        yield
+    finally:
+        for m, core in zip(swapped, cores, strict=True):
+            m.core = core
+
+
+@contextmanager
 def llm_ulysses(stage, group, k: int):
     """Ulysses context parallelism for one LLM microbatch: every attention core of the stage (found
     under any checkpoint / FSDP wrapping) wrapped for the microbatch's forward or backward (the
@@ -193,34 +212,8 @@ def llm_ulysses(stage, group, k: int):
             m.core = core
 
 
-class _GatherChunks(torch.autograd.Function):
-    """All-gather of equal chunks along dim 0; backward hands each member the sum over members of
-    its chunk's gradient. Written here because torch.distributed.nn.functional.all_gather's backward
-    on gloo scatters from *group* ranks as if they were global ones (fails for a group not holding
-    ranks 0..k-1)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group, ctx.n = group, x.shape[0]
-        ctx.me = dist.get_rank(group)
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        if grad.is_cuda:
-            out = grad.new_empty(ctx.n, *grad.shape[1:])
-            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-            return out, None
-        total = grad.clone()
-        dist.all_reduce(total, group=ctx.group)  # gloo has no reduce_scatter
-        return total[ctx.me * ctx.n : (ctx.me + 1) * ctx.n], None
-
-
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
-    return _GatherChunks.apply(x, group)
+    return gather_chunks(x, group)
 
 
 def split_whole_sequences(lengths: list[int], k: int, slack: float = 1.25) -> list[tuple[int, int]] | None:

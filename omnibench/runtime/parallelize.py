@@ -59,6 +59,103 @@ class UlyssesAttention(nn.Module):
         return self._heads_to_seq(out)
 
 
+class _GatherChunks(torch.autograd.Function):
+    """All-gather of equal chunks along dim 0; backward hands each member the sum over members of
+    its chunk's gradient. Written here because torch.distributed.nn.functional.all_gather's backward
+    on gloo scatters from *group* ranks as if they were global ones (fails for a group not holding
+    ranks 0..k-1)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, ctx.n = group, x.shape[0]
+        ctx.me = dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if grad.is_cuda:
+            out = grad.new_empty(ctx.n, *grad.shape[1:])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)  # gloo has no reduce_scatter
+        return total[ctx.me * ctx.n : (ctx.me + 1) * ctx.n], None
+
+
+def gather_chunks(x: torch.Tensor, group) -> torch.Tensor:
+    """Every member's equal chunk of x along dim 0, in member order (autograd: gradients summed back)."""
+    return _GatherChunks.apply(x, group)
+
+
+def zigzag_rows(tokens: int, k: int, member: int) -> list[tuple[int, int]]:
+    """The two row ranges member `member` of a k-member all-gather-KV group holds: pieces `member`
+    and 2k - 1 - member of the row cut into 2k (`tokens` a multiple of 2k), so under causal masking
+    every member's queries meet as many keys (as simulator/flops.py costs it)."""
+    n = tokens // (2 * k)
+    return [(member * n, (member + 1) * n), ((2 * k - 1 - member) * n, (2 * k - member) * n)]
+
+
+def zigzag_index(tokens: int, k: int, member: int) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in zigzag_rows(tokens, k, member)])
+
+
+def take_rows(x: torch.Tensor, chunk) -> torch.Tensor:
+    """The rows of a packed row a context-parallel rank holds: all (None), a range (lo, hi), or an
+    index tensor (all-gather-KV's two pieces)."""
+    if chunk is None:
+        return x
+    if isinstance(chunk, torch.Tensor):
+        return x.index_select(0, chunk.to(x.device))
+    return x[chunk[0] : chunk[1]]
+
+
+class AllGatherKVAttention(nn.Module):
+    """All-gather-KV context parallelism around a varlen attention core (Llama 3, sec. 3.3.2).
+
+    Each of the k members holds two opposite pieces of the packed row (`zigzag_rows`) with all
+    heads. Before attention the members all-gather K and V (autograd-aware: the backward sums the
+    K/V gradients back to their owners), and each attends its own queries to the keys of their
+    sequences up to the query (bottom-right causal alignment, `VarlenAttention.segments`). Unlike
+    Ulysses it has no rule on the head counts, and with grouped-query attention it moves only the
+    K/V heads' bytes.
+    """
+
+    def __init__(self, inner: nn.Module, group: dist.ProcessGroup, k: int, member: int):
+        super().__init__()
+        self.inner, self.group, self.k, self.member = inner, group, k, member
+
+    def _layout(self, cu_seqlens: torch.Tensor, tokens: int):
+        """(query segments, key segments as rows of the gathered K/V, their index): per sequence and
+        piece of this member, the queries it holds and the sequence's keys up to the piece's end."""
+        order = torch.cat([zigzag_index(tokens, self.k, m) for m in range(self.k)])
+        where = torch.empty_like(order)
+        where[order] = torch.arange(tokens)  # row -> its place in the gathered tensor
+        bounds = cu_seqlens.tolist()
+        cu_q, cu_k, keys, local = [0], [0], [], 0
+        for a, b in zigzag_rows(tokens, self.k, self.member):
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+                lo, hi = max(a, s), min(b, e)
+                if lo >= hi:
+                    continue
+                local += hi - lo
+                cu_q.append(local)
+                keys.append(where[s:hi])
+                cu_k.append(cu_k[-1] + hi - s)
+        return cu_q, cu_k, torch.cat(keys)
+
+    def forward(self, q, k, v, cu_seqlens, max_seqlen, causal):
+        tokens = q.shape[0] * self.k
+        cu_q, cu_k, keys = self._layout(cu_seqlens, tokens)
+        keys = keys.to(q.device)
+        kv = gather_chunks(torch.cat([k, v], dim=1), self.group)  # [tokens, 2 x kv heads, D], member order
+        kv = kv.index_select(0, keys)
+        h = k.shape[1]
+        return self.inner.segments(q, kv[:, :h], kv[:, h:], cu_q, cu_k, causal)
+
+
 def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int) -> None:
     """Ulysses around every block's attention core of `module` (the LLM's cp, temporal's encoder sp)."""
     for block in module.layers.values():

@@ -191,7 +191,7 @@ class OmniPlanner:
         home = {i: d for d, shard in enumerate(shards) for i in shard}
 
         # -- LLM long / short (llm_long_short.py) ------------------------------------------------------
-        k_llm, k_why = llm_group_size(model, parallel, llm) if opts.llm_long_short else (1, "switched off")
+        k_llm, llm_kind, k_why = llm_group_size(model, parallel, llm) if opts.llm_long_short else (1, "", "switched off")
         llm_split = split_long_short(llm_cost, dp, k_llm, k_llm > 1)
         long_llm = list(llm_split.long)
         on_llm_group = place_llm_long(long_llm, llm_cost, dp // k_llm, k_llm) if long_llm else []
@@ -436,6 +436,7 @@ class OmniPlanner:
                     long_llm_mbs[str(r)] = slots
         notes["llm_long_short"] = {
             "enabled": opts.llm_long_short, "group_size": k_llm, **({"why_not": k_why} if k_why else {}),
+            **({"attention": llm_kind} if k_llm > 1 else {}),
             "threshold_s": _r(llm_split.threshold),
             "long_samples": [{"sample": i, "llm_tokens": by_id[i].llm_tokens, "cost_s": _r(llm_cost[i]),
                               "group": [llm.rank_at(pp=0, dp=g * k_llm + c, cp=0, tp=0) for c in range(k_llm)]}
@@ -491,7 +492,7 @@ class OmniPlanner:
                                                **({"llm": [list(g) for g in llm_groups_all]} if llm_groups_all else {})},
                                     "long_microbatches": {**long_notes, **({"llm": long_llm_mbs} if long_llm_mbs else {})},
                                     **({"llm_leaders": {str(i): r for i, r in llm_leader.items()},
-                                        "llm_data_ranks": k_llm} if llm_leader else {})}},
+                                        "llm_data_ranks": k_llm, "llm_cp_kind": llm_kind} if llm_leader else {})}},
             notes=notes,
         )
         plan = finish(plan)

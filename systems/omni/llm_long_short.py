@@ -22,11 +22,19 @@ Plan shape (so both executors see it without a new action kind):
   encoder gradient back (the members' embedding gradients are summed over the group first).
 
 At any pp and cp: with the layout's own cp, a group is the k data groups' cp ranks together (k x cp
-ranks per tp coordinate, each holding 1/(k cp) of the row; Ulysses over all of them, so k x cp must
-divide the heads and kv heads per tp rank); with pipeline stages, every stage's ranks of those data
-groups form that stage's group (the pipeline passes each member's chunk to the same member of the
-next stage's group). A long sample is the bottleneck microbatch on every stage, so pipelining does
-not make the split unnecessary.
+ranks per tp coordinate, each holding 1/(k cp) of the row); with pipeline stages, every stage's ranks
+of those data groups form that stage's group (the pipeline passes each member's chunk to the same
+member of the next stage's group). A long sample is the bottleneck microbatch on every stage, so
+pipelining does not make the split unnecessary.
+
+How the group attends. Ulysses needs k x cp to divide the heads and the kv heads each tp rank holds;
+a GQA model with few kv heads (omni-7b: 4 of 28, so cp 4 leaves no k > 1) has no such group. There
+the group all-gathers K/V instead (Llama 3's context parallelism, sec. 3.3.2;
+omnibench.runtime.parallelize.AllGatherKVAttention): each member keeps two opposite chunks of the
+row (1/2k of it each, so the causal work is even), gathers the whole row's K/V before each attention
+and reduce-scatters their gradients in the backward. Its bytes are the K/V's alone (4 of 28 heads
+for omni-7b: 2 x 4 / (28 + 4 + 4 + 28) of Ulysses' q, k, v and output), and it has no head rule,
+so only the node bounds k.
 """
 
 from __future__ import annotations
@@ -39,18 +47,23 @@ from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
 
 
-def llm_group_size(model: MultimodalSpec, parallel: ParallelSpec, llm: Layout) -> tuple[int, str]:
-    """(k, why k is 1): data ranks a long LLM sample is split over, the largest that divides the
-    LLM's data ranks, whose k x cp members divide the heads and kv heads each tp rank holds (Ulysses
-    splits heads), and whose k x cp x tp ranks fit in a node (consecutive ranks: the group's
-    all-to-alls run over NVLink)."""
+def llm_group_size(model: MultimodalSpec, parallel: ParallelSpec, llm: Layout) -> tuple[int, str, str]:
+    """(k, how the group attends, why k is 1): data ranks a long LLM sample is split over and the
+    group's context-parallel kind. Ulysses ("ulysses") where some k > 1 has k x cp dividing the heads
+    and kv heads each tp rank holds (it splits heads); else all-gathered K/V ("allgather"), which has
+    no head rule. Either way the largest k that divides the LLM's data ranks and keeps the group's
+    k x cp x tp ranks inside a node (consecutive ranks: the group's exchanges run over NVLink)."""
     heads, kv = model.llm.heads // llm.tp, model.llm.kv_heads // llm.tp
     limit = min(llm.dp, max(1, parallel.gpus_per_node // (llm.tp * llm.cp)))
-    k = max(x for x in range(1, limit + 1) if heads % (x * llm.cp) == 0 and kv % (x * llm.cp) == 0 and llm.dp % x == 0)
-    if k == 1:
-        return 1, (f"no group of k > 1 data ranks has k x cp={llm.cp} dividing the {heads} heads / {kv} kv heads "
-                   f"per tp rank with dp={llm.dp}, within a node of {parallel.gpus_per_node}")
-    return k, ""
+    fits = [x for x in range(1, limit + 1) if llm.dp % x == 0]
+    k = max((x for x in fits if heads % (x * llm.cp) == 0 and kv % (x * llm.cp) == 0), default=1)
+    if k > 1:
+        return k, "ulysses", ""
+    k = max(fits)
+    if k > 1:
+        return k, "allgather", ""
+    return 1, "", (f"no group of k > 1 data ranks divides dp={llm.dp} with k x cp={llm.cp} x tp={llm.tp} "
+                   f"ranks inside a node of {parallel.gpus_per_node}")
 
 
 def llm_groups(llm: Layout, k: int) -> list[tuple[int, ...]]:

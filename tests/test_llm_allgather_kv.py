@@ -1,0 +1,86 @@
+"""omni's long LLM samples where Ulysses cannot split the heads (issue 20): the long-sample group
+all-gathers K/V instead (systems/omni/llm_long_short.py, omnibench/runtime/parallelize.py
+AllGatherKVAttention). Loss parity on gloo is in tests/test_omni_parity.py (`cp2-allgather`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnibench.models.attention import VarlenAttention
+from omnibench.runtime.parallelize import AllGatherKVAttention, zigzag_index, zigzag_rows
+from omnibench.specs.parallel import ParallelSpec
+from omnibench.specs.presets import get_model
+from simulator.engine import simulate
+from simulator.hardware import load_cluster
+from simulator.options import SimOptions
+from systems import get_planner
+from systems.common import llm_layout
+from systems.omni.llm_long_short import llm_group_size
+from workloads.stream import WorkloadStream
+
+
+def test_group_kind_is_ulysses_where_the_heads_allow_and_allgather_where_they_do_not():
+    model = get_model("omni-7b")  # 28 heads, 4 kv heads
+    at = {}
+    for cp in (1, 4):
+        par = ParallelSpec(world_size=64, cp=cp)
+        at[cp] = llm_group_size(model, par, llm_layout(par, range(64)))
+    assert at[1] == (4, "ulysses", "")  # 4 divides 28 and 4; 8 does not
+    assert at[4] == (2, "allgather", "")  # 2 x cp 4 = 8 ranks: no Ulysses over 4 kv heads, a node's worth
+    par = ParallelSpec(world_size=64, tp=2, cp=4)
+    k, kind, why = llm_group_size(model, par, llm_layout(par, range(64)))
+    assert (k, kind) == (1, "") and "inside a node of 8" in why
+
+
+def test_zigzag_pieces_cover_the_row_once_and_even_out_causal_work():
+    tokens, k = 48, 3
+    rows = torch.cat([zigzag_index(tokens, k, m) for m in range(k)])
+    assert sorted(rows.tolist()) == list(range(tokens))
+    work = [sum(p + 1 for a, b in zigzag_rows(tokens, k, m) for p in range(a, b)) for m in range(k)]
+    assert max(work) == min(work)  # keys each member's queries see, one causal sequence over the row
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_each_member_attends_its_pieces_exactly_as_whole_row_attention(backend):
+    """Without a process group: every member's query pieces over the gathered K/V they select,
+    put back in row order, equal varlen attention over the whole packed row (GQA, causal)."""
+    torch.manual_seed(0)
+    tokens, k = 24, 3
+    q, key, v = torch.randn(tokens, 4, 8), torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
+    cu = torch.tensor([0, 5, 17, 20, 24])
+    core = VarlenAttention(backend)
+    ref = core(q, key, v, cu, 12, True)
+    order = torch.cat([zigzag_index(tokens, k, m) for m in range(k)])
+    gathered = torch.cat([key, v], dim=1)[order]  # what the all-gather returns, member by member
+    out = torch.empty_like(ref)
+    for m in range(k):
+        cu_q, cu_k, keys = AllGatherKVAttention(core, None, k, m)._layout(cu, tokens)
+        kv = gathered.index_select(0, keys)
+        mine = zigzag_index(tokens, k, m)
+        out[mine] = core.segments(q[mine], kv[:, :2], kv[:, 2:], cu_q, cu_k, True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_long_video_samples_split_over_allgather_groups_shorten_omnis_step():
+    """omni-7b on long_video at 256 H100s, tp 1 / cp 4: the longest videos' LLM sequences exceed a
+    data rank's balanced share; split over 2 data ranks x cp 4 with all-gathered K/V they no longer
+    set the step (with the split off, no group: the step is the longest sample's)."""
+    gpus = 256
+    model = get_model("omni-7b")
+    batch = WorkloadStream("long_video", seed=0, global_batch_tokens=8192 * gpus).batch(0)
+    cluster = load_cluster("h100", gpus)
+    steps = {}
+    for on in (True, False):
+        par = ParallelSpec(world_size=gpus, cp=4, microbatches=1, recompute="full",
+                           options={"hardware": "h100", "llm_long_short": on})
+        plan = get_planner("omni").plan(model, par, batch)
+        if on:
+            assert plan.options["long_short"]["llm_cp_kind"] == "allgather"
+            assert all(len(g) == 8 for g in plan.options["long_short"]["groups"]["llm"])
+            assert plan.notes["llm_long_short"]["long_samples"]
+        res = simulate(plan, model, cluster, options=SimOptions(recompute="full"))
+        assert res.fits
+        steps[on] = res.step_time
+    assert steps[True] < 0.95 * steps[False], steps
