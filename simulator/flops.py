@@ -124,7 +124,7 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     # of its heads, between all-to-alls of q, k, v (in) and the output (back).
     # Ring (cp_kind "ring", simulated only): every rank keeps 1/cp of each sequence with all its heads
     # and computes cp blocks of attention as K/V travel around the ring (`ring` in the shape).
-    # All-gather KV (cp_kind "allgather", simulated only; Llama 3, torchtitan): every rank keeps 1/cp of
+    # All-gather KV (cp_kind "allgather"; Llama 3, torchtitan; parallelize.AllGatherKVAttention): every rank keeps 1/cp of
     # each sequence (two opposite chunks, balancing the causal work) and all-gathers the whole K/V of
     # its sequences before each attention (their gradients reduce-scattered back in the backward).
     ring = cp > 1 and cp_kind == "ring"

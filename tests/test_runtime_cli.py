@@ -41,9 +41,10 @@ def omnibench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--system", "noncolocated", "--nproc", "4", "--encoder-ranks", "4"], "encoder_ranks"),
         (["--system", "nosuch"], "system"),
         (["--model", "tiny-llm"], "vision encoder"),
+        (["--cp", "2", "--cp-kind", "ring"], "cp_kind"),
     ],
     ids=["tp-heads", "world-mismatch", "pp-deeper-than-layers", "ep-dense-model", "cp-heads", "noncolocated-no-llm",
-         "unknown-system", "model-without-encoder"],
+         "unknown-system", "model-without-encoder", "cp-kind-ring"],
 )
 def test_impossible_layout_exits_2_with_one_line_naming_the_field(tmp_path, args, field):
     if "--system" not in args:

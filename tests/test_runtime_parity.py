@@ -23,6 +23,7 @@ CELLS = [
     ("homogeneous", {"tp": 2}, "tiny-omni"),
     ("homogeneous", {"pp": 2}, "tiny-omni"),
     ("homogeneous", {"cp": 2}, "tiny-omni"),
+    ("homogeneous", {"cp": 2, "cp_kind": "allgather"}, "tiny-omni"),  # two opposite pieces of the row per rank
     ("homogeneous", {"ep": 2}, "tiny-omni-moe"),
     ("temporal", {}, "tiny-omni"),
     ("temporal", {"tp": 2}, "tiny-omni"),
@@ -32,6 +33,7 @@ CELLS = [
     ("colocated", {"tp": 2}, "tiny-omni"),
     ("colocated", {"pp": 2}, "tiny-omni"),
     ("colocated", {"cp": 2}, "tiny-omni"),
+    ("colocated", {"cp": 2, "cp_kind": "allgather", "pp": 2}, "tiny-omni"),
     ("colocated", {"ep": 2}, "tiny-omni-moe"),
     ("noncolocated", {}, "tiny-omni"),
     ("noncolocated", {"encoder_ranks": 2, "tp": 2}, "tiny-omni"),
@@ -50,6 +52,7 @@ RECOMPUTE_CELLS = [
     ("omni", {}, "full"),
     ("temporal", {"cp": 2}, "selective"),
     ("temporal", {"cp": 2}, "full"),  # encoders: Ulysses cores inside checkpointed, FSDP-sharded blocks
+    ("homogeneous", {"cp": 2, "cp_kind": "allgather"}, "full"),  # the recomputed attention gathers K/V again
     ("colocated", {"tp": 2}, "vision=full,audio=full"),
     ("noncolocated", {"encoder_ranks": 2}, "full"),
 ]
@@ -57,11 +60,12 @@ RECOMPUTE_CELLS = [
 
 def _id(cell) -> str:
     system, layout, _ = cell
-    return system + "-" + ("-".join(f"{k}{v}" for k, v in layout.items()) or "dp")
+    return system + "-" + ("-".join(f"{v}" if k == "cp_kind" else f"{k}{v}" for k, v in layout.items()) or "dp")
 
 
 def _recompute_id(cell) -> str:
-    return f"{cell[0]}-{cell[2].replace(',', '+')}"
+    kind = f"-{cell[1]['cp_kind']}" if "cp_kind" in cell[1] else ""
+    return f"{cell[0]}{kind}-{cell[2].replace(',', '+')}"
 
 
 @pytest.fixture(scope="module")

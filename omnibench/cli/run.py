@@ -106,6 +106,7 @@ def register(app: typer.Typer) -> None:
         tp: int = typer.Option(0, "--tp", help=TP_HELP),
         pp: int = typer.Option(0, "--pp", help=PP_HELP),
         cp: int = typer.Option(0, "--cp", help=CP_HELP),
+        cp_kind: str = typer.Option("ulysses", "--cp-kind", help="ulysses | allgather (Llama 3's all-gathered K/V)"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp", help="0: what is left"),
         dp_shard: DpShard = 0,
@@ -175,7 +176,7 @@ def register(app: typer.Typer) -> None:
                        out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
                        dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
-                       encoder_chunk_tokens=chunk,
+                       encoder_chunk_tokens=chunk, cp_kind=cp_kind,
                        options=options, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
         if dp_mode is not None:
@@ -236,6 +237,7 @@ def register(app: typer.Typer) -> None:
         tp: int = typer.Option(0, "--tp", help=TP_HELP),
         pp: int = typer.Option(0, "--pp", help=PP_HELP),
         cp: int = typer.Option(0, "--cp", help=CP_HELP),
+        cp_kind: str = typer.Option("ulysses", "--cp-kind", help="ulysses | allgather (Llama 3's all-gathered K/V)"),
         ep: int = typer.Option(1, "--ep"),
         dp: int = typer.Option(0, "--dp"),
         dp_shard: DpShard = 0,
@@ -273,7 +275,7 @@ def register(app: typer.Typer) -> None:
             fail(f"nproc must be a positive integer, at most {MAX_GPUS:,}; got {nproc:,}")
         try:
             spec = get_model(model)
-            parallel = ParallelSpec(world_size=nproc, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
+            parallel = ParallelSpec(world_size=nproc, cp_kind=cp_kind, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
                                                                        encoder_ranks, dp_shard),
                                     options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
                                                                no_long_short_sp, option, no_llm_long_short))

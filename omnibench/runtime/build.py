@@ -100,7 +100,7 @@ class BuildMixin:
         elif self.fsdp["llm"]:
             dp_mesh = mesh_from([dpcp], ("dpcp",), dev)
         if lay.cp > 1:
-            apply_cp(llm, self.groups.get("llm", "cp")[0], lay.cp)
+            apply_cp(llm, self.groups.get("llm", "cp")[0], lay.cp, lay.cp_kind, c["cp"])
         extra, ignored = [], None
         self.expert_params: list = []  # ordered: collectives over them must match across ranks
         if lay.ep > 1:

@@ -47,6 +47,9 @@ class LLMActionsMixin:
             n = packed.tokens // k
             c = long[1].index(self.rank)
             chunk = (c * n, (c + 1) * n)
+        elif lay.cp > 1 and lay.cp_kind == "allgather":
+            packed = pad_row(packed, 2 * lay.cp)
+            chunk = zigzag_index(packed.tokens, lay.cp, lay.coords(self.rank)["cp"])
         elif lay.cp > 1:
             packed = pad_row(packed, lay.cp)
             n = packed.tokens // lay.cp
@@ -64,7 +67,7 @@ class LLMActionsMixin:
         n = sum(self.plan.sample(i).llm_tokens for i in ids) or 2
         long = self._llm_long(mb)
         k = len(long[1]) if long is not None else self.llm_layout.cp
-        if long is not None and self._llm_long_kind() == "allgather":
+        if (self._llm_long_kind() if long is not None else self.llm_layout.cp_kind) == "allgather" and k > 1:
             return 2 * -(-n // (2 * k))  # padded to a multiple of 2k, two pieces per member
         return -(-n // k)
 

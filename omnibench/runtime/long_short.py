@@ -183,7 +183,7 @@ def llm_allgather_kv(stage, group, k: int, member: int):
     cores = [m.core for m in swapped]
     try:
         for m, core in zip(swapped, cores, strict=True):
-            inner = core.inner if isinstance(core, UlyssesAttention) else core
+            inner = core.inner if isinstance(core, (UlyssesAttention, AllGatherKVAttention)) else core
             m.core = AllGatherKVAttention(inner, group, k, member)
         yield
     finally:
@@ -204,7 +204,7 @@ def llm_ulysses(stage, group, k: int):
         for m, core in zip(swapped, cores, strict=True):
             # under the layout's own cp the core is already Ulysses over the cp group, whose ranks are
             # members of this group too: the group's exchange replaces it (one degree, k = dp x cp ranks)
-            inner = core.inner if isinstance(core, UlyssesAttention) else core
+            inner = core.inner if isinstance(core, (UlyssesAttention, AllGatherKVAttention)) else core
             m.core = UlyssesAttention(inner, group, k)
         yield
     finally:

@@ -156,10 +156,15 @@ class AllGatherKVAttention(nn.Module):
         return self.inner.segments(q, kv[:, :h], kv[:, h:], cu_q, cu_k, causal)
 
 
-def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int) -> None:
-    """Ulysses around every block's attention core of `module` (the LLM's cp, temporal's encoder sp)."""
+def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int, kind: str = "ulysses", member: int = 0) -> None:
+    """Context parallelism around every block's attention core of `module`: Ulysses (the LLM's cp,
+    temporal's encoder sp) or, for the LLM's `cp_kind="allgather"`, all-gathered K/V with this rank
+    (`member` of the cp group) holding two opposite pieces of each row (`zigzag_rows`)."""
     for block in module.layers.values():
-        block.attention.core = UlyssesAttention(block.attention.core, group, cp)
+        if kind == "allgather":
+            block.attention.core = AllGatherKVAttention(block.attention.core, group, cp, member)
+        else:
+            block.attention.core = UlyssesAttention(block.attention.core, group, cp)
 
 
 # ----------------------------------------------------------------------- expert parallelism

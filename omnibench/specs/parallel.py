@@ -45,8 +45,7 @@ class ParallelSpec:
     # How context parallelism splits attention: "ulysses" (all-to-all to whole sequences x 1/cp of the
     # heads; what the runtime runs), "ring" (each rank keeps 1/cp of every sequence, K/V blocks
     # travel around the cp ranks) or "allgather" (each rank keeps 1/cp of every sequence and
-    # all-gathers the whole K/V before each attention: Llama 3, torchtitan); ring and allgather are
-    # simulated only
+    # all-gathers the whole K/V before each attention: Llama 3, torchtitan); ring is simulated only
     cp_kind: str = "ulysses"
     ep: int = 1
     microbatches: int = 0  # per LLM data rank per step; 0: system default (>= pp)
@@ -151,9 +150,9 @@ class ParallelSpec:
 
     def check_runtime(self) -> None:
         """What only the simulator executes: refuse it before a real run starts."""
-        if self.cp > 1 and self.cp_kind != "ulysses":
-            raise SpecError(f"cp_kind={self.cp_kind}: the runtime runs Ulysses context parallelism only "
-                            "(ring and all-gather-KV attention are simulated, not run)")
+        if self.cp > 1 and self.cp_kind == "ring":
+            raise SpecError("cp_kind=ring: the runtime runs Ulysses and all-gather-KV context parallelism "
+                            "(ring attention is simulated, not run)")
         if self.virtual_stages > 1:
             raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is not supported by the runtime; "
                             "the runtime runs plain 1F1B (virtual_stages=1)")
