@@ -84,3 +84,26 @@ def test_long_video_samples_split_over_allgather_groups_shorten_omnis_step():
         assert res.fits
         steps[on] = res.step_time
     assert steps[True] < 0.95 * steps[False], steps
+
+
+@pytest.mark.timeout(300)
+def test_the_split_is_weighed_per_batch_and_declined_where_it_would_slow_the_step():
+    """mixed_video at 256 H100s, tp 1 / cp 4: a few samples cross a data rank's share, but splitting
+    them costs every data rank a second lock-step microbatch; the planner's estimate says so, the
+    plan keeps them whole and says why (with `llm_split=always` it splits, and the step is slower)."""
+    gpus = 256
+    model = get_model("omni-7b")
+    batch = WorkloadStream("mixed_video", seed=0, global_batch_tokens=8192 * gpus).batch(0)
+    cluster = load_cluster("h100", gpus)
+    rc = "vision=full,audio=full"
+    steps, plans = {}, {}
+    for rule in ("auto", "always"):
+        par = ParallelSpec(world_size=gpus, cp=4, microbatches=1, recompute=rc,
+                           options={"hardware": "h100", "encoder_dp": "hsdp", "llm_split": rule})
+        plans[rule] = get_planner("omni").plan(model, par, batch)
+        steps[rule] = simulate(plans[rule], model, cluster, options=SimOptions(recompute=rc)).step_time
+    notes = plans["auto"].notes["llm_long_short"]
+    assert plans["always"].notes["llm_long_short"]["long_samples"]
+    assert not notes["long_samples"] and "estimates" in notes["why_not"]
+    assert notes["estimated_step_s"]["split"] > notes["estimated_step_s"]["whole"]
+    assert steps["auto"] < steps["always"], steps

@@ -85,7 +85,8 @@ def test_run_omni_records_the_loaders_metadata_exchange(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_plan_shows_the_llm_long_short_split_and_its_switch():
-    res = omnibench("plan", "--system", "omni", "--workload", "long_video", "--nproc", "4", "--tp", "1", "--json")
+    res = omnibench("plan", "--system", "omni", "--workload", "long_video", "--nproc", "4", "--tp", "1", "--json",
+                    "--option", "llm_split=always")  # tiny sizes: the per-batch estimate would keep samples whole
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     notes = plan["notes"]["llm_long_short"]

@@ -46,7 +46,8 @@ def long_batches(steps: int = STEPS, seed: int = 1) -> list[Batch]:
 
 # At tiny-omni's sizes an all-to-all's latency outweighs any encoder work, so the per-batch choice
 # (`encoder_sp_scheme=auto`) would keep every sample data-parallel: these tests name the scheme.
-LONG_SHORT = {"encoder_sp_scheme": "long_short"}
+# The LLM split likewise (`llm_split=always`: at these sizes its estimate never pays).
+LONG_SHORT = {"encoder_sp_scheme": "long_short", "llm_split": "always"}
 
 
 def _plan(batch: Batch, **options):
@@ -200,7 +201,10 @@ def test_llm_long_short_at_any_cp_and_pp_matches_single_process(tmp_path, kv4, l
     plans = [get_planner("omni").plan(get_model(model), ParallelSpec(world_size=4, options=LONG_SHORT, **layout), b)
              for b in batches]
     assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 2
-    assert all(len(p.options["long_short"]["groups"]["llm"][0]) == 2 * layout.get("cp", 1) for p in plans)
-    assert {p.options["long_short"]["llm_cp_kind"] for p in plans if "llm_cp_kind" in p.options["long_short"]} == {attention}
+    split = [p for p in plans if p.notes["llm_long_short"]["long_samples"]]
+    assert all(len(p.options["long_short"]["groups"]["llm"][0]) == 2 * layout.get("cp", 1) for p in split)
+    assert {p.options["long_short"]["llm_cp_kind"] for p in split} == {attention}
+    # a batch without long samples names no LLM group (no communicators built for nothing)
+    assert all("llm" not in p.options["long_short"]["groups"] for p in plans if p not in split)
     losses, params = run_distributed(tmp_path, "omni", model, batches, options=LONG_SHORT, **layout)
     assert_parity(losses, params, *reference(model, batches))

@@ -78,6 +78,11 @@ from workloads.sample import Batch
 __all__ = ["OmniOptions", "OmniPlanner"]
 
 
+# The LLM long-short split is kept only where the planner's estimate puts it this much ahead of the
+# whole-sample plan: it costs a microbatch's activations and communicators the estimate does not see.
+SPLIT_MARGIN = 0.01
+
+
 def _r(x: float) -> float:
     return float(f"{x:.4g}")
 
@@ -139,7 +144,29 @@ class OmniPlanner:
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch,
              loading: Loading | None = None) -> Plan:
         """One step's Plan. `loading`: the loaders' shards after their real metadata exchange
-        (the runtime); without it the same exchange is run here in one process."""
+        (the runtime); without it the same exchange is run here in one process.
+
+        The LLM long-short split is weighed per batch, as the encoders' schemes are: splitting the
+        long samples makes every data rank run one more microbatch in lock-step (FSDP) and holds
+        more activations, which pays only where a long sample would otherwise set the step (long
+        videos whose LLM sequence exceeds a data rank's share), not where a few samples just cross
+        the share (mixed_video). The batch is planned both ways and the split kept only where its
+        estimated step is shorter by more than SPLIT_MARGIN."""
+        plan = self._plan(model, parallel, batch, loading)
+        if not plan.notes["llm_long_short"]["long_samples"] or OmniOptions.parse(parallel.options).llm_split == "always":
+            return plan
+        whole = self._plan(model, parallel, batch, loading, llm_split=False)
+        est_split, est_whole = plan.notes["schedule"]["estimated_step_s"], whole.notes["schedule"]["estimated_step_s"]
+        if est_split < (1 - SPLIT_MARGIN) * est_whole:
+            plan.notes["llm_long_short"]["estimated_step_s"] = {"split": est_split, "whole": est_whole}
+            return plan
+        whole.notes["llm_long_short"].update(
+            why_not=f"splitting the {len(plan.notes['llm_long_short']['long_samples'])} long sample(s) estimates "
+                    f"{est_split} s against {est_whole} s whole", estimated_step_s={"split": est_split, "whole": est_whole})
+        return whole
+
+    def _plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, loading: Loading | None = None,
+              llm_split: bool = True) -> Plan:
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
@@ -191,7 +218,8 @@ class OmniPlanner:
         home = {i: d for d, shard in enumerate(shards) for i in shard}
 
         # -- LLM long / short (llm_long_short.py) ------------------------------------------------------
-        k_llm, llm_kind, k_why = llm_group_size(model, parallel, llm) if opts.llm_long_short else (1, "", "switched off")
+        k_llm, llm_kind, k_why = (llm_group_size(model, parallel, llm) if opts.llm_long_short and llm_split
+                                  else (1, "", "switched off" if not opts.llm_long_short else ""))
         llm_split = split_long_short(llm_cost, dp, k_llm, k_llm > 1)
         long_llm = list(llm_split.long)
         on_llm_group = place_llm_long(long_llm, llm_cost, dp // k_llm, k_llm) if long_llm else []
@@ -426,7 +454,7 @@ class OmniPlanner:
         for r in actions:
             actions[r] = exchange[r] + actions[r]
         llm_tokens = [round(sum(by_id[i].llm_tokens / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
-        llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 else []
+        llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 and long_llm else []  # no communicators unused
         long_llm_mbs = {}
         for grp in llm_groups_all:  # every stage's members run the long microbatches
             d0 = llm.coords(grp[0])["dp"]

@@ -10,10 +10,11 @@ from omnibench.specs.parallel import DP_MODES
 
 BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp", "llm_long_short")
 SP_SCHEMES = ("auto", "long_short", "all", "none")
+LLM_SPLIT_RULES = ("auto", "always")
 # The encoders' state modes: the data-parallel modes' ParallelSpec fields, and hzero2, ZeRO-2 sharded
 # within the automatic shard group of a few nodes and replicated across the groups (layout.py)
 ENCODER_STATE_MODES = {**DP_MODES, "hzero2": dict(fsdp=False, zero=2, dp_shard=0)}
-CHOICES = {"encoder_dp": tuple(ENCODER_STATE_MODES), "encoder_sp_scheme": SP_SCHEMES}
+CHOICES = {"encoder_dp": tuple(ENCODER_STATE_MODES), "encoder_sp_scheme": SP_SCHEMES, "llm_split": LLM_SPLIT_RULES}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class OmniOptions:
     # the step's costs), long_short (only those above the balanced per-rank share), all (every sample, packed
     # per group: VeOmni's scheme), none.
     encoder_sp_scheme: str = "auto"
+    # When the LLM long-short split acts (llm_long_short on): auto (per batch, where the planner's estimated
+    # step is shorter with it than without: systems/omni/__init__.py SPLIT_MARGIN), always (every sample
+    # above the balanced share, whatever the estimate: tests at tiny sizes, where latency outweighs the work)
+    llm_split: str = "auto"
     calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model
     # Without a profile: the simulator's compute model for this hardware preset, so omni decides with
     # the costs the simulator will charge (`simulate` and `tune` pass their --hardware); "": costs.py
