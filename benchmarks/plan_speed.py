@@ -10,7 +10,11 @@ CI host made it fail; time is a figure to print, not a test.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.presets import get_model
