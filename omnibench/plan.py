@@ -47,6 +47,7 @@ LLM_MESH_DIMS = ("pp", "dp", "cp", "tp")
 # How context parallelism splits attention: Ulysses all-to-alls (the runtime's), a ring of K/V blocks,
 # or an all-gather of K/V before each attention (Llama 3, torchtitan's default rotate method)
 CP_KINDS = ("ulysses", "ring", "allgather")
+RUNTIME_CP_KINDS = ("ulysses", "allgather")  # what the runtime runs; ring is simulated only
 ENCODER_MESH_DIMS = ("dp", "sp", "tp")
 
 

@@ -35,26 +35,15 @@ class LLMActionsMixin:
         else:
             packed = pack(samples)
         chunk = None
-        long = self._llm_long(mb)
-        if long is not None and self._llm_long_kind() == "allgather":
+        k, member, kind = self._llm_cp_split(mb)
+        if k > 1 and kind == "allgather":
             # two opposite pieces of the row per member (parallelize.zigzag_rows): even causal work
-            k = len(long[1])
             packed = pad_row(packed, 2 * k)
-            chunk = zigzag_index(packed.tokens, k, long[1].index(self.rank))
-        elif long is not None:  # a long sample over a context-parallel group of data ranks
-            k = len(long[1])
+            chunk = zigzag_index(packed.tokens, k, member)
+        elif k > 1:  # omni's long-sample group of data ranks, or the layout's cp group
             packed = pad_row(packed, k)
             n = packed.tokens // k
-            c = long[1].index(self.rank)
-            chunk = (c * n, (c + 1) * n)
-        elif lay.cp > 1 and lay.cp_kind == "allgather":
-            packed = pad_row(packed, 2 * lay.cp)
-            chunk = zigzag_index(packed.tokens, lay.cp, lay.coords(self.rank)["cp"])
-        elif lay.cp > 1:
-            packed = pad_row(packed, lay.cp)
-            n = packed.tokens // lay.cp
-            c = lay.coords(self.rank)["cp"]
-            chunk = (c * n, (c + 1) * n)
+            chunk = (member * n, (member + 1) * n)
         # The encoders pack their own inputs; the LLM side reads only ids, labels and positions.
         packed = replace(packed, pixel_patches=None, grid_thw=None, mel=None, mel_lens=None).to(self.device)
         self.state.packed[mb] = (packed, chunk)
@@ -65,9 +54,8 @@ class LLMActionsMixin:
         2-token row, split over omni's long-sample group or the cp group (padded to a multiple)."""
         ids = self.plan.assignment["llm"][data_rank(self.llm_layout, self.rank)][mb]
         n = sum(self.plan.sample(i).llm_tokens for i in ids) or 2
-        long = self._llm_long(mb)
-        k = len(long[1]) if long is not None else self.llm_layout.cp
-        if (self._llm_long_kind() if long is not None else self.llm_layout.cp_kind) == "allgather" and k > 1:
+        k, _, kind = self._llm_cp_split(mb)
+        if k > 1 and kind == "allgather":
             return 2 * -(-n // (2 * k))  # padded to a multiple of 2k, two pieces per member
         return -(-n // k)
 
@@ -78,17 +66,24 @@ class LLMActionsMixin:
         """How omni's long-sample group attends: "ulysses" or "allgather" (plan.options["long_short"])."""
         return self.plan.options.get("long_short", {}).get("llm_cp_kind") or "ulysses"
 
+    def _llm_cp_split(self, mb: int) -> tuple[int, int, str]:
+        """(ranks, this rank's place among them, kind) that split microbatch mb's row: omni's long-sample
+        group when the microbatch is one of its long ones, else the layout's cp group."""
+        long = self._llm_long(mb)
+        if long is not None:
+            return len(long[1]), long[1].index(self.rank), self._llm_long_kind()
+        lay = self.llm_layout
+        return lay.cp, lay.coords(self.rank)["cp"], lay.cp_kind
+
     def _llm_cp(self, mb: int):
         """The long-sample group's context parallelism (Ulysses, or all-gathered K/V where Ulysses
         cannot split the heads) around an LLM microbatch's forward or backward."""
         long = self._llm_long(mb)
         if long is None:
             return contextlib.nullcontext()
-        from omnibench.runtime.long_short import llm_allgather_kv, llm_ulysses
+        from omnibench.runtime.long_short import llm_group_cp
 
-        if self._llm_long_kind() == "allgather":
-            return llm_allgather_kv(self.modules["llm"], long[0], len(long[1]), long[1].index(self.rank))
-        return llm_ulysses(self.modules["llm"], long[0], len(long[1]))
+        return llm_group_cp(self.modules["llm"], long[0], len(long[1]), self._llm_long_kind(), long[1].index(self.rank))
 
     def _llm_forward(self, a: Action) -> None:
         with self._llm_cp(a.microbatch):

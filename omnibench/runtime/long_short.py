@@ -1,5 +1,5 @@
 """Executing omni's long inputs: one encoder microbatch split over a sequence-parallel group, and
-one long LLM sample split over a context-parallel group of data ranks (`llm_group`, `llm_ulysses`;
+one long LLM sample split over a context-parallel group of data ranks (`llm_group`, `llm_group_cp`;
 the executor chunks the row, the planner's systems/omni/llm_long_short.py says which).
 
 The plan marks, per encoder and rank, which encoder microbatches run over a group ("long" in the
@@ -173,39 +173,23 @@ def ulysses_layer(layer, args: tuple, group, k: int):
 
 
 @contextmanager
-def llm_allgather_kv(stage, group, k: int, member: int):
-    """All-gathered K/V over the long-sample group for one LLM microbatch (where Ulysses cannot split
-    the heads: systems/omni/llm_long_short.py): every attention core of the stage swapped, as
-    `llm_ulysses` does, the layout's own Ulysses core unwrapped first (its ranks are members too)."""
+def llm_group_cp(stage, group, k: int, kind: str = "ulysses", member: int = 0):
+    """Context parallelism over omni's long-sample group for one LLM microbatch: every attention core
+    of the stage (found under any checkpoint / FSDP wrapping) wrapped for the microbatch's forward or
+    backward (the backward's recomputation, if any, must see the same exchange): Ulysses, or
+    all-gathered K/V (`kind="allgather"`, this rank `member` of the group) where Ulysses cannot split
+    the heads (systems/omni/llm_long_short.py)."""
     from omnibench.models.llm import Attention
 
     swapped = [m for m in stage.modules() if isinstance(m, Attention)]
     cores = [m.core for m in swapped]
     try:
         for m, core in zip(swapped, cores, strict=True):
-            inner = core.inner if isinstance(core, (UlyssesAttention, AllGatherKVAttention)) else core
-            m.core = AllGatherKVAttention(inner, group, k, member)
-        yield
-    finally:
-        for m, core in zip(swapped, cores, strict=True):
-            m.core = core
-
-
-@contextmanager
-def llm_ulysses(stage, group, k: int):
-    """Ulysses context parallelism for one LLM microbatch: every attention core of the stage (found
-    under any checkpoint / FSDP wrapping) wrapped for the microbatch's forward or backward (the
-    backward's recomputation, if any, must see the same exchange)."""
-    from omnibench.models.llm import Attention
-
-    swapped = [m for m in stage.modules() if isinstance(m, Attention)]
-    cores = [m.core for m in swapped]
-    try:
-        for m, core in zip(swapped, cores, strict=True):
-            # under the layout's own cp the core is already Ulysses over the cp group, whose ranks are
+            # under the layout's own cp the core already exchanges over the cp group, whose ranks are
             # members of this group too: the group's exchange replaces it (one degree, k = dp x cp ranks)
             inner = core.inner if isinstance(core, (UlyssesAttention, AllGatherKVAttention)) else core
-            m.core = UlyssesAttention(inner, group, k)
+            m.core = (AllGatherKVAttention(inner, group, k, member) if kind == "allgather"
+                      else UlyssesAttention(inner, group, k))
         yield
     finally:
         for m, core in zip(swapped, cores, strict=True):

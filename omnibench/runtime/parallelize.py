@@ -16,6 +16,8 @@ all-to-all dispatch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -112,6 +114,27 @@ def take_rows(x: torch.Tensor, chunk) -> torch.Tensor:
     return x[chunk[0] : chunk[1]]
 
 
+@functools.lru_cache(maxsize=64)
+def _allgather_layout(bounds: tuple[int, ...], tokens: int, k: int, member: int):
+    """(query segments, key segments as rows of the gathered K/V, their index) of `member`: per sequence
+    and piece of the member, the queries it holds and the sequence's keys up to the piece's end. The
+    same for every layer of a microbatch, so kept rather than rebuilt per attention call."""
+    order = torch.cat([zigzag_index(tokens, k, m) for m in range(k)])
+    where = torch.empty_like(order)
+    where[order] = torch.arange(tokens)  # row -> its place in the gathered tensor
+    cu_q, cu_k, keys, local = [0], [0], [], 0
+    for a, b in zigzag_rows(tokens, k, member):
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            lo, hi = max(a, s), min(b, e)
+            if lo >= hi:
+                continue
+            local += hi - lo
+            cu_q.append(local)
+            keys.append(where[s:hi])
+            cu_k.append(cu_k[-1] + hi - s)
+    return cu_q, cu_k, torch.cat(keys)
+
+
 class AllGatherKVAttention(nn.Module):
     """All-gather-KV context parallelism around a varlen attention core (Llama 3, sec. 3.3.2).
 
@@ -128,23 +151,7 @@ class AllGatherKVAttention(nn.Module):
         self.inner, self.group, self.k, self.member = inner, group, k, member
 
     def _layout(self, cu_seqlens: torch.Tensor, tokens: int):
-        """(query segments, key segments as rows of the gathered K/V, their index): per sequence and
-        piece of this member, the queries it holds and the sequence's keys up to the piece's end."""
-        order = torch.cat([zigzag_index(tokens, self.k, m) for m in range(self.k)])
-        where = torch.empty_like(order)
-        where[order] = torch.arange(tokens)  # row -> its place in the gathered tensor
-        bounds = cu_seqlens.tolist()
-        cu_q, cu_k, keys, local = [0], [0], [], 0
-        for a, b in zigzag_rows(tokens, self.k, self.member):
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-                lo, hi = max(a, s), min(b, e)
-                if lo >= hi:
-                    continue
-                local += hi - lo
-                cu_q.append(local)
-                keys.append(where[s:hi])
-                cu_k.append(cu_k[-1] + hi - s)
-        return cu_q, cu_k, torch.cat(keys)
+        return _allgather_layout(tuple(cu_seqlens.tolist()), tokens, self.k, self.member)
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen, causal):
         tokens = q.shape[0] * self.k

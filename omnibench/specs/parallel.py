@@ -150,8 +150,10 @@ class ParallelSpec:
 
     def check_runtime(self) -> None:
         """What only the simulator executes: refuse it before a real run starts."""
-        if self.cp > 1 and self.cp_kind == "ring":
-            raise SpecError("cp_kind=ring: the runtime runs Ulysses and all-gather-KV context parallelism "
+        from omnibench.plan import RUNTIME_CP_KINDS
+
+        if self.cp > 1 and self.cp_kind not in RUNTIME_CP_KINDS:
+            raise SpecError(f"cp_kind={self.cp_kind}: the runtime runs Ulysses and all-gather-KV context parallelism "
                             "(ring attention is simulated, not run)")
         if self.virtual_stages > 1:
             raise SpecError(f"virtual_stages={self.virtual_stages}: interleaved 1F1B is not supported by the runtime; "

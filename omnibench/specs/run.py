@@ -70,9 +70,11 @@ class RunSpec:
         if not isinstance(self.encoder_chunk_tokens, int) or self.encoder_chunk_tokens < -1:
             raise SpecError(f"encoder_chunk_tokens must be a positive token budget, 0 (off) or -1 (auto); "
                             f"got {self.encoder_chunk_tokens!r}")
-        if self.cp_kind not in ("ulysses", "allgather"):
-            raise SpecError(f"cp_kind must be ulysses or allgather (what the runtime runs; ring is simulated only); "
-                            f"got {self.cp_kind!r}")
+        from omnibench.plan import RUNTIME_CP_KINDS
+
+        if self.cp_kind not in RUNTIME_CP_KINDS:
+            raise SpecError(f"cp_kind must be one of {', '.join(RUNTIME_CP_KINDS)} (what the runtime runs; ring is "
+                            f"simulated only); got {self.cp_kind!r}")
         if self.dp_shard < -1:
             raise SpecError(f"dp_shard must be -1 (whole FSDP group), 0 (automatic) or a positive divisor of dp*cp; "
                             f"got {self.dp_shard!r}")

@@ -153,9 +153,9 @@ class OmniPlanner:
         the share (mixed_video). The batch is planned both ways and the split kept only where its
         estimated step is shorter by more than SPLIT_MARGIN."""
         plan = self._plan(model, parallel, batch, loading)
-        if not plan.notes["llm_long_short"]["long_samples"] or OmniOptions.parse(parallel.options).llm_split == "always":
+        if not plan.notes["llm_long_short"]["long_samples"] or plan.options["llm_split"] == "always":
             return plan
-        whole = self._plan(model, parallel, batch, loading, llm_split=False)
+        whole = self._plan(model, parallel, batch, loading, split_llm=False)
         est_split, est_whole = plan.notes["schedule"]["estimated_step_s"], whole.notes["schedule"]["estimated_step_s"]
         if est_split < (1 - SPLIT_MARGIN) * est_whole:
             plan.notes["llm_long_short"]["estimated_step_s"] = {"split": est_split, "whole": est_whole}
@@ -166,7 +166,7 @@ class OmniPlanner:
         return whole
 
     def _plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, loading: Loading | None = None,
-              llm_split: bool = True) -> Plan:
+              split_llm: bool = True) -> Plan:
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
@@ -218,7 +218,7 @@ class OmniPlanner:
         home = {i: d for d, shard in enumerate(shards) for i in shard}
 
         # -- LLM long / short (llm_long_short.py) ------------------------------------------------------
-        k_llm, llm_kind, k_why = (llm_group_size(model, parallel, llm) if opts.llm_long_short and llm_split
+        k_llm, llm_kind, k_why = (llm_group_size(model, parallel, llm) if opts.llm_long_short and split_llm
                                   else (1, "", "switched off" if not opts.llm_long_short else ""))
         llm_split = split_long_short(llm_cost, dp, k_llm, k_llm > 1)
         long_llm = list(llm_split.long)
