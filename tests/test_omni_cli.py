@@ -96,3 +96,13 @@ def test_plan_shows_the_llm_long_short_split_and_its_switch():
                     "--option", "llm_long_short=false")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["notes"]["llm_long_short"]["long_samples"] == []
+
+
+@pytest.mark.timeout(60)
+def test_plan_takes_the_cp_kind_and_a_bad_llm_split_is_a_one_line_error():
+    res = omnibench("plan", "--system", "homogeneous", "--nproc", "4", "--cp", "2", "--cp-kind", "allgather", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["layouts"]["llm"]["cp_kind"] == "allgather"
+    res = omnibench("plan", "--system", "omni", "--nproc", "4", "--option", "llm_split=sometimes")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode != 0 and len(lines) == 1 and "llm_split" in lines[0] and "auto, always" in lines[0], res.stderr
