@@ -152,10 +152,11 @@ class OmniPlanner:
         videos whose LLM sequence exceeds a data rank's share), not where a few samples just cross
         the share (mixed_video). The batch is planned both ways and the split kept only where its
         estimated step is shorter by more than SPLIT_MARGIN."""
-        plan = self._plan(model, parallel, batch, loading)
+        shared: dict = {}  # what both plans work out alike (costs, the loaders' exchange, prices)
+        plan = self._plan(model, parallel, batch, loading, shared=shared)
         if not plan.notes["llm_long_short"]["long_samples"] or plan.options["llm_split"] == "always":
             return plan
-        whole = self._plan(model, parallel, batch, loading, split_llm=False)
+        whole = self._plan(model, parallel, batch, loading, split_llm=False, shared=shared)
         est_split, est_whole = plan.notes["schedule"]["estimated_step_s"], whole.notes["schedule"]["estimated_step_s"]
         if est_split < (1 - SPLIT_MARGIN) * est_whole:
             plan.notes["llm_long_short"]["estimated_step_s"] = {"split": est_split, "whole": est_whole}
@@ -166,7 +167,12 @@ class OmniPlanner:
         return whole
 
     def _plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, loading: Loading | None = None,
-              split_llm: bool = True) -> Plan:
+              split_llm: bool = True, shared: dict | None = None) -> Plan:
+        """One step's Plan, with or without the LLM long-short split. `shared`: a dict the planning of one
+        batch hands to both of its plans, holding what does not depend on the split (the samples'
+        costs, the in-process loaders' exchange, the encoder SP groups and their prices): filled by the
+        first, read by the second."""
+        shared = {} if shared is None else shared
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
@@ -182,8 +188,11 @@ class OmniPlanner:
         samples = batch.samples
         ids = [s.sample_id for s in samples]
         by_id = {s.sample_id: s for s in samples}
-        llm_cost = {i: cm.llm(by_id[i]) for i in ids}
-        enc_cost = {m: {i: cm.encoder(by_id[i], m) for i in ids if by_id[i].encoder_seq_lens(m)} for m in model.encoders}
+        if "costs" not in shared:
+            shared["costs"] = ({i: cm.llm(by_id[i]) for i in ids},
+                               {m: {i: cm.encoder(by_id[i], m) for i in ids if by_id[i].encoder_seq_lens(m)}
+                                for m in model.encoders})
+        llm_cost, enc_cost = shared["costs"]
         active = active_encoders(model, batch)
         notes: dict = {"cost_model": cm.source}
 
@@ -193,18 +202,25 @@ class OmniPlanner:
         schemes: dict[str, list[tuple[str, int]]] = {}
         for m in model.encoders:
             sizes = _sp_sizes(model, parallel, m, layouts[m], opts)
-            sp_by_size[m] = {k: sp_groups(layouts[m], k) for k in sizes}
+            key = ("sp_groups", m, tuple(sizes))
+            if key not in shared:
+                shared[key] = {k: sp_groups(layouts[m], k) for k in sizes}
+            sp_by_size[m] = shared[key]
             wanted = "none" if not opts.long_short_sp else opts.encoder_sp_scheme
             group_schemes = [x for x in SCHEMES if x != "none"] if wanted == "auto" else [wanted]
             schemes[m] = ([("none", 1)] if wanted in ("auto", "none") or not sizes else []) + [
                 (x, k) for x in group_schemes if x != "none" for k in sizes]
-        exchange = GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute))
+        exchange = shared.get("exchange")
+        if exchange is None:
+            exchange = shared["exchange"] = GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute))
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp
         spec = self.loader_spec(model, parallel, len(ids), layouts)
         if loading is None:
-            loading = in_process_loading(spec, cm, samples)
+            loading = shared.get("loading")
+            if loading is None:
+                loading = shared["loading"] = in_process_loading(spec, cm, samples)
         elif sorted(i for shard in loading.shards for i in shard) != sorted(ids) or len(loading.shards) != dp:
             raise PlanError(f"loading: the loaders' shards do not cover this batch's {len(ids)} samples over dp={dp}")
         shards, before, after, traffic = loading.shards, loading.before, loading.after, loading.traffic
@@ -278,7 +294,7 @@ class OmniPlanner:
             # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
             credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
 
-        price_cache: dict[tuple[str, int], dict[int, float]] = {}
+        price_cache: dict[tuple[str, int], dict[int, float]] = shared.setdefault("prices", {})
 
         def priced(m: str, k: int) -> dict[int, float]:
             """Each sample's seconds on one rank (k = 1) or per member of a group of k (GroupCosts.cost)."""
