@@ -52,6 +52,12 @@ class SimOptions:
     # pipeline sends carry each tp rank's 1/tp of the activation (Megatron's scatter/gather optimisation,
     # Narayanan et al. SC'21 sec. 4.1; a sequence-parallel stage output), not the whole of it
     p2p_scatter_gather: bool = False
+    # under pipelining with FSDP (parameters kept gathered between microbatches), the schedule unshards
+    # a model chunk ahead of its first use: torch.distributed.pipelining's runtime inserts UNSHARD actions
+    # for the next stages (`_add_unshard_reshard`, max_active_stages 3) behind the current compute, so
+    # only the rank's first chunk of the step waits for its gather. Off: each chunk's first forward and
+    # first backward gather their first layer in line (this project's runtime)
+    pp_prefetch_unshard: bool = False
     # how MoE tokens reach their experts (simulator/collectives.py::expert_all_to_all): "alltoall" sends
     # every token copy on its own; "deepep" sends a token to each remote node once and forwards it over NVLink
     ep_dispatcher: str = "alltoall"

@@ -335,6 +335,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
         # ZeRO-3's stage3_prefetch_bucket_size and reduce_bucket_size defaults (DeepSpeed config docs)
         gather_bucket, reduce_bucket = 5e7, 5e8
     regather = row.stack == "deepspeed"
+    prefetch_unshard = False
     if row.stack in ("megatron", "deepspeed") and not hopper:
         attention = "unfused"
     elif row.stack in ("megatron", "nemo"):
@@ -343,6 +344,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
     elif row.stack == "torchtitan":
         kernels = "fused" if row.compiled else "eager"
         sp, tp_overlap, selective = tp, "asynctp" in notes, "half"
+        prefetch_unshard = True  # torch.distributed.pipelining unshards the next stages ahead
     elif row.stack == "fsdp":
         reduce_every = True
     elif row.stack == "other":
@@ -354,6 +356,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
                       selective=selective, fsdp_reduce_every_microbatch=reduce_every,
                       fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket, gather_for_recompute=regather,
                       p2p_scatter_gather=True, memory_stack=published_memory_stack(row),
+                      pp_prefetch_unshard=prefetch_unshard,
                       ep_dispatcher="deepep" if "dispatcher deepep" in notes else "alltoall")
 
 
@@ -425,16 +428,17 @@ class PublishedCheck:
 
 
 def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, stack: str | None = None,
-              gpu: dict | None = None) -> PublishedCheck:
+              gpu: dict | None = None, sim: dict | None = None) -> PublishedCheck:
     """Simulate one row. `kernels`: a kernel profile for the row's hardware instead of its preset's
     ("none": the datasheet roofline fallback); `stack`: eager|fused for every row instead of the
-    row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies).
+    row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies);
+    `sim`: SimOptions fields to change on the row's stack rule (sensitivity studies).
 
     A run that ran but does not fit with the fill rule's choices of its unpublished fields is
     simulated with what a user of the stack would have run instead: among the unpublished DP mode
     (DDP or the distributed optimizer, ZeRO-1) and recomputation (the fill rule's or heavier), the
     fastest choice that fits. The check says so (`filled`, `fit_message`, the table's fits column)."""
-    check = _check_row(row, calibration, kernels, stack, gpu)
+    check = _check_row(row, calibration, kernels, stack, gpu, sim)
     if check.fits:
         return check
     dp_modes = [row.dp_mode] + (["zero1"] if "dp_mode" in row.unpublished and row.dp_mode == "ddp" else [])
@@ -445,7 +449,7 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
         for mode in recomputes:
             if (dp_mode, mode) == (row.dp_mode, row.recompute):
                 continue
-            tried = _check_row(replace(row, dp_mode=dp_mode, recompute=mode), calibration, kernels, stack, gpu)
+            tried = _check_row(replace(row, dp_mode=dp_mode, recompute=mode), calibration, kernels, stack, gpu, sim)
             if tried.fits and (best is None or tried.simulated_s < best[0].simulated_s):
                 best = (tried, dp_mode, mode)
     if best is None:
@@ -460,7 +464,7 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
     return tried
 
 
-def _check_row(row: PublishedRun, calibration, kernels, stack, gpu) -> PublishedCheck:
+def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None) -> PublishedCheck:
     from simulator.engine import simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
@@ -478,7 +482,7 @@ def _check_row(row: PublishedRun, calibration, kernels, stack, gpu) -> Published
     spec = get_workload("pretrain_2048") if row.seq == 2048 else fixed_text_workload(row.seq)
     stream = WorkloadStream(spec, seed=0, global_batch_tokens=row.global_batch * row.seq)
     plan = get_planner("homogeneous").plan(model, parallel, stream.batch(0))
-    res = simulate(plan, model, cluster, calibration=calibration, options=options_of(row, stack))
+    res = simulate(plan, model, cluster, calibration=calibration, options=replace(options_of(row, stack), **(sim or {})))
     return PublishedCheck(row=row, measured_s=measured(row, cluster.gpu.peak_tflops), simulated_s=res.step_time,
                           fits=res.fits, fit_message=res.fit_message, peak_memory_gib=res.peak_memory / 2**30,
                           mfu=res.mfu, hfu_tflops=res.hardware_tflops_per_gpu,
