@@ -95,7 +95,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self.index = {m: LayoutIndex(lay) for m, lay in plan.layouts.items()}
         self._work_cache: dict = {}
         self._gathered: set = set()
-        self._first_gather: dict[int, tuple] = {}  # rank -> its step's first gathering action
+        self._gathered_ranks: set[int] = set()  # ranks whose step has had its first gathering action
         self._member_cache: dict = {}
         self._loader_groups: dict[tuple, tuple[int, ...]] = {}
         self._edp_cache: dict = {}

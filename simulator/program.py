@@ -197,7 +197,7 @@ class ProgramMixin:
                 if self.coll.inline_overlap:
                     # the last layer's reduce-scatter finishes after the backward's compute; the first
                     # layer's gather is exposed unless the pipeline schedule unshards the chunk ahead
-                    first = 0.0 if self._unshard_prefetched(rank, a) else reps * g
+                    first = 0.0 if self._unshard_prefetched(rank) else reps * g
                     exposed += first + (reps * n - reps) * max(0.0, g + r - own / (reps * n)) + r
                 else:
                     exposed += reps * calls * g
@@ -245,15 +245,16 @@ class ProgramMixin:
         default = self.plan.layouts["llm"].pp == 1 if "llm" in self.plan.layouts else True
         return bool(self.plan.options.get("reshard_after_forward", default))
 
-    def _unshard_prefetched(self, rank: int, a: Action) -> bool:
+    def _unshard_prefetched(self, rank: int) -> bool:
         """Whether a pipeline schedule that unshards chunks ahead (SimOptions.pp_prefetch_unshard) has
         this gather done before the action starts: every gathering action of the rank's step but its
-        first (which nothing precedes to hide it behind)."""
+        first (which nothing precedes to hide it behind). Asked once per gathering action (`_gathers`)."""
         if not self.options.pp_prefetch_unshard or self.reshard_after_forward:
             return False
-        if rank not in self._first_gather:
-            self._first_gather[rank] = (a.module, a.stage, a.kind, a.microbatch)
-        return self._first_gather[rank] != (a.module, a.stage, a.kind, a.microbatch)
+        if rank in self._gathered_ranks:
+            return True
+        self._gathered_ranks.add(rank)
+        return False
 
     def _gathers(self, rank: int, module: str, a: Action) -> bool:
         """Whether this compute action all-gathers its FSDP parameters: every action when FSDP

@@ -173,6 +173,13 @@ class OmniPlanner:
         costs, the in-process loaders' exchange, the encoder SP groups and their prices): filled by the
         first, read by the second."""
         shared = {} if shared is None else shared
+
+        def once(key, make):
+            """`make()`, worked out by the first of the batch's plans and read by the second."""
+            if key not in shared:
+                shared[key] = make()
+            return shared[key]
+
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
@@ -188,11 +195,9 @@ class OmniPlanner:
         samples = batch.samples
         ids = [s.sample_id for s in samples]
         by_id = {s.sample_id: s for s in samples}
-        if "costs" not in shared:
-            shared["costs"] = ({i: cm.llm(by_id[i]) for i in ids},
-                               {m: {i: cm.encoder(by_id[i], m) for i in ids if by_id[i].encoder_seq_lens(m)}
-                                for m in model.encoders})
-        llm_cost, enc_cost = shared["costs"]
+        llm_cost, enc_cost = once("costs", lambda: (
+            {i: cm.llm(by_id[i]) for i in ids},
+            {m: {i: cm.encoder(by_id[i], m) for i in ids if by_id[i].encoder_seq_lens(m)} for m in model.encoders}))
         active = active_encoders(model, batch)
         notes: dict = {"cost_model": cm.source}
 
@@ -202,25 +207,18 @@ class OmniPlanner:
         schemes: dict[str, list[tuple[str, int]]] = {}
         for m in model.encoders:
             sizes = _sp_sizes(model, parallel, m, layouts[m], opts)
-            key = ("sp_groups", m, tuple(sizes))
-            if key not in shared:
-                shared[key] = {k: sp_groups(layouts[m], k) for k in sizes}
-            sp_by_size[m] = shared[key]
+            sp_by_size[m] = once(("sp_groups", m), lambda m=m, sizes=sizes: {k: sp_groups(layouts[m], k) for k in sizes})
             wanted = "none" if not opts.long_short_sp else opts.encoder_sp_scheme
             group_schemes = [x for x in SCHEMES if x != "none"] if wanted == "auto" else [wanted]
             schemes[m] = ([("none", 1)] if wanted in ("auto", "none") or not sizes else []) + [
                 (x, k) for x in group_schemes if x != "none" for k in sizes]
-        exchange = shared.get("exchange")
-        if exchange is None:
-            exchange = shared["exchange"] = GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute))
+        exchange = once("exchange", lambda: GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute)))
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp
         spec = self.loader_spec(model, parallel, len(ids), layouts)
         if loading is None:
-            loading = shared.get("loading")
-            if loading is None:
-                loading = shared["loading"] = in_process_loading(spec, cm, samples)
+            loading = once("loading", lambda: in_process_loading(spec, cm, samples))
         elif sorted(i for shard in loading.shards for i in shard) != sorted(ids) or len(loading.shards) != dp:
             raise PlanError(f"loading: the loaders' shards do not cover this batch's {len(ids)} samples over dp={dp}")
         shards, before, after, traffic = loading.shards, loading.before, loading.after, loading.traffic
@@ -294,7 +292,7 @@ class OmniPlanner:
             # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
             credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
 
-        price_cache: dict[tuple[str, int], dict[int, float]] = shared.setdefault("prices", {})
+        price_cache: dict[tuple[str, int], dict[int, float]] = once("prices", dict)
 
         def priced(m: str, k: int) -> dict[int, float]:
             """Each sample's seconds on one rank (k = 1) or per member of a group of k (GroupCosts.cost)."""
