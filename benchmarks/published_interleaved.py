@@ -42,7 +42,16 @@ def main() -> None:
     ap.add_argument("--unshard", choices=("row", "off", "on", "both"), default="row",
                     help="FSDP chunks unsharded ahead by the schedule: the row's stack rule, off, on, or both")
     args = ap.parse_args()
-    wanted = [int(v) for v in args.vpp.split(",")] if args.vpp else None
+    try:
+        wanted = [int(v) for v in args.vpp.split(",")] if args.vpp else None
+    except ValueError:
+        wanted = [0]
+    if wanted is not None and min(wanted) < 1:
+        ap.error(f"--vpp: positive integers separated by commas (e.g. 1,2,4), got {args.vpp!r}")
+    try:
+        re.compile(args.rows)
+    except re.error as e:
+        ap.error(f"--rows: not a regular expression ({e})")
     modes = {"row": [None], "off": [False], "on": [True], "both": [False, True]}[args.unshard]
     print(f"{'row':34s} {'GPUs':>6} {'pp':>3} {'vpp':>3} {'unshard':>8} {'published s':>11} {'simulated s':>11} "
           f"{'error':>7} {'bubble':>7} {'exposed':>7} {'fits':>4}")
