@@ -70,10 +70,15 @@ def plain_stack(llm, layers: int, compile: bool, dtype=torch.bfloat16) -> tuple[
     return emb, blocks, norm, head
 
 
-def time_plain(llm, layers, seq, tokens, steps, compile, autocast: bool = False) -> dict:
+def time_plain(llm, layers, seq, tokens, steps, compile, autocast: bool = False, optimizer: bool = False) -> dict:
     """`autocast`: fp32 weights cast per op to bf16, as the harness holds them on one rank (no FSDP),
-    instead of bf16 weights: how much of the gap that arrangement alone explains."""
+    instead of bf16 weights: how much of the gap that arrangement alone explains. `optimizer`: the
+    step ends with fused AdamW over fp32 weights (an fp32 master per bf16 weight, its gradient cast to
+    fp32, the master copied back to the bf16 weight after the step), the whole training step."""
     emb, blocks, norm, head = plain_stack(llm, layers, compile, torch.float32 if autocast else torch.bfloat16)
+    params = [p for m in (emb, blocks, norm, head) for p in m.parameters()]
+    masters = params if autocast else [p.detach().float().requires_grad_() for p in params]
+    adamw = torch.optim.AdamW(masters, lr=1e-5, weight_decay=0.0, fused=True) if optimizer else None
     n = tokens // seq
     ids = torch.randint(0, llm.vocab - 3, (tokens,), device="cuda")
     labels = torch.roll(ids, -1)
@@ -88,6 +93,19 @@ def time_plain(llm, layers, seq, tokens, steps, compile, autocast: bool = False)
                 x = b(x, cos, sin, cu, seq)
             ce, count = linear_cross_entropy(norm(x), head.weight, labels)
         (ce / count).backward()
+        if adamw is not None:
+            if not autocast:
+                for p, m in zip(params, masters, strict=True):
+                    m.grad = p.grad.float()
+                    p.grad = None
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
+            if not autocast:
+                with torch.no_grad():
+                    torch._foreach_copy_(params, masters)
+        else:
+            for p in params:
+                p.grad = None
 
     for _ in range(3):
         step()
@@ -102,7 +120,7 @@ def time_plain(llm, layers, seq, tokens, steps, compile, autocast: bool = False)
     return {"step_s": dt, "tflops": tflops, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def time_harness(model: str, seq, tokens, steps, compile, recompute) -> dict:
+def time_harness(model: str, seq, tokens, steps, compile, recompute, mixed_precision: str = "autocast") -> dict:
     n = tokens // seq
     samples = [{"sample_id": i, "source": "fixed", "segments": [{"modality": "text", "llm_tokens": seq}]}
                for i in range(n)]
@@ -112,7 +130,7 @@ def time_harness(model: str, seq, tokens, steps, compile, recompute) -> dict:
             json.dump([{"step": i, "samples": samples} for i in range(steps)], f)  # the same batch every step
         cmd = [sys.executable, "-m", "omnibench", "run", "--system", "homogeneous", "--model", model,
                "--nproc", "1", "--steps", str(steps), "--batches-file", batches, "--recompute", recompute,
-               "--out", os.path.join(tmp, "run"), "--json"] + (["--compile"] if compile else [])
+               "--out", os.path.join(tmp, "run"), "--json", "--mixed-precision", mixed_precision] + (["--compile"] if compile else [])
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
@@ -139,6 +157,10 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--autocast-plain", action="store_true",
                     help="also time the plain stack with fp32 weights under autocast (the harness's one-rank arrangement)")
+    ap.add_argument("--optimizer", action="store_true",
+                    help="also time both plain stacks' whole training step (fused AdamW over fp32 weights) and the "
+                         "harness under --mixed-precision master (bf16 weights, fp32 master): issue 23 item 1's "
+                         "whole step against whole step")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_llm_stack needs a CUDA GPU")
@@ -161,13 +183,24 @@ def main() -> None:
         plain = time_plain(llm, a.layers, a.seq, a.tokens, a.steps, compile)
         torch.cuda.empty_cache()
         row = {"compile": compile, "plain": plain}
+        rows.append(row)  # filled part by part, saved after each
         if a.autocast_plain:
             torch.cuda.reset_peak_memory_stats()
             row["plain_autocast"] = time_plain(llm, a.layers, a.seq, a.tokens, a.steps, compile, autocast=True)
             torch.cuda.empty_cache()
-        row["harness"] = time_harness(model, a.seq, a.tokens, a.steps + 1, compile, a.recompute)
-        rows.append(row)
+        if a.optimizer:
+            for key, ac in (("plain_step", False), ("plain_autocast_step", True)):
+                if ac and not a.autocast_plain:
+                    continue
+                torch.cuda.reset_peak_memory_stats()
+                row[key] = time_plain(llm, a.layers, a.seq, a.tokens, a.steps, compile, autocast=ac, optimizer=True)
+                torch.cuda.empty_cache()
         save()
+        row["harness"] = time_harness(model, a.seq, a.tokens, a.steps + 1, compile, a.recompute)
+        save()
+        if a.optimizer:
+            row["harness_master"] = time_harness(model, a.seq, a.tokens, a.steps + 1, compile, a.recompute, "master")
+            save()
         print(f"compile={compile}: plain {plain['tflops']:.1f} TFLOP/s"
               + (f", plain under autocast {row['plain_autocast']['tflops']:.1f}" if a.autocast_plain else "")
               + (f", harness {row['harness']['tflops']:.1f}" if "error" not in row["harness"] else
@@ -185,6 +218,20 @@ def main() -> None:
         print(f"{r['compile']!s:>8} {p['tflops']:14.1f} {p['tflops'] / peak:10.1%} {h['tflops']:16.1f} "
               f"{h['tflops'] / peak:12.1%} {h['tflops'] / p['tflops']:6.2f} {h['fwd_bwd_tflops'] / peak:12.1%} "
               f"{h['fwd_bwd_tflops'] / p['tflops']:6.2f}")
+    if a.optimizer:
+        print("whole training steps (AdamW over fp32 weights included), TFLOP/s and MFU; ratios to the plain bf16 stack's")
+        for r in rows:
+            base = r["plain_step"]["tflops"]
+            parts = [("plain bf16 + fp32 master", r["plain_step"]), ("plain fp32 under autocast", r.get("plain_autocast_step")),
+                     ("harness autocast", r["harness"]), ("harness master", r.get("harness_master"))]
+            for name, m in parts:
+                if m is None:
+                    continue
+                if "error" in m:
+                    print(f"  compile={r['compile']!s:5} {name:28} failed: {m['error']}")
+                    continue
+                print(f"  compile={r['compile']!s:5} {name:28} {m['tflops']:7.1f} {m['tflops'] / peak:7.1%} "
+                      f"{m['tflops'] / base:6.3f}  step {m['step_s'] * 1e3:7.1f} ms  peak {m['peak_gib']:5.1f} GiB")
 
 
 if __name__ == "__main__":

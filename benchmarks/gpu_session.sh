@@ -42,7 +42,9 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there 
 # PARTS (space separated, in order) picks what one call runs; the default is what the records still
 # lack (session 10: the NCCL communicators' memory as a committed script, the chunked step again after
 # its host synchronisations were removed, the compiled LLM stack). Earlier sessions' parts stay callable.
-PARTS=${PARTS:-"facts nccl_memory chunk_profile llm_stack_compile"}
+# Session 14: the all-gather-KV attention kernels, the LLM-only whole step under --mixed-precision master
+# against the plain stack's whole step, the same pair on mixed_video; then what session 10 left.
+PARTS=${PARTS:-"facts allgather_attention llm_stack_master mixed_master chunk_profile nccl_memory"}
 for p in $PARTS; do
   case $p in
   facts) part facts 30 bash -c 'nvidia-smi; python3 -c "
@@ -74,6 +76,14 @@ print(\"after a first matmul: in use\", total - free, \"reserved\", torch.cuda.m
     --chunk-workloads mixed_video --cells homogeneous:text_only,omni:mixed_video,omni:omni_av,omni:image_sft ;;
   allocator_expandable) part allocator_expandable 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     python3 benchmarks/gpu_allocator.py --cases mm --out "$W/allocator-expandable" ;;
+  allgather_attention) part allgather_attention 90 python3 benchmarks/gpu_allgather_attention.py \
+    --out "$W/allgather_attention" ;;
+  llm_stack_master) part llm_stack_master 270 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 \
+    --tokens 16384 --steps 8 --autocast-plain --optimizer --out "$W/llm_stack_master" ;;
+  # one system, the CUDA default model, both ways of holding the weights, the recompute the check picked before
+  mixed_master) part mixed_master 220 bash -c 'for mp in autocast master; do python3 -m omnibench run \
+    --system colocated --workload mixed_video --steps 5 --recompute full --mixed-precision $mp \
+    --out '"$W"'/gpu/runs/colocated-mixed_video-$mp --json || exit; done' ;;
   # torch.compile of the plain stack and the harness took more than 3 minutes on an H100 (2026-11-27)
   llm_stack_compile) part llm_stack_compile 330 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 \
     --tokens 16384 --steps 8 --compile-only --out "$W/llm_stack_compile" ;;

@@ -129,6 +129,10 @@ def register(app: typer.Typer) -> None:
         length_scale: float = typer.Option(0.0, "--length-scale"),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16"),
+        mixed_precision: str = typer.Option(
+            "autocast", "--mixed-precision",
+            help="bf16 runs, modules FSDP does not shard (one rank, DDP): autocast (fp32 weights cast per op, "
+                 "torchtitan without FSDP) | master (bf16 weights, fp32 master and gradients in the optimizer)"),
         out: str = typer.Option("", "--out", help="record folder (default results/runs/<time>-<system>-<workload>)"),
         batches_file: str = typer.Option("", "--batches-file", help="replay batches from a JSON file"),
         timeout: float = typer.Option(120.0, "--timeout", help="seconds any wait may take: collectives, loaders"),
@@ -173,7 +177,7 @@ def register(app: typer.Typer) -> None:
         _check_out(out)
         spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
                        global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
-                       out=out,
+                       mixed_precision=mixed_precision, out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
                        dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
                        encoder_chunk_tokens=chunk, cp_kind=cp_kind,

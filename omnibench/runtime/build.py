@@ -161,34 +161,43 @@ class BuildMixin:
 
     def _make_optimizers(self, optimizer: str, lr: float):
         """The rank's optimizers: a ZeRO-sharded state (zero.py) for every module whose layout asks
-        for ZeRO-1/2 over a data-parallel group of more than one rank, one plain optimizer for the
-        rest (and for experts split over ep, which keep their own reduction)."""
+        for ZeRO-1/2 over a data-parallel group of more than one rank; under `--mixed-precision master`
+        in a bf16 run, bf16 weights with an fp32 master (master.py) for every other module FSDP does
+        not hold; one plain optimizer for the rest (and for experts split over ep, which keep their
+        own reduction)."""
+        from omnibench.runtime.master import MasterWeights
         from omnibench.runtime.zero import Optimizers, ShardedState
 
-        sharded, plain = {}, []
+        states, plain = {}, []
         experts = {id(p) for p in getattr(self, "expert_params", [])}
+        master = self.mixed_precision == "master" and self.dtype != torch.float32
         for name, module in self.modules.items():
             lay = self.layouts[name]
             group, ranks = self.groups.mine.get((name, "dpcp" if name == "llm" else "dp"), (None, ()))
             params = list(module.parameters())
+            dense = [p for p in params if id(p) not in experts]
             if lay.zero and not self.fsdp.get(name) and len(ranks) > 1:
-                dense = [p for p in params if id(p) not in experts]
                 replicate, across = None, ""
                 if lay.hybrid:  # sharded within the shard group, replicated across the groups
                     group, ranks = self.groups.get(name, "dp_shard")
                     replicate, reps = self.groups.get(name, "dp_replicate")
                     across = f", replicated across {len(reps)} shard groups"
                 # bf16 runs hold the replicated weights in bf16, the fp32 master in the shards
-                sharded[name] = ShardedState(name, dense, group, lay.zero, optimizer, lr, param_dtype=self.dtype,
-                                             replicate=replicate)
+                states[name] = ShardedState(name, dense, group, lay.zero, optimizer, lr, param_dtype=self.dtype,
+                                            replicate=replicate)
                 self.notes.append(f"{name}: ZeRO-{lay.zero}, optimizer state{' and gradients' if lay.zero == 2 else ''} "
                                   f"sharded over {len(ranks)} data-parallel ranks{across}, weights replicated")
                 plain += [p for p in params if id(p) in experts]
+            elif master and not self.fsdp.get(name) and dense:
+                states[name] = MasterWeights(name, dense, group if len(ranks) > 1 else None, optimizer, lr,
+                                             param_dtype=self.dtype)
+                self.notes.append(f"{name}: bf16 weights, fp32 master and main gradients in the optimizer")
+                plain += [p for p in params if id(p) in experts]
             else:
                 plain += params
-        if not sharded:
+        if not states:
             return make_optimizer(optimizer, plain, lr) if plain else None
-        return Optimizers(make_optimizer(optimizer, plain, lr) if plain else None, sharded)
+        return Optimizers(make_optimizer(optimizer, plain, lr) if plain else None, states)
 
     def _ac_and_compile(self, module: nn.Module, name: str) -> None:
         """Between the TP/CP/EP swaps and FSDP, as torchtitan orders them (parallelize.py)."""

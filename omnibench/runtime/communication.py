@@ -88,7 +88,8 @@ class CommunicationMixin:
     def _grad_sync(self, a: Action) -> None:
         """FSDP2 reduce-scattered in the last microbatch's backward; without FSDP the gradients are
         summed here: experts over the ranks holding the same experts, the rest over dp (x cp), by
-        an all-reduce (DDP) or, under ZeRO-1/2, a reduce-scatter into each rank's slice (zero.py)."""
+        an all-reduce (DDP; of the fp32 main gradients under `--mixed-precision master`, master.py) or,
+        under ZeRO-1/2, a reduce-scatter into each rank's slice (zero.py)."""
         module = self.modules.get(a.module)
         if module is None:
             return
@@ -96,9 +97,9 @@ class CommunicationMixin:
         g, ranks = self.groups.mine.get((a.module, dim), (None, ()))
         experts = self.expert_params if a.module == "llm" else []
         expert_ids = {id(p) for p in experts}
-        zero = getattr(self.optimizer, "sharded", {}).get(a.module)
-        if zero is not None:
-            zero.reduce()
+        held = getattr(self.optimizer, "states", {}).get(a.module)
+        if held is not None:  # ZeRO's reduce-scatter, or the fp32 main gradients' all-reduce
+            held.reduce()
         elif not self.fsdp.get(a.module) and len(ranks) > 1:
             # One flat all-reduce (DDP-style bucket; a tensor-parallel DTensor gradient goes in through
             # its local shard): per-tensor calls each pay the collective's latency.

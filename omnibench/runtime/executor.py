@@ -91,8 +91,10 @@ class StepState:
 class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMixin):
     def __init__(self, model_spec: MultimodalSpec, first_plan: Plan, rank: int, device: torch.device,
                  dtype: torch.dtype, seed: int, lr: float, timeout, optimizer: str = "adamw",
-                 recompute: str = "none", compile: bool = False, encoder_chunk_tokens: int = 0):
+                 recompute: str = "none", compile: bool = False, encoder_chunk_tokens: int = 0,
+                 mixed_precision: str = "autocast"):
         self.spec = model_spec
+        self.mixed_precision = mixed_precision  # modules FSDP does not hold: runtime/master.py
         from omnibench.specs.costs import recompute_policy
 
         self.recompute, self.compile = recompute_policy(recompute), compile
@@ -126,7 +128,7 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             else:
                 self._build_encoder(name, getattr(full, name), lay, dev)
         del full
-        self.optimizer = self._make_optimizers(optimizer, lr)  # ZeRO-sharded modules: runtime/zero.py
+        self.optimizer = self._make_optimizers(optimizer, lr)  # ZeRO: runtime/zero.py; fp32 masters: master.py
         self.spans: list[Span] = []
 
     def run_step(self, plan: Plan, global_loss_tokens: int, t0: float,
@@ -185,8 +187,10 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
         return float(self.state.loss_sum)
 
     def _autocast(self, a: Action):
-        """bf16 compute for modules FSDP does not hold (one rank, --no-fsdp): their weights stay fp32
-        and autocast casts per op, as torchtitan does without FSDP; FSDP's own policy does the rest."""
+        """bf16 compute for modules FSDP does not hold (one rank, --no-fsdp): under
+        `--mixed-precision autocast` their weights stay fp32 and autocast casts per op, as torchtitan
+        does without FSDP; ZeRO's and `master`'s weights are bf16 already and autocast only casts what
+        comes in fp32 (pixels, features). FSDP's own policy does the rest."""
         if a.kind != FORWARD or self.dtype == torch.float32 or self.fsdp.get(a.module):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
@@ -233,9 +237,12 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
                 if isinstance(m, ExpertParallel):
                     shards[f"{mname}.local."] = m.first_expert
         out = {}
+        masters = {}  # bf16 weights with an fp32 master: the master is what the optimizer stepped
+        for state in getattr(self.optimizer, "states", {}).values():
+            masters.update(getattr(state, "full_tensors", dict)())
         for name, module in self.modules.items():
             for pname, p in module.named_parameters():
-                t = p.full_tensor() if hasattr(p, "full_tensor") else p
+                t = p.full_tensor() if hasattr(p, "full_tensor") else masters.get(id(p), p)
                 ref = _reference_name(name, pname)
                 for prefix, first in shards.items():
                     if pname.startswith(prefix):

@@ -65,7 +65,9 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str, store=None) -> 
     # Step 0 planned in one process gives the layouts the runtime builds once.
     first = planner.plan(model, parallel, next_batch(0))
     ex = Executor(model, first, rank, device, dtype, spec.seed, spec.lr, timeout, spec.optimizer,
-                  recompute=spec.recompute, compile=spec.compile, encoder_chunk_tokens=max(0, spec.encoder_chunk_tokens))  # -1: auto, settled before launch
+                  recompute=spec.recompute, compile=spec.compile,
+                  encoder_chunk_tokens=max(0, spec.encoder_chunk_tokens),  # -1: auto, settled before launch
+                  mixed_precision=spec.mixed_precision)
     # Systems whose loaders exchange metadata (omni) plan every step from that real exchange.
     exchange = (LoaderExchange(planner, model, parallel, first.layouts, rank, timeout)
                 if hasattr(planner, "loader_spec") else None)

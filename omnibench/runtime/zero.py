@@ -168,21 +168,23 @@ class ShardedState:
 
 
 class Optimizers:
-    """The optimizers of one rank: ZeRO-sharded modules each with their own state, everything else
-    under one plain optimizer. Stepped and cleared together (the executor's optimizer_step)."""
+    """The optimizers of one rank: each module whose training state is held apart (ZeRO-sharded,
+    `ShardedState`; bf16 weights with an fp32 master, master.py `MasterWeights`) with its own state,
+    everything else under one plain optimizer. Stepped and cleared together (the executor's
+    optimizer_step); grad_sync reduces a held-apart module through its state's `reduce`."""
 
-    def __init__(self, plain: torch.optim.Optimizer | None, sharded: dict[str, ShardedState]):
+    def __init__(self, plain: torch.optim.Optimizer | None, states: dict):
         self.plain = plain
-        self.sharded = sharded
+        self.states = states
 
     def step(self) -> None:
         if self.plain is not None:
             self.plain.step()
-        for s in self.sharded.values():
+        for s in self.states.values():
             s.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.plain is not None:
             self.plain.zero_grad(set_to_none=set_to_none)
-        for s in self.sharded.values():
+        for s in self.states.values():
             s.zero_grad()

@@ -8,6 +8,7 @@ from omnibench.specs.model import SpecError
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
+MIXED_PRECISION = ("autocast", "master")  # omnibench/runtime/master.py (no torch import here)
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -42,6 +43,10 @@ class RunSpec:
     dp_shard: int = 0  # HSDP shard group size (ParallelSpec.dp_shard); 0 = automatic, -1 = whole group
     device: str = "auto"
     dtype: str = "auto"
+    # how a bf16 run holds the weights of a module FSDP does not shard (one rank, DDP; omnibench/runtime/
+    # master.py): autocast (fp32 weights cast per op, torchtitan without FSDP) | master (bf16 weights,
+    # an fp32 master copy and main gradients in the optimizer, Megatron-LM's mixed precision)
+    mixed_precision: str = "autocast"
     lr: float = 1e-3
     optimizer: str = "adamw"  # "adamw" | "sgd"
     global_batch_tokens: int = 0  # 0: a size that keeps steps short on the device
@@ -89,6 +94,8 @@ class RunSpec:
             raise SpecError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise SpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
         if self.optimizer not in OPTIMIZERS:
             raise SpecError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
         if self.lr <= 0:

@@ -1,0 +1,132 @@
+"""`--mixed-precision master` (omnibench/runtime/master.py): a module FSDP does not shard keeps bf16
+weights and its fp32 master and main gradients in the optimizer. The step is AdamW on the fp32 master
+over the gradients of every microbatch summed in fp32 (not in bf16), the weights are the master
+rounded to bf16 after every step, and under DDP the fp32 main gradients are what is all-reduced; whole
+runs (one rank and DDP over 2 gloo ranks, bf16 on CPU) train as the autocast arrangement does."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from parity import Run, make_batches, reference, run_all
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _toy(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def _data(step: int, part: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + part)
+    return torch.randn(4, 5, generator=g)
+
+
+def _expected(parts: list[list[int]], steps: int = 3) -> list[torch.Tensor]:
+    """By hand: per step, the bf16 model (the fp32 master rounded) runs every part's data; the bf16
+    gradients are summed in fp32; fp32 AdamW steps the master."""
+    master = _toy()
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    for step in range(steps):
+        low = _toy().to(torch.bfloat16)
+        with torch.no_grad():
+            for w, m in zip(low.parameters(), master.parameters(), strict=True):
+                w.copy_(m)
+        total = [torch.zeros_like(p) for p in master.parameters()]
+        for part in parts[step]:
+            low.zero_grad(set_to_none=True)
+            low(_data(step, part).to(torch.bfloat16)).float().pow(2).sum().backward()
+            for t, w in zip(total, low.parameters(), strict=True):
+                t += w.grad.float()
+        for p, t in zip(master.parameters(), total, strict=True):
+            p.grad = t
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in master.parameters()]
+
+
+def test_microbatches_accumulate_in_fp32_and_the_weights_are_the_rounded_master():
+    from omnibench.runtime.master import MasterWeights
+
+    model = _toy()
+    state = MasterWeights("toy", list(model.parameters()), None, "adamw", 1e-2)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(m.dtype == torch.float32 for m in state.master)
+    parts = [[0, 1, 2]] * 3
+    for step in range(3):
+        for part in parts[step]:
+            model(_data(step, part).to(torch.bfloat16)).float().pow(2).sum().backward()
+        assert all(p.grad is None for p in model.parameters())  # moved into the fp32 main gradients
+        assert all(g.dtype == torch.float32 for g in state.main)
+        state.reduce()  # a group of one: nothing to reduce
+        state.step()
+    want = _expected(parts)
+    for m, w, p in zip(state.master, want, model.parameters(), strict=True):
+        assert torch.allclose(m, w, atol=1e-6), (m - w).abs().max()
+        assert torch.equal(p, m.to(torch.bfloat16))
+    assert all(g is None for g in state.main)
+
+
+def test_a_module_without_gradients_is_not_stepped():
+    from omnibench.runtime.master import MasterWeights
+
+    model = _toy()
+    state = MasterWeights("toy", list(model.parameters()), None, "adamw", 1e-2)
+    before = [m.detach().clone() for m in state.master]
+    state.reduce()
+    state.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, state.master, strict=True))
+
+
+def _ddp_worker(rank: int, world: int, init: str, out: str) -> None:
+    from omnibench.runtime.master import MasterWeights
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    model = _toy()
+    state = MasterWeights("toy", list(model.parameters()), dist.group.WORLD, "adamw", 1e-2)
+    for step in range(3):
+        model(_data(step, rank).to(torch.bfloat16)).float().pow(2).sum().backward()
+        state.reduce()
+        state.step()
+    torch.save([m.detach() for m in state.master], os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_all_reduces_the_fp32_main_gradients():
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{os.path.join(out, 'store')}"
+        mp.spawn(_ddp_worker, args=(2, init, out), nprocs=2, join=True)
+        got = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    want = _expected([[0, 1]] * 3)
+    for r in range(2):
+        for m, w in zip(got[r], want, strict=True):
+            assert torch.allclose(m, w, atol=1e-6), (r, (m - w).abs().max())
+
+
+@pytest.mark.xdist_group("runtime_master")
+def test_whole_runs_train_like_autocast(tmp_path):
+    """Homogeneous without FSDP on 2 gloo ranks (DDP), bf16: the master arrangement's losses and final
+    (master) parameters stay within bf16 noise of the autocast arrangement's and of the fp32 reference,
+    and the run says which modules it held so."""
+    batches = make_batches()
+    runs = [Run(mp_, "homogeneous", "tiny-omni", batches,
+                {"fsdp": False, "dtype": "bf16", "mixed_precision": mp_}) for mp_ in ("autocast", "master")]
+    res = run_all(tmp_path, runs, nproc=2)
+    ref_losses, ref_params = reference("tiny-omni", batches)
+    (la, pa), (lm, pm) = res["autocast"].get(), res["master"].get()
+    for a, m, r in zip(la, lm, ref_losses, strict=True):
+        assert abs(m - a) < 2e-2 and abs(m - r) < 3e-2, (a, m, r)
+    off = max((ref_params[k] - v).abs().max().item() for k, v in pm.items())
+    assert off < 1e-2  # Adam's steps are ~lr = 1e-3 each: within a few steps' worth of the reference
+    assert max((pa[k] - v).abs().max().item() for k, v in pm.items()) < 1e-2
+    assert all(v.dtype == torch.float32 for v in pm.values())
+    notes = (res["master"].folder / "summary.json").read_text()
+    assert "llm: bf16 weights, fp32 master" in notes
