@@ -105,7 +105,8 @@ def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batc
     from systems import get_planner, offer_plan
 
     planner = get_planner(system)
-    options = SimOptions(recompute=parallel.recompute, check_memory=False, encoder_chunk_tokens=encoder_chunk_tokens)
+    options = SimOptions(recompute=parallel.recompute, check_memory=False, encoder_chunk_tokens=encoder_chunk_tokens,
+                         mixed_precision=parallel.mixed_precision)
     tops: dict[int, tuple[float, int]] = {}
     # the first batch last: its plan is then offered to the caller, which plans that step next
     for k in [*range(1, len(batches)), 0][:len(batches)]:

@@ -845,9 +845,10 @@ class _Search:
         from simulator.cache import StepJob, pack
         from simulator.engine import SimOptions
 
-        return StepJob(self.system, self.model, replace(c.parallel(self.world, self.gpn, self.options), **self.dp_fields),
-                       pack(batch), self.cluster, self.profile, SimOptions(recompute=c.recompute, stack=self.stack,
-                                                                          memory_error=self.memory_error),
+        parallel = replace(c.parallel(self.world, self.gpn, self.options), **self.dp_fields)
+        return StepJob(self.system, self.model, parallel, pack(batch), self.cluster, self.profile,
+                       SimOptions(recompute=c.recompute, stack=self.stack, memory_error=self.memory_error,
+                                  mixed_precision=parallel.mixed_precision),
                        use_cache=self.use_cache)
 
     def _evaluate(self, wave: list[Candidate]) -> list[Trial]:

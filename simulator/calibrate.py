@@ -147,7 +147,7 @@ def _options(run: RunRecord, stack: str = "eager") -> SimOptions:
     encoder chunk budget. Calibration and validation both build their engines from this, so a
     curve is fitted against exactly the work validation later charges it with."""
     return SimOptions(check_memory=False, recompute=run.recompute, stack=stack,
-                      encoder_chunk_tokens=run.encoder_chunk_tokens)
+                      encoder_chunk_tokens=run.encoder_chunk_tokens, mixed_precision=run.mixed_precision)
 
 
 def _forward_again(eng: Engine, work, module: str) -> float:

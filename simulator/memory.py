@@ -327,7 +327,13 @@ class MemoryMixin:
         return max(1, n // max(1, lay.ep))
 
     def _dtypes(self, module: str, rank: int) -> costs.StateDtypes:
-        d = costs.state_dtypes(self._state_stack, self._dp_mode(module, rank)[0])
+        mode = self._dp_mode(module, rank)[0]
+        d = costs.state_dtypes(self._state_stack, mode)
+        if (mode == "ddp" and d.name == "eager" and d.weights == 4
+                and getattr(self.options, "mixed_precision", "autocast") == "master"):
+            # one rank or DDP under --mixed-precision master (omnibench/runtime/master.py): bf16 weights,
+            # the fp32 master and main gradients beside them, as ZeRO holds them before sharding
+            d = costs.state_dtypes("eager", "zero1")
         if (self.memory_stack.endswith("+fp8") or getattr(self.options, "gemm_dtype", "bf16") == "fp8") \
                 and d.name == "nemo":
             # Megatron-Bridge's FP8 recipes keep the weights in FP8 (fp8_param_gather)

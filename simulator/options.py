@@ -58,6 +58,11 @@ class SimOptions:
     # only the rank's first chunk of the step waits for its gather. Off: each chunk's first forward and
     # first backward gather their first layer in line (this project's runtime)
     pp_prefetch_unshard: bool = False
+    # this project's runtime in a bf16 run, modules FSDP does not shard (one rank, DDP): "autocast" fp32
+    # weights cast per op (fp32 gradients, an fp32 residual stream in the LLM) | "master" bf16 weights with
+    # an fp32 master and fp32 main gradients (omnibench/runtime/master.py): 2 bytes more per parameter,
+    # no weight casts, a bf16 residual stream
+    mixed_precision: str = "autocast"
     # how MoE tokens reach their experts (simulator/collectives.py::expert_all_to_all): "alltoall" sends
     # every token copy on its own; "deepep" sends a token to each remote node once and forwards it over NVLink
     ep_dispatcher: str = "alltoall"

@@ -123,6 +123,11 @@ class RunRecord:
         return max(0, int(self.run_spec.get("encoder_chunk_tokens", 0) or 0))
 
     @property
+    def mixed_precision(self) -> str:
+        """How the run held the weights FSDP did not shard; records from before `--mixed-precision` autocast."""
+        return self.run_spec.get("mixed_precision") or "autocast"
+
+    @property
     def device(self) -> str:
         return str(self.summary.get("device") or self.run_spec.get("extra", {}).get("device")
                    or self.config.get("device", "cpu"))

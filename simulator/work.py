@@ -161,7 +161,7 @@ class WorkMixin:
         return got
 
     def _eager_stack(self, module: str, lay):
-        stack = eager_stack(self.model, module, lay)
+        stack = eager_stack(self.model, module, lay, getattr(self.options, "mixed_precision", "autocast") == "master")
         # one object per distinct stack: shapes holding equal stacks then hash and compare cheaply
         return self._work_cache.setdefault(("stack", stack), stack)
 
@@ -200,16 +200,17 @@ class WorkMixin:
         return w.tokens * enc.hidden * 2
 
 
-def eager_stack(model, module: str, lay):
+def eager_stack(model, module: str, lay, master: bool = False):
     """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
     its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy); ZeRO
-    (omnibench/runtime/zero.py) holds its replicated weights in bf16 too; otherwise (one rank, DDP)
-    its weights stay fp32 under autocast, cast per forward, and the LLM's fp32 token embedding makes
-    the residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+    (omnibench/runtime/zero.py) holds its replicated weights in bf16 too, and so does `--mixed-precision
+    master` (`master`: omnibench/runtime/master.py) every other module; otherwise (one rank, DDP) its
+    weights stay fp32 under autocast, cast per forward, and the LLM's fp32 token embedding makes the
+    residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
     from simulator.kernels import Stack
 
     fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
-    bf16 = fsdp or (not lay.fsdp and getattr(lay, "zero", 0) > 0 and lay.fsdp_size > 1)
+    bf16 = fsdp or master or (not lay.fsdp and getattr(lay, "zero", 0) > 0 and lay.fsdp_size > 1)
     chunk = costs.loss_chunk_tokens(-(-model.llm.vocab // lay.tp)) if module == "llm" else 0
     return Stack(kind="eager", residual_bytes=4 if module == "llm" and not bf16 else 2,
                  weight_cast=not bf16, loss="chunked", loss_chunk_tokens=chunk)

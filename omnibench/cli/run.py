@@ -306,7 +306,8 @@ def register(app: typer.Typer) -> None:
             from simulator.engine import Engine, SimOptions
 
             res = Engine(p, spec, cluster, options=SimOptions(recompute=parallel.recompute, check_memory=False,
-                                                              encoder_chunk_tokens=chunk)).run()
+                                                              encoder_chunk_tokens=chunk,
+                                                              mixed_precision=parallel.mixed_precision)).run()
         except ValueError as e:
             fail(str(e).strip("'\""))
         worst = max(res.ranks, key=lambda r: r.memory_bytes)

@@ -143,6 +143,7 @@ DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
 CP_KIND_HELP = "ulysses | ring | allgather."
 MEMORY_ERROR_HELP = "Judge fits as if memory were off by E (0.2: 20% low)."
+MIXED_PRECISION_HELP = "autocast | master (bf16 + fp32 master)."
 
 
 def check_memory_error(memory_error: float) -> None:
@@ -199,7 +200,7 @@ def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompu
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
     sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack,
-                             memory_error=memory_error)
+                             memory_error=memory_error, mixed_precision=parallel.mixed_precision)
     packed = {} if packed is None else packed
     for s in step_indices(steps, stride):
         if s not in packed:
@@ -595,6 +596,7 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
         stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
         dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
+        mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
         micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
         steps: int = typer.Option(1, "--steps", help="Steps (batches) to simulate."),
         step_stride: int = typer.Option(1, "--step-stride", help="With --steps: every K-th batch of the stream."),
@@ -671,6 +673,17 @@ def register(app: typer.Typer) -> None:
         if seed_from and not tuned:
             fail("seed-from: seeds start a tune; give --tuned too")
         dp_fields = _dp_fields(dp_mode, dp_shard)
+        from omnibench.specs.run import MIXED_PRECISION
+
+        if mixed_precision not in MIXED_PRECISION:
+            fail(f"mixed-precision must be one of {', '.join(MIXED_PRECISION)}; got {mixed_precision!r}")
+        if mixed_precision != "autocast" and stack != "eager":
+            fail(f"mixed-precision {mixed_precision} is this project's runtime's (--stack eager); --stack {stack} "
+                 "holds its weights its own way")
+        if mixed_precision != "autocast" and tuned:
+            fail(f"mixed-precision {mixed_precision}: --tuned searches under the runtime's default (autocast); "
+                 "simulate the tuned layout with --tp/--pp/--cp/--dp-mode instead")
+        dp_fields["mixed_precision"] = mixed_precision
         _check_stack(stack)
         if micro_batch < 0 or (micro_batch and microbatches):
             fail(f"micro-batch must be a positive number of samples (or 0: --microbatches decides), and not given "

@@ -73,6 +73,9 @@ class ParallelSpec:
     # dp*cp*tp (Megatron's MoE parallel folding, Layout.expert_tp)
     expert_tp: int = 0
     recompute: str = "none"  # "none" | "full" | "selective", or per module "vision=full,llm=none"
+    # bf16 runs: how a module FSDP does not shard (one rank, DDP) holds its weights (RunSpec.mixed_precision,
+    # omnibench/runtime/master.py): "autocast" fp32 weights cast per op | "master" bf16 weights, fp32 master
+    mixed_precision: str = "autocast"
     options: dict = field(default_factory=dict)  # system-specific switches (e.g. omni's ablations)
 
     def validate(self, model: MultimodalSpec) -> None:
@@ -108,6 +111,10 @@ class ParallelSpec:
             raise SpecError(f"dp_shard={self.dp_shard} must be a multiple of ep={self.ep} "
                             "(a shard group holds whole expert groups); 0 = automatic")
         from omnibench.plan import CP_KINDS
+        from omnibench.specs.run import MIXED_PRECISION
+
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise SpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
 
         if self.cp_kind not in CP_KINDS:
             raise SpecError(f"cp_kind must be one of {', '.join(CP_KINDS)}; got {self.cp_kind!r}")

@@ -525,6 +525,12 @@ def h100_allocator() -> str:
     return "\n".join(lines)
 
 
+def _llm_stack_case(a: dict) -> str:
+    """gpu_llm_stack.py's case from its arguments: layers, tokens, sequence length, timed steps."""
+    return (f"{a['layers']} Qwen2-7B layers, {a['tokens']:,} tokens per step in sequences of {a['seq']:,}, "
+            f"{a['steps']}")
+
+
 @table("h100-llm-stack-session")
 def h100_llm_stack_session() -> str:
     """The LLM-only step against the plain bf16 stack, with provenance, and the plain stack under autocast."""
@@ -543,9 +549,7 @@ def h100_llm_stack_session() -> str:
         lines.append(f"| {'`--compile`' if r['compile'] else 'eager'} | {cell(p['tflops'])} | "
                      f"{cell(a['tflops']) if a else 'not measured'} | {cell(h['tflops'])} | {cell(h['fwd_bwd_tflops'])} | "
                      f"{h['tflops'] / p['tflops']:.2f} | {under} |")
-    a = d["args"]
-    lines += ["", f"{a['layers']} Qwen2-7B layers, {a['tokens']:,} tokens per step in sequences of {a['seq']:,}, "
-              f"{a['steps']} timed steps; MFU against {peak:.0f} TFLOP/s. The compiled row was not measured: "
+    lines += ["", f"{_llm_stack_case(d['args'])} timed steps; MFU against {peak:.0f} TFLOP/s. The compiled row was not measured: "
               f"torch.compile of both stacks outlasted the part's 210 s. {_prov_line(d['provenance'])} "
               f"(`{SESSION}/llm_stack/gpu_llm_stack.json`)."]
     return "\n".join(lines)
@@ -553,21 +557,24 @@ def h100_llm_stack_session() -> str:
 
 @table("h100-session-summary")
 def h100_session_summary() -> str:
-    """One line: the figures of the records with provenance (the LLM-only step, the CUDA default)."""
+    """One line: the figures of the records with provenance (the LLM-only step, the CUDA default) and the
+    whole training step against the plain stack's (h100-whole-step)."""
     by_name = {r["path"]: r["summary"] for r in runs()}
     text = by_name["results/gpu/runs-2026-11-27/homogeneous-text_only"]
-    default = by_name["results/gpu/runs-2026-11-27/omni-mixed_video"]
-    d = _read(REPO_ROOT / SESSION / "llm_stack" / "gpu_llm_stack.json")
+    default = by_name["results/gpu/runs-2026-11-28/colocated-mixed_video"]
+    d = _read(REPO_ROOT / SESSION_C / "llm_stack_master" / "gpu_llm_stack.json")
     row = next(r for r in d["rows"] if not r["compile"])
-    h = row["harness"]["tflops"]
+    base, peak = row["plain_step"]["tflops"], d["peak_tflops"]
+    master, autocast = row["harness_master"]["tflops"], row["harness"]["tflops"]
     return (f"LLM-only {text['mfu']:.1%} MFU ({text['model']}, {text['mean_step_time_s'] * 1e3:.0f} ms per step); the "
-            f"harness's step {h / row['plain']['tflops']:.2f} of a plain bf16 stack of the same shapes measured beside "
-            f"it and {h / row['plain_autocast']['tflops']:.2f} of that stack holding fp32 weights under autocast, "
-            f"as the harness does on one GPU; the CUDA default on mixed_video {default['mfu']:.1%} MFU "
-            f"({default['model']}, recompute {default['recompute']})")
+            f"harness's whole training step {master / base:.3f} of a plain bf16 stack's whole step measured beside it "
+            f"({master / peak:.1%} MFU) under `--mixed-precision master`, {autocast / base:.3f} under the default "
+            f"autocast; the CUDA default on mixed_video {default['mfu']:.1%} MFU ({default['model']}, recompute "
+            f"{default['recompute']})")
 
 
 SESSION_B = "results/gpu/session-2026-11-27b"
+SESSION_C = "results/gpu/session-2026-11-28"
 # gpu_memory_phases.py's cases, in the order the table shows them, and what each run differs in
 PHASE_FILES = [("llm", ""), ("mm", ""), ("omni-default", ""), ("mm-eager", "CUDA_MODULE_LOADING=EAGER"),
                ("mm-nchannels2", "NCCL_MAX_NCHANNELS=2")]
@@ -621,20 +628,109 @@ def h100_outside_allocator() -> str:
 
 @table("h100-chunk-profile")
 def h100_chunk_profile() -> str:
-    """One profiled step of encoder chunking against block recomputation (gpu_chunk_profile.py)."""
-    d = _read(REPO_ROOT / SESSION_B / "chunk_profile" / "chunk_profile.json")
-    lines = ["| variant | step wall s (profiled) | GPU busy s | GPU idle s | kernels | host synchronisations | "
+    """One profiled step of encoder chunking against block recomputation (gpu_chunk_profile.py), before
+    (2026-11-27) and after (2026-11-28) session 10 took the chunks' host synchronisations out."""
+    lines = ["| session | variant | step wall s (profiled) | GPU busy s | GPU idle s | kernels | host synchronisations | "
              "host CPU s (profiler's self CPU total) | vision forward s | vision backward s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for v in d["variants"]:
-        cpu = re.search(r"Self CPU time total: ([0-9.]+)(ms|s)", v["top_ops"])
-        cpu_s = float(cpu.group(1)) / (1000 if cpu.group(2) == "ms" else 1) if cpu else float("nan")
-        spans = v["span_seconds_by_module"]
-        lines.append(f"| {v['variant']} (recompute {v['recompute']}) | {v['wall_s']:.2f} | {v['gpu_busy_s']:.2f} | "
-                     f"{v['gpu_idle_s']:.2f} | {v['kernels']:,} | {sum(v['host_syncs'].values()):,} | {cpu_s:.2f} | "
-                     f"{spans.get('vision:forward', 0):.2f} | {spans.get('vision:backward', 0):.2f} |")
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    provs = []
+    for session in (SESSION_B, SESSION_C):
+        d = _read(REPO_ROOT / session / "chunk_profile" / "chunk_profile.json")
+        for v in d["variants"]:
+            cpu = re.search(r"Self CPU time total: ([0-9.]+)(ms|s)", v["top_ops"])
+            cpu_s = float(cpu.group(1)) / (1000 if cpu.group(2) == "ms" else 1) if cpu else float("nan")
+            spans = v["span_seconds_by_module"]
+            lines.append(f"| {session.removeprefix('results/gpu/session-')} | "
+                         f"{v['variant']} (recompute {v['recompute']}) | {v['wall_s']:.2f} | {v['gpu_busy_s']:.2f} | "
+                         f"{v['gpu_idle_s']:.2f} | {v['kernels']:,} | {sum(v['host_syncs'].values()):,} | {cpu_s:.2f} | "
+                         f"{spans.get('vision:forward', 0):.2f} | {spans.get('vision:backward', 0):.2f} |")
+        provs.append(f"{_prov_line(d['provenance'])} (`{session}/chunk_profile/chunk_profile.json`)")
     system, workload, model = d["case"]
     lines += ["", f"{system}, {workload}, {model}, {d['tokens']:,} tokens per step; one step after two warm-up steps, "
-              f"under torch.profiler (CPU + CUDA). GPU busy: the union of the kernels' intervals. "
-              f"{_prov_line(d['provenance'])} (`{SESSION_B}/chunk_profile/chunk_profile.json`)."]
+              f"under torch.profiler (CPU + CUDA). GPU busy: the union of the kernels' intervals. " + "; ".join(provs) + "."]
+    return "\n".join(lines)
+
+
+@table("h100-whole-step")
+def h100_whole_step() -> str:
+    """Issue 23 item 1: the LLM-only whole training step (AdamW included) of the harness under both ways of
+    holding one rank's weights, against a plain bf16 stack's whole step measured in the same command."""
+    d = _read(REPO_ROOT / SESSION_C / "llm_stack_master" / "gpu_llm_stack.json")
+    peak = d["peak_tflops"]
+    (row,) = [r for r in d["rows"] if not r["compile"]]
+    base = row["plain_step"]["tflops"]
+    lines = ["| step | what it holds | TFLOP/s | MFU | / plain whole step | ms per step | peak GiB |",
+             "|---|---|---|---|---|---|---|"]
+    parts = [("plain stack, forward + backward", "bf16 weights, no optimizer", row["plain"]),
+             ("plain stack, forward + backward", "fp32 weights under autocast, no optimizer", row["plain_autocast"]),
+             ("plain stack, whole step", "bf16 weights, fp32 master, fused AdamW", row["plain_step"]),
+             ("plain stack, whole step", "fp32 weights under autocast, fused AdamW", row["plain_autocast_step"]),
+             ("harness, whole step", "`--mixed-precision autocast` (the default)", row["harness"]),
+             ("harness, whole step", "`--mixed-precision master`", row["harness_master"])]
+    for step, held, m in parts:
+        lines.append(f"| {step} | {held} | {m['tflops']:.1f} | {m['tflops'] / peak:.1%} | {m['tflops'] / base:.3f} | "
+                     f"{m['step_s'] * 1e3:.1f} | {m['peak_gib']:.1f} |")
+    lines += ["", f"{_llm_stack_case(d['args'])} timed steps after warm-up, eager; TFLOP/s counts the forward and backward matmul FLOPs alone "
+              f"(the optimizer's are not counted in any row); MFU against {peak:.0f} TFLOP/s. "
+              f"{_prov_line(d['provenance'])} (`{SESSION_C}/llm_stack_master/gpu_llm_stack.json`)."]
+    return "\n".join(lines)
+
+
+@table("h100-allgather-attention")
+def h100_allgather_attention() -> str:
+    """All-gather-KV context parallelism's attention on the GPU, bf16, against fp32 full attention."""
+    d = _read(REPO_ROOT / SESSION_C / "allgather_attention" / "gpu_allgather_attention.json")
+    lines = ["| backend | members k | heads (q / kv) | sequences in the row | out | dq | dk | dv | within tolerance |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in d["cases"]:
+        e = c.get("errors")
+        cells = " | ".join(f"{e[n]:.1e}" for n in ("out", "dq", "dk", "dv")) if e else f"failed: {c['error']} | | |"
+        lines.append(f"| {c['backend']} | {c['k']} | {c['heads']} / {c['kv_heads']} | "
+                     f"{', '.join(f'{n:,}' for n in c['lengths'])} | {cells} | {'yes' if c['ok'] else 'no'} |")
+    lines += ["", f"Largest error relative to the reference's largest value, tolerance {d['tolerance']:.0e}; one "
+              f"process plays every member (its zigzag queries, the row's K/V in gather order, indexed as "
+              f"`AllGatherKVAttention` does); head dim 128. {_prov_line(d['provenance'])} "
+              f"(`{SESSION_C}/allgather_attention/gpu_allgather_attention.json`)."]
+    return "\n".join(lines)
+
+
+MIXED_PRECISION_RUNS = ("runs-2026-11-28/colocated-mixed_video-4L-autocast", "runs-2026-11-28/colocated-mixed_video-4L-master")
+
+
+@table("h100-mixed-precision-runs")
+def h100_mixed_precision_runs() -> str:
+    """mixed_video on one H100 under both ways of holding the weights: step, MFU, peak, and the memory
+    estimate (simulator/calibrate.py memory_check) against the peak."""
+    from simulator.calibrate import memory_check
+
+    by_name = {r["path"]: r for r in runs()}
+    lines = ["| `--mixed-precision` | record | ms per step | MFU | peak allocated GiB | estimate GiB | estimate / peak |",
+             "|---|---|---|---|---|---|---|"]
+    for name in MIXED_PRECISION_RUNS:
+        path = f"{GPU_DIR}/{name}"
+        s = by_name[path]["summary"]
+        m = memory_check(str(REPO_ROOT / path), "h100")
+        held = json.loads((REPO_ROOT / path / "config.json").read_text())["run"]["mixed_precision"]
+        lines.append(f"| {held} | `{name}` | {s['mean_step_time_s'] * 1e3:.0f} | {s['mfu']:.1%} | "
+                     f"{m.measured_bytes / GiB:.1f} | {m.estimated_bytes / GiB:.1f} | {m.ratio:.3f} |")
+    s = by_name[f"{GPU_DIR}/{MIXED_PRECISION_RUNS[0]}"]["summary"]
+    lines += ["", f"colocated, {s['model']}, recompute {s['recompute']}, 5 steps (the first untimed), the same batches; "
+              f"the commands are in each record (`results/gpu/README.md`)."]
+    return "\n".join(lines)
+
+
+@table("h100-nccl-memory")
+def h100_nccl_memory() -> str:
+    """What one NCCL communicator holds outside the allocator, per setting (benchmarks/gpu_nccl_memory.py)."""
+    d = _read(REPO_ROOT / SESSION_C / "nccl_memory" / "nccl_memory.json")
+    names = {"defaults": "defaults (`device_id` given: every group's communicator created at once)",
+             "LAZY=1": "no `device_id`: communicators created at a group's first collective"}
+    lines = ["| setting | NCCL | CUDA context GiB | first group GiB | per further group, created GiB | "
+             "per further group, after its first all-reduce GiB |", "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {names.get(r['setting'], '`' + r['setting'] + '`')} | {r['nccl']} | {r['context_gib']:.3f} | "
+                     f"{r['first_group_gib']:.3f} | {r['per_group_created_gib']:.3f} | {r['per_group_used_gib']:.3f} |")
+    lines += ["", f"One process per setting, a world of one rank, {d['groups']} further one-member groups; GiB outside "
+              f"the caching allocator (`mem_get_info` in use less `memory_reserved`). {_prov_line(d['provenance'])} "
+              f"(`{SESSION_C}/nccl_memory/nccl_memory.json`)."]
     return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""`--mixed-precision master` in the simulator (SimOptions.mixed_precision, ParallelSpec.mixed_precision):
+a module FSDP does not shard holds bf16 weights with an fp32 master and fp32 main gradients, 2 bytes
+more per parameter than fp32 weights under autocast, no per-forward weight casts and a bf16 residual
+stream; FSDP-held modules are untouched; `simulate`, `run`'s check and validation of a record all
+see it (the GPU record it was checked on: tests/test_gpu_records.py, within 0.1% of the peak)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from omnibench.cli import app
+from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
+from omnibench.specs.presets import get_model
+from simulator.engine import Engine, SimOptions
+from simulator.hardware import load_cluster
+from simulator.work import eager_stack
+from systems import get_planner
+from workloads.sample import Batch, Sample, Segment
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _engine(mixed_precision: str, world: int = 1, mode: str = "ddp", recompute: str = "none") -> Engine:
+    spec = get_model("llm-7b@4L")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 4096),)) for i in range(2 * world)])
+    plan = get_planner("homogeneous").plan(spec, ParallelSpec(world_size=world, **dp_mode_fields(mode)), batch)
+    return Engine(plan, spec, load_cluster("h100", world),
+                  options=SimOptions(check_memory=False, mixed_precision=mixed_precision, recompute=recompute))
+
+
+def test_one_rank_holds_two_bytes_more_per_parameter_and_no_weight_casts():
+    auto, master = _engine("autocast"), _engine("master")
+    params = sum(auto._model_parallel_params("llm", 0))
+    assert master._static_memory(0) - auto._static_memory(0) == pytest.approx(2 * params)
+    assert auto._casts("llm", 0) and not master._casts("llm", 0)
+    a, m = auto.run(), master.run()
+    assert m.step_time < a.step_time  # no fp32 weight casts, norms and residual adds at half the bytes
+    # without recomputation the bf16 residual stream keeps less than the state adds (the peak falls);
+    # under full recomputation the activations are small and the state decides (the GPU run's case)
+    assert m.ranks[0].memory_bytes < a.ranks[0].memory_bytes
+    a, m = _engine("autocast", recompute="full").run(), _engine("master", recompute="full").run()
+    assert m.ranks[0].memory_bytes > a.ranks[0].memory_bytes
+
+
+def test_ddp_over_four_ranks_is_held_the_same_way():
+    auto, master = _engine("autocast", 4), _engine("master", 4)
+    params = sum(auto._model_parallel_params("llm", 0))
+    assert master._static_memory(0) - auto._static_memory(0) == pytest.approx(2 * params)
+
+
+def test_fsdp_modules_are_untouched():
+    a, m = _engine("autocast", 4, "fsdp").run(), _engine("master", 4, "fsdp").run()
+    assert m.step_time == a.step_time and m.ranks[0].memory_bytes == a.ranks[0].memory_bytes
+
+
+def test_the_eager_stack_of_a_master_module_is_bf16():
+    spec = get_model("llm-7b@4L")
+    lay = get_planner("homogeneous").plan(spec, ParallelSpec(world_size=1),
+                                          Batch(0, [Sample(0, "t", (Segment("text", 64),))])).layouts["llm"]
+    assert (eager_stack(spec, "llm", lay).residual_bytes, eager_stack(spec, "llm", lay).weight_cast) == (4, True)
+    assert (eager_stack(spec, "llm", lay, True).residual_bytes, eager_stack(spec, "llm", lay, True).weight_cast) == (2, False)
+
+
+def test_runs_check_estimates_the_arrangement_it_will_run():
+    from omnibench.resolve import peak_memory
+
+    spec = get_model("llm-7b@4L")
+    par = ParallelSpec(world_size=1, recompute="full")  # the state decides (see the first test)
+    batches = [Batch(0, [Sample(i, "t", (Segment("text", 4096),)) for i in range(2)])]
+    auto, _ = peak_memory("homogeneous", spec, par, batches, load_cluster("h100", 1))
+    master, _ = peak_memory("homogeneous", spec, replace(par, mixed_precision="master"), batches, load_cluster("h100", 1))
+    assert master > auto
+
+
+def test_parallel_spec_refuses_an_unknown_arrangement():
+    from omnibench.specs.model import SpecError
+
+    with pytest.raises(SpecError, match="mixed_precision must be one of autocast, master; got 'fp16'"):
+        ParallelSpec(world_size=1, mixed_precision="fp16").validate(get_model("llm-7b@4L"))
+
+
+def _one_error_line(r, needle: str) -> None:
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output, r.output
+
+
+def test_simulate_takes_it_and_refuses_what_it_cannot_mean(tmp_path):
+    r = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "200"})
+    assert "--mixed-precision" in r.output
+    base = ["simulate", "-w", "text_only", "-s", "homogeneous", "-m", "llm-7b@4L", "--gpus", "8", "--tp", "1",
+            "--pp", "1", "--cp", "1", "--dp-mode", "ddp", "--recompute", "full", "--out", str(tmp_path), "--json"]
+    _one_error_line(CliRunner().invoke(app, base + ["--mixed-precision", "fp16"]),
+                    "mixed-precision must be one of autocast, master; got 'fp16'")
+    _one_error_line(CliRunner().invoke(app, base + ["--mixed-precision", "master", "--stack", "fused"]),
+                    "mixed-precision master is this project's runtime's (--stack eager)")
+    _one_error_line(CliRunner().invoke(app, base + ["--mixed-precision", "master", "--tuned"]),
+                    "--tuned searches under the runtime's default (autocast)")
+    import json
+
+    peaks = {}
+    for mp in ("autocast", "master"):
+        r = CliRunner().invoke(app, base + ["--mixed-precision", mp])
+        assert r.exit_code == 0, r.output
+        rows = json.loads(r.output[r.output.index("["):]) if r.output.lstrip().startswith("[") else json.loads(r.output)
+        peaks[mp] = rows
+    assert peaks["autocast"] != peaks["master"]
+
+
+def test_run_refuses_an_unknown_arrangement_in_one_line():
+    _one_error_line(CliRunner().invoke(app, ["run", "--system", "homogeneous", "--mixed-precision", "fp16",
+                                             "--device", "cpu", "--steps", "1"]),
+                    "mixed_precision must be one of autocast, master; got 'fp16")
