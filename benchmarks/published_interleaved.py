@@ -23,7 +23,16 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from simulator.published import check_row, load_published  # noqa: E402
+from omnibench.specs.costs import llm_flops  # noqa: E402
+from simulator.published import check_row, load_published, model_of  # noqa: E402
+
+
+def whole_scores_factor(row) -> float | None:
+    """Published step under whole-s x s counting over the causal one (None: the row says its formula)."""
+    if not row.unstated:
+        return None
+    llm = model_of(row).llm
+    return llm_flops(llm, [row.seq], attention="dense").total / llm_flops(llm, [row.seq]).total
 
 
 def _depths(row, wanted: list[int] | None) -> list[int]:
@@ -54,10 +63,11 @@ def main() -> None:
         ap.error(f"--rows: not a regular expression ({e})")
     modes = {"row": [None], "off": [False], "on": [True], "both": [False, True]}[args.unshard]
     print(f"{'row':34s} {'GPUs':>6} {'pp':>3} {'vpp':>3} {'unshard':>8} {'published s':>11} {'simulated s':>11} "
-          f"{'error':>7} {'bubble':>7} {'exposed':>7} {'fits':>4}")
+          f"{'error':>7} {'bubble':>7} {'exposed':>7} {'fits':>4} {'whole s^2 s':>11} {'error':>7}")
     for row in load_published(args.table):
         if row.pp < 2 or (args.rows and not re.search(args.rows, row.name)):
             continue
+        whole = whole_scores_factor(row)
         for v in _depths(row, wanted):
             for ahead in modes:
                 sim = None if ahead is None else {"pp_prefetch_unshard": ahead}
@@ -65,7 +75,9 @@ def main() -> None:
                 how = "row" if ahead is None else ("ahead" if ahead else "in line")
                 print(f"{row.name:34s} {row.gpus:>6} {row.pp:>3} {v:>3} {how:>8} {c.measured_s:>11.3f} "
                       f"{c.simulated_s:>11.3f} {c.error:>+7.1%} {c.breakdown['bubble']:>7.1%} "
-                      f"{c.breakdown['exposed_comm']:>7.1%} {'yes' if c.fits else 'no':>4}", flush=True)
+                      f"{c.breakdown['exposed_comm']:>7.1%} {'yes' if c.fits else 'no':>4} "
+                      + (f"{c.measured_s * whole:>11.3f} {c.simulated_s / (c.measured_s * whole) - 1:>+7.1%}"
+                         if whole else f"{'-':>11} {'-':>7}"), flush=True)
 
 
 if __name__ == "__main__":
