@@ -36,3 +36,11 @@ def test_the_whole_score_convention_weighs_4_percent_at_8k_and_40_at_128k():
     assert mod.whole_scores_factor(rows["llama3-405b-16384gpu-cp16"]) == pytest.approx(1.401, abs=0.005)
     stated = next(r for r in rows.values() if not r.unstated)
     assert mod.whole_scores_factor(stated) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("args", "flag"), [(["--gpus", "100"], "--gpus"), (["--vpp", "a"], "--vpp")])
+def test_the_in_flight_script_refuses_bad_flags_in_one_line(args, flag):
+    script = SCRIPT.parent / "published_inflight.py"
+    got = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=50)
+    assert got.returncode == 2 and flag in got.stderr.strip().splitlines()[-1] and "Traceback" not in got.stderr
