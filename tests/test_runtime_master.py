@@ -2,7 +2,7 @@
 weights and its fp32 master and main gradients in the optimizer. The step is AdamW on the fp32 master
 over the gradients of every microbatch summed in fp32 (not in bf16), the weights are the master
 rounded to bf16 after every step, and under DDP the fp32 main gradients are what is all-reduced; whole
-runs (one rank and DDP over 2 gloo ranks, bf16 on CPU) train as the autocast arrangement does."""
+runs (DDP over 2 gloo ranks, and tensor parallel over 2, bf16 on CPU) train as the autocast arrangement does."""
 
 from __future__ import annotations
 
@@ -119,6 +119,9 @@ def test_whole_runs_train_like_autocast(tmp_path):
     batches = make_batches()
     runs = [Run(mp_, "homogeneous", "tiny-omni", batches,
                 {"fsdp": False, "dtype": "bf16", "mixed_precision": mp_}) for mp_ in ("autocast", "master")]
+    # tensor-parallel weights are DTensors: their local shards must become bf16 too
+    runs.append(Run("master-tp2", "homogeneous", "tiny-omni", batches,
+                    {"fsdp": False, "tp": 2, "dtype": "bf16", "mixed_precision": "master"}))
     res = run_all(tmp_path, runs, nproc=2)
     ref_losses, ref_params = reference("tiny-omni", batches)
     (la, pa), (lm, pm) = res["autocast"].get(), res["master"].get()
@@ -128,5 +131,8 @@ def test_whole_runs_train_like_autocast(tmp_path):
     assert off < 1e-2  # Adam's steps are ~lr = 1e-3 each: within a few steps' worth of the reference
     assert max((pa[k] - v).abs().max().item() for k, v in pm.items()) < 1e-2
     assert all(v.dtype == torch.float32 for v in pm.values())
+    lt, pt = res["master-tp2"].get()
+    assert all(abs(t - m) < 2e-2 for t, m in zip(lt, lm, strict=True)), (lt, lm)
+    assert max((pm[k] - v).abs().max().item() for k, v in pt.items()) < 1e-2
     notes = (res["master"].folder / "summary.json").read_text()
     assert "llm: bf16 weights, fp32 master" in notes

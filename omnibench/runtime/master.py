@@ -32,6 +32,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
+def cast_in_place(p: nn.Parameter, dtype: torch.dtype) -> None:
+    """`p` becomes a `dtype` parameter, the same Python object (the module and any list keep it).
+    `p.data = p.data.to(dtype)` is not enough for a tensor-parallel DTensor: it changes the wrapper's
+    dtype and leaves its local shard in the old one, and the next matmul mixes the two."""
+    if p.dtype != dtype:
+        torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+
+
 class MasterWeights:
     """One module's bf16 weights and its fp32 training state on one rank (the whole state: no sharding)."""
 
@@ -44,7 +52,7 @@ class MasterWeights:
         with torch.no_grad():
             self.master = [nn.Parameter(_local(p).detach().float().clone()) for p in params]
             for p in params:
-                p.data = p.data.to(param_dtype)
+                cast_in_place(p, param_dtype)
         self.optimizer = make_optimizer(optimizer, self.master, lr)
         self.main: list[torch.Tensor | None] = [None] * len(params)
         for k, p in enumerate(params):

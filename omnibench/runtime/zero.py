@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omnibench.runtime.master import cast_in_place
+
 BUCKET_ELEMS = 40_000_000
 
 
@@ -77,8 +79,7 @@ class ShardedState:
                       [self.me * b[2] : (self.me + 1) * b[2]] for b in self.buckets]
             self.master = nn.Parameter(torch.cat(master) if master else torch.zeros(0, device=self._device))
             for p in params:
-                if p.dtype != param_dtype:
-                    p.data = p.data.to(param_dtype)
+                cast_in_place(p, param_dtype)
         from omnibench.runtime.optim import make_optimizer
 
         self.optimizer = make_optimizer(optimizer, [self.master], lr)
