@@ -14,18 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from parity import Run, make_batches, reference, run_all
+from test_runtime_zero import _data, _toy  # the ZeRO tests' toy model and per-rank data
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _toy(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-
-
-def _data(step: int, part: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 * step + part)
-    return torch.randn(4, 5, generator=g)
 
 
 def _expected(parts: list[list[int]], steps: int = 3) -> list[torch.Tensor]:

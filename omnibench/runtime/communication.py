@@ -12,6 +12,7 @@ from omnibench.plan import (
     Action,
     Plan,
 )
+from omnibench.runtime.master import all_reduce_flat, local_shard
 from systems.common import is_primary, long_llm_leaders
 
 
@@ -101,15 +102,10 @@ class CommunicationMixin:
         if held is not None:  # ZeRO's reduce-scatter, or the fp32 main gradients' all-reduce
             held.reduce()
         elif not self.fsdp.get(a.module) and len(ranks) > 1:
-            # One flat all-reduce (DDP-style bucket; a tensor-parallel DTensor gradient goes in through
-            # its local shard): per-tensor calls each pay the collective's latency.
-            grads = [getattr(p.grad, "_local_tensor", p.grad) for p in module.parameters()
-                     if p.grad is not None and id(p) not in expert_ids]
+            # a tensor-parallel DTensor gradient goes in through its local shard
+            grads = [local_shard(p.grad) for p in module.parameters() if p.grad is not None and id(p) not in expert_ids]
             if grads:
-                flat = torch.cat([t.reshape(-1) for t in grads])
-                dist.all_reduce(flat, group=g)
-                for t, part in zip(grads, torch.split(flat, [t.numel() for t in grads]), strict=True):
-                    t.copy_(part.view_as(t))
+                all_reduce_flat(grads, g)
         if experts and not (self.fsdp.get(a.module) and len(self.groups.get("llm", "edp")[1]) > 1):
             eg, eranks = self.groups.get("llm", "edp")
             if len(eranks) > 1:

@@ -27,9 +27,18 @@ import torch.distributed as dist
 from torch import nn
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (tensor-parallel weights), else the tensor."""
     return getattr(t, "_local_tensor", t)
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum `tensors` over `group` in place through one flat buffer (DDP's bucket): per-tensor calls
+    would each pay the collective's latency."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+        t.copy_(part.view_as(t))
 
 
 def cast_in_place(p: nn.Parameter, dtype: torch.dtype) -> None:
@@ -50,7 +59,7 @@ class MasterWeights:
         self.name, self.group, self.params = name, group, params
         self.n = dist.get_world_size(group) if group is not None else 1
         with torch.no_grad():
-            self.master = [nn.Parameter(_local(p).detach().float().clone()) for p in params]
+            self.master = [nn.Parameter(local_shard(p).detach().float().clone()) for p in params]
             for p in params:
                 cast_in_place(p, param_dtype)
         self.optimizer = make_optimizer(optimizer, self.master, lr)
@@ -60,7 +69,7 @@ class MasterWeights:
 
     def _accumulate(self, k: int):
         def hook(p: torch.Tensor) -> None:
-            g = _local(p.grad)
+            g = local_shard(p.grad)
             if self.main[k] is None:
                 self.main[k] = g.float()
             else:
@@ -75,10 +84,8 @@ class MasterWeights:
         in the batch) is left alone, as AdamW skips a parameter without a gradient."""
         if self.n == 1 or all(g is None for g in self.main):
             return
-        grads = [g if g is not None else torch.zeros_like(m) for g, m in zip(self.main, self.master, strict=True)]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        self.main = [part.view_as(g) for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True)]
+        self.main = [g if g is not None else torch.zeros_like(m) for g, m in zip(self.main, self.master, strict=True)]
+        all_reduce_flat(self.main, self.group)
 
     def step(self) -> None:
         """AdamW over the fp32 masters that have a gradient, then those masters into the bf16 weights."""
@@ -89,7 +96,7 @@ class MasterWeights:
             self.master[k].grad = self.main[k]
         self.optimizer.step()
         with torch.no_grad():
-            torch._foreach_copy_([_local(self.params[k]) for k in stepped], [self.master[k] for k in stepped])
+            torch._foreach_copy_([local_shard(self.params[k]) for k in stepped], [self.master[k] for k in stepped])
         self.zero_grad()
 
     def zero_grad(self) -> None:

@@ -39,14 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omnibench.runtime.master import cast_in_place
+from omnibench.runtime.master import cast_in_place, local_shard
 
 BUCKET_ELEMS = 40_000_000
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (tensor-parallel weights), else the tensor."""
-    return getattr(t, "_local_tensor", t)
 
 
 class ShardedState:
@@ -61,7 +56,7 @@ class ShardedState:
         self.params = params
         self.n = dist.get_world_size(group)
         self.me = dist.get_rank(group)
-        sizes = [_local(p).numel() for p in params]
+        sizes = [local_shard(p).numel() for p in params]
         offsets = [0]
         for s in sizes:
             offsets.append(offsets[-1] + s)
@@ -73,9 +68,9 @@ class ShardedState:
             pieces = [(k, max(lo, offsets[k]) - offsets[k], min(hi, offsets[k + 1]) - offsets[k])
                       for k in range(len(params)) if offsets[k] < hi and offsets[k + 1] > lo]
             self.buckets.append((lo, hi, -(-(hi - lo) // self.n), pieces))
-        self._device = _local(params[0]).device if params else torch.device("cpu")
+        self._device = local_shard(params[0]).device if params else torch.device("cpu")
         with torch.no_grad():
-            master = [self._bucket(b, lambda k: _local(params[k]).detach().float())
+            master = [self._bucket(b, lambda k: local_shard(params[k]).detach().float())
                       [self.me * b[2] : (self.me + 1) * b[2]] for b in self.buckets]
             self.master = nn.Parameter(torch.cat(master) if master else torch.zeros(0, device=self._device))
             for p in params:
@@ -93,9 +88,9 @@ class ShardedState:
 
     def _accumulate(self, k: int):
         def hook(p: torch.Tensor) -> None:
-            g = _local(p.grad).float()
+            g = local_shard(p.grad).float()
             if self.main[k] is None:
-                self.main[k] = g if g is not _local(p.grad) else g.clone()
+                self.main[k] = g if g is not local_shard(p.grad) else g.clone()
             else:
                 self.main[k].add_(g)
             p.grad = None
@@ -106,7 +101,7 @@ class ShardedState:
         if self.hooked:
             return self.main[k]
         g = self.params[k].grad
-        return None if g is None else _local(g)
+        return None if g is None else local_shard(g)
 
     def _bucket(self, bucket, value) -> torch.Tensor:
         """A bucket's flat values, padded to n slices: `value(k)` is parameter k's tensor or None (zeros)."""
@@ -153,13 +148,13 @@ class ShardedState:
         at = 0
         with torch.no_grad():
             for _, _, s, pieces in self.buckets:
-                dtype = _local(self.params[pieces[0][0]]).dtype
+                dtype = local_shard(self.params[pieces[0][0]]).dtype
                 full = torch.empty(self.n * s, dtype=dtype, device=self._device)
                 dist.all_gather_single(full, self.master[at : at + s].detach().to(dtype), group=self.group)
                 at += s
                 pos = 0
                 for k, a, b in pieces:
-                    w = _local(self.params[k])
+                    w = local_shard(self.params[k])
                     w.view(-1)[a:b].copy_(full[pos : pos + b - a])
                     pos += b - a
 
