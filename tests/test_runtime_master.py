@@ -125,5 +125,30 @@ def test_whole_runs_train_like_autocast(tmp_path):
     lt, pt = res["master-tp2"].get()
     assert all(abs(t - m) < 2e-2 for t, m in zip(lt, lm, strict=True)), (lt, lm)
     assert max((pm[k] - v).abs().max().item() for k, v in pt.items()) < 1e-2
-    notes = (res["master"].folder / "summary.json").read_text()
-    assert "llm: bf16 weights, fp32 master" in notes
+    for key, dumped in (("master", pm), ("master-tp2", pt)):
+        # what the run dumps is the fp32 master, not the bf16 weights (every matrix has values bf16
+        # cannot hold), tensor-parallel DTensors included
+        assert all((v != v.bfloat16().float()).any() for v in dumped.values() if v.ndim == 2), key
+        notes = (res[key].folder / "summary.json").read_text()
+        assert "llm: bf16 weights, fp32 master" in notes, key
+
+
+@pytest.mark.xdist_group("runtime_master")
+def test_expert_parallel_runs_hold_experts_like_the_dense_weights(tmp_path):
+    """Experts split over ep 2 on 2 gloo ranks (no other rank holds the same experts), bf16: under
+    `--mixed-precision master` without FSDP, and under FSDP (which leaves such experts to their rank),
+    they get bf16 weights with an fp32 master (build.py `_expert_state`), as the simulator charges
+    them, and both runs train like the fp32 reference."""
+    batches = make_batches()
+    runs = [Run("ep-master", "homogeneous", "tiny-omni-moe", batches,
+                {"fsdp": False, "ep": 2, "dtype": "bf16", "mixed_precision": "master"}),
+            Run("ep-fsdp", "homogeneous", "tiny-omni-moe", batches, {"ep": 2, "dtype": "bf16"})]
+    res = run_all(tmp_path, runs, nproc=2)
+    ref_losses, ref_params = reference("tiny-omni-moe", batches)
+    for key in ("ep-master", "ep-fsdp"):
+        losses, params = res[key].get()
+        assert all(abs(x - r) < 3e-2 for x, r in zip(losses, ref_losses, strict=True)), (key, losses, ref_losses)
+        experts = {k: v for k, v in params.items() if "@" in k}
+        assert experts, key
+        assert all((v != v.bfloat16().float()).any() for v in experts.values() if v.ndim >= 2), key
+        assert "llm experts: " in (res[key].folder / "summary.json").read_text(), key

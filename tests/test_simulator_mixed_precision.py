@@ -101,16 +101,71 @@ def test_simulate_takes_it_and_refuses_what_it_cannot_mean(tmp_path):
                     "--tuned searches under the runtime's default (autocast)")
     import json
 
-    peaks = {}
+    rows, configs = {}, {}
     for mp in ("autocast", "master"):
-        r = CliRunner().invoke(app, base + ["--mixed-precision", mp])
+        out = tmp_path / mp
+        r = CliRunner().invoke(app, [*base[:-3], "--out", str(out), "--mixed-precision", mp])
         assert r.exit_code == 0, r.output
-        rows = json.loads(r.output[r.output.index("["):]) if r.output.lstrip().startswith("[") else json.loads(r.output)
-        peaks[mp] = rows
-    assert peaks["autocast"] != peaks["master"]
+        (folder,) = out.iterdir()
+        (row,) = json.loads((folder / "results.json").read_text())
+        rows[mp], configs[mp] = row, json.loads((folder / "config.json").read_text())
+    # the record says which arrangement it simulated, and the two differ where they should:
+    # 2 bytes more per parameter under full recomputation, and no weight casts (a shorter step)
+    assert (configs["autocast"]["mixed_precision"], configs["master"]["mixed_precision"]) == ("autocast", "master")
+    assert rows["master"]["peak_memory_gib"] > rows["autocast"]["peak_memory_gib"]
+    assert rows["master"]["step_time_s"] < rows["autocast"]["step_time_s"]
+
+
+def test_a_run_spec_carries_it_to_the_runs_estimate():
+    """`run`'s memory check (omnibench/runtime/memory.py estimate) simulates the arrangement the run asks
+    for: RunSpec.mixed_precision reaches the ParallelSpec the estimate plans with."""
+    from omnibench.runtime.memory import estimate
+    from omnibench.runtime.run_inputs import parallel_spec
+    from omnibench.specs.run import RunSpec
+
+    spec = RunSpec(system="homogeneous", workload="text_only", model="llm-7b@4L", nproc=1, steps=1,
+                   recompute="full", dtype="bf16", global_batch_tokens=8192, length_scale=1.0,
+                   extra={"device": "cuda"})
+    assert parallel_spec(replace(spec, mixed_precision="master"), 1).mixed_precision == "master"
+    auto = estimate(spec).peak_bytes
+    master = estimate(replace(spec, mixed_precision="master")).peak_bytes
+    from omnibench.specs.costs import model_params
+
+    params = model_params(get_model("llm-7b@4L"))["total"]
+    # 2 bytes more state per parameter, less a little of the activations (a bf16 residual stream)
+    assert 1.8 * params < master - auto <= 2 * params
+
+
+def test_an_fp32_run_refuses_master_in_one_line():
+    from omnibench.runtime.launch import resolve
+    from omnibench.specs.model import SpecError
+    from omnibench.specs.run import RunSpec
+
+    with pytest.raises(SpecError, match="mixed_precision master .* needs dtype bf16"):
+        resolve(RunSpec(system="homogeneous", device="cpu", mixed_precision="master"))
+    _one_error_line(CliRunner().invoke(app, ["run", "--system", "homogeneous", "--mixed-precision", "master",
+                                             "--device", "cpu", "--steps", "1", "--out", "/nonexistent/never"]),
+                    "needs dtype bf16")
 
 
 def test_run_refuses_an_unknown_arrangement_in_one_line():
     _one_error_line(CliRunner().invoke(app, ["run", "--system", "homogeneous", "--mixed-precision", "fp16",
                                              "--device", "cpu", "--steps", "1"]),
                     "mixed_precision must be one of autocast, master; got 'fp16")
+
+
+def test_omnis_planner_prices_encoders_as_the_arrangement_holds_them():
+    """omni's placement prices (systems/omni/long_short.py GroupCosts) read the same bf16 / autocast
+    choice as the simulator: an encoder under DDP casts its fp32 weights per forward under autocast,
+    not under master, so a microbatch costs less under master; FSDP-held encoders are bf16 either way."""
+    from systems.omni.layout import build_layouts
+    from systems.omni.long_short import GroupCosts
+
+    model = get_model("omni-7b@4L")
+    # large enough that its element-wise work is bound by bytes, not by kernel launches
+    image = Sample(0, "i", (Segment("image", 4096, 16384, grid_thw=(1, 128, 128)),))
+    for encoder_dp, differs in (("ddp", True), ("fsdp", False)):
+        lay = build_layouts(model, ParallelSpec(world_size=8), encoder_dp)["vision"]
+        auto, master = (GroupCosts(model, None, "h100", {}, master=m).microbatch_seconds("vision", [image], 1, lay)
+                        for m in (False, True))
+        assert (master < auto) if differs else (master == auto), (encoder_dp, auto, master)

@@ -903,7 +903,7 @@ def register(app: typer.Typer) -> None:
                     # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
                     **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
                     "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
-                    "micro_batch": micro_batch, "stack": stack, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
+                    "micro_batch": micro_batch, "stack": stack, "mixed_precision": mixed_precision, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
                     "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                     "memory_error": memory_error,
                     "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),

@@ -163,14 +163,16 @@ class BuildMixin:
         """The rank's optimizers: a ZeRO-sharded state (zero.py) for every module whose layout asks
         for ZeRO-1/2 over a data-parallel group of more than one rank; under `--mixed-precision master`
         in a bf16 run, bf16 weights with an fp32 master (master.py) for every other module FSDP does
-        not hold; one plain optimizer for the rest (and for experts split over ep, which keep their
-        own reduction)."""
-        from omnibench.runtime.master import MasterWeights
+        not hold; experts split over ep as `_expert_state` says; one plain optimizer for the rest."""
+        from omnibench.runtime.master import EXPERTS_SUFFIX, MasterWeights
         from omnibench.runtime.zero import Optimizers, ShardedState
 
         states, plain = {}, []
         experts = {id(p) for p in getattr(self, "expert_params", [])}
         master = self.mixed_precision == "master" and self.dtype != torch.float32
+        held = self._expert_state(optimizer, lr, master)
+        if held is not None:
+            states["llm" + EXPERTS_SUFFIX] = held
         for name, module in self.modules.items():
             lay = self.layouts[name]
             group, ranks = self.groups.mine.get((name, "dpcp" if name == "llm" else "dp"), (None, ()))
@@ -187,17 +189,49 @@ class BuildMixin:
                                             replicate=replicate)
                 self.notes.append(f"{name}: ZeRO-{lay.zero}, optimizer state{' and gradients' if lay.zero == 2 else ''} "
                                   f"sharded over {len(ranks)} data-parallel ranks{across}, weights replicated")
-                plain += [p for p in params if id(p) in experts]
+                plain += [p for p in params if id(p) in experts and held is None]
             elif master and not self.fsdp.get(name) and dense:
                 states[name] = MasterWeights(name, dense, group if len(ranks) > 1 else None, optimizer, lr,
                                              param_dtype=self.dtype)
                 self.notes.append(f"{name}: bf16 weights, fp32 master and main gradients in the optimizer")
-                plain += [p for p in params if id(p) in experts]
+                plain += [p for p in params if id(p) in experts and held is None]
             else:
-                plain += params
+                plain += [p for p in params if id(p) not in experts or held is None]
         if not states:
             return make_optimizer(optimizer, plain, lr) if plain else None
         return Optimizers(make_optimizer(optimizer, plain, lr) if plain else None, states)
+
+    def _expert_state(self, optimizer: str, lr: float, master: bool):
+        """The training state of the experts this rank holds apart from FSDP (expert parallel without
+        FSDP over the expert data-parallel group), held as the LLM's dense weights are: ZeRO-sharded
+        over the ranks that hold the same experts when the LLM runs ZeRO-1/2, bf16 weights with an fp32
+        master under `--mixed-precision master` and wherever FSDP leaves them to this rank alone in a
+        bf16 run; None (the plain optimizer: fp32, or fp32 under autocast) otherwise. The simulator charges experts the dense weights' dtypes (simulator/memory.py
+        `_module_state`), so both hold 18 bytes per expert parameter there."""
+        from omnibench.runtime.master import EXPERTS_SUFFIX, MasterWeights
+        from omnibench.runtime.zero import ShardedState
+
+        params = list(getattr(self, "expert_params", []))
+        lay = self.layouts.get("llm")
+        if not params or lay is None:
+            return None
+        group, ranks = self.groups.get("llm", "edp")
+        group = group if len(ranks) > 1 else None
+        if self.fsdp.get("llm"):
+            if group is not None or self.dtype == torch.float32:
+                return None  # FSDP shards them over the expert data-parallel group
+            # FSDP leaves experts no other rank holds alone: bf16 weights and an fp32 master are what
+            # its MixedPrecisionPolicy would give them on a group of one (fp32 ones would meet the
+            # bf16 tokens FSDP's layers hand them)
+            self.notes.append("llm experts: held by no other rank, bf16 weights with an fp32 master")
+            return MasterWeights("llm" + EXPERTS_SUFFIX, params, None, optimizer, lr, param_dtype=self.dtype)
+        if lay.zero and group is not None:
+            self.notes.append(f"llm experts: ZeRO-{lay.zero} over the {len(ranks)} ranks holding the same experts")
+            return ShardedState("llm" + EXPERTS_SUFFIX, params, group, lay.zero, optimizer, lr, param_dtype=self.dtype)
+        if master or (lay.zero and self.dtype != torch.float32):
+            self.notes.append("llm experts: bf16 weights, fp32 master and main gradients in the optimizer")
+            return MasterWeights("llm" + EXPERTS_SUFFIX, params, group, optimizer, lr, param_dtype=self.dtype)
+        return None
 
     def _ac_and_compile(self, module: nn.Module, name: str) -> None:
         """Between the TP/CP/EP swaps and FSDP, as torchtitan orders them (parallelize.py)."""

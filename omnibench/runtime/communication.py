@@ -12,7 +12,7 @@ from omnibench.plan import (
     Action,
     Plan,
 )
-from omnibench.runtime.master import all_reduce_flat, local_shard
+from omnibench.runtime.master import EXPERTS_SUFFIX, all_reduce_flat, local_shard
 from systems.common import is_primary, long_llm_leaders
 
 
@@ -98,7 +98,8 @@ class CommunicationMixin:
         g, ranks = self.groups.mine.get((a.module, dim), (None, ()))
         experts = self.expert_params if a.module == "llm" else []
         expert_ids = {id(p) for p in experts}
-        held = getattr(self.optimizer, "states", {}).get(a.module)
+        states = getattr(self.optimizer, "states", {})
+        held = states.get(a.module)
         if held is not None:  # ZeRO's reduce-scatter, or the fp32 main gradients' all-reduce
             held.reduce()
         elif not self.fsdp.get(a.module) and len(ranks) > 1:
@@ -106,7 +107,10 @@ class CommunicationMixin:
             grads = [local_shard(p.grad) for p in module.parameters() if p.grad is not None and id(p) not in expert_ids]
             if grads:
                 all_reduce_flat(grads, g)
-        if experts and not (self.fsdp.get(a.module) and len(self.groups.get("llm", "edp")[1]) > 1):
+        held_experts = states.get(a.module + EXPERTS_SUFFIX)
+        if held_experts is not None:  # over the ranks holding the same experts (build.py `_expert_state`)
+            held_experts.reduce()
+        elif experts and not (self.fsdp.get(a.module) and len(self.groups.get("llm", "edp")[1]) > 1):
             eg, eranks = self.groups.get("llm", "edp")
             if len(eranks) > 1:
                 for p in experts:

@@ -242,7 +242,14 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             masters.update(getattr(state, "full_tensors", dict)())
         for name, module in self.modules.items():
             for pname, p in module.named_parameters():
-                t = p.full_tensor() if hasattr(p, "full_tensor") else masters.get(id(p), p)
+                t = masters.get(id(p), p)
+                if hasattr(p, "full_tensor"):  # a tensor-parallel weight: its master is the local shard's
+                    if t is not p:
+                        from torch.distributed.tensor import DTensor
+
+                        t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+                    t = t.full_tensor()
                 ref = _reference_name(name, pname)
                 for prefix, first in shards.items():
                     if pname.startswith(prefix):

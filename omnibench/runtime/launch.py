@@ -106,6 +106,12 @@ def resolve(spec: RunSpec) -> RunSpec:
         dtype=("bf16" if cuda else "fp32") if spec.dtype == "auto" else spec.dtype,
         threads=max(1, (os.cpu_count() or 1) // max(1, spec.nproc or 2)),
     )
+    if extra["dtype"] == "fp32" and spec.mixed_precision == "master":
+        from omnibench.specs.model import SpecError
+
+        raise SpecError("mixed_precision master holds bf16 weights with an fp32 master: it needs dtype bf16 "
+                        f"(this run's dtype is fp32{', auto on CPU' if spec.dtype == 'auto' else ''}); "
+                        "use --dtype bf16 or --mixed-precision autocast")
     nproc = spec.nproc or (gpus if cuda else 2)
     if cuda and nproc > gpus and not under_torchrun():
         from omnibench.specs.model import SpecError

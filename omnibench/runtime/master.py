@@ -26,6 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# the key of the LLM experts' state in zero.Optimizers.states, held apart from its dense weights
+# (build.py `_expert_state`): "llm:experts"
+EXPERTS_SUFFIX = ":experts"
+
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (tensor-parallel weights), else the tensor."""

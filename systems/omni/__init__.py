@@ -212,7 +212,8 @@ class OmniPlanner:
             group_schemes = [x for x in SCHEMES if x != "none"] if wanted == "auto" else [wanted]
             schemes[m] = ([("none", 1)] if wanted in ("auto", "none") or not sizes else []) + [
                 (x, k) for x in group_schemes if x != "none" for k in sizes]
-        exchange = once("exchange", lambda: GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute)))
+        exchange = once("exchange", lambda: GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute),
+                                                              parallel.mixed_precision == "master"))
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp

@@ -386,8 +386,10 @@ class GroupCosts:
     A cost model on other hardware (the analytic default, a CPU calibration) gets the exchange scaled
     by the ratio of its compute speed to the preset's."""
 
-    def __init__(self, model, cost_model, hardware: str = "", recompute: dict[str, str] | None = None):
+    def __init__(self, model, cost_model, hardware: str = "", recompute: dict[str, str] | None = None,
+                 master: bool = False):
         self.model = model
+        self.master = master  # `--mixed-precision master`: every module's weights bf16 (no per-forward casts)
         self.recompute = recompute or {}  # per module, as costs.recompute_policy reads the run's
         self.hardware = hardware or "h100"
         self.measured = bool(hardware)
@@ -448,7 +450,7 @@ class GroupCosts:
         `measured`."""
         from omnibench.specs.cost_model import attention_sequences
 
-        bf16 = _holds_bf16(layout)
+        bf16 = _holds_bf16(layout, self.master)
         c = self._coefficients.get((module, k, bf16))
         if c is None:
             c = self._coefficients[(module, k, bf16)] = _member_coefficients(
@@ -483,7 +485,7 @@ class GroupCosts:
 
             from simulator.work import eager_stack
 
-            w = replace(w, shape=replace(w.shape, stack=eager_stack(self.model, module, layout)))
+            w = replace(w, shape=replace(w.shape, stack=eager_stack(self.model, module, layout, self.master)))
         comp = _compute(self.hardware)
         elements = float(sum(input_elements(s, self.model) for s in samples))
         t = (comp.action_time(w, "forward", module=module, inputs=elements)
@@ -492,8 +494,10 @@ class GroupCosts:
         return t + self.seconds(module, positions, k)
 
 
-def _holds_bf16(layout) -> bool:
-    return layout is not None and (layout.fsdp or layout.zero > 0) and layout.fsdp_size > 1
+def _holds_bf16(layout, master: bool = False) -> bool:
+    """Whether the runtime holds `layout`'s weights in bf16 (simulator/work.py `eager_stack`): FSDP or
+    ZeRO over more than one rank, or any module under `--mixed-precision master`."""
+    return layout is not None and (master or ((layout.fsdp or layout.zero > 0) and layout.fsdp_size > 1))
 
 
 @lru_cache(maxsize=256)
