@@ -152,3 +152,19 @@ def test_expert_parallel_runs_hold_experts_like_the_dense_weights(tmp_path):
         assert experts, key
         assert all((v != v.bfloat16().float()).any() for v in experts.values() if v.ndim >= 2), key
         assert "llm experts: " in (res[key].folder / "summary.json").read_text(), key
+
+
+@pytest.mark.xdist_group("runtime_master")
+def test_expert_parallel_zero_shards_the_experts_state_over_their_data_ranks(tmp_path):
+    """ep 2 on 4 gloo ranks without FSDP under ZeRO-1 (fp32): each pair of ranks holding the same
+    experts shards their optimizer state between them (build.py `_expert_state`, the expert data-parallel
+    group the simulator shards them over) and the run matches the one-process reference exactly."""
+    from parity import assert_parity
+
+    batches = make_batches()
+    res = run_all(tmp_path, [Run("ep-zero", "temporal", "tiny-omni-moe", batches,
+                                 {"fsdp": False, "zero": 1, "ep": 2})], nproc=4)
+    losses, params = res["ep-zero"].get()
+    assert_parity(losses, params, *reference("tiny-omni-moe", batches))
+    assert "llm experts: ZeRO-1 over the 2 ranks holding the same experts" in \
+        (res["ep-zero"].folder / "summary.json").read_text()
