@@ -75,3 +75,10 @@ def test_host_work_grows_with_the_ranks():
 def test_bad_rows_flag_is_a_one_line_error():
     got = subprocess.run([sys.executable, str(SCRIPT), "--rows", "("], capture_output=True, text=True, timeout=50)
     assert got.returncode == 2 and "--rows" in got.stderr.strip().splitlines()[-1] and "Traceback" not in got.stderr
+
+
+def test_the_committed_output_is_what_the_script_prints_today():
+    """results/validation/zero3_coordinator.txt, which the README quotes, cannot go stale."""
+    got = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == (ROOT / "results" / "validation" / "zero3_coordinator.txt").read_text()
