@@ -590,23 +590,34 @@ def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c
                   system == "omni", system == "homogeneous", system == "noncolocated")
 
 
-def _state(params: float, lay) -> costs.StateBytes:
+def _state(params: float, lay, master: bool = False) -> costs.StateBytes:
     """Per rank: a module's training state under its layout's data-parallel mode (this project's
     runtime's dtypes, costs.STATE_DTYPES["eager"]): FSDP and ZeRO over its shard group (the whole
     data-parallel group unless hybrid), nothing shared without peers."""
     n = lay.shard_size
-    return costs.dp_state_bytes(params, lay.dp_mode if n > 1 else "ddp", max(1, n))
+    return _dp_state(params, lay.dp_mode if n > 1 else "ddp", max(1, n), master)
+
+
+def _dp_state(params: float, mode: str, shard: int, master: bool) -> costs.StateBytes:
+    """costs.dp_state_bytes in this runtime's dtypes; a replicated module (DDP, one rank) under
+    `--mixed-precision master` holds bf16 weights with its fp32 master and main gradients, ZeRO's
+    dtypes unsharded (simulator/memory.py `_dtypes`, omnibench/runtime/master.py)."""
+    if master and mode == "ddp":
+        return costs.state_bytes(costs.state_dtypes("eager", "zero1"), params, "ddp", shard)
+    return costs.dp_state_bytes(params, mode, shard)
 
 
 @_per_candidate
 def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
-                    samples, options: dict | None = None, memory_stack: str = "eager", device: str = "") -> float:
+                    samples, options: dict | None = None, memory_stack: str = "eager", device: str = "",
+                    mixed_precision: str = "autocast") -> float:
     """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2), under each
     system's own memory rules (`_rules`): its data-parallel mode per module (omni's encoders ZeRO-2 by
     default, the others' FSDP), how far the largest sample is split (temporal: over its Ulysses
     degree; omni: over its sequence-parallel group, its long LLM samples over their group), and
     which encoder outputs stay live through the LLM pass. `options`: the system's switches
-    (ParallelSpec.options, e.g. omni's encoder_dp). In the figure the simulator's fits check
+    (ParallelSpec.options, e.g. omni's encoder_dp); `mixed_precision`: how replicated modules hold
+    their weights (ParallelSpec.mixed_precision). In the figure the simulator's fits check
     compares with the device (simulator/memory.py memory_needed: the allocated bytes with the space
     the allocator cannot give back under pressure, and what lives outside it, as `memory_stack` has them)."""
     from omnibench.process_groups import fewest_groups
@@ -627,10 +638,11 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     # As the simulator's timeline holds them at the LLM's first backward: its training state, the
     # activations in flight less a recomputed layer (held only inside a backward); FSDP's gathered
     # bf16 layers and the step's imbalance are left out of this lower bound.
-    llm_state = _state(dense, lay)
+    master = mixed_precision == "master"
+    llm_state = _state(dense, lay, master)
     if expert:
-        e = costs.dp_state_bytes(expert, lay.dp_mode if lay.fsdp_size > 1 else "ddp",
-                                 max(1, (lay.shard_size if lay.fsdp else lay.fsdp_size) // max(1, c.ep)))
+        e = _dp_state(expert, lay.dp_mode if lay.fsdp_size > 1 else "ddp",
+                      max(1, (lay.shard_size if lay.fsdp else lay.fsdp_size) // max(1, c.ep)), master)
         llm_state = costs.StateBytes(llm_state.params + e.params, llm_state.grads + e.grads,
                                      llm_state.optimizer + e.optimizer)
     in_flight = min(c.pp, m)
@@ -647,7 +659,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
             ew = vision_work(enc, [(1, 1, max(1, int(per_rank * sp)))], elay.tp, sp, mode[name])
         else:
             ew = audio_work(enc, [max(2, int(2 * per_rank * sp))], elay.tp, sp, mode[name])
-        st = _state(ew.params / elay.tp, elay)
+        st = _state(ew.params / elay.tp, elay, master)
         enc_state += st.params + st.optimizer  # its gradients appear only at its own backward
         # whole until grad_sync under this runtime's ZeRO (simulator/memory.py _grad_timeline)
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
@@ -762,6 +774,7 @@ class _Search:
                  memory_error: float = 0.0):
         self.system, self.model, self.batches, self.cluster = system, model, batches, cluster
         self.stack, self.dp_fields, self.memory_error = stack, dict(dp_fields or {}), memory_error
+        self.mixed_precision = self.dp_fields.get("mixed_precision", "autocast")
         self.profile, self.options, self.sweep, self.use_cache, self.log = profile, options, sweep, use_cache, log
         self.world, self.gpn = cluster.num_gpus, cluster.gpus_per_node
         # what an estimate may reach: with the estimates assumed `memory_error` off (SimOptions), the
@@ -790,7 +803,7 @@ class _Search:
             self._bound[c] = memory_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
                                              options=self.options,
                                              memory_stack=MEMORY_OF_STACK.get(self.stack, "eager"),
-                                             device=self.cluster.gpu.name)
+                                             device=self.cluster.gpu.name, mixed_precision=self.mixed_precision)
         return self._bound[c]
 
     def flops_rank(self, mode: str) -> float:
@@ -1077,14 +1090,29 @@ class _Search:
         return None, ruled_out, worst, runs
 
 
+def _dp_fields(dp_mode: str | None, mixed_precision: str = "autocast") -> dict:
+    """The ParallelSpec fields every simulated layout takes from the tune's arguments."""
+    from omnibench.specs.parallel import dp_mode_fields
+    from omnibench.specs.run import MIXED_PRECISION
+
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {mixed_precision!r}")
+    out = dp_mode_fields(dp_mode) if dp_mode is not None else {}
+    if mixed_precision != "autocast":
+        out["mixed_precision"] = mixed_precision
+    return out
+
+
 def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=None, budget: int = DEFAULT_BUDGET,
          fraction: float = BUDGET_FRACTION, options: dict | None = None, encoder_search: bool = True, log=None,
          sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None,
          stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None,
-         memory_error: float = 0.0, seeds: list[Seed] | None = None, guard_batches: list | None = None) -> TuneResult:
+         memory_error: float = 0.0, seeds: list[Seed] | None = None, guard_batches: list | None = None,
+         mixed_precision: str = "autocast") -> TuneResult:
     """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
     `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated with
-    the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode`; what fits
+    the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode` (and how
+    replicated modules hold their weights, `mixed_precision`: autocast | master); what fits
     decided with the memory estimates assumed `memory_error` off (SimOptions.memory_error).
 
     `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
@@ -1099,7 +1127,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     the answer then runs every one of them (`_guarded`). None: the search's own answer on `batches`."""
     kw = dict(profile=profile, budget=budget, fraction=fraction, options=options, encoder_search=encoder_search,
               log=log, sweep=sweep, use_cache=use_cache, known=known, prior=prior, stack=stack, dp_mode=dp_mode,
-              default=default, memory_error=memory_error, seeds=seeds)
+              default=default, memory_error=memory_error, seeds=seeds, mixed_precision=mixed_precision)
     if guard_batches:
         return _guarded(_tune_once, system, model, batches, cluster, guard_batches, kw)
     return _tune_once(system, model, batches, cluster, **kw)
@@ -1108,7 +1136,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
 def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, profile, budget: int, fraction: float,
                options: dict | None, encoder_search: bool, log, sweep, use_cache: bool, known: dict | None,
                prior: Prior | None, stack: str, dp_mode: str | None, default: Candidate | None, memory_error: float,
-               seeds: list[Seed] | None) -> TuneResult:
+               seeds: list[Seed] | None, mixed_precision: str = "autocast") -> TuneResult:
     """`tune` without a guard: the search on `batches` alone."""
     from omnibench.sweep import Sweep
     from systems import get_planner
@@ -1121,11 +1149,7 @@ def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, pr
     own = sweep is None
     sweep = sweep or Sweep(workers=1)
     try:
-        dp_fields = {}
-        if dp_mode is not None:
-            from omnibench.specs.parallel import dp_mode_fields
-
-            dp_fields = dp_mode_fields(dp_mode)
+        dp_fields = _dp_fields(dp_mode, mixed_precision)
         search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known, prior,
                          stack, dp_fields, memory_error)
         world, gpn = search.world, search.gpn
@@ -1319,9 +1343,7 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                                  + ", ".join(f"{lab} at step {k}" for lab, k in guarded) + ")")
             survivor, out = res.best, []
             if survivor is not None and window:
-                from omnibench.specs.parallel import dp_mode_fields
-
-                dp_fields = dp_mode_fields(kw["dp_mode"]) if kw.get("dp_mode") is not None else {}
+                dp_fields = _dp_fields(kw.get("dp_mode"), kw.get("mixed_precision", "autocast"))
                 check = _Search(system, model, window, cluster, kw.get("profile"), kw.get("options"), sweep,
                                 kw.get("use_cache", True), None, None, stack=kw.get("stack", "eager"),
                                 dp_fields=dp_fields, memory_error=kw.get("memory_error", 0.0))

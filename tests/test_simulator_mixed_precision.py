@@ -97,8 +97,6 @@ def test_simulate_takes_it_and_refuses_what_it_cannot_mean(tmp_path):
                     "mixed-precision must be one of autocast, master; got 'fp16'")
     _one_error_line(CliRunner().invoke(app, base + ["--mixed-precision", "master", "--stack", "fused"]),
                     "mixed-precision master is this project's runtime's (--stack eager)")
-    _one_error_line(CliRunner().invoke(app, base + ["--mixed-precision", "master", "--tuned"]),
-                    "--tuned searches under the runtime's default (autocast)")
     import json
 
     rows, configs = {}, {}
@@ -169,3 +167,46 @@ def test_omnis_planner_prices_encoders_as_the_arrangement_holds_them():
         auto, master = (GroupCosts(model, None, "h100", {}, master=m).microbatch_seconds("vision", [image], 1, lay)
                         for m in (False, True))
         assert (master < auto) if differs else (master == auto), (encoder_dp, auto, master)
+
+
+def test_tunes_memory_bound_holds_the_arrangement():
+    """tune's analytic memory bound (omnibench/tune.py memory_estimate) charges a replicated module (one
+    rank) 2 bytes more per parameter under master, as the simulator does; FSDP-held modules are
+    untouched. (The bound reads the system's own data-parallel mode, not --dp-mode: a lower bound.)"""
+    from omnibench.tune import Candidate, memory_estimate
+
+    spec = get_model("llm-7b@4L")
+    samples = [Sample(i, "t", (Segment("text", 4096),)) for i in range(8)]
+    c = Candidate("homogeneous", recompute="full")
+    params = sum(_engine("autocast")._model_parallel_params("llm", 0))
+    one, eight = ([memory_estimate("homogeneous", spec, n, 8, c, samples[:n], mixed_precision=m)
+                   for m in ("autocast", "master")] for n in (1, 8))
+    # 2 bytes per parameter allocated, and the allocator's share of them (simulator/memory.py memory_needed)
+    assert 2 * params <= one[1] - one[0] <= 2.5 * params
+    assert eight[1] == eight[0]
+
+
+def test_tune_and_simulate_tuned_search_under_it(tmp_path):
+    """`tune --mixed-precision master` and `simulate --tuned --mixed-precision master` search with the
+    arrangement (its own tune cache key: an autocast answer is never reused for it) and simulate the
+    answer under it."""
+    import json
+
+    base = ["-w", "text_only", "-s", "homogeneous", "-m", "llm-7b@4L", "--gpus", "1", "--workers", "1"]
+    best = {}
+    for mp in ("autocast", "master"):
+        r = CliRunner().invoke(app, ["tune", *base, "--budget", "2", "--mixed-precision", mp, "--json"])
+        assert r.exit_code == 0, r.output
+        best[mp] = json.loads(r.output)["default"]
+    assert best["master"]["estimate_gib"] > best["autocast"]["estimate_gib"], best
+    assert best["master"]["peak_gib"] != best["autocast"]["peak_gib"], best
+    _one_error_line(CliRunner().invoke(app, ["tune", *base, "--mixed-precision", "fp16"]),
+                    "mixed-precision must be one of autocast, master; got 'fp16'")
+    out = tmp_path / "sims"
+    r = CliRunner().invoke(app, ["simulate", *base, "--tuned", "--tune-budget", "2", "--mixed-precision", "master",
+                                 "--out", str(out), "--tune-cache", str(tmp_path / "cache.json")])
+    assert r.exit_code == 0, r.output
+    (folder,) = out.iterdir()
+    assert json.loads((folder / "config.json").read_text())["mixed_precision"] == "master"
+    keys = list(json.loads((tmp_path / "cache.json").read_text()))
+    assert keys and all("|mixed_precision=master" in k for k in keys), keys

@@ -152,6 +152,17 @@ def check_memory_error(memory_error: float) -> None:
              f"-0.2: 20% high); got {memory_error}")
 
 
+def check_mixed_precision(mixed_precision: str, stack: str) -> None:
+    """One-line errors for --mixed-precision (simulate, tune)."""
+    from omnibench.specs.run import MIXED_PRECISION
+
+    if mixed_precision not in MIXED_PRECISION:
+        fail(f"mixed-precision must be one of {', '.join(MIXED_PRECISION)}; got {mixed_precision!r}")
+    if mixed_precision != "autocast" and stack != "eager":
+        fail(f"mixed-precision {mixed_precision} is this project's runtime's (--stack eager); --stack {stack} "
+             "holds its weights its own way")
+
+
 def _dp_fields(dp_mode: str | None, dp_shard: int) -> dict:
     """ParallelSpec fields of `--dp-mode` and `--dp-shard` together (one-line error otherwise)."""
     from omnibench.specs.parallel import dp_mode_fields
@@ -233,7 +244,7 @@ TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "g
                    "calibration", "tune_steps", "converge", "prior", "memory_error")
 
 
-def _tune_key(seeds: list | None = None, guard: str = "", **fields) -> str:
+def _tune_key(seeds: list | None = None, guard: str = "", mixed_precision: str = "autocast", **fields) -> str:
     """The tune cache's key: the inputs that decide the answer (a seeded search: its seeds too, as a
     digest, so that an unseeded answer is never taken for a seeded one; a guarded one: the steps its
     answer was checked on, so that an unguarded answer is never taken for a guarded one), and the
@@ -244,6 +255,8 @@ def _tune_key(seeds: list | None = None, guard: str = "", **fields) -> str:
     key = "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS) + f"|code={code_version()[:12]}"
     if guard:
         key += f"|guard={guard}"
+    if mixed_precision != "autocast":  # autocast's keys stay what they were before the option existed
+        key += f"|mixed_precision={mixed_precision}"
     if seeds:
         import hashlib
 
@@ -294,7 +307,7 @@ def read_tune_cache(path: Path | None) -> dict:
 def _search(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str, *,
             fraction: float | None = None, converge: bool = False, sweep=None, use_cache: bool = True, prior=None,
             stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
-            guard_batches: list | None = None):
+            guard_batches: list | None = None, mixed_precision: str = "autocast"):
     """`tuned_layout`'s search: the `tune.TuneResult` of `system` (every omni technique on)."""
     from omnibench import tune as tune_mod
 
@@ -304,7 +317,7 @@ def _search(system: str, spec, batches, cluster, profile, budget: int, options: 
                   fraction=fraction or tune_mod.BUDGET_FRACTION,
                   options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
                   use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error,
-                  seeds=seeds, guard_batches=guard_batches)
+                  seeds=seeds, guard_batches=guard_batches, mixed_precision=mixed_precision)
 
 
 def _tune_all(systems: list[str], tune_inputs, cache: dict, spec, batches, cluster, profile, budget: int,
@@ -345,7 +358,7 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
                  use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
                  dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
-                 guard_batches: list | None = None, found=None):
+                 guard_batches: list | None = None, found=None, mixed_precision: str = "autocast"):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
     batch, or batches picked across the simulated window by regime), its answer checked to run every
     batch of `guard_batches` (the window it is kept for; the layouts ruled out in `entry["guarded"]`),
@@ -367,7 +380,8 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     else:
         res = _search(system, spec, batches, cluster, profile, budget, options, hardware, fraction=fraction,
                       converge=converge, sweep=sweep, use_cache=use_cache, prior=prior, stack=stack,
-                      dp_mode=dp_mode, memory_error=memory_error, seeds=seeds, guard_batches=guard_batches)
+                      dp_mode=dp_mode, memory_error=memory_error, seeds=seeds, guard_batches=guard_batches,
+                      mixed_precision=mixed_precision)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
@@ -673,16 +687,7 @@ def register(app: typer.Typer) -> None:
         if seed_from and not tuned:
             fail("seed-from: seeds start a tune; give --tuned too")
         dp_fields = _dp_fields(dp_mode, dp_shard)
-        from omnibench.specs.run import MIXED_PRECISION
-
-        if mixed_precision not in MIXED_PRECISION:
-            fail(f"mixed-precision must be one of {', '.join(MIXED_PRECISION)}; got {mixed_precision!r}")
-        if mixed_precision != "autocast" and stack != "eager":
-            fail(f"mixed-precision {mixed_precision} is this project's runtime's (--stack eager); --stack {stack} "
-                 "holds its weights its own way")
-        if mixed_precision != "autocast" and tuned:
-            fail(f"mixed-precision {mixed_precision}: --tuned searches under the runtime's default (autocast); "
-                 "simulate the tuned layout with --tp/--pp/--cp/--dp-mode instead")
+        check_mixed_precision(mixed_precision, stack)
         dp_fields["mixed_precision"] = mixed_precision
         _check_stack(stack)
         if micro_batch < 0 or (micro_batch and microbatches):
@@ -770,11 +775,12 @@ def register(app: typer.Typer) -> None:
                                                 tune_steps=",".join(str(b.step) for b in window),
                                                 converge=MAX_DOUBLINGS if check_convergence else 0,
                                                 prior=prior.world if prior is not None else 0,
-                                                memory_error=memory_error,
+                                                memory_error=memory_error, mixed_precision=mixed_precision,
                                                 guard=",".join(str(b.step) for b in guard))
                                 return key, dict(fraction=tune_fraction, converge=check_convergence, sweep=sweep,
                                                  use_cache=not no_cache, prior=prior, stack=stack, dp_mode=dp_mode,
-                                                 memory_error=memory_error, seeds=mine, guard_batches=guard)
+                                                 memory_error=memory_error, seeds=mine, guard_batches=guard,
+                                                 mixed_precision=mixed_precision)
 
                         found: dict = {}  # tune cache key -> the future of its search, started beside the others
                         for s in systems:

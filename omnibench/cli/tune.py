@@ -9,7 +9,14 @@ import typer
 from rich.table import Table
 
 from omnibench.cli.common import MAX_GPUS, batch_error, console, fail
-from omnibench.cli.simulate import HARDWARE_HELP, MEMORY_ERROR_HELP, STACK_HELP, check_memory_error
+from omnibench.cli.simulate import (
+    HARDWARE_HELP,
+    MEMORY_ERROR_HELP,
+    MIXED_PRECISION_HELP,
+    STACK_HELP,
+    check_memory_error,
+    check_mixed_precision,
+)
 
 TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print the fastest few.
 
@@ -53,7 +60,7 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
              log=None, *, fraction: float | None = None, window: int = 0, converge: bool = False, sweep=None,
              use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0,
-             seeds: list | None = None):
+             seeds: list | None = None, mixed_precision: str = "autocast"):
     """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
     starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
     each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
@@ -79,7 +86,7 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     return search(system, spec, batches, cluster, profile=profile, budget=budget,
                   fraction=fraction or tune_mod.BUDGET_FRACTION, options=options, log=log, sweep=sweep,
                   use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start, memory_error=memory_error,
-                  seeds=seeds)
+                  seeds=seeds, mixed_precision=mixed_precision)
 
 
 def check_sweep_options(workers: int | None, fraction: float | None = None, budget: int = 0) -> None:
@@ -103,6 +110,7 @@ def register(app: typer.Typer) -> None:
         stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
         dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp for every layout; "
                                     "default: the system's."),
+        mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
         steps: int = typer.Option(1, "--steps", help="Batches each layout is simulated on (a layout fits only if "
                                   "it fits all)."),
         window: int = typer.Option(0, "--window", help="Pick the --steps batches from the first W of the stream "
@@ -135,6 +143,7 @@ def register(app: typer.Typer) -> None:
 
         _check_stack(stack)
         _dp_fields(dp_mode, 0)
+        check_mixed_precision(mixed_precision, stack)
         if system not in available_systems():
             fail(f"system must be one of {', '.join(available_systems())}; got {system!r}")
         for name, v in (("gpus", gpus), ("steps", steps), ("top", top)):
@@ -158,7 +167,8 @@ def register(app: typer.Typer) -> None:
                 res = run_tune(system, workload, gpus, model, hardware, steps, start_step, seed, global_batch_tokens,
                                budget, calibration, log=log, fraction=fraction, window=window,
                                converge=check_convergence, sweep=sweep, use_cache=not no_cache, stack=stack,
-                               dp_mode=dp_mode, memory_error=memory_error, seeds=seeds)
+                               dp_mode=dp_mode, memory_error=memory_error, seeds=seeds,
+                               mixed_precision=mixed_precision)
         except SweepError as e:
             fail(str(e))
         except ValueError as e:
