@@ -97,13 +97,16 @@ class Candidate:
     # omni: how the encoders' data parallelism holds their state (systems/omni/options.py `encoder_dp`);
     # "": the system's default (ZeRO-2) or what the user's options say
     encoder_dp: str = ""
+    # how the LLM attends across its cp ranks: Ulysses (heads split: cp must divide the heads and kv
+    # heads per tp rank) or all-gathered K/V (Llama 3's context parallelism: any cp; `plan.CP_KINDS`)
+    cp_kind: str = "ulysses"
 
     def parallel(self, world: int, gpus_per_node: int, options: dict | None = None) -> ParallelSpec:
         options = dict(options or {})
         if self.encoder_dp:
             options["encoder_dp"] = self.encoder_dp
         return ParallelSpec(world_size=world, gpus_per_node=gpus_per_node, tp=self.tp, pp=self.pp, cp=self.cp,
-                            ep=self.ep, microbatches=self.microbatches, virtual_stages=self.virtual_stages,
+                            cp_kind=self.cp_kind, ep=self.ep, microbatches=self.microbatches, virtual_stages=self.virtual_stages,
                             encoder_tp=self.encoder_tp, encoder_sp=self.encoder_sp,
                             encoder_ranks=self.encoder_ranks, recompute=self.recompute, options=options)
 
@@ -112,7 +115,7 @@ class Candidate:
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + (f"-{self.cp_kind}" if self.cp_kind != "ulysses" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts.append(f"mb{self.microbatches or 'auto'}")
@@ -354,28 +357,32 @@ def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: 
     eps = [1]
     if llm.moe is not None:
         eps = [e for e in _pow2(llm.moe.experts) if llm.moe.experts % e == 0 and e <= 64]
+    splits = []  # (tp, cp, cp_kind)
     for tp in tps:
-        for cp in _pow2(llm.kv_heads // tp):
-            if (llm.kv_heads // tp) % cp or (llm.heads // tp) % cp or tp * cp > gpus_per_node:
-                continue
+        for cp in _pow2(gpus_per_node // tp):
             if any(h % cp for h in enc_heads):
                 continue
-            for pp in pps:
-                for ep in eps:
-                    base = Candidate(system, tp=tp, pp=pp, cp=cp, ep=ep)
-                    n = llm_ranks_safe(system, model, world, base, gpus_per_node)
-                    per = tp * pp * cp
-                    if n is None or n % per:
-                        continue
-                    dp = n // per
-                    if dp < 1 or (dp * cp) % ep:
-                        continue
-                    vs = [1, 2] if pp >= 2 and llm.layers % (2 * pp) == 0 else [1]
-                    for m in microbatch_counts(system, pp):
-                        for v in vs:
-                            if v > 1 and m % pp:
-                                continue
-                            out.append(replace(base, microbatches=m, virtual_stages=v))
+            if cp == 1 or ((llm.kv_heads // tp) % cp == 0 and (llm.heads // tp) % cp == 0):
+                splits.append((tp, cp, "ulysses"))
+            if cp > 1:
+                splits.append((tp, cp, "allgather"))
+    for tp, cp, kind in splits:
+        for pp in pps:
+            for ep in eps:
+                base = Candidate(system, tp=tp, pp=pp, cp=cp, ep=ep, cp_kind=kind)
+                n = llm_ranks_safe(system, model, world, base, gpus_per_node)
+                per = tp * pp * cp
+                if n is None or n % per:
+                    continue
+                dp = n // per
+                if dp < 1 or (dp * cp) % ep:
+                    continue
+                vs = [1, 2] if pp >= 2 and llm.layers % (2 * pp) == 0 else [1]
+                for m in microbatch_counts(system, pp):
+                    for v in vs:
+                        if v > 1 and m % pp:
+                            continue
+                        out.append(replace(base, microbatches=m, virtual_stages=v))
     return out
 
 
@@ -632,7 +639,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
     per_mb = max(1, int(tokens / lay.dp / m), big_tokens // rules.llm_split)
     w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
-                 mode["llm"])
+                 mode["llm"], c.cp_kind)
     dense = (w.params - w.expert_params) / c.tp
     expert = w.expert_params / c.tp / max(1, c.ep)
     # As the simulator's timeline holds them at the LLM's first backward: its training state, the
@@ -720,7 +727,12 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
     comm = 0.0
     if c.tp > 1:  # 4 all-reduces per layer (2 forward, 2 backward) of the hidden states
         comm += 4 * layers * 2 * (c.tp - 1) / c.tp * per_rank_tokens * llm.hidden * 2 / nvlink
-    if c.cp > 1:
+    if c.cp > 1 and c.cp_kind == "allgather":
+        # each layer's K/V gathered from the other cp ranks (forward), their gradients reduce-scattered
+        # back and, under recomputation, gathered again (simulator/program.py `_compute_op`)
+        kv = 2 * llm.kv_heads * llm.dim_head / c.tp * 2 * per_rank_tokens * (c.cp - 1)
+        comm += (3 if c.recompute != "none" else 2) * layers * kv / nvlink
+    elif c.cp > 1:
         comm += 4 * layers * per_rank_tokens * llm.hidden * 2 / c.tp / nvlink
     pipeline = llm_s + comm + bubble_s
     if rules.separate_encoders:
@@ -921,8 +933,8 @@ class _Search:
     @staticmethod
     def levels(c: Candidate) -> dict[str, tuple]:
         """The dimensions whose levels change a layout's shape of work: pipeline depth, and the
-        tensor x context x expert split of a stage."""
-        return {"pp": (c.pp,), "split": (c.tp, c.cp, c.ep)}
+        tensor x context x expert split of a stage (and how its context split attends)."""
+        return {"pp": (c.pp,), "split": (c.tp, c.cp, c.ep, c.cp_kind if c.cp > 1 else "")}
 
     @staticmethod
     def llm_key(c: Candidate) -> Candidate:

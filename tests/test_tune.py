@@ -42,7 +42,11 @@ def test_search_space_respects_the_layout_rules(system):
     space = search_space(system, model, 64, 8)
     assert space
     for c in space:
-        assert llm.heads % c.tp == 0 and llm.kv_heads % (c.tp * c.cp) == 0 and c.tp * c.cp <= 8
+        assert llm.heads % c.tp == 0 and llm.kv_heads % c.tp == 0 and c.tp * c.cp <= 8
+        if c.cp_kind == "ulysses":  # Ulysses splits the heads; all-gathered K/V splits any cp
+            assert llm.kv_heads % (c.tp * c.cp) == 0
+        else:
+            assert c.cp_kind == "allgather" and c.cp > 1
         assert c.pp <= llm.layers and c.ep == 1  # dense model: no expert parallelism
         if system == "temporal":  # VeOmni's space: no tp, no pp; cp is every module's Ulysses degree
             assert c.pp == 1 and c.tp == 1 and all(e.heads % c.cp == 0 for e in model.encoders.values())
@@ -52,6 +56,11 @@ def test_search_space_respects_the_layout_rules(system):
             assert c.pp >= 2 and llm.layers % (c.pp * c.virtual_stages) == 0 and c.microbatches % c.pp == 0
         c.parallel(64, 8).validate(model)  # every enumerated layout passes the spec's own checks
     assert len(set(space)) == len(space)
+    # both context-parallel kinds at every cp Ulysses can split, and all-gathered K/V beyond the kv heads
+    cps = {(c.tp, c.cp, c.cp_kind) for c in space if c.cp > 1}
+    assert all((tp, cp, "allgather") in cps for tp, cp, kind in cps if kind == "ulysses"), cps
+    if system != "temporal":  # temporal's audio (20 heads) caps its cp at 4
+        assert (1, 8, "allgather") in cps and (1, 8, "ulysses") not in cps  # omni-7b: 4 kv heads
     # every microbatch count, 1 included (issue 20: omni's tune never simulated 1), for every system
     for pp in {c.pp for c in space}:
         counts = {c.microbatches for c in space if c.pp == pp}

@@ -44,8 +44,10 @@ def test_a_tune_under_a_memory_error_from_a_warm_step_cache_is_the_one_from_a_co
     from_cold = tune_converged("omni", model, window[:2], cluster, **kw)
     assert _trials(from_warm) == _trials(from_cold) and from_warm.best.candidate == from_cold.best.candidate
     assert from_warm.guarded == from_cold.guarded and from_warm.convergence == from_cold.convergence
-    # the error moved no time: the steps simulated at the nominal estimate answered most of it
-    assert simulated_warm < _entries(cold) / 2, (simulated_warm, _entries(cold))
+    # the error moved no time: the steps simulated at the nominal estimate answered part of it (46 of
+    # 120 steps once all-gathered K/V joined the space; the +20% search goes on to layouts the nominal
+    # one never needed)
+    assert simulated_warm < _entries(cold), (simulated_warm, _entries(cold))
 
 
 def _simulate(args):

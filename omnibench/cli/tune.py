@@ -20,7 +20,8 @@ from omnibench.cli.simulate import (
 
 TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print the fastest few.
 
-Space: LLM tp (dividing heads and kv heads, inside a node), pp, cp (tp*cp dividing the kv heads),
+Space: LLM tp (dividing heads and kv heads, inside a node), pp, cp inside a node, as Ulysses (tp*cp
+dividing the kv heads) or with all-gathered K/V (Llama 3's context parallelism, any cp),
 ep (MoE only); temporal searches VeOmni's space: tp 1, pp 1, cp (its one Ulysses degree for
 encoders and LLM, dividing the encoders' heads too) and FSDP over all ranks; every microbatch count
 of {1, 2, 4} at pp 1 and {pp, 2pp, 4pp} with pipelining (and the system's own default); virtual
