@@ -342,9 +342,14 @@ def recompute_modes(model: MultimodalSpec) -> list[str]:
     return modes
 
 
-def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: int = 8) -> list[Candidate]:
+CP_KINDS_SEARCHED = ("ulysses", "allgather")
+
+
+def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: int = 8,
+                 cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED) -> list[Candidate]:
     """Every LLM layout the system may take under the layout rules (module docstring), with the
-    system's default encoder knobs and recompute "none" (the recompute mode is settled by pruning)."""
+    system's default encoder knobs and recompute "none" (the recompute mode is settled by pruning);
+    context parallelism of the `cp_kinds` given."""
     llm = model.llm
     out: list[Candidate] = []
     tps = [t for t in _divisors(gpus_per_node, gpus_per_node) if llm.heads % t == 0 and llm.kv_heads % t == 0]
@@ -362,9 +367,9 @@ def search_space(system: str, model: MultimodalSpec, world: int, gpus_per_node: 
         for cp in _pow2(gpus_per_node // tp):
             if any(h % cp for h in enc_heads):
                 continue
-            if cp == 1 or ((llm.kv_heads // tp) % cp == 0 and (llm.heads // tp) % cp == 0):
+            if cp == 1 or ("ulysses" in cp_kinds and (llm.kv_heads // tp) % cp == 0 and (llm.heads // tp) % cp == 0):
                 splits.append((tp, cp, "ulysses"))
-            if cp > 1:
+            if cp > 1 and "allgather" in cp_kinds:
                 splits.append((tp, cp, "allgather"))
     for tp, cp, kind in splits:
         for pp in pps:
@@ -1120,11 +1125,12 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
          sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None,
          stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None,
          memory_error: float = 0.0, seeds: list[Seed] | None = None, guard_batches: list | None = None,
-         mixed_precision: str = "autocast") -> TuneResult:
+         mixed_precision: str = "autocast", cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED) -> TuneResult:
     """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
     `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated with
     the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode` (and how
-    replicated modules hold their weights, `mixed_precision`: autocast | master); what fits
+    replicated modules hold their weights, `mixed_precision`: autocast | master), context parallelism
+    of the `cp_kinds` given (an ablation: `("ulysses",)` is the space before all-gathered K/V); what fits
     decided with the memory estimates assumed `memory_error` off (SimOptions.memory_error).
 
     `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
@@ -1139,7 +1145,8 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     the answer then runs every one of them (`_guarded`). None: the search's own answer on `batches`."""
     kw = dict(profile=profile, budget=budget, fraction=fraction, options=options, encoder_search=encoder_search,
               log=log, sweep=sweep, use_cache=use_cache, known=known, prior=prior, stack=stack, dp_mode=dp_mode,
-              default=default, memory_error=memory_error, seeds=seeds, mixed_precision=mixed_precision)
+              default=default, memory_error=memory_error, seeds=seeds, mixed_precision=mixed_precision,
+              cp_kinds=tuple(cp_kinds))
     if guard_batches:
         return _guarded(_tune_once, system, model, batches, cluster, guard_batches, kw)
     return _tune_once(system, model, batches, cluster, **kw)
@@ -1148,7 +1155,8 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
 def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, profile, budget: int, fraction: float,
                options: dict | None, encoder_search: bool, log, sweep, use_cache: bool, known: dict | None,
                prior: Prior | None, stack: str, dp_mode: str | None, default: Candidate | None, memory_error: float,
-               seeds: list[Seed] | None, mixed_precision: str = "autocast") -> TuneResult:
+               seeds: list[Seed] | None, mixed_precision: str = "autocast",
+               cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED) -> TuneResult:
     """`tune` without a guard: the search on `batches` alone."""
     from omnibench.sweep import Sweep
     from systems import get_planner
@@ -1165,7 +1173,11 @@ def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, pr
         search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known, prior,
                          stack, dp_fields, memory_error)
         world, gpn = search.world, search.gpn
-        space = search_space(system, model, world, gpn)
+        unknown = [k for k in cp_kinds if k not in CP_KINDS_SEARCHED]
+        if unknown or not cp_kinds:
+            raise ValueError(f"cp_kinds must be one or more of {', '.join(CP_KINDS_SEARCHED)}; got "
+                             f"{', '.join(cp_kinds) or 'none'}")
+        space = search_space(system, model, world, gpn, tuple(cp_kinds))
         keep: list[Trial] = []
         pruned = refused = 0
         notes: list[str] = []

@@ -61,7 +61,7 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
              log=None, *, fraction: float | None = None, window: int = 0, converge: bool = False, sweep=None,
              use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0,
-             seeds: list | None = None, mixed_precision: str = "autocast"):
+             seeds: list | None = None, mixed_precision: str = "autocast", cp_kinds: tuple[str, ...] | None = None):
     """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
     starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
     each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
@@ -87,7 +87,7 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     return search(system, spec, batches, cluster, profile=profile, budget=budget,
                   fraction=fraction or tune_mod.BUDGET_FRACTION, options=options, log=log, sweep=sweep,
                   use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start, memory_error=memory_error,
-                  seeds=seeds, mixed_precision=mixed_precision)
+                  seeds=seeds, mixed_precision=mixed_precision, cp_kinds=cp_kinds or tune_mod.CP_KINDS_SEARCHED)
 
 
 def check_sweep_options(workers: int | None, fraction: float | None = None, budget: int = 0) -> None:
@@ -112,6 +112,8 @@ def register(app: typer.Typer) -> None:
         dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp for every layout; "
                                     "default: the system's."),
         mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
+        cp_kinds: str = typer.Option("ulysses,allgather", "--cp-kinds", help="Context-parallel kinds searched "
+                                     "(comma-separated): ulysses, allgather."),
         steps: int = typer.Option(1, "--steps", help="Batches each layout is simulated on (a layout fits only if "
                                   "it fits all)."),
         window: int = typer.Option(0, "--window", help="Pick the --steps batches from the first W of the stream "
@@ -145,6 +147,11 @@ def register(app: typer.Typer) -> None:
         _check_stack(stack)
         _dp_fields(dp_mode, 0)
         check_mixed_precision(mixed_precision, stack)
+        from omnibench.tune import CP_KINDS_SEARCHED
+
+        kinds = tuple(k.strip() for k in cp_kinds.split(",") if k.strip())
+        if not kinds or any(k not in CP_KINDS_SEARCHED for k in kinds):
+            fail(f"cp-kinds must be one or more of {', '.join(CP_KINDS_SEARCHED)}, comma-separated; got {cp_kinds!r}")
         if system not in available_systems():
             fail(f"system must be one of {', '.join(available_systems())}; got {system!r}")
         for name, v in (("gpus", gpus), ("steps", steps), ("top", top)):
@@ -169,7 +176,7 @@ def register(app: typer.Typer) -> None:
                                budget, calibration, log=log, fraction=fraction, window=window,
                                converge=check_convergence, sweep=sweep, use_cache=not no_cache, stack=stack,
                                dp_mode=dp_mode, memory_error=memory_error, seeds=seeds,
-                               mixed_precision=mixed_precision)
+                               mixed_precision=mixed_precision, cp_kinds=kinds)
         except SweepError as e:
             fail(str(e))
         except ValueError as e:
@@ -179,7 +186,7 @@ def register(app: typer.Typer) -> None:
             print(json.dumps({"system": system, "gpus": gpus, "enumerated": res.enumerated,
                               "pruned_memory": res.pruned_memory, "refused": res.refused, "space": res.space,
                               "budget": res.budget, "simulated": res.simulated, "steps": res.steps,
-                              "seconds": res.seconds, "convergence": conv.row() if conv else None,
+                              "seconds": res.seconds, "cp_kinds": list(kinds), "convergence": conv.row() if conv else None,
                               "best": res.best.row() if res.best else None, "default": res.default.row(),
                               "layouts": [t.row() for t in res.trials[:top]], "notes": res.notes[:20],
                               "seeds": [{**sd.row(), "as": tr.candidate.label() if tr else None,
