@@ -203,6 +203,21 @@ def test_tune_cli_json_and_one_line_errors():
     assert out["best"]["step_s"] <= out["default"]["step_s"] and all(x["pp"] == 1 for x in out["layouts"])
     r = CliRunner().invoke(app, ["tune", "--system", "nope", "--workload", "mixed_video", "--gpus", "16"])
     assert r.exit_code == 2 and "system must be one of" in r.output and len(r.output.strip().splitlines()) <= 2
+    r = CliRunner().invoke(app, ["tune", "--system", "temporal", "--workload", "mixed_video", "--gpus", "16",
+                                 "--cp-kinds", "ulysses,ring"])
+    assert r.exit_code == 2 and "cp-kinds must be one or more of ulysses, allgather" in r.output \
+        and len(r.output.strip().splitlines()) <= 2
+
+
+def test_the_space_of_given_cp_kinds():
+    """`tune --cp-kinds ulysses` is the space before all-gathered K/V joined it; both kinds is the default."""
+    model = get_model("omni-7b")
+    old = search_space("homogeneous", model, 64, 8, ("ulysses",))
+    new = search_space("homogeneous", model, 64, 8)
+    assert {c.cp_kind for c in old} == {"ulysses"} and set(old) < set(new)
+    assert {c for c in new if c.cp_kind == "ulysses"} == set(old)
+    only = search_space("homogeneous", model, 64, 8, ("allgather",))
+    assert all(c.cp == 1 or c.cp_kind == "allgather" for c in only)
 
 
 def test_simulate_tuned_puts_each_system_at_its_own_layout(tmp_path):
