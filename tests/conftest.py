@@ -19,3 +19,13 @@ if "OMNIBENCH_CACHE" not in os.environ:
 
     os.environ["OMNIBENCH_CACHE"] = tempfile.mkdtemp(prefix="omnibench-test-cache-")
     atexit.register(shutil.rmtree, os.environ["OMNIBENCH_CACHE"], True)
+
+# Loss-parity references (tests/parity.py) that a session's xdist workers share: a fresh folder for every
+# session (made by the controller, inherited by its workers), never one an earlier session left.
+if "PYTEST_XDIST_WORKER" not in os.environ or "OMNIBENCH_TEST_REFERENCES" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["OMNIBENCH_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="omnibench-test-references-")
+    atexit.register(shutil.rmtree, os.environ["OMNIBENCH_TEST_REFERENCES"], True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from parity import Run, assert_parity, make_batches, reference, run_all, run_distributed
+from parity import Run, assert_parity, make_batches, reference, run_all
 
 from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.presets import get_model
@@ -97,14 +97,35 @@ CASES = [
 LONG_SHORT_STEPS = 5
 
 
+# The LLM long-short split under the layout's own cp and pp (test_llm_long_short_at_any_cp_and_pp_...):
+# (model, layout, cp kind the plan must choose); "kv4" is tiny-omni with 4 kv heads (KV4 below).
+LLM_SPLIT_CELLS = [
+    pytest.param("kv4", {"cp": 2}, "ulysses", id="cp2"),
+    pytest.param("kv4", {"pp": 2}, "ulysses", id="pp2"),
+    pytest.param("tiny-omni", {"cp": 2}, "allgather", id="cp2-allgather"),
+]
+
+
 @pytest.fixture(scope="module")
-def omni_runs(tmp_path_factory):
-    """Every case, and omni against homogeneous over five steps, in one launch."""
+def models(tmp_path_factory) -> dict[str, str]:
+    """The model names LLM_SPLIT_CELLS use, as the runs and references take them."""
+    path = tmp_path_factory.mktemp("models") / "kv4.toml"
+    path.write_text(KV4)
+    return {"kv4": str(path), "tiny-omni": "tiny-omni"}
+
+
+@pytest.fixture(scope="module")
+def omni_runs(tmp_path_factory, models):
+    """Every case, omni against homogeneous over five steps, and the LLM split under cp and pp, in one
+    launch. The "all-on" case is the five-step omni run (the same options and layout; its first three
+    batches are the other cases' three), checked against the single process over all five steps."""
     runs = [Run(c.id, "omni", "tiny-omni", long_batches(), {"options": {**LONG_SHORT, **c.values[0]}, **c.values[1]})
-            for c in CASES]
+            for c in CASES if c.id != "all-on"]
     five = long_batches(LONG_SHORT_STEPS)
     runs += [Run("long-short-omni", "omni", "tiny-omni", five, {"options": dict(LONG_SHORT)}),
              Run("long-short-homogeneous", "homogeneous", "tiny-omni", five)]
+    runs += [Run(f"llm-split-{c.id}", "omni", models[c.values[0]], five, {"options": LONG_SHORT, **c.values[1]})
+             for c in LLM_SPLIT_CELLS]
     return run_all(tmp_path_factory.mktemp("omni"), runs)
 
 
@@ -112,8 +133,14 @@ def omni_runs(tmp_path_factory):
 @pytest.mark.xdist_group("parity-omni")
 @pytest.mark.parametrize("options,layout", CASES)
 def test_omni_matches_single_process(omni_runs, request, options, layout):
-    losses, params = omni_runs[request.node.callspec.id].get()
-    assert_parity(losses, params, *reference("tiny-omni", long_batches()))
+    case = request.node.callspec.id
+    if case == "all-on":
+        batches = long_batches(LONG_SHORT_STEPS)
+        losses, params = omni_runs["long-short-omni"].get()
+    else:
+        batches = long_batches()
+        losses, params = omni_runs[case].get()
+    assert_parity(losses, params, *reference("tiny-omni", batches))
 
 
 @pytest.mark.timeout(1200)
@@ -179,25 +206,18 @@ rope_theta = 10000.0
 """
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("kv4", "layout", "attention"), [(True, {"cp": 2}, "ulysses"), (True, {"pp": 2}, "ulysses"),
-                                                         (False, {"cp": 2}, "allgather")],
-                         ids=["cp2", "pp2", "cp2-allgather"])
-def test_llm_long_short_at_any_cp_and_pp_matches_single_process(tmp_path, kv4, layout, attention):
+@pytest.mark.timeout(1200)  # the launch is omni_runs's (parity-omni)
+@pytest.mark.xdist_group("parity-omni")
+@pytest.mark.parametrize(("model", "layout", "attention"), LLM_SPLIT_CELLS)
+def test_llm_long_short_at_any_cp_and_pp_matches_single_process(omni_runs, models, request, model, layout,
+                                                                 attention):
     """The LLM long-short split under the layout's own cp (a long sample over 2 data ranks x cp 2:
     Ulysses over 4 ranks, replacing the cp group's exchange; with tiny-omni's 2 kv heads no Ulysses
     group of 4 exists, so the group all-gathers K/V, each member holding two opposite pieces of the
     row) and with pipeline stages (every stage's members of the group run the long microbatch;
     chunks travel stage to stage)."""
-    if kv4:
-        model = tmp_path / "kv4.toml"
-        model.write_text(KV4)
-        model = str(model)
-    else:
-        model = "tiny-omni"
-    batches = long_batches(5)
-    from omnibench.specs.presets import get_model
-
+    model = models[model]
+    batches = long_batches(LONG_SHORT_STEPS)
     plans = [get_planner("omni").plan(get_model(model), ParallelSpec(world_size=4, options=LONG_SHORT, **layout), b)
              for b in batches]
     assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 2
@@ -206,5 +226,4 @@ def test_llm_long_short_at_any_cp_and_pp_matches_single_process(tmp_path, kv4, l
     assert {p.options["long_short"]["llm_cp_kind"] for p in split} == {attention}
     # a batch without long samples names no LLM group (no communicators built for nothing)
     assert all("llm" not in p.options["long_short"]["groups"] for p in plans if p not in split)
-    losses, params = run_distributed(tmp_path, "omni", model, batches, options=LONG_SHORT, **layout)
-    assert_parity(losses, params, *reference(model, batches))
+    assert_parity(*omni_runs[f"llm-split-{request.node.callspec.id}"].get(), *reference(model, batches))

@@ -68,21 +68,29 @@ def _recompute_id(cell) -> str:
     return f"{cell[0]}{kind}-{cell[2].replace(',', '+')}"
 
 
+def _twin(cell) -> tuple[str, dict]:
+    """The run a recompute cell compares with: its system and layout without checkpointing. Where that
+    is one of CELLS (whose recompute, auto, is none on the CPU), the layout run serves."""
+    system, layout, _ = cell
+    same = [c for c in CELLS if (c[0], c[1], c[2]) == (system, layout, "tiny-omni")]
+    if same:
+        return _id(same[0]), {}
+    return _id((system, layout, "tiny-omni")) + "-recompute-none", {**layout, "recompute": "none"}
+
+
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
+    """Every layout cell, every recompute cell and the runs without checkpointing they compare with
+    that are not layout cells, in one launch."""
     batches = make_batches()
-    return run_all(tmp_path_factory.mktemp("layouts"), [Run(_id(c), c[0], c[2], batches, c[1]) for c in CELLS])
-
-
-@pytest.fixture(scope="module")
-def recompute_runs(tmp_path_factory):
-    batches = make_batches()
-    runs = []
+    runs = [Run(_id(c), c[0], c[2], batches, c[1]) for c in CELLS]
     for c in RECOMPUTE_CELLS:
         system, layout, mode = c
         runs.append(Run(_recompute_id(c), system, "tiny-omni", batches, {**layout, "recompute": mode}))
-        runs.append(Run(_recompute_id(c) + "-none", system, "tiny-omni", batches, {**layout, "recompute": "none"}))
-    return run_all(tmp_path_factory.mktemp("recompute"), runs)
+        key, twin = _twin(c)
+        if twin and key not in {r.key for r in runs}:
+            runs.append(Run(key, system, "tiny-omni", batches, twin))
+    return run_all(tmp_path_factory.mktemp("layouts"), runs)
 
 
 @pytest.mark.timeout(1200)  # the first cell's setup launches all of them
@@ -95,12 +103,12 @@ def test_system_layout_matches_single_process(layout_runs, cell):
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.xdist_group("parity-recompute")
+@pytest.mark.xdist_group("parity-layouts")  # layout_runs: one launch with the layout cells
 @pytest.mark.parametrize("cell", [pytest.param(c, id=_recompute_id(c)) for c in RECOMPUTE_CELLS])
-def test_activation_checkpointing_keeps_the_losses_and_parameters(recompute_runs, cell):
+def test_activation_checkpointing_keeps_the_losses_and_parameters(layout_runs, cell):
     """--recompute trains exactly as without it: the same losses to 1e-5 as the same system and
     layout without checkpointing, and parity with the single process."""
-    losses, params = recompute_runs[_recompute_id(cell)].get()
-    plain, _ = recompute_runs[_recompute_id(cell) + "-none"].get()
+    losses, params = layout_runs[_recompute_id(cell)].get()
+    plain, _ = layout_runs[_twin(cell)[0]].get()
     assert max(abs(a - b) for a, b in zip(losses, plain, strict=True)) < 1e-5, (losses, plain)
     assert_parity(losses, params, *reference("tiny-omni", make_batches()))

@@ -7,6 +7,7 @@ loses its `.incomplete` suffix once everything is written (records.py).
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import json
 import os
 import re
@@ -179,6 +180,9 @@ def main(runs: list[tuple[RunSpec, str]]) -> None:
     folder, errors/rank<r>.txt: a JSON line {time, lost_peer, error} (what the launcher reads), then
     the traceback; the process then ends, and the runs after it never start."""
     _die_with_launcher()
+    # What the imports left (torch's and ours, a quarter of a million objects) is never garbage: keep it
+    # out of every later collection (the automatic ones during a step, _forget_meshes's between runs).
+    gc.freeze()
     rank = int(os.environ.get("RANK", 0))
     if os.environ.get("OMNIBENCH_LAUNCHER") == "1":
         _heartbeat(runs[0][1], rank)
@@ -220,8 +224,6 @@ def _forget_meshes() -> None:
     sharding decisions by device mesh, and meshes compare by ranks and dim names, not by process
     group, so the next run's equal mesh would be handed this run's destroyed groups ("could not
     resolve the process group"). torch has no public call for this; these are its own clearers."""
-    import gc
-
     from torch.distributed.tensor import _redistribute
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
@@ -229,6 +231,7 @@ def _forget_meshes() -> None:
     _redistribute._gen_transform_infos.cache_clear()
     _clear_sharding_prop_cache()
     gc.collect()
+    gc.freeze()  # what outlived the run is live module state (lazy imports, caches): never rescan it
 
 
 def _runs_from_argv(argv: list[str]) -> list[tuple[RunSpec, str]]:
