@@ -97,6 +97,11 @@ class ClusterSpec:
     # "nccl": NCCL's algorithms and protocols (simulator/collectives.py); "simple": one latency per
     # step plus bytes over bandwidth (gloo on CPU, whose figures calibration fits)
     collectives: str = "nccl"
+    # A rack-scale NVLink domain (GB200 NVL72: gpus_per_node = 72) allocated in trays of this many
+    # GPUs: a job larger than one domain is placed in equal segments of whole trays, the largest
+    # divisor of its tray count that fits a domain (Slurm's --segment, as Megatron-Bridge's launcher
+    # asks for it), so `with_gpus` makes the segment the node. 0: nodes are filled in order.
+    tray_gpus: int = 0
 
     def with_kernels(self, kernels: str) -> ClusterSpec:
         """The same cluster with another kernel profile ("" = the datasheet roofline fallback)."""
@@ -112,6 +117,14 @@ class ClusterSpec:
     def with_gpus(self, num_gpus: int) -> ClusterSpec:
         if not isinstance(num_gpus, int) or num_gpus < 1:
             raise HardwareError(f"gpus must be a positive integer, got {num_gpus!r}")
+        if self.tray_gpus and num_gpus > self.gpus_per_node:
+            # segments of whole trays: 256 GPUs of GB200 NVL72 = 64 trays = 4 domains of 16 trays (64 GPUs)
+            trays = -(-num_gpus // self.tray_gpus)
+            per_domain = self.gpus_per_node // self.tray_gpus
+            segment = max(d for d in range(1, per_domain + 1) if trays % d == 0) * self.tray_gpus
+            nics = max(1, round(self.inter.nics_per_node * segment / self.gpus_per_node))  # NICs stay per GPU
+            return replace(self, num_gpus=num_gpus, gpus_per_node=segment,
+                           inter=replace(self.inter, nics_per_node=nics))
         return replace(self, num_gpus=num_gpus)
 
     @property
@@ -150,6 +163,10 @@ class ClusterSpec:
             at_least(f"{where}.latency_us", link.latency_us, 0)
             share(f"{where}.efficiency", link.efficiency)
         pos("inter.nics_per_node", self.inter.nics_per_node, integer=True)
+        if self.tray_gpus and (not isinstance(self.tray_gpus, int) or isinstance(self.tray_gpus, bool)
+                               or self.tray_gpus < 0 or self.gpus_per_node % self.tray_gpus):
+            raise HardwareError(f"tray_gpus must be 0 or a positive divisor of gpus_per_node "
+                                f"({self.gpus_per_node}), got {self.tray_gpus!r}")
         if self.collectives not in COLLECTIVE_MODELS:
             raise HardwareError(f"collectives must be one of {', '.join(COLLECTIVE_MODELS)}; got {self.collectives!r}")
         at_least("intra.nvls_busbw_gbs", self.intra.nvls_busbw_gbs, 0)

@@ -292,6 +292,10 @@ def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
 
 
 HOPPER = ("h100", "h200", "h800")
+# Blackwell presets (b200.toml, gb200.toml): FP8 tensor cores at 2x the dense BF16 rate as on Hopper, and
+# the same Megatron-Core / Transformer Engine era of the stacks; every rule below that says "on H100"
+# holds for them too
+BLACKWELL = ("b200", "gb200")
 
 
 def options_of(row: PublishedRun, stack: str | None = None):
@@ -325,7 +329,7 @@ def options_of(row: PublishedRun, stack: str | None = None):
     from simulator.engine import SimOptions
     from simulator.memory import published_memory_stack
 
-    hopper = row.hardware.startswith(HOPPER)
+    hopper = row.hardware.startswith(HOPPER + BLACKWELL)  # Hopper or later: FP8 GEMMs, fused attention
     tp = row.tp > 1
     notes = row.notes.lower()
     kernels, attention, selective = "fused", "flash", "attention"

@@ -24,7 +24,8 @@ def test_presets_carry_datasheet_figures():
 
 
 def test_every_gpu_preset_holds_less_than_its_nominal_memory_as_torch_reports_it():
-    nominal = {"h100": 80, "h800": 80, "h200": 141, "a100-80g": 80, "a100-40g": 40, "v100-32g": 32, "h100-500w": 96}
+    nominal = {"h100": 80, "h800": 80, "h200": 141, "a100-80g": 80, "a100-40g": 40, "v100-32g": 32, "h100-500w": 96,
+               "b200": 180, "gb200": 186}
     for name, gb in nominal.items():
         got = load_cluster(name).gpu.memory_gib
         assert 0.98 * gb < got < gb, name  # 79.18 of "80": HBM less ECC and the driver's reserve

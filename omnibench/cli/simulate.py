@@ -137,7 +137,7 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
 
 
 # One line each (`simulate --help` keeps every option to one line); the command's description says more.
-HARDWARE_HELP = "Preset (h100, h200, h800, a100-80g, ...) or a file."
+HARDWARE_HELP = "Preset (h100, h200, h800, b200, gb200, a100-80g, ...) or a file."
 STACK_HELP = "eager (this runtime) | fused (Megatron)."
 DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
