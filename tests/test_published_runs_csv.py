@@ -31,7 +31,7 @@ ALLOWED = {
     "cp_kind": {"", "ring", "allgather-kv", "ulysses"},
     "flop_formula": {"", "megatron-hfu", "megatron-mfu", "unstated"},
 }
-HARDWARE_PREFIXES = ("v100-", "a100-", "h100", "h800", "h200")
+HARDWARE_PREFIXES = ("v100-", "a100-", "h100", "h800", "h200", "b200", "gb200")
 INTEGERS = ("gpus", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "tp", "pp", "vpp", "cp", "ep",
             "global_batch", "micro_batch")
 

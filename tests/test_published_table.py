@@ -31,6 +31,8 @@ SUBSET = (
     "nemo-llama3-8b-8gpu",  # ring context parallelism
     "mbridge-llama3-8b-8gpu-fsdp",  # Megatron-FSDP
     "tt-a100-llama2-13b-noac",  # torchtitan on A100
+    "mbridge-b200-llama3-8b-8gpu",  # B200: the H100 profile scaled by datasheet ratios, fp8
+    "mbridge-gb200-llama3-8b-8gpu",  # GB200 NVL72
 )
 
 
