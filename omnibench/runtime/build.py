@@ -178,6 +178,7 @@ class BuildMixin:
             group, ranks = self.groups.mine.get((name, "dpcp" if name == "llm" else "dp"), (None, ()))
             params = list(module.parameters())
             dense = [p for p in params if id(p) not in experts]
+            loose = [p for p in params if id(p) in experts and held is None]  # experts no state holds apart
             if lay.zero and not self.fsdp.get(name) and len(ranks) > 1:
                 replicate, across = None, ""
                 if lay.hybrid:  # sharded within the shard group, replicated across the groups
@@ -189,12 +190,12 @@ class BuildMixin:
                                             replicate=replicate)
                 self.notes.append(f"{name}: ZeRO-{lay.zero}, optimizer state{' and gradients' if lay.zero == 2 else ''} "
                                   f"sharded over {len(ranks)} data-parallel ranks{across}, weights replicated")
-                plain += [p for p in params if id(p) in experts and held is None]
+                plain += loose
             elif master and not self.fsdp.get(name) and dense:
                 states[name] = MasterWeights(name, dense, group if len(ranks) > 1 else None, optimizer, lr,
                                              param_dtype=self.dtype)
                 self.notes.append(f"{name}: bf16 weights, fp32 master and main gradients in the optimizer")
-                plain += [p for p in params if id(p) in experts and held is None]
+                plain += loose
             else:
                 plain += [p for p in params if id(p) not in experts or held is None]
         if not states:
@@ -206,8 +207,9 @@ class BuildMixin:
         FSDP over the expert data-parallel group), held as the LLM's dense weights are: ZeRO-sharded
         over the ranks that hold the same experts when the LLM runs ZeRO-1/2, bf16 weights with an fp32
         master under `--mixed-precision master` and wherever FSDP leaves them to this rank alone in a
-        bf16 run; None (the plain optimizer: fp32, or fp32 under autocast) otherwise. The simulator charges experts the dense weights' dtypes (simulator/memory.py
-        `_module_state`), so both hold 18 bytes per expert parameter there."""
+        bf16 run; None (the plain optimizer: fp32, or fp32 under autocast) otherwise. The simulator
+        charges experts the dense weights' dtypes (simulator/memory.py `_module_state`), so both hold
+        18 bytes per expert parameter there."""
         from omnibench.runtime.master import EXPERTS_SUFFIX, MasterWeights
         from omnibench.runtime.zero import ShardedState
 
