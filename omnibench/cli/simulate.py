@@ -137,7 +137,7 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
 
 
 # One line each (`simulate --help` keeps every option to one line); the command's description says more.
-HARDWARE_HELP = "Preset (h100, h200, h800, b200, gb200, a100-80g, ...) or a file."
+HARDWARE_HELP = "Preset (h100, h200, b200, ...) or a file."
 STACK_HELP = "eager (this runtime) | fused (Megatron)."
 DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
@@ -588,7 +588,7 @@ SIMULATE_HELP = "\n\n".join([
     "space; --check-convergence tunes again at twice the budget and says how far the best moved (doubling "
     "again, up to 3 times, while it moves more than 2%).",
     "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
-    "NVLink at 200 GB/s, h200, a100-80g, a100-40g, v100-32g, cpu-gloo) or a file; --stack costs this runtime's "
+    "NVLink at 200 GB/s, h200, b200, gb200: one 72-GPU NVLink domain, a100-80g, a100-40g, v100-32g, cpu-gloo) or a file; --stack costs this runtime's "
     "eager kernels or Megatron's fused ones; --dp-mode says how data parallelism holds the training state (an "
     "explicit fsdp never shards within nodes; hsdp shards within 8 nodes, or --dp-shard ranks); --cp-kind allgather "
     "(Llama 3's all-gathered K/V) runs in `run` too; ring is simulated only.",
