@@ -123,7 +123,8 @@ def omni_runs(tmp_path_factory, models):
             for c in CASES if c.id != "all-on"]
     five = long_batches(LONG_SHORT_STEPS)
     runs += [Run("long-short-omni", "omni", "tiny-omni", five, {"options": dict(LONG_SHORT)}),
-             Run("long-short-homogeneous", "homogeneous", "tiny-omni", five)]
+             Run("long-short-homogeneous", "homogeneous", "tiny-omni", five),  # its default: tp 2
+             Run("temporal-cp2", "temporal", "tiny-omni", five, {"cp": 2})]
     runs += [Run(f"llm-split-{c.id}", "omni", models[c.values[0]], five, {"options": LONG_SHORT, **c.values[1]})
              for c in LLM_SPLIT_CELLS]
     return run_all(tmp_path_factory.mktemp("omni"), runs)
@@ -158,6 +159,25 @@ def test_llm_long_short_matches_homogeneous_over_five_steps(omni_runs):
     assert len(omni) == len(homo) == 5
     for step, (a, b) in enumerate(zip(omni, homo, strict=True)):
         assert abs(a - b) < 1e-4, f"step {step}: omni {a} vs homogeneous {b}"
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.xdist_group("parity-omni")
+def test_temporal_with_ulysses_sp_2_trains_like_homogeneous_over_five_steps(omni_runs):
+    """temporal at cp 2 (encoders FSDP-sharded over all 4 ranks and run with Ulysses over the cp
+    group, long videos and audio clips included) against homogeneous at its own default (tp 2):
+    the same losses to 1e-4 over 5 steps and the same parameters after them."""
+    batches = long_batches(LONG_SHORT_STEPS)
+    plan = get_planner("temporal").plan(get_model("tiny-omni"), ParallelSpec(world_size=4, cp=2), batches[1])
+    assert plan.layouts["audio"].sp == plan.layouts["vision"].sp == 2 and plan.layouts["vision"].fsdp
+    assert any(mb for mbs in plan.assignment["audio"].values() for mb in mbs)  # long audio clips take the sp path
+    (temporal, t_params), (homo, h_params) = omni_runs["temporal-cp2"].get(), omni_runs["long-short-homogeneous"].get()
+    assert len(temporal) == len(homo) == 5
+    for step, (a, b) in enumerate(zip(temporal, homo, strict=True)):
+        assert abs(a - b) < 1e-4, f"step {step}: temporal {a} vs homogeneous {b}"
+    assert set(t_params) == set(h_params)
+    for name, value in t_params.items():
+        assert (value - h_params[name]).abs().max() < 1e-4, name
 
 
 def test_llm_long_short_shows_in_the_plan_and_switches_off():
