@@ -220,15 +220,18 @@ def test_calibrate_warns_about_runs_without_provenance_and_curves_faster_than_th
 
 
 def test_refitting_the_cpu_profile_from_its_records_gives_the_committed_profile():
+    """The same records give the same profile, judged by what a profile is for: every run's simulated
+    step time. Not by each constant: the CPU records leave some curves ill-conditioned, and curve_fit
+    lands where the host's BLAS leads it (backward.audio's e_max refits at 1.05 on one host and 1.42 on
+    another, with every run's error within 0.04 points either way)."""
     committed = Profile.load(ROOT / "results" / "calibration" / "cpu-gloo-2rank.json")
-    refit = calibrate([str(p) for p in committed.provenance["runs"]])
+    runs = [str(p) for p in committed.provenance["runs"]]
+    refit = calibrate(runs)
     assert set(refit.compute) == set(committed.compute)
-    # curve_fit stops within its own tolerance, so the last digits follow the numpy/scipy build: with
-    # scipy 1.17.1 / numpy 2.4.6 backward's e_max refits 4e-5 (relative) off the committed value, and its
-    # overhead, which the CPU records leave at the bound (zero), at 1.5e-11 s instead of 3.8e-8 s.
-    for k, c in committed.compute.items():
-        assert refit.compute[k].e_max == pytest.approx(c.e_max, rel=2e-4), k
-        assert refit.compute[k].overhead_s == pytest.approx(c.overhead_s, rel=2e-4, abs=1e-6), k
+    for was, now in zip(validate(runs, committed), validate(runs, refit), strict=True):
+        assert now.error == pytest.approx(was.error, abs=1e-3), was
+    # the well-conditioned curve (every run's forward) refits to its constants
+    assert refit.compute["forward"].e_max == pytest.approx(committed.compute["forward"].e_max, rel=1e-4)
 
 
 # -- memory ------------------------------------------------------------------------------------------
