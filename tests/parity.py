@@ -63,10 +63,16 @@ def make_batches(steps: int = STEPS, samples: int = 8, seed: int = 0) -> list[Ba
     return out
 
 
-def optimizer_for(model_name: str) -> str:
-    # MoE: Adam turns float rounding on a near-zero gradient element (expert matmuls over differently
-    # grouped tokens) into an lr-sized update of that element; SGD keeps parameter parity meaningful.
-    return "sgd" if "moe" in model_name else "adamw"
+def optimizer_for(model_name: str, optimizer: str | None = None) -> str:
+    """The optimizer a cell trains with: `optimizer` where the cell names one, else AdamW, and SGD
+    for MoE models (Adam turns float rounding on a near-zero gradient element, from expert matmuls over
+    differently grouped tokens, into an lr-sized update of that element).
+
+    SGD is also the stricter check of the gradients: Adam's update is invariant to a constant scale of
+    the gradient (m / sqrt(v)), so a gradient off by a factor (a mean over the wrong ranks) trains
+    exactly like the right one, where SGD's lr * grad shows it in every parameter. And it is cheaper on
+    FSDP's DTensor parameters (one op per parameter, against a dozen for Adam's per-tensor path)."""
+    return optimizer or ("sgd" if "moe" in model_name else "adamw")
 
 
 _REFERENCES: dict = {}
@@ -75,20 +81,22 @@ _REFERENCES: dict = {}
 REFERENCES_ENV = "OMNIBENCH_TEST_REFERENCES"
 
 
-def _key(model_name: str, batches: list[Batch]) -> str:
-    return json.dumps([model_name, [[s.to_dict() for s in b.samples] for b in batches]], sort_keys=True)
+def _key(model_name: str, batches: list[Batch], optimizer: str) -> str:
+    return json.dumps([model_name, optimizer, [[s.to_dict() for s in b.samples] for b in batches]], sort_keys=True)
 
 
-def reference(model_name: str, batches: list[Batch]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(model_name: str, batches: list[Batch],
+              optimizer: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the same init and batches: the losses and final parameters every cell must match
     (computed once per model and batches in a test session). Training on batches also gives the
     reference of each of their first n >= 2 (the same run stopped earlier), which is kept too."""
-    key = _key(model_name, batches)
+    optimizer = optimizer_for(model_name, optimizer)
+    key = _key(model_name, batches, optimizer)
     if key in _REFERENCES:
         return _REFERENCES[key]
     folder = os.environ.get(REFERENCES_ENV)
     if not folder:
-        _train_reference(model_name, batches, None)
+        _train_reference(model_name, batches, None, optimizer)
         return _REFERENCES[key]
     path = Path(folder) / (hashlib.sha256(key.encode()).hexdigest() + ".pt")
     with open(str(path) + ".lock", "w") as lock:
@@ -96,14 +104,14 @@ def reference(model_name: str, batches: list[Batch]) -> tuple[list[float], dict[
         if path.is_file():
             _REFERENCES[key] = torch.load(path)
         else:
-            _train_reference(model_name, batches, Path(folder))
+            _train_reference(model_name, batches, Path(folder), optimizer)
     return _REFERENCES[key]
 
 
-def _train_reference(model_name: str, batches: list[Batch], folder: Path | None) -> None:
+def _train_reference(model_name: str, batches: list[Batch], folder: Path | None, optimizer: str) -> None:
     spec = get_model(model_name)
     model = build_model(spec, seed=0)
-    if optimizer_for(model_name) == "sgd":
+    if optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=LR_SGD, foreach=False)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
@@ -123,7 +131,7 @@ def _train_reference(model_name: str, batches: list[Batch], folder: Path | None)
             assert moved
         elif not moved or step == 0:
             continue
-        key = _key(model_name, batches[: step + 1])
+        key = _key(model_name, batches[: step + 1], optimizer)
         _REFERENCES[key] = list(losses), final
         if folder is not None:
             path = folder / (hashlib.sha256(key.encode()).hexdigest() + ".pt")
@@ -157,6 +165,7 @@ class Run:
     model: str
     batches: list[Batch]
     layout: dict = field(default_factory=dict)  # RunSpec fields: tp, pp, cp, ep, options, recompute, ...
+    optimizer: str | None = None  # None: optimizer_for(model)
 
 
 @dataclass
@@ -178,7 +187,7 @@ def run_all(tmp_path: Path, runs: list[Run], nproc: int = NPROC) -> dict[str, Re
     for i, r in enumerate(runs):
         path = tmp_path / f"batches{i}.json"
         path.write_text(json.dumps([{"step": b.step, "samples": [s.to_dict() for s in b.samples]} for b in r.batches]))
-        opt = optimizer_for(r.model)
+        opt = optimizer_for(r.model, r.optimizer)
         specs.append(resolve(RunSpec(system=r.system, model=r.model, nproc=nproc, steps=len(r.batches), device="cpu",
                                      optimizer=opt, lr=LR_SGD if opt == "sgd" else LR, batches_file=str(path),
                                      out=str(tmp_path / f"run{i}-{r.key}"), dump_params=True, timeout_s=120,

@@ -2,6 +2,8 @@
 trains exactly like a single process (same init, same batches) to 1e-4 in fp32.
 
 All cells run in the default test run: each group's runs share one launch of ranks (tests/parity.py).
+They train with SGD (OPTIMIZER): a gradient off by a constant factor would train exactly alike under
+Adam (tests/parity.py `optimizer_for`); Adam's sharded state is tests/test_runtime_zero.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from parity import (  # noqa: F401 - re-exported: other parity modules import th
     run_all,
     run_distributed,
 )
+
+OPTIMIZER = "sgd"
 
 CELLS = [
     # (system, layout, model)
@@ -83,13 +87,13 @@ def layout_runs(tmp_path_factory):
     """Every layout cell, every recompute cell and the runs without checkpointing they compare with
     that are not layout cells, in one launch."""
     batches = make_batches()
-    runs = [Run(_id(c), c[0], c[2], batches, c[1]) for c in CELLS]
+    runs = [Run(_id(c), c[0], c[2], batches, c[1], OPTIMIZER) for c in CELLS]
     for c in RECOMPUTE_CELLS:
         system, layout, mode = c
-        runs.append(Run(_recompute_id(c), system, "tiny-omni", batches, {**layout, "recompute": mode}))
+        runs.append(Run(_recompute_id(c), system, "tiny-omni", batches, {**layout, "recompute": mode}, OPTIMIZER))
         key, twin = _twin(c)
         if twin and key not in {r.key for r in runs}:
-            runs.append(Run(key, system, "tiny-omni", batches, twin))
+            runs.append(Run(key, system, "tiny-omni", batches, twin, OPTIMIZER))
     return run_all(tmp_path_factory.mktemp("layouts"), runs)
 
 
@@ -99,7 +103,7 @@ def layout_runs(tmp_path_factory):
 def test_system_layout_matches_single_process(layout_runs, cell):
     system, layout, model = cell
     losses, params = layout_runs[_id(cell)].get()
-    assert_parity(losses, params, *reference(model, make_batches()))
+    assert_parity(losses, params, *reference(model, make_batches(), OPTIMIZER))
 
 
 @pytest.mark.timeout(1200)
@@ -111,4 +115,4 @@ def test_activation_checkpointing_keeps_the_losses_and_parameters(layout_runs, c
     losses, params = layout_runs[_recompute_id(cell)].get()
     plain, _ = layout_runs[_twin(cell)[0]].get()
     assert max(abs(a - b) for a, b in zip(losses, plain, strict=True)) < 1e-5, (losses, plain)
-    assert_parity(losses, params, *reference("tiny-omni", make_batches()))
+    assert_parity(losses, params, *reference("tiny-omni", make_batches(), OPTIMIZER))
