@@ -59,11 +59,19 @@ def _noop(x):
     return x
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     """A worker leaves Ctrl-C to its parent and dies at once when the parent stops it (a fork would
-    otherwise inherit the command's SIGTERM handler, which exits through the command's cleanup)."""
+    otherwise inherit the command's SIGTERM handler, which exits through the command's cleanup), and
+    with the parent however it ends: a command stopped by SIGTERM left its idle workers waiting on
+    their queue for good (Linux: PR_SET_PDEATHSIG, as the runtime's ranks do)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (<linux/prctl.h>)
+        if os.getppid() != parent:  # the parent ended before the request was in place
+            os._exit(1)
 
 
 class Sweep:
@@ -93,7 +101,7 @@ class Sweep:
     def _start_pool(self) -> None:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self._pool = ProcessPoolExecutor(max_workers=resolve_workers(self.workers, 1 << 30), mp_context=ctx,
-                                         initializer=_worker_init)
+                                         initializer=_worker_init, initargs=(os.getpid(),))
         # Fork every worker now, before the bar's refresh thread exists (a fork copies no thread, but
         # it would copy a lock that thread holds).
         self._pool.submit(_noop, None).result()

@@ -75,6 +75,7 @@ def test_reproduce_reuse_without_the_data_for_a_figure_exits_1_naming_it(tmp_pat
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; workers use prctl")
 def test_a_simulation_stopped_by_sigterm_leaves_no_folder_behind(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "omnibench", "simulate", "-w", "mixed_video", "--gpus",
@@ -84,11 +85,45 @@ def test_a_simulation_stopped_by_sigterm_leaves_no_folder_behind(tmp_path):
     while not list(tmp_path.glob("*.incomplete")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, proc.stderr.read()  # still simulating: the folder being written exists
+    workers = _children(proc.pid)  # the sweep's pool
     proc.send_signal(signal.SIGTERM)
     # a bound against a hang, not a speed check: quiet, it exits in 0.3 s; on 2 cores at load 10 (the
     # pool's workers stopped mid-simulation, the folder removed) it took more than 30 s once
     assert proc.wait(timeout=90) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+    # and no worker outlives it (idle ones used to wait on their queue for good)
+    deadline = time.monotonic() + 30  # hang guard while the kernel ends them
+    while _running(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert workers and not _running(workers)
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _running(pids: list[int]) -> list[int]:
+    """The pids still running (a zombie has ended: only its exit status is left for a reaper)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
 
 
 def test_reproduce_repeat_runs_each_measured_run_again_under_its_own_folder(tmp_path):
