@@ -48,3 +48,19 @@ class exit_on_sigterm:
         global _stopped
         signal.signal(signal.SIGTERM, self._previous)
         _stopped = None  # the signal was this block's: code after it (a later command in-process) runs on
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the process that started it ends, however it ends
+    (SIGKILL, the OOM killer, a SIGTERM its children never see): the runtime's ranks and the sweeps'
+    pool workers would otherwise outlive it. Exits at once if `parent` ended before the request was
+    in place. Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
-from omnibench.stopping import raise_if_stopped
+from omnibench.stopping import die_with_parent, raise_if_stopped
 
 
 class SweepError(ValueError):
@@ -63,15 +63,10 @@ def _worker_init(parent: int) -> None:
     """A worker leaves Ctrl-C to its parent and dies at once when the parent stops it (a fork would
     otherwise inherit the command's SIGTERM handler, which exits through the command's cleanup), and
     with the parent however it ends: a command stopped by SIGTERM left its idle workers waiting on
-    their queue for good (Linux: PR_SET_PDEATHSIG, as the runtime's ranks do)."""
+    their queue for good (`die_with_parent`, as the runtime's ranks do)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (<linux/prctl.h>)
-        if os.getppid() != parent:  # the parent ended before the request was in place
-            os._exit(1)
+    die_with_parent(parent)
 
 
 class Sweep:

@@ -470,7 +470,8 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
     return tried
 
 
-def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None, plans: dict | None = None) -> PublishedCheck:
+def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None,
+               plans: dict | None = None) -> PublishedCheck:
     """One simulation of `row` as given. `plans`: the Plans of this row already made, by DP mode (the
     fill tries several recompute modes of one row, and the Plan does not depend on them)."""
     from simulator.engine import simulate

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_runtime_cli import alive
 
 from omnibench.cli import report
 
@@ -93,9 +94,9 @@ def test_a_simulation_stopped_by_sigterm_leaves_no_folder_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
     # and no worker outlives it (idle ones used to wait on their queue for good)
     deadline = time.monotonic() + 30  # hang guard while the kernel ends them
-    while _running(workers) and time.monotonic() < deadline:
+    while alive(workers, "omnibench") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert workers and not _running(workers)
+    assert workers and not alive(workers, "omnibench")
 
 
 def _children(pid: int) -> list[int]:
@@ -110,19 +111,6 @@ def _children(pid: int) -> list[int]:
                 continue
             if int(fields[1]) == pid:
                 out.append(int(entry))
-    return out
-
-
-def _running(pids: list[int]) -> list[int]:
-    """The pids still running (a zombie has ended: only its exit status is left for a reaper)."""
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append(pid)
-        except OSError:
-            continue
     return out
 
 

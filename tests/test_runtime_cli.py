@@ -143,9 +143,9 @@ IGNORE_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SI
 @pytest.fixture
 def start_run(tmp_path):
     """Starts a 2-rank run far longer than any test waits and returns, once every rank is past its first
-    step (two ranks: one to fail or be stopped, one to lose its peer; a launch of 4 cost these six tests
-    about 40 s more on 2 cores), (launcher, record folder, rank -> pid). Whatever is still running at teardown is killed, so
-    a failing test leaves no load behind for the rest of the suite."""
+    step, (launcher, record folder, rank -> pid). Two ranks: one to fail or be stopped, one to lose its
+    peer (a launch of 4 cost these six tests about 40 s more on 2 cores). Whatever is still running at
+    teardown is killed, so a failing test leaves no load behind for the rest of the suite."""
     started: list[tuple[subprocess.Popen, dict[int, int]]] = []
 
     def start(*args: str, sigint_ignored: bool = False) -> tuple[subprocess.Popen, Path, dict[int, int]]:
@@ -186,8 +186,9 @@ def rank_pids(out: Path) -> dict[int, int]:
     return ranks
 
 
-def alive(pids) -> list[int]:
-    """The pids still running a rank (a zombie has ended: only its exit status is left)."""
+def alive(pids, command: str = "omnibench.runtime.worker") -> list[int]:
+    """The pids still running `command` (a rank by default; a zombie has ended: only its exit status
+    is left, and a pid reused by another program is not ours)."""
     out = []
     for pid in pids:
         try:
@@ -197,7 +198,7 @@ def alive(pids) -> list[int]:
                 cmdline = f.read()
         except FileNotFoundError:
             continue
-        if state != "Z" and "omnibench.runtime.worker" in cmdline:
+        if state != "Z" and command in cmdline:
             out.append(pid)
     return out
 

@@ -588,8 +588,8 @@ SIMULATE_HELP = "\n\n".join([
     "space; --check-convergence tunes again at twice the budget and says how far the best moved (doubling "
     "again, up to 3 times, while it moves more than 2%).",
     "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
-    "NVLink at 200 GB/s, h200, b200, gb200: one 72-GPU NVLink domain, a100-80g, a100-40g, v100-32g, cpu-gloo) or a file; --stack costs this runtime's "
-    "eager kernels or Megatron's fused ones; --dp-mode says how data parallelism holds the training state (an "
+    "NVLink at 200 GB/s, h200, b200, gb200: one 72-GPU NVLink domain, a100-80g, a100-40g, v100-32g, cpu-gloo) "
+    "or a file; --stack costs this runtime's eager kernels or Megatron's fused ones; --dp-mode says how data parallelism holds the training state (an "
     "explicit fsdp never shards within nodes; hsdp shards within 8 nodes, or --dp-shard ranks); --cp-kind allgather "
     "(Llama 3's all-gathered K/V) runs in `run` too; ring is simulated only.",
     "Sweeps: every simulation runs in a pool (--workers, default every core) or on Ray (--ray), each step cached on "

@@ -11,7 +11,6 @@ import gc
 import json
 import os
 import re
-import signal
 import sys
 import time
 import traceback
@@ -27,6 +26,7 @@ from omnibench.runtime.loading import LoaderExchange
 from omnibench.runtime.run_inputs import batch_source, parallel_spec
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.run import RunSpec
+from omnibench.stopping import die_with_parent
 from systems import get_planner
 from systems.common import data_rank
 
@@ -146,14 +146,8 @@ def _die_with_launcher() -> None:
     """Ranks run in sessions of their own (launch.py), so nothing else ends them if the launcher is
     killed outright (SIGKILL, the OOM killer, a test's timeout): ask Linux to SIGKILL this rank then."""
     launcher = os.environ.get("OMNIBENCH_LAUNCHER_PID")
-    if os.environ.get("OMNIBENCH_LAUNCHER") != "1" or not launcher or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(launcher):  # it died before the request was in place
-        os._exit(1)
+    if os.environ.get("OMNIBENCH_LAUNCHER") == "1" and launcher:
+        die_with_parent(int(launcher))
 
 
 def _heartbeat(run_dir: str, rank: int) -> None:
