@@ -130,17 +130,37 @@ def stage_of(layout: Layout, rank: int) -> int:
     return layout.coord(rank, "pp")
 
 
+def _memo(layout: Layout, name: str) -> dict:
+    """A per-layout table kept off the dataclass fields (as Layout keeps its coordinates), so
+    equality, hashing and JSON are unchanged; planners ask the same questions per rank many times."""
+    table = layout.__dict__.get(name)
+    if table is None:
+        table = {}
+        object.__setattr__(layout, name, table)
+    return table
+
+
 def data_rank(layout: Layout, rank: int) -> int:
     """The rank holding the assignment of `rank`'s data group (LLM: pp=cp=tp=0; encoders: sp=tp=0)."""
-    if layout.module == "llm":
-        return layout.rank_at(pp=0, dp=layout.coord(rank, "dp"), cp=0, tp=0)
-    return layout.rank_at(dp=layout.coord(rank, "dp"), sp=0, tp=0)
+    table = _memo(layout, "_data_rank")
+    got = table.get(rank)
+    if got is None:
+        if layout.module == "llm":
+            got = layout.rank_at(pp=0, dp=layout.coord(rank, "dp"), cp=0, tp=0)
+        else:
+            got = layout.rank_at(dp=layout.coord(rank, "dp"), sp=0, tp=0)
+        table[rank] = got
+    return got
 
 
 def data_ranks(layout: Layout) -> list[int]:
-    if layout.module == "llm":
-        return [layout.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(layout.dp)]
-    return [layout.rank_at(dp=d, sp=0, tp=0) for d in range(layout.dp)]
+    table = _memo(layout, "_data_ranks")
+    if not table:
+        if layout.module == "llm":
+            table[0] = [layout.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(layout.dp)]
+        else:
+            table[0] = [layout.rank_at(dp=d, sp=0, tp=0) for d in range(layout.dp)]
+    return list(table[0])
 
 
 def consumers(layout: Layout, dp_index: int) -> list[int]:

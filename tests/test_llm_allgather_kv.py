@@ -107,3 +107,31 @@ def test_the_split_is_weighed_per_batch_and_declined_where_it_would_slow_the_ste
     assert not notes["long_samples"] and "estimates" in notes["why_not"]
     assert notes["estimated_step_s"]["split"] > notes["estimated_step_s"]["whole"]
     assert steps["auto"] < steps["always"], steps
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workload, layout, kept, alone", [
+    ("mixed_video", {"tp": 4}, "whole", {"llm_long_short": False}),  # the estimate keeps samples whole
+    ("long_video", {"tp": 2, "cp": 2}, "split", {"llm_split": "always"}),  # the estimate splits
+])
+def test_the_way_kept_is_the_plan_of_that_way_alone_and_only_it_is_built(monkeypatch, workload, layout, kept, alone):
+    """Weighing the split plans the batch up to its estimate both ways and builds routes and actions for
+    the way kept only (a third of a plan's cost at 16,384 GPUs): the Plan equals the one planned that way
+    alone, and `to_actions` runs once."""
+    import systems.omni as omni
+
+    gpus, model = 256, get_model("omni-7b")
+    batch = WorkloadStream(workload, seed=0, global_batch_tokens=8192 * gpus).batch(0)
+    calls = []
+    real = omni.to_actions
+    monkeypatch.setattr(omni, "to_actions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    options = {"hardware": "h100"}
+    weighed = get_planner("omni").plan(model, ParallelSpec(world_size=gpus, options=options, **layout), batch)
+    assert len(calls) == 1
+    notes = weighed.notes["llm_long_short"]
+    assert set(notes["estimated_step_s"]) == {"split", "whole"}
+    assert bool(notes["long_samples"]) == (kept == "split") and ("why_not" in notes) == (kept == "whole")
+    one_way = get_planner("omni").plan(model, ParallelSpec(world_size=gpus, options={**options, **alone}, **layout),
+                                       batch)
+    assert weighed.actions == one_way.actions and weighed.routes == one_way.routes
+    assert weighed.assignment == one_way.assignment

@@ -69,7 +69,7 @@ class Sample:
 
     def encoder_seq_lens(self, encoder: str) -> list[int]:
         """Encoder sequence lengths of this sample's segments for one encoder ('vision'/'audio')."""
-        return [s.encoder_seq_len for s in self.segments if s.encoder == encoder]
+        return [s.encoder_seq_len for s in self.segments if ENCODER_OF.get(s.modality) == encoder]
 
     @property
     def modalities(self) -> tuple[str, ...]:

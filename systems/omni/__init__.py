@@ -31,7 +31,8 @@ each step decided.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from omnibench.plan import METADATA, Action, Plan, PlanError, Route
 from omnibench.specs.cost_model import CostModel, load_cost_model
@@ -76,6 +77,16 @@ from systems.omni.schedule import EncItem, align_sends, joint_timeline, lockstep
 from workloads.sample import Batch
 
 __all__ = ["OmniOptions", "OmniPlanner"]
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """One way of planning a batch (with or without the LLM split) up to its estimated step: enough to
+    weigh the two ways, with the routes and actions (a third of a plan's cost) left to `build`."""
+    estimated_step_s: float
+    long_samples: int  # LLM samples split over a context-parallel group of data ranks
+    always: bool  # options.llm_split "always": kept without weighing
+    build: Callable[[], Plan]
 
 
 # The LLM long-short split is kept only where the planner's estimate puts it this much ahead of the
@@ -152,24 +163,28 @@ class OmniPlanner:
         videos whose LLM sequence exceeds a data rank's share), not where a few samples just cross
         the share (mixed_video). The batch is planned both ways and the split kept only where its
         estimated step is shorter by more than SPLIT_MARGIN."""
-        shared: dict = {}  # what both plans work out alike (costs, the loaders' exchange, prices)
-        plan = self._plan(model, parallel, batch, loading, shared=shared)
-        if not plan.notes["llm_long_short"]["long_samples"] or plan.options["llm_split"] == "always":
-            return plan
+        shared: dict = {}  # what both ways work out alike (costs, the loaders' exchange, prices)
+        split = self._plan(model, parallel, batch, loading, shared=shared)
+        if not split.long_samples or split.always:
+            return split.build()
+        # Only the estimates decide: the losing way's routes and actions are never built.
         whole = self._plan(model, parallel, batch, loading, split_llm=False, shared=shared)
-        est_split, est_whole = plan.notes["schedule"]["estimated_step_s"], whole.notes["schedule"]["estimated_step_s"]
-        if est_split < (1 - SPLIT_MARGIN) * est_whole:
-            plan.notes["llm_long_short"]["estimated_step_s"] = {"split": est_split, "whole": est_whole}
+        estimated = {"split": split.estimated_step_s, "whole": whole.estimated_step_s}
+        if split.estimated_step_s < (1 - SPLIT_MARGIN) * whole.estimated_step_s:
+            plan = split.build()
+            plan.notes["llm_long_short"]["estimated_step_s"] = estimated
             return plan
-        whole.notes["llm_long_short"].update(
-            why_not=f"splitting the {len(plan.notes['llm_long_short']['long_samples'])} long sample(s) estimates "
-                    f"{est_split} s against {est_whole} s whole", estimated_step_s={"split": est_split, "whole": est_whole})
-        return whole
+        plan = whole.build()
+        plan.notes["llm_long_short"].update(
+            why_not=f"splitting the {split.long_samples} long sample(s) estimates "
+                    f"{split.estimated_step_s} s against {whole.estimated_step_s} s whole", estimated_step_s=estimated)
+        return plan
 
     def _plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, loading: Loading | None = None,
-              split_llm: bool = True, shared: dict | None = None) -> Plan:
-        """One step's Plan, with or without the LLM long-short split. `shared`: a dict the planning of one
-        batch hands to both of its plans, holding what does not depend on the split (the samples'
+              split_llm: bool = True, shared: dict | None = None) -> _Draft:
+        """One way of planning the step, with or without the LLM long-short split, worked out up to its
+        estimated step (`_Draft.build()` makes its Plan). `shared`: a dict the planning of one
+        batch hands to both ways, holding what does not depend on the split (the samples'
         costs, the in-process loaders' exchange, the encoder SP groups and their prices): filled by the
         first, read by the second."""
         shared = {} if shared is None else shared
@@ -286,7 +301,7 @@ class OmniPlanner:
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
 
         # -- encoder placement ------------------------------------------------------------------------
-        stage_cost = self._stage_costs(cm, llm, llm_mbs, by_id, llm_share)
+        stage_cost = self._stage_costs(cm, llm, llm_mbs, llm_cost, llm_share)
         f_stage, b_stage = stage_cost
         credit = {}
         for r in range(world):
@@ -456,91 +471,95 @@ class OmniPlanner:
                 joint = joint_timeline(llm, m_count, f_stage, b_stage, cand[2], joint=True)
                 if joint.step_s < timeline.step_s:
                     timeline, chosen, placement = joint, cand, name
-        enc_assignment, route_args, items, enc_layout_notes, long_notes, sp_long = chosen
-        routes: list[Route] = [rt for m, enc, route_mbs, holders in route_args
-                               for rt in make_routes(m, batch, llm, llm_mbs, enc, route_mbs, holders, llm_leader)]
-        assignment.update(enc_assignment)
-        index = BoundaryIndex(routes, llm, llm_leader)
-        actions = to_actions(llm, timeline.orders, index, active)
-        for r in actions:
-            actions[r] += step_tail(["llm", *active])
-        actions = align_sends(actions)
-        exchange = self._metadata_actions(spec, llm, loading, by_id)
-        for r in actions:
-            actions[r] = exchange[r] + actions[r]
-        llm_tokens = [round(sum(by_id[i].llm_tokens / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
-        llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 and long_llm else []  # no communicators unused
-        long_llm_mbs = {}
-        for grp in llm_groups_all:  # every stage's members run the long microbatches
-            d0 = llm.coords(grp[0])["dp"]
-            slots = list(range(len(on_llm_group[d0 // k_llm]))) if on_llm_group else []
-            if slots:
-                for r in grp:
-                    long_llm_mbs[str(r)] = slots
-        notes["llm_long_short"] = {
-            "enabled": opts.llm_long_short, "group_size": k_llm, **({"why_not": k_why} if k_why else {}),
-            **({"attention": llm_kind} if k_llm > 1 else {}),
-            "threshold_s": _r(llm_split.threshold),
-            "long_samples": [{"sample": i, "llm_tokens": by_id[i].llm_tokens, "cost_s": _r(llm_cost[i]),
-                              "group": [llm.rank_at(pp=0, dp=g * k_llm + c, cp=0, tp=0) for c in range(k_llm)]}
-                             for g, sids in enumerate(on_llm_group) for i in sids][:64],
-            "short_samples": len(short_ids), "microbatches_per_rank": m_count,
-        }
-        moved = [rt for rt in routes if rt.src_rank != rt.dst_rank]
-        reshard_moves = sum(1 for i in ids if consumer[i] != home[i])
-        notes.update({
-            "placement": placement_notes(layouts, parallel, sp_long),
-            "long_short": enc_layout_notes,
-            "reorder": {
-                "enabled": opts.reorder, "group_size": min(opts.reorder_group, dp),
-                "objective": "short encoder cost" if opts.reshard else "short encoder + LLM cost",
-                "loader_cost_before_s": [_r(x) for x in before][:64],
-                "loader_cost_after_s": [_r(x) for x in after][:64],
-                "max_over_mean_before": _r(max_over_mean(before)), "max_over_mean_after": _r(max_over_mean(after)),
-                "groups": traffic[:16],
-                "metadata_bytes_per_loader": {a.what: a.nbytes for a in exchange[0]},
-            },
-            "reshard": {
-                "enabled": opts.reshard, "samples_moved_off_loader": reshard_moves,
-                "llm_tokens_per_data_rank": llm_tokens[:64],
-                "tokens_max_over_mean": _r(max_over_mean(llm_tokens)),
-                "boundary_routes_cross_rank": len(moved), "boundary_tokens_moved": sum(rt.tokens for rt in moved),
-            },
-            "schedule": {
-                "joint_pipeline": opts.joint_pipeline and not locked,
-                **({"why_not_joint": f"encoder_dp={opts.encoder_dp}: FSDP locks every rank's encoder calls together"}
-                   if locked and opts.joint_pipeline else {}),
-                "order": "lockstep" if locked else "joint" if timeline is not phased else "all_ahead",
-                "encoder_placement": placement,
-                "estimated_step_s": _r(timeline.step_s),
-                "estimated_step_all_ahead_s": _r(phased.step_s),
-                "encoder_actions_by_phase": {str(r): timeline.placed[r] for r in sorted(timeline.placed)[:16]},
-            },
-        })
-        # Which techniques changed anything this step (a switch can be on and find nothing to do).
-        in_bubbles = sum(v["warmup"] + v["cooldown"] for v in timeline.placed.values())
-        notes["acted"] = {
-            "reorder": bool(opts.reorder and _r(max_over_mean(after)) < _r(max_over_mean(before))),
-            "reshard": bool(opts.reshard and reshard_moves),
-            "long_short_sp": {m: len(v["long_samples"]) for m, v in enc_layout_notes.items() if v["long_samples"]},
-            "llm_long_short": len(long_llm),
-            "joint_pipeline": bool(not locked and timeline is not phased and in_bubbles),
-        }
-        plan = Plan(
-            system=self.name, step=batch.step, world_size=world, model=model.name, samples=list(samples),
-            layouts=layouts, assignment=assignment, routes=routes, actions=actions,
-            options={"microbatches": m_count, "encoder_tp": layouts[next(iter(model.encoders))].tp if model.encoders else 1,
-                     **opts.to_dict(),
-                     "long_short": {"groups": {**{m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
-                                               **({"llm": [list(g) for g in llm_groups_all]} if llm_groups_all else {})},
-                                    "long_microbatches": {**long_notes, **({"llm": long_llm_mbs} if long_llm_mbs else {})},
-                                    **({"llm_leaders": {str(i): r for i, r in llm_leader.items()},
-                                        "llm_data_ranks": k_llm, "llm_cp_kind": llm_kind} if llm_leader else {})}},
-            notes=notes,
-        )
-        plan = finish(plan)
-        check_p2p_order(plan)
-        return plan
+        def build() -> Plan:
+            """The Plan of this way of planning the batch: routes, actions and notes."""
+            enc_assignment, route_args, items, enc_layout_notes, long_notes, sp_long = chosen
+            routes: list[Route] = [rt for m, enc, route_mbs, holders in route_args
+                                   for rt in make_routes(m, batch, llm, llm_mbs, enc, route_mbs, holders, llm_leader)]
+            assignment.update(enc_assignment)
+            index = BoundaryIndex(routes, llm, llm_leader)
+            actions = to_actions(llm, timeline.orders, index, active)
+            for r in actions:
+                actions[r] += step_tail(["llm", *active])
+            actions = align_sends(actions)
+            meta = self._metadata_actions(spec, llm, loading, by_id)
+            for r in actions:
+                actions[r] = meta[r] + actions[r]
+            llm_tokens = [round(sum(by_id[i].llm_tokens / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
+            llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 and long_llm else []  # no communicators unused
+            long_llm_mbs = {}
+            for grp in llm_groups_all:  # every stage's members run the long microbatches
+                d0 = llm.coords(grp[0])["dp"]
+                slots = list(range(len(on_llm_group[d0 // k_llm]))) if on_llm_group else []
+                if slots:
+                    for r in grp:
+                        long_llm_mbs[str(r)] = slots
+            notes["llm_long_short"] = {
+                "enabled": opts.llm_long_short, "group_size": k_llm, **({"why_not": k_why} if k_why else {}),
+                **({"attention": llm_kind} if k_llm > 1 else {}),
+                "threshold_s": _r(llm_split.threshold),
+                "long_samples": [{"sample": i, "llm_tokens": by_id[i].llm_tokens, "cost_s": _r(llm_cost[i]),
+                                  "group": [llm.rank_at(pp=0, dp=g * k_llm + c, cp=0, tp=0) for c in range(k_llm)]}
+                                 for g, sids in enumerate(on_llm_group) for i in sids][:64],
+                "short_samples": len(short_ids), "microbatches_per_rank": m_count,
+            }
+            moved = [rt for rt in routes if rt.src_rank != rt.dst_rank]
+            reshard_moves = sum(1 for i in ids if consumer[i] != home[i])
+            notes.update({
+                "placement": placement_notes(layouts, parallel, sp_long),
+                "long_short": enc_layout_notes,
+                "reorder": {
+                    "enabled": opts.reorder, "group_size": min(opts.reorder_group, dp),
+                    "objective": "short encoder cost" if opts.reshard else "short encoder + LLM cost",
+                    "loader_cost_before_s": [_r(x) for x in before][:64],
+                    "loader_cost_after_s": [_r(x) for x in after][:64],
+                    "max_over_mean_before": _r(max_over_mean(before)), "max_over_mean_after": _r(max_over_mean(after)),
+                    "groups": traffic[:16],
+                    "metadata_bytes_per_loader": {a.what: a.nbytes for a in meta[0]},
+                },
+                "reshard": {
+                    "enabled": opts.reshard, "samples_moved_off_loader": reshard_moves,
+                    "llm_tokens_per_data_rank": llm_tokens[:64],
+                    "tokens_max_over_mean": _r(max_over_mean(llm_tokens)),
+                    "boundary_routes_cross_rank": len(moved), "boundary_tokens_moved": sum(rt.tokens for rt in moved),
+                },
+                "schedule": {
+                    "joint_pipeline": opts.joint_pipeline and not locked,
+                    **({"why_not_joint": f"encoder_dp={opts.encoder_dp}: FSDP locks every rank's encoder calls together"}
+                       if locked and opts.joint_pipeline else {}),
+                    "order": "lockstep" if locked else "joint" if timeline is not phased else "all_ahead",
+                    "encoder_placement": placement,
+                    "estimated_step_s": _r(timeline.step_s),
+                    "estimated_step_all_ahead_s": _r(phased.step_s),
+                    "encoder_actions_by_phase": {str(r): timeline.placed[r] for r in sorted(timeline.placed)[:16]},
+                },
+            })
+            # Which techniques changed anything this step (a switch can be on and find nothing to do).
+            in_bubbles = sum(v["warmup"] + v["cooldown"] for v in timeline.placed.values())
+            notes["acted"] = {
+                "reorder": bool(opts.reorder and _r(max_over_mean(after)) < _r(max_over_mean(before))),
+                "reshard": bool(opts.reshard and reshard_moves),
+                "long_short_sp": {m: len(v["long_samples"]) for m, v in enc_layout_notes.items() if v["long_samples"]},
+                "llm_long_short": len(long_llm),
+                "joint_pipeline": bool(not locked and timeline is not phased and in_bubbles),
+            }
+            plan = Plan(
+                system=self.name, step=batch.step, world_size=world, model=model.name, samples=list(samples),
+                layouts=layouts, assignment=assignment, routes=routes, actions=actions,
+                options={"microbatches": m_count, "encoder_tp": layouts[next(iter(model.encoders))].tp if model.encoders else 1,
+                         **opts.to_dict(),
+                         "long_short": {"groups": {**{m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
+                                                   **({"llm": [list(g) for g in llm_groups_all]} if llm_groups_all else {})},
+                                        "long_microbatches": {**long_notes, **({"llm": long_llm_mbs} if long_llm_mbs else {})},
+                                        **({"llm_leaders": {str(i): r for i, r in llm_leader.items()},
+                                            "llm_data_ranks": k_llm, "llm_cp_kind": llm_kind} if llm_leader else {})}},
+                notes=notes,
+            )
+            plan = finish(plan)
+            check_p2p_order(plan)
+            return plan
+
+        return _Draft(_r(timeline.step_s), len(long_llm), opts.llm_split == "always", build)
 
     @staticmethod
     def _metadata_actions(spec: LoaderSpec, llm, loading: Loading, by_id) -> dict[int, list[Action]]:
@@ -557,14 +576,14 @@ class OmniPlanner:
         return {r: list(head) for r in llm.ranks}
 
     @staticmethod
-    def _stage_costs(cm: CostModel, llm, llm_mbs, by_id, share: dict[int, int] | None = None
+    def _stage_costs(cm: CostModel, llm, llm_mbs, llm_cost: dict[int, float], share: dict[int, int] | None = None
                      ) -> tuple[list[float], list[float]]:
         m = len(llm_mbs[0])
         split = llm.pp * llm.tp * llm.cp
         share = share or {}
         f, b = [], []
         for j in range(m):
-            worst = max(sum(cm.llm(by_id[i]) / share.get(i, 1) for i in mbs[j]) for mbs in llm_mbs) / split
+            worst = max(sum(llm_cost[i] / share.get(i, 1) for i in mbs[j]) for mbs in llm_mbs) / split
             f.append(cm.forward("llm", worst))
             b.append(worst - cm.forward("llm", worst))
         return f, b
