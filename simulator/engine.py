@@ -104,6 +104,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self._sig_cache: dict = {}
         self._data_rank_cache: dict = {}
         self._params_cache: dict[tuple, object] = {}
+        self._dp_modes: dict[str, dict[int, tuple[str, int]]] = {}
+        self._dtypes_of: dict[tuple[str, str], object] = {}
         self._sig_of_rank: dict[tuple, tuple] = {}  # (module, rank, microbatch) -> its signature
         self._sig_intern: dict[tuple, tuple] = {}
         self._grad_tables: dict[str, dict[int, tuple[int, ...]]] = {}
@@ -133,11 +135,22 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
     activation_stack = functools.cached_property(MemoryMixin.activation_stack.fget)
 
     def _dp_mode(self, module: str, rank: int) -> tuple[str, int]:
-        return self._memo(("dp-mode", module, rank), MemoryMixin._dp_mode, module, rank)
+        # asked ~30 times per compute op: a table per module, keyed by the rank alone
+        table = self._dp_modes.get(module)
+        if table is None:
+            table = self._dp_modes[module] = {}
+        got = table.get(rank)
+        if got is None:
+            got = table[rank] = MemoryMixin._dp_mode(self, module, rank)
+        return got
 
     def _dtypes(self, module: str, rank: int):
         # a function of the module and its data-parallel mode on the rank (and the run's stack)
-        return self._memo(("dtypes", module, self._dp_mode(module, rank)[0]), MemoryMixin._dtypes, module, rank)
+        key = (module, self._dp_mode(module, rank)[0])
+        got = self._dtypes_of.get(key)
+        if got is None:
+            got = self._dtypes_of[key] = MemoryMixin._dtypes(self, module, rank)
+        return got
 
     def _model_parallel_params(self, module: str, rank: int) -> tuple[float, float]:
         return self._memo(("mp-params", module, rank), MemoryMixin._model_parallel_params, module, rank)
