@@ -240,11 +240,15 @@ class OmniPlanner:
         shards, before, after, traffic = loading.shards, loading.before, loading.after, loading.traffic
         want_mb = default_microbatches(parallel)
         floor = _samples_floor(llm, parallel, len(ids))
-        group_ranks: dict[int, list[int]] = defaultdict(list)
-        for r in llm.ranks:
-            group_ranks[llm.coords(r)["dp"]].append(r)
-        enc_home = {m: {d: sorted({data_rank(layouts[m], r) for r in group_ranks[d]}) for d in range(dp)}
+
+        def homes() -> dict[str, dict[int, list[int]]]:
+            """Each LLM data group's encoder data ranks, per encoder."""
+            group_ranks: dict[int, list[int]] = defaultdict(list)
+            for r in llm.ranks:
+                group_ranks[llm.coords(r)["dp"]].append(r)
+            return {m: {d: sorted({data_rank(layouts[m], r) for r in group_ranks[d]}) for d in range(dp)}
                     for m in model.encoders}
+        enc_home = once("enc_home", homes)
         home = {i: d for d, shard in enumerate(shards) for i in shard}
 
         # -- LLM long / short (llm_long_short.py) ------------------------------------------------------
