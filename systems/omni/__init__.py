@@ -31,7 +31,7 @@ each step decided.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from omnibench.plan import METADATA, Action, Plan, PlanError, Route
@@ -73,10 +73,26 @@ from systems.omni.reorder import (
     max_over_mean,
 )
 from systems.omni.reshard import level_microbatches, reshard
-from systems.omni.schedule import EncItem, align_sends, joint_timeline, lockstep_orders, to_actions
+from systems.omni.schedule import (
+    EncItem,
+    align_sends,
+    joint_timeline,
+    lockstep_orders,
+    step_floor,
+    to_actions,
+)
 from workloads.sample import Batch
 
 __all__ = ["OmniOptions", "OmniPlanner"]
+
+
+@dataclass(frozen=True)
+class _Floor:
+    """One way of planning a batch up to its LLM microbatches: a floor under its estimated step
+    (`schedule.step_floor`), before its encoder placement is worked out."""
+    step_s: float
+    long_samples: int  # LLM samples split over a context-parallel group of data ranks
+    always: bool  # options.llm_split "always": kept without weighing
 
 
 @dataclass(frozen=True)
@@ -84,8 +100,6 @@ class _Draft:
     """One way of planning a batch (with or without the LLM split) up to its estimated step: enough to
     weigh the two ways, with the routes and actions (a third of a plan's cost) left to `build`."""
     estimated_step_s: float
-    long_samples: int  # LLM samples split over a context-parallel group of data ranks
-    always: bool  # options.llm_split "always": kept without weighing
     build: Callable[[], Plan]
 
 
@@ -164,26 +178,52 @@ class OmniPlanner:
         the share (mixed_video). The batch is planned both ways and the split kept only where its
         estimated step is shorter by more than SPLIT_MARGIN."""
         shared: dict = {}  # what both ways work out alike (costs, the loaders' exchange, prices)
-        split = self._plan(model, parallel, batch, loading, shared=shared)
-        if not split.long_samples or split.always:
-            return split.build()
-        # Only the estimates decide: the losing way's routes and actions are never built.
-        whole = self._plan(model, parallel, batch, loading, split_llm=False, shared=shared)
-        estimated = {"split": split.estimated_step_s, "whole": whole.estimated_step_s}
-        if split.estimated_step_s < (1 - SPLIT_MARGIN) * whole.estimated_step_s:
-            plan = split.build()
-            plan.notes["llm_long_short"]["estimated_step_s"] = estimated
-            return plan
-        plan = whole.build()
-        plan.notes["llm_long_short"].update(
-            why_not=f"splitting the {split.long_samples} long sample(s) estimates "
-                    f"{split.estimated_step_s} s against {whole.estimated_step_s} s whole", estimated_step_s=estimated)
+        split_way = self._plan(model, parallel, batch, loading, shared=shared)
+        floor_split = next(split_way)
+        if not floor_split.long_samples or floor_split.always:
+            return next(split_way).build()
+        whole_way = self._plan(model, parallel, batch, loading, split_llm=False, shared=shared)
+        floor_whole = next(whole_way)
+        # Only the estimates decide, and a way whose floor already decides is never placed: the way with
+        # the lower floor is drafted first, and the other only where its floor leaves the choice open
+        # (estimates are _r-rounded and _r is monotone, so a floor rounded decides exactly as the
+        # estimate would). The losing way's routes and actions are never built.
+        if floor_split.step_s <= floor_whole.step_s:
+            split = next(split_way)
+            if split.estimated_step_s < (1 - SPLIT_MARGIN) * _r(floor_whole.step_s):
+                return self._keep(split, floor_split.long_samples, split.estimated_step_s, _r(floor_whole.step_s),
+                                  "whole", split=True)
+            whole = next(whole_way)
+        else:
+            whole = next(whole_way)
+            if _r(floor_split.step_s) >= (1 - SPLIT_MARGIN) * whole.estimated_step_s:
+                return self._keep(whole, floor_split.long_samples, _r(floor_split.step_s), whole.estimated_step_s,
+                                  "split", split=False)
+            split = next(split_way)
+        kept = split.estimated_step_s < (1 - SPLIT_MARGIN) * whole.estimated_step_s
+        return self._keep(split if kept else whole, floor_split.long_samples, split.estimated_step_s,
+                          whole.estimated_step_s, "", split=kept)
+
+    @staticmethod
+    def _keep(draft: _Draft, n_long: int, split_s: float, whole_s: float, floor_of: str, split: bool) -> Plan:
+        """The kept way's Plan, its notes saying what the two ways estimated (`floor`: the way only
+        bounded from below, its placement never worked out)."""
+        plan = draft.build()
+        estimated = {"split": split_s, "whole": whole_s, **({"floor": floor_of} if floor_of else {})}
+        notes = plan.notes["llm_long_short"]
+        notes["estimated_step_s"] = estimated
+        if not split:
+            at_least = "at least " if floor_of == "split" else ""
+            notes["why_not"] = (f"splitting the {n_long} long sample(s) estimates {at_least}{split_s} s "
+                                f"against {whole_s} s whole")
         return plan
 
     def _plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, loading: Loading | None = None,
-              split_llm: bool = True, shared: dict | None = None) -> _Draft:
-        """One way of planning the step, with or without the LLM long-short split, worked out up to its
-        estimated step (`_Draft.build()` makes its Plan). `shared`: a dict the planning of one
+              split_llm: bool = True, shared: dict | None = None) -> Iterator[_Floor | _Draft]:
+        """One way of planning the step, with or without the LLM long-short split, in two parts: the
+        first `next()` works out the LLM microbatches and yields a `_Floor` under the way's estimated
+        step, the second the encoder placement and schedule and yields a `_Draft` (`build()` makes its
+        Plan). `shared`: a dict the planning of one
         batch hands to both ways, holding what does not depend on the split (the samples'
         costs, the in-process loaders' exchange, the encoder SP groups and their prices): filled by the
         first, read by the second."""
@@ -307,6 +347,7 @@ class OmniPlanner:
         # -- encoder placement ------------------------------------------------------------------------
         stage_cost = self._stage_costs(cm, llm, llm_mbs, llm_cost, llm_share)
         f_stage, b_stage = stage_cost
+        yield _Floor(step_floor(llm, m_count, f_stage, b_stage), len(long_llm), opts.llm_split == "always")
         credit = {}
         for r in range(world):
             # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
@@ -563,7 +604,7 @@ class OmniPlanner:
             check_p2p_order(plan)
             return plan
 
-        return _Draft(_r(timeline.step_s), len(long_llm), opts.llm_split == "always", build)
+        yield _Draft(_r(timeline.step_s), build)
 
     @staticmethod
     def _metadata_actions(spec: LoaderSpec, llm, loading: Loading, by_id) -> dict[int, list[Action]]:

@@ -73,6 +73,17 @@ def _long_items(items: dict[int, list[EncItem]]) -> list[tuple[tuple[int, ...], 
     return sorted(out, key=lambda x: (x[0], x[1].microbatch, x[1].module))
 
 
+def step_floor(llm: Layout, m: int, f: list[float], b: list[float]) -> float:
+    """A floor under `joint_timeline(llm, m, f, b, items, joint)`'s step for any encoder work `items`
+    and either order: the first stage runs every microbatch's forward and backward one after another,
+    each starting no earlier than the one before ended. Summed in that stage's 1F1B order from 0, as the
+    timeline adds them (floating-point addition is monotone, so the floor holds to the last bit)."""
+    t = 0.0
+    for kind, j in one_f_one_b(0, llm.pp, m):
+        t += f[j] if kind == "F" else b[j]
+    return t
+
+
 def joint_timeline(llm: Layout, m: int, f: list[float], b: list[float], items: dict[int, list[EncItem]],
                    joint: bool = True) -> Timeline:
     """Orders per rank. `f[j]`, `b[j]`: one stage's forward/backward seconds of LLM microbatch j
