@@ -130,19 +130,20 @@ def stage_of(layout: Layout, rank: int) -> int:
     return layout.coord(rank, "pp")
 
 
-def _memo(layout: Layout, name: str) -> dict:
-    """A per-layout table kept off the dataclass fields (as Layout keeps its coordinates), so
-    equality, hashing and JSON are unchanged; planners ask the same questions per rank many times."""
-    table = layout.__dict__.get(name)
-    if table is None:
-        table = {}
-        object.__setattr__(layout, name, table)
-    return table
+def _cached(layout: Layout, name: str, make):
+    """`make()`, kept on the layout off its dataclass fields (as Layout keeps its coordinates and
+    groups), so equality, hashing and JSON are unchanged: planners ask the same questions per rank many
+    times."""
+    got = layout.__dict__.get(name)
+    if got is None:
+        got = make()
+        object.__setattr__(layout, name, got)
+    return got
 
 
 def data_rank(layout: Layout, rank: int) -> int:
     """The rank holding the assignment of `rank`'s data group (LLM: pp=cp=tp=0; encoders: sp=tp=0)."""
-    table = _memo(layout, "_data_rank")
+    table = _cached(layout, "_data_rank", dict)
     got = table.get(rank)
     if got is None:
         if layout.module == "llm":
@@ -154,13 +155,11 @@ def data_rank(layout: Layout, rank: int) -> int:
 
 
 def data_ranks(layout: Layout) -> list[int]:
-    table = _memo(layout, "_data_ranks")
-    if not table:
+    def make() -> list[int]:
         if layout.module == "llm":
-            table[0] = [layout.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(layout.dp)]
-        else:
-            table[0] = [layout.rank_at(dp=d, sp=0, tp=0) for d in range(layout.dp)]
-    return list(table[0])
+            return [layout.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(layout.dp)]
+        return [layout.rank_at(dp=d, sp=0, tp=0) for d in range(layout.dp)]
+    return list(_cached(layout, "_data_ranks", make))  # a copy: callers may change theirs
 
 
 def consumers(layout: Layout, dp_index: int) -> list[int]:

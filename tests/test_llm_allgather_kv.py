@@ -140,9 +140,8 @@ def test_the_way_kept_is_the_plan_of_that_way_alone_and_only_it_is_built(monkeyp
 @pytest.mark.timeout(120)
 def test_a_ways_floor_is_under_its_estimate_and_decides_only_where_the_estimate_would():
     """Each way's `_Floor` (the first stage's LLM work alone, schedule.step_floor) is never above the
-    estimate its draft then works out, at pp 1 and 2 and with or without the joint pipeline; and where
-    the floor decides the split alone (`floor` in the notes), the plan is the one weighing both drafts
-    would keep (the way planned alone)."""
+    estimate its draft then works out, at pp 1 and 2 and with or without the joint pipeline; and the
+    planner's decision, floored (`floor` in the notes) or not, is the one both drafts' estimates make."""
     from systems.omni import SPLIT_MARGIN, _r
 
     gpus, model = 256, get_model("omni-7b")

@@ -108,6 +108,12 @@ class _Draft:
 SPLIT_MARGIN = 0.01
 
 
+def _split_pays(split_s: float, whole_s: float) -> bool:
+    """Whether the split is kept: its estimated step shorter than the whole-sample way's by SPLIT_MARGIN.
+    Monotone in both, so a floor under either side decides as the estimate would."""
+    return split_s < (1 - SPLIT_MARGIN) * whole_s
+
+
 def _r(x: float) -> float:
     return float(f"{x:.4g}")
 
@@ -190,17 +196,17 @@ class OmniPlanner:
         # estimate would). The losing way's routes and actions are never built.
         if floor_split.step_s <= floor_whole.step_s:
             split = next(split_way)
-            if split.estimated_step_s < (1 - SPLIT_MARGIN) * _r(floor_whole.step_s):
+            if _split_pays(split.estimated_step_s, _r(floor_whole.step_s)):
                 return self._keep(split, floor_split.long_samples, split.estimated_step_s, _r(floor_whole.step_s),
                                   "whole", split=True)
             whole = next(whole_way)
         else:
             whole = next(whole_way)
-            if _r(floor_split.step_s) >= (1 - SPLIT_MARGIN) * whole.estimated_step_s:
+            if not _split_pays(_r(floor_split.step_s), whole.estimated_step_s):
                 return self._keep(whole, floor_split.long_samples, _r(floor_split.step_s), whole.estimated_step_s,
                                   "split", split=False)
             split = next(split_way)
-        kept = split.estimated_step_s < (1 - SPLIT_MARGIN) * whole.estimated_step_s
+        kept = _split_pays(split.estimated_step_s, whole.estimated_step_s)
         return self._keep(split if kept else whole, floor_split.long_samples, split.estimated_step_s,
                           whole.estimated_step_s, "", split=kept)
 
@@ -223,10 +229,9 @@ class OmniPlanner:
         """One way of planning the step, with or without the LLM long-short split, in two parts: the
         first `next()` works out the LLM microbatches and yields a `_Floor` under the way's estimated
         step, the second the encoder placement and schedule and yields a `_Draft` (`build()` makes its
-        Plan). `shared`: a dict the planning of one
-        batch hands to both ways, holding what does not depend on the split (the samples'
-        costs, the in-process loaders' exchange, the encoder SP groups and their prices): filled by the
-        first, read by the second."""
+        Plan). `shared`: a dict the planning of one batch hands to both ways, holding what does not
+        depend on the split (the samples' costs, the in-process loaders' exchange, the encoder SP groups
+        and their prices): filled by the first, read by the second."""
         shared = {} if shared is None else shared
 
         def once(key, make):
