@@ -90,6 +90,44 @@ def test_backend_chosen_by_argument_then_environment(monkeypatch):
         VarlenAttention()
 
 
+def _aten_ops(fn) -> set[str]:
+    """The aten ops `fn()` dispatches (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["packed", "segments"])
+def test_sdpa_on_cpu_runs_the_flash_kernel_never_the_scores(segments):
+    """SDPA given 3-D [H, L, D] inputs silently runs its math kernel (H x L x L scores, 10x slower at
+    1,500 tokens): the CPU path must hand it 4-D ones, forward and backward. `segments` is the
+    all-gather-K/V path (queries over a longer key range, bottom-right causal mask)."""
+    q, k, v, cu = _qkv([6, 9])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    attn = VarlenAttention("sdpa")
+
+    def step():
+        if segments:
+            out = attn.segments(leaves[0][:8], *leaves[1:], [0, 3, 8], [0, 6, 15], causal=True)
+        else:
+            out = attn(*leaves, cu, 9, causal=True)
+        out.square().sum().backward()
+
+    ops = _aten_ops(step)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops, sorted(ops)
+    assert "_scaled_dot_product_flash_attention_for_cpu_backward" in ops, sorted(ops)
+    assert not ops & {"_softmax", "_safe_softmax", "bmm"}, sorted(ops)
+
+
 def test_auto_backend_runs_sdpa_on_cpu():
     q, k, v, cu = _qkv([3, 4])
     assert resolve_backend("auto") == "auto"
