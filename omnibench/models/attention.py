@@ -198,8 +198,8 @@ def _per_sequence(q, k, v, cu_seqlens, causal, math):
 def _cpu_sdpa(q, k, v, **kwargs) -> torch.Tensor:
     """SDPA of one [H, L, D] sequence on the CPU, given as a batch of one: torch's CPU flash kernel
     takes only 4-D inputs, and for 3-D ones SDPA silently runs the math kernel, which builds the
-    H x L x L scores (at 1,500 tokens, 4 heads of 16: 107 ms forward + 87 ms backward against
-    11 + 29 ms, one thread; the same values to float rounding)."""
+    H x L x L scores (benchmarks/models_bench.py's packed attention: about 2x the time forward +
+    backward; the same values to float rounding)."""
     return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), **kwargs)[0]
 
 
