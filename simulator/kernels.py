@@ -64,8 +64,9 @@ class KernelProfile:
         self._attention_cache: dict = {}
         self._block_cache: dict = {}
         self._outside_cache: dict = {}
-        self._gemm_xyz = np.array([r[:3] for r in self.gemm], dtype=float).reshape(-1, 3)
-        self._gemm_cols = tuple(np.ascontiguousarray(self._gemm_xyz[:, i]) for i in range(3))
+        # the measured shapes' (log2 m, log2 n, log2 k), one contiguous column each (gemm_rate's distance)
+        xyz = np.array([r[:3] for r in self.gemm], dtype=float).reshape(-1, 3)
+        self._gemm_cols = tuple(np.ascontiguousarray(xyz[:, i]) for i in range(3))
         self._gemm_log_rate = np.log(np.array([r[3] for r in self.gemm], dtype=float))
         self._gemm_smallest = min((2 ** (a + b + c) for a, b, c, _ in self.gemm), default=1.0)
 
