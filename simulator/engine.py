@@ -39,7 +39,7 @@ from omnibench.specs import costs
 from omnibench.specs.model import MultimodalSpec
 from simulator.collectives import CollectiveModel
 from simulator.compute import ComputeModel
-from simulator.flops import model_train_flops
+from simulator.flops import lengths_train_flops
 from simulator.groups import GroupsMixin, LayoutIndex
 from simulator.hardware import ClusterSpec, GiB
 from simulator.memory import RESERVED_BYTES, MemoryMixin
@@ -408,14 +408,15 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         step = max((s.finish for s in stats.values()), default=0.0)
         ranks = [stats[r] for r in reps]
         capacity = self.cluster.gpu.memory_bytes
+        lens = costs.sample_lengths(plan.samples)  # walked once for the tokens and both FLOP counts
         result = SimResult(
             system=plan.system,
             world_size=plan.world_size,
             step_time=step,
-            tokens=sum(s.llm_tokens for s in plan.samples),
+            tokens=sum(lens["llm"]),
             samples=len(plan.samples),
-            model_flops=model_train_flops(self.model, plan.samples),
-            hardware_flops=model_train_flops(self.model, plan.samples, self.recompute),
+            model_flops=lengths_train_flops(self.model, lens),
+            hardware_flops=lengths_train_flops(self.model, lens, self.recompute),
             recompute=self.recompute,
             compute_model=self.compute.describe(),
             peak_flops=self.cluster.gpu.peak_flops,

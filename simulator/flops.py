@@ -355,5 +355,10 @@ def model_train_flops(model: MultimodalSpec, samples, recompute: str = "none") -
     """FLOPs of one training step over a batch, each sample its own packed sequence
     (costs.batch_flops). recompute "none": forward + backward, the model FLOPs of MFU; else the
     recomputed forward is added (what the GPU executes: hardware FLOPs, HFU)."""
-    per = costs.batch_flops(model, samples, recompute=recompute)
+    return lengths_train_flops(model, costs.sample_lengths(samples), recompute)
+
+
+def lengths_train_flops(model: MultimodalSpec, lens: dict[str, list], recompute: str = "none") -> float:
+    """`model_train_flops` from the samples' `costs.sample_lengths`."""
+    per = costs.lengths_flops(model, lens, recompute=recompute)
     return sum(f.total for f in per.values())

@@ -590,8 +590,15 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     if s.ring > 1:
         return _ring_attention(p, s, bwd)
     if s.kv_gather > 1:
-        # load-balanced causal: the rank's L/cp queries see on average half of the L keys
-        return sum(_flash_call(p, s.heads, d, L / s.kv_gather, L, s.causal, bwd) for L in s.seq_lens)
+        # load-balanced causal: the rank's L/cp queries see on average half of the L keys; one call's
+        # time per length, looked up (as the table below is) and summed in the lengths' order
+        table = p._attention_cache.get((s.heads, d, s.causal, bwd, s.kv_gather))
+        if table is None:
+            table = p._attention_cache[(s.heads, d, s.causal, bwd, s.kv_gather)] = {}
+        for L in s.seq_lens:
+            if L not in table:
+                table[L] = _flash_call(p, s.heads, d, L / s.kv_gather, L, s.causal, bwd)
+        return sum(map(table.__getitem__, s.seq_lens))
     # The profile's flash rows are causal. A full (encoder) attention of length L does the work of a
     # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
     # one table per (heads, head size, mask, pass): a microbatch's lengths are looked up in it with no
@@ -634,12 +641,21 @@ def _ring_attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     """Ring attention, causal, load-balanced (each rank holds two opposite 1/(2 cp) chunks of every
     sequence, as Megatron-LM's and torchtitan's context parallelism place them): per sequence one
     causal call on the rank's own block and cp - 1 full calls of half a block against a block."""
+    key = (s.heads, s.head_dim, s.causal, bwd, "ring", s.ring)
+    table = p._attention_cache.get(key)
+    if table is None:
+        table = p._attention_cache[key] = {}
     out = 0.0
     for L in s.seq_lens:
-        block = L / s.ring
-        out += _flash_call(p, s.heads, s.head_dim, block, block, s.causal, bwd)
-        out += (s.ring - 1) * _flash_call(p, s.heads, s.head_dim, block / 2 if s.causal else block, block,
-                                          False, bwd)
+        calls = table.get(L)
+        if calls is None:  # worked out once per length (sequences repeat across microbatches)
+            block = L / s.ring
+            calls = table[L] = (
+                _flash_call(p, s.heads, s.head_dim, block, block, s.causal, bwd),
+                (s.ring - 1) * _flash_call(p, s.heads, s.head_dim, block / 2 if s.causal else block, block,
+                                           False, bwd))
+        out += calls[0]
+        out += calls[1]
     return out
 
 

@@ -187,9 +187,9 @@ def balance(items: Iterable[tuple[int, float]], bins: int) -> list[list[int]]:
     heap = [(0.0, 0, k) for k in range(bins)]  # (load, items, bin): a heap keeps 1,024-way splits fast
     out: list[list[int]] = [[] for _ in range(bins)]
     for i, cost in sorted(items, key=lambda x: (-x[1], x[0])):
-        load, n, b = heapq.heappop(heap)
+        load, n, b = heap[0]
         out[b].append(i)
-        heapq.heappush(heap, (load + cost, n + 1, b))
+        heapq.heapreplace(heap, (load + cost, n + 1, b))  # the least bin, refilled: one sift, not two
     return [sorted(b) for b in out]
 
 
@@ -205,8 +205,8 @@ def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[li
     at most its sample count, so data-parallel collectives stay in step."""
     if len(batch.samples) < dp:
         raise PlanError(f"batch: {len(batch.samples)} samples cannot feed dp={dp} data-parallel ranks")
-    groups = balance(((s.sample_id, s.llm_tokens) for s in batch.samples), dp)
     tokens = {s.sample_id: s.llm_tokens for s in batch.samples}
+    groups = balance(tokens.items(), dp)
     m = min(microbatches, min(len(g) for g in groups))
     if m < pp:
         raise PlanError(

@@ -354,7 +354,12 @@ def sample_lengths(samples) -> dict[str, list]:
 def batch_flops(spec: MultimodalSpec, samples, recompute: str = "none") -> dict[str, Flops]:
     """FLOPs per module for training on `samples` packed one sequence per sample (the MFU numerator);
     `recompute` as `recompute_policy` reads it."""
-    lens = sample_lengths(samples)
+    return lengths_flops(spec, sample_lengths(samples), recompute)
+
+
+def lengths_flops(spec: MultimodalSpec, lens: dict[str, list], recompute: str = "none") -> dict[str, Flops]:
+    """`batch_flops` from the samples' `sample_lengths` (a caller asking for several recompute modes
+    walks the samples once)."""
     policy = recompute_policy(recompute)
     out = {"llm": llm_flops(spec.llm, lens["llm"], recompute=policy["llm"])}
     if spec.vision is not None:
