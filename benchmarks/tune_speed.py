@@ -1,0 +1,90 @@
+"""A seeded tune's own cost, this tree against another one side by side (issue 21: `reproduce` is its tunes).
+
+    python benchmarks/tune_speed.py --against /tmp/wt-base            # both cases, 2 rounds, alternating
+    python benchmarks/tune_speed.py --case image_sft-8192 --rounds 1   # one case, this tree only
+
+Each case is one `simulate --tuned` as `reproduce` runs its stages: seeded with the committed answers of
+the stage before (results/sims/reproduce/seeds), tune budget 4 with its doublings, one worker, no step
+cache, in a fresh process. The trees run one after the other, round by round (A B A B: a drifting host
+shows in both), and each run prints its CPU seconds (user + sys of the process, not the wall clock
+other work on the host adds to) and its answer: the tuned layout and step time of every system, which
+must be the same in every tree whose change is meant to keep them (the script says when they differ).
+
+Cases: `image_sft-8192` (homogeneous at 8,192 GPUs: many small samples, the planning and boundary
+routes per sample count) and `omni_av-1024` (colocated and omni at 1,024 GPUs, the size of most of
+reproduce's stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEEDS = os.path.join(ROOT, "results", "sims", "reproduce", "seeds")
+
+CASES = {
+    "image_sft-8192": (["--workload", "image_sft", "--system", "homogeneous", "--gpus", "8192"], "tuned-image_sft-b4s.json"),
+    "omni_av-1024": (["--workload", "omni_av", "--system", "colocated,omni", "--gpus", "1024"], "tuned-omni_av-b4s.json"),
+}
+
+
+def run_case(tree: str, case: str) -> tuple[float, list]:
+    """(CPU seconds, [(system, layout, step s)]) of one tune of `case` with the code of `tree`."""
+    args, seeds = CASES[case]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "omnibench", "simulate", *args, "--hardware", "h100", "--model", "omni-7b",
+               "--tuned", "--tune-budget", "4", "--tune-cache", os.path.join(tmp, "cache"), "--out",
+               os.path.join(tmp, "out"), "--no-cache", "--workers", "1", "--seed-from", os.path.join(SEEDS, seeds),
+               "--json"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        res = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"{tree}: {case} failed: {tail}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    out = json.loads(res.stdout)
+    return cpu, [(r["system"], r["layout"], r["step_time_s"]) for r in out["results"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--against", default="", help="another checkout (e.g. a worktree of the commit before) to time "
+                    "beside this one")
+    ap.add_argument("--case", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    cases = [c for c in args.case.split(",") if c]
+    for c in cases:
+        if c not in CASES:
+            raise SystemExit(f"--case: {c!r} is not one of {', '.join(CASES)}")
+    trees = [ROOT] + ([os.path.abspath(args.against)] if args.against else [])
+    for t in trees[1:]:
+        if not os.path.isfile(os.path.join(t, "omnibench", "__main__.py")):
+            raise SystemExit(f"--against: {t} is not an omnibench checkout (no omnibench/__main__.py)")
+    for case in cases:
+        times: dict[str, list[float]] = {t: [] for t in trees}
+        answers: dict[str, list] = {}
+        for _ in range(args.rounds):
+            for t in reversed(trees):  # the other tree first in each round
+                cpu, answer = run_case(t, case)
+                times[t].append(cpu)
+                answers[t] = answer
+                print(f"{case:16s} {t:40s} {cpu:7.1f} s CPU  {answer}", flush=True)
+        best = {t: min(v) for t, v in times.items()}
+        line = f"{case}: this tree {best[ROOT]:.1f} s CPU (best of {args.rounds})"
+        if args.against:
+            other = trees[1]
+            same = "same answers" if answers[other] == answers[ROOT] else "ANSWERS DIFFER"
+            line += f", {other} {best[other]:.1f} s: ratio {best[ROOT] / best[other]:.2f} ({same})"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
