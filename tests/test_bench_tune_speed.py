@@ -1,0 +1,20 @@
+"""benchmarks/tune_speed.py refuses bad input in one line naming the flag (its timing is a figure, not a test)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "tune_speed.py")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,flag", [(["--case", "nope"], "--case"), (["--against", "/nonexistent"], "--against")])
+def test_tune_speed_names_the_bad_flag_in_one_line(args, flag, tmp_path):
+    res = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(flag), res.stderr
