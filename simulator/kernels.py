@@ -592,9 +592,7 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     if s.kv_gather > 1:
         # load-balanced causal: the rank's L/cp queries see on average half of the L keys; one call's
         # time per length, looked up (as the table below is) and summed in the lengths' order
-        table = p._attention_cache.get((s.heads, d, s.causal, bwd, s.kv_gather))
-        if table is None:
-            table = p._attention_cache[(s.heads, d, s.causal, bwd, s.kv_gather)] = {}
+        table = p._attention_cache.setdefault((s.heads, d, s.causal, bwd, s.kv_gather), {})
         for L in s.seq_lens:
             if L not in table:
                 table[L] = _flash_call(p, s.heads, d, L / s.kv_gather, L, s.causal, bwd)
@@ -603,9 +601,7 @@ def _attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     # causal one of length L * sqrt(2) over the same tiles, so it is read at that length.
     # one table per (heads, head size, mask, pass): a microbatch's lengths are looked up in it with no
     # key built per sequence (an encoder microbatch holds dozens), summed left to right as a loop does
-    table = p._attention_cache.get((s.heads, d, s.causal, bwd))
-    if table is None:
-        table = p._attention_cache[(s.heads, d, s.causal, bwd)] = {}
+    table = p._attention_cache.setdefault((s.heads, d, s.causal, bwd), {})
     try:
         return functools.reduce(operator.add, map(table.__getitem__, s.seq_lens), 0.0)
     except KeyError:
@@ -641,10 +637,7 @@ def _ring_attention(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     """Ring attention, causal, load-balanced (each rank holds two opposite 1/(2 cp) chunks of every
     sequence, as Megatron-LM's and torchtitan's context parallelism place them): per sequence one
     causal call on the rank's own block and cp - 1 full calls of half a block against a block."""
-    key = (s.heads, s.head_dim, s.causal, bwd, "ring", s.ring)
-    table = p._attention_cache.get(key)
-    if table is None:
-        table = p._attention_cache[key] = {}
+    table = p._attention_cache.setdefault((s.heads, s.head_dim, s.causal, bwd, "ring", s.ring), {})
     out = 0.0
     for L in s.seq_lens:
         calls = table.get(L)
