@@ -2,9 +2,11 @@
 
     python benchmarks/tune_speed.py --against /tmp/wt-base            # both cases, 2 rounds, alternating
     python benchmarks/tune_speed.py --case image_sft-8192 --rounds 1   # one case, this tree only
+    python benchmarks/tune_speed.py --against /tmp/wt-base --workers 2 # in a pool of 2, as reproduce runs
 
 Each case is one `simulate --tuned` as `reproduce` runs its stages: seeded with the committed answers of
-the stage before (results/sims/reproduce/seeds), tune budget 4 with its doublings, one worker, no step
+the stage before (results/sims/reproduce/seeds), tune budget 4 with its doublings, one worker (or a
+pool of `--workers`, as `reproduce --workers 2` runs: CPU seconds then include the workers'), no step
 cache, in a fresh process. The trees run one after the other, round by round (A B A B: a drifting host
 shows in both), and each run prints its CPU seconds (user + sys of the process, not the wall clock
 other work on the host adds to) and its answer: the tuned layout and step time of every system, which
@@ -34,13 +36,13 @@ CASES = {
 }
 
 
-def run_case(tree: str, case: str) -> tuple[float, list]:
+def run_case(tree: str, case: str, workers: int = 1) -> tuple[float, list]:
     """(CPU seconds, [(system, layout, step s)]) of one tune of `case` with the code of `tree`."""
     args, seeds = CASES[case]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "omnibench", "simulate", *args, "--hardware", "h100", "--model", "omni-7b",
                "--tuned", "--tune-budget", "4", "--tune-cache", os.path.join(tmp, "cache"), "--out",
-               os.path.join(tmp, "out"), "--no-cache", "--workers", "1", "--seed-from", os.path.join(SEEDS, seeds),
+               os.path.join(tmp, "out"), "--no-cache", "--workers", str(workers), "--seed-from", os.path.join(SEEDS, seeds),
                "--json"]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
@@ -59,7 +61,10 @@ def main() -> None:
                     "beside this one")
     ap.add_argument("--case", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1, help="simulate's --workers (1: in the tune's process)")
     args = ap.parse_args()
+    if args.workers < 1:
+        raise SystemExit(f"--workers: must be at least 1, got {args.workers}")
     cases = [c for c in args.case.split(",") if c]
     for c in cases:
         if c not in CASES:
@@ -73,12 +78,12 @@ def main() -> None:
         answers: dict[str, list] = {}
         for _ in range(args.rounds):
             for t in reversed(trees):  # the other tree first in each round
-                cpu, answer = run_case(t, case)
+                cpu, answer = run_case(t, case, args.workers)
                 times[t].append(cpu)
                 answers[t] = answer
                 print(f"{case:16s} {t:40s} {cpu:7.1f} s CPU  {answer}", flush=True)
         best = {t: min(v) for t, v in times.items()}
-        line = f"{case}: this tree {best[ROOT]:.1f} s CPU (best of {args.rounds})"
+        line = f"{case}: this tree {best[ROOT]:.1f} s CPU (best of {args.rounds}, workers {args.workers})"
         if args.against:
             other = trees[1]
             same = "same answers" if answers[other] == answers[ROOT] else "ANSWERS DIFFER"

@@ -12,7 +12,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args,flag", [(["--case", "nope"], "--case"), (["--against", "/nonexistent"], "--against")])
+@pytest.mark.parametrize("args,flag", [(["--case", "nope"], "--case"), (["--against", "/nonexistent"], "--against"),
+                                       (["--workers", "0"], "--workers")])
 def test_tune_speed_names_the_bad_flag_in_one_line(args, flag, tmp_path):
     res = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=50, cwd=tmp_path)
     assert res.returncode != 0

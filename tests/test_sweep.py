@@ -127,6 +127,16 @@ def test_a_packed_batch_travels_once_pickled_and_plans_the_same(tmp_path):
     assert a.metrics == {**b.metrics, "sim_seconds": a.metrics["sim_seconds"]}
 
 
+def test_a_worker_unpickles_a_batch_once_for_all_the_jobs_that_ship_it():
+    import pickle
+
+    blob = pickle.dumps(cache.pack(_batch()))
+    first, second = pickle.loads(blob), pickle.loads(blob)  # two jobs' copies arriving in one worker
+    assert first.get() is second.get()
+    other = pickle.loads(pickle.dumps(cache.pack(_batch(seed=1))))
+    assert other.get() is not first.get() and repr(other.get()) == repr(_batch(seed=1))
+
+
 def test_the_code_hash_covers_every_module_that_plans_and_simulates_a_step():
     # In a fresh process: plan and simulate one step of every system, then list the modules of this
     # repository that were imported; each must be hashed, or an edit to it would serve stale steps.
