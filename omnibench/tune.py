@@ -559,7 +559,10 @@ def _first_stage(lay) -> list[int]:
         if d == "pp":
             break
         stride *= n
-    return [r for i, r in enumerate(lay.ranks) if (i // stride) % lay.pp == 0]
+    # rank i is at pp (i // stride) % pp: the first `stride` of every block of stride * pp (slices, not a
+    # test per rank: at 8,192 GPUs the per-rank test was 0.7 ms a candidate, a fiftieth of a tune)
+    ranks = lay.ranks
+    return [r for k in range(0, len(ranks), stride * lay.pp) for r in ranks[k:k + stride]]
 
 
 def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,

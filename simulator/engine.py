@@ -408,15 +408,15 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         step = max((s.finish for s in stats.values()), default=0.0)
         ranks = [stats[r] for r in reps]
         capacity = self.cluster.gpu.memory_bytes
-        lens = costs.sample_lengths(plan.samples)  # walked once for the tokens and both FLOP counts
+        tokens, model_flops, hardware_flops = _sample_totals(plan.samples, self.model, self.recompute)
         result = SimResult(
             system=plan.system,
             world_size=plan.world_size,
             step_time=step,
-            tokens=sum(lens["llm"]),
+            tokens=tokens,
             samples=len(plan.samples),
-            model_flops=lengths_train_flops(self.model, lens),
-            hardware_flops=lengths_train_flops(self.model, lens, self.recompute),
+            model_flops=model_flops,
+            hardware_flops=hardware_flops,
             recompute=self.recompute,
             compute_model=self.compute.describe(),
             peak_flops=self.cluster.gpu.peak_flops,
@@ -430,6 +430,25 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
             check_fit(result, self.options.memory_error)
         result.sim_seconds = time.perf_counter() - t0
         return result
+
+
+_TOTALS: dict = {}
+
+
+def _sample_totals(samples: list, model: MultimodalSpec, recompute: str) -> tuple[int, float, float]:
+    """A step's LLM tokens and its model and hardware FLOPs. A tune simulates the same batch at every
+    layout it weighs, so they are worked out once per (samples, model, recompute), the samples known by
+    identity (the entry keeps them alive, so no id is reused while it lives); the samples are walked
+    once for all three."""
+    key = (tuple(map(id, samples)), model, recompute)
+    got = _TOTALS.get(key)
+    if got is None:
+        lens = costs.sample_lengths(samples)
+        if len(_TOTALS) >= 16:
+            _TOTALS.clear()
+        got = _TOTALS[key] = (list(samples), sum(lens["llm"]), lengths_train_flops(model, lens),
+                              lengths_train_flops(model, lens, recompute))
+    return got[1], got[2], got[3]
 
 
 def check_fit(result: SimResult, memory_error: float = 0.0) -> SimResult:

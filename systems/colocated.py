@@ -22,7 +22,7 @@ from systems.common import (
     balance,
     data_ranks,
     default_microbatches,
-    encoder_cost,
+    encoder_costs_of,
     encoder_layout,
     finish,
     llm_layout,
@@ -53,7 +53,7 @@ class ColocatedPlanner:
         for module in model.encoders:
             enc = with_dp_shard(encoder_layout(module, range(world), tp=enc_tp, fsdp=parallel.fsdp, zero=parallel.zero), parallel)
             layouts[module] = enc
-            work = [(s.sample_id, encoder_cost(s, module)) for s in batch.samples if s.encoder_seq_lens(module)]
+            work = list(encoder_costs_of(batch, module).items())
             # One encoder microbatch per rank: the whole batch's encoder work in one forward.
             parts = balance(work, enc.dp)
             assignment[module] = {r: [tuple(parts[k])] for k, r in enumerate(data_ranks(enc))}

@@ -199,13 +199,48 @@ def default_microbatches(parallel: ParallelSpec) -> int:
     return 2 * parallel.pp if parallel.pp > 1 else 1
 
 
+_PER_BATCH: dict[int, tuple[Batch, dict]] = {}
+
+
+def _batch_memo(batch: Batch) -> dict:
+    """Values derived from `batch` alone, shared by every plan of it (a tune plans the same batch at
+    every layout it weighs: at 8,192 GPUs ~63,000 samples' tokens and encoder costs were summed again
+    per layout). The last few batches are kept, each entry holding its batch so that its id stays its
+    own; batches are never modified once made (every planner only reads them)."""
+    got = _PER_BATCH.get(id(batch))
+    if got is None or got[0] is not batch:
+        if len(_PER_BATCH) >= 8:
+            _PER_BATCH.clear()
+        got = _PER_BATCH[id(batch)] = (batch, {})
+    return got[1]
+
+
+def llm_tokens_of(batch: Batch) -> dict[int, int]:
+    """sample id -> its LLM tokens, in the batch's order (read only: shared by the batch's plans)."""
+    memo = _batch_memo(batch)
+    got = memo.get("llm")
+    if got is None:
+        got = memo["llm"] = {s.sample_id: s.llm_tokens for s in batch.samples}
+    return got
+
+
+def encoder_costs_of(batch: Batch, module: str) -> dict[int, float]:
+    """sample id -> `encoder_cost` of each sample with work for `module`, in the batch's order (read
+    only: shared by the batch's plans)."""
+    memo = _batch_memo(batch)
+    got = memo.get(module)
+    if got is None:
+        got = memo[module] = {s.sample_id: encoder_cost(s, module) for s in batch.samples if s.encoder_seq_lens(module)}
+    return got
+
+
 def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[list[tuple[int, ...]]]:
     """Split the global batch over `dp` data groups (balanced by LLM tokens), then each group's
     samples into microbatches (balanced again). Every group gets the same number of microbatches,
     at most its sample count, so data-parallel collectives stay in step."""
     if len(batch.samples) < dp:
         raise PlanError(f"batch: {len(batch.samples)} samples cannot feed dp={dp} data-parallel ranks")
-    tokens = {s.sample_id: s.llm_tokens for s in batch.samples}
+    tokens = llm_tokens_of(batch)
     groups = balance(tokens.items(), dp)
     m = min(microbatches, min(len(g) for g in groups))
     if m < pp:
@@ -527,7 +562,7 @@ def notes_for(plan: Plan) -> dict:
 
 def active_encoders(model: MultimodalSpec, batch: Batch) -> list[str]:
     """Encoders with work in this batch (an idle encoder gets a layout but no actions)."""
-    return [m for m in model.encoders if any(s.encoder_seq_lens(m) for s in batch.samples)]
+    return [m for m in model.encoders if encoder_costs_of(batch, m)]
 
 
 def plan_encoders_in_stage0(
@@ -570,15 +605,15 @@ def plan_encoders_in_stage0(
     layouts = {"llm": llm}
     assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
     routes: list[Route] = []
-    by_id = {s.sample_id: s for s in batch.samples}
     for module in model.encoders:
         enc = with_dp_shard(encoder_layout(module, stage0, tp=encoder_tp, sp=encoder_sp, fsdp=parallel.fsdp,
                                             zero=parallel.zero), parallel)
         layouts[module] = enc
+        cost = encoder_costs_of(batch, module)
         enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
         for d, mbs in enumerate(llm_mbs):
             for mb in mbs:
-                parts = balance(((i, encoder_cost(by_id[i], module)) for i in mb if by_id[i].encoder_seq_lens(module)), split)
+                parts = balance(((i, cost[i]) for i in mb if i in cost), split)
                 for k in range(split):
                     enc_mbs[enc.rank_at(dp=d * split + k, sp=0, tp=0)].append(tuple(parts[k]))
         assignment[module] = enc_mbs

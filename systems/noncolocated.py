@@ -24,7 +24,7 @@ from systems.common import (
     assign_llm,
     balance,
     data_ranks,
-    encoder_cost,
+    encoder_costs_of,
     encoder_layout,
     finish,
     llm_layout,
@@ -104,14 +104,14 @@ class NoncolocatedPlanner:
         layouts = {"llm": llm}
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
         routes: list[Route] = []
-        by_id = {s.sample_id: s for s in batch.samples}
         for module in model.encoders:
             enc = with_dp_shard(encoder_layout(module, range(n_enc), tp=enc_tp, fsdp=parallel.fsdp, zero=parallel.zero), parallel)
             layouts[module] = enc
             enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
+            cost = encoder_costs_of(batch, module)
             for j in range(m):
                 # Round j: microbatch j of every LLM data rank, balanced over the encoder ranks.
-                work = [(i, encoder_cost(by_id[i], module)) for mbs in llm_mbs for i in mbs[j] if by_id[i].encoder_seq_lens(module)]
+                work = [(i, cost[i]) for mbs in llm_mbs for i in mbs[j] if i in cost]
                 parts = balance(work, enc.dp)
                 for k, r in enumerate(data_ranks(enc)):
                     enc_mbs[r].append(tuple(parts[k]))

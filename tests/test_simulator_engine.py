@@ -331,3 +331,22 @@ def test_ranks_of_different_loader_groups_never_share_a_class_whose_metadata_loc
                 assert mine == {cls[x] for x in engine._loader_group(rep, a.what)}
     res = simulate(plan, model, load_cluster("h100", 64), options=SimOptions(recompute="full"))
     assert res.step_time > 0
+
+
+def test_a_batch_simulated_at_many_layouts_counts_its_own_tokens_and_flops_every_time():
+    # the totals are worked out once per (samples, model, recompute) and reused: each run must still get
+    # the ones of its own samples and recompute mode, as if worked out afresh
+    from omnibench.specs import costs
+    from simulator.flops import lengths_train_flops
+
+    model, cluster = get_model("omni-7b@2L"), load_cluster("h100", 8)
+    batches = [mixed_batch(32, seed) for seed in (0, 1)]
+    for batch in batches + batches:
+        for tp, recompute in ((1, "none"), (2, "full"), (1, "full")):
+            plan = get_planner("homogeneous").plan(model, ParallelSpec(world_size=8, tp=tp), batch)
+            r = simulate(plan, model, cluster, options=SimOptions(recompute=recompute))
+            lens = costs.sample_lengths(batch.samples)
+            assert r.tokens == sum(lens["llm"])
+            assert r.model_flops == lengths_train_flops(model, lens)
+            assert r.hardware_flops == lengths_train_flops(model, lens, recompute)
+    assert lengths_train_flops(model, lens, "full") > lengths_train_flops(model, lens)
