@@ -184,3 +184,21 @@ def test_plans_are_deterministic():
     a = _plan("noncolocated", world_size=8, pp=2).to_json()
     b = _plan("noncolocated", world_size=8, pp=2).to_json()
     assert a == b
+
+
+@pytest.mark.parametrize("system", BASELINES)
+def test_a_batch_planned_again_or_a_new_batch_with_the_same_ids_plans_from_its_own_samples(system):
+    # the per-sample tokens and encoder costs are kept per batch object for the batch's later plans
+    from systems.common import encoder_costs_of, llm_tokens_of
+
+    batch = mixed_batch(seed=1)
+    parallel = ParallelSpec(world_size=4)
+    first = get_planner(system).plan(MODEL, parallel, batch)
+    again = get_planner(system).plan(MODEL, parallel, batch)
+    assert (first.assignment, first.actions) == (again.assignment, again.actions)
+    other = mixed_batch(seed=2)  # the same sample ids, other lengths
+    assert [s.sample_id for s in other.samples] == [s.sample_id for s in batch.samples]
+    assert llm_tokens_of(other) == {s.sample_id: s.llm_tokens for s in other.samples} != llm_tokens_of(batch)
+    assert set(encoder_costs_of(other, "vision")) == {s.sample_id for s in other.samples if s.encoder_seq_lens("vision")}
+    fresh = get_planner(system).plan(MODEL, parallel, Batch(0, list(other.samples)))
+    assert get_planner(system).plan(MODEL, parallel, other).assignment == fresh.assignment
