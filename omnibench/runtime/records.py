@@ -153,13 +153,15 @@ def begin(work_dir: str, spec, model, device_text: str) -> None:
 
 def progress(work_dir: str, step: int, steps: int, loss: float, step_time: float, record: dict | None = None,
              plan=None) -> None:
-    """After each finished step (rank 0): its figures to progress.jsonl, its Plan to plans.jsonl."""
+    """After each finished step (rank 0): its Plan to plans.jsonl, then its figures to progress.jsonl. In
+    that order, so that a run stopped between the two (SIGINT lands anywhere) never leaves a finished
+    step without its Plan: it may leave a Plan whose step's figures never came."""
     line = {"step": step, "steps": steps, "loss": loss, "step_time_s": step_time, **(record or {})}
-    with open(os.path.join(work_dir, "progress.jsonl"), "a") as f:
-        f.write(dumps(line) + "\n")
     if plan is not None:
         with open(os.path.join(work_dir, "plans.jsonl"), "a") as f:
             f.write(plan.to_json(indent=None) + "\n")
+    with open(os.path.join(work_dir, "progress.jsonl"), "a") as f:
+        f.write(dumps(line) + "\n")
 
 
 def _write(path: str, obj) -> None:
