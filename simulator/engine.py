@@ -444,7 +444,7 @@ def _sample_totals(samples: list, model: MultimodalSpec, recompute: str) -> tupl
     got = _TOTALS.get(key)
     if got is None:
         lens = costs.sample_lengths(samples)
-        if len(_TOTALS) >= 16:
+        if len(_TOTALS) >= 8:  # the batches the other per-batch memos keep (cache.py, systems/common.py)
             _TOTALS.clear()
         got = _TOTALS[key] = (list(samples), sum(lens["llm"]), lengths_train_flops(model, lens),
                               lengths_train_flops(model, lens, recompute))
