@@ -65,6 +65,7 @@ from omnibench.plan import PlanError
 from omnibench.specs import costs
 from omnibench.specs.model import MultimodalSpec, SpecError, VisionEncoderSpec
 from omnibench.specs.parallel import ParallelSpec
+from systems.common import by_identity
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # the uniform modes, least memory last
 SYSTEMS_WITH_ENCODER_LAYOUT = ("colocated", "noncolocated", "omni")
@@ -438,27 +439,10 @@ def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidat
     return out
 
 
-def _per_batch(fn):
-    """`fn(model, samples, *args)` answered once per batch: tune asks the same layout-independent
-    sums (token and position totals, a step's FLOPs) for every candidate and recompute mode, and a
-    4,096-GPU batch has ~14,000 samples. Keyed by identity; the last few batches are kept alive so
-    an identity is never reused for another."""
-    memo: dict = {}
-
-    def wrapped(model, samples, *args):
-        k = (id(model), id(samples), args)
-        hit = memo.get(k)
-        if hit is not None and hit[0] is model and hit[1] is samples:
-            return hit[2]
-        if len(memo) >= 64:
-            memo.clear()
-        out = fn(model, samples, *args)
-        memo[k] = (model, samples, out)
-        return out
-
-    wrapped.__wrapped__ = fn
-    wrapped.__doc__ = fn.__doc__
-    return wrapped
+# `fn(model, samples, *args)` answered once per batch: tune asks the same layout-independent sums (token and
+# position totals, a step's FLOPs) for every candidate and recompute mode, and a 4,096-GPU batch has ~14,000
+# samples. Keyed by the model's and the samples' identities (systems.common.by_identity).
+_per_batch = by_identity(2)
 
 
 @_per_batch

@@ -121,7 +121,7 @@ class PackedBatch:
 
     def get(self):
         if self._batch is None:
-            # A pool worker receives the same batch with every job of a tune (a 8,192-GPU batch of ~63,000
+            # A pool worker receives the same batch with every job of a tune (an 8,192-GPU batch of ~63,000
             # samples took 0.65 s to unpickle, a seventh of its simulation): the first copy serves the rest.
             got = _unpacked.get(self.digest)
             if got is None:

@@ -439,7 +439,8 @@ def _sample_totals(samples: list, model: MultimodalSpec, recompute: str) -> tupl
     """A step's LLM tokens and its model and hardware FLOPs. A tune simulates the same batch at every
     layout it weighs, so they are worked out once per (samples, model, recompute), the samples known by
     identity (the entry keeps them alive, so no id is reused while it lives); the samples are walked
-    once for all three."""
+    once for all three. Keyed by each sample's identity, not the list's (as systems.common.by_identity
+    keys a batch): every Plan holds its own copy of the batch's list."""
     key = (tuple(map(id, samples)), model, recompute)
     got = _TOTALS.get(key)
     if got is None:

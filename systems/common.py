@@ -199,39 +199,47 @@ def default_microbatches(parallel: ParallelSpec) -> int:
     return 2 * parallel.pp if parallel.pp > 1 else 1
 
 
-_PER_BATCH: dict[int, tuple[Batch, dict]] = {}
+def by_identity(objects: int, size: int = 64):
+    """Decorator: `fn(*objs, *args)` answered once per the identities of its first `objects` arguments
+    (a batch, its samples, a model) and the values of the rest. A tune plans and weighs the same batch at
+    every layout it tries, and sums over its samples (tens of thousands at 8,192 GPUs) depend on the batch
+    alone. The objects are kept alive with their answer, so an identity is never reused for another;
+    the last `size` answers are kept. The objects must not change once made (batches and models do not:
+    every planner and estimate only reads them)."""
+
+    def decorate(fn):
+        memo: dict = {}
+
+        def wrapped(*a):
+            objs, args = a[:objects], a[objects:]
+            k = (tuple(map(id, objs)), args)
+            hit = memo.get(k)
+            if hit is not None and all(x is y for x, y in zip(hit[0], objs, strict=True)):
+                return hit[1]
+            if len(memo) >= size:
+                memo.clear()
+            out = fn(*a)
+            memo[k] = (objs, out)
+            return out
+
+        wrapped.__wrapped__ = fn
+        wrapped.__doc__ = fn.__doc__
+        return wrapped
+
+    return decorate
 
 
-def _batch_memo(batch: Batch) -> dict:
-    """Values derived from `batch` alone, shared by every plan of it (a tune plans the same batch at
-    every layout it weighs: at 8,192 GPUs ~63,000 samples' tokens and encoder costs were summed again
-    per layout). The last few batches are kept, each entry holding its batch so that its id stays its
-    own; batches are never modified once made (every planner only reads them)."""
-    got = _PER_BATCH.get(id(batch))
-    if got is None or got[0] is not batch:
-        if len(_PER_BATCH) >= 8:
-            _PER_BATCH.clear()
-        got = _PER_BATCH[id(batch)] = (batch, {})
-    return got[1]
-
-
+@by_identity(1, size=8)
 def llm_tokens_of(batch: Batch) -> dict[int, int]:
     """sample id -> its LLM tokens, in the batch's order (read only: shared by the batch's plans)."""
-    memo = _batch_memo(batch)
-    got = memo.get("llm")
-    if got is None:
-        got = memo["llm"] = {s.sample_id: s.llm_tokens for s in batch.samples}
-    return got
+    return {s.sample_id: s.llm_tokens for s in batch.samples}
 
 
+@by_identity(1, size=16)
 def encoder_costs_of(batch: Batch, module: str) -> dict[int, float]:
     """sample id -> `encoder_cost` of each sample with work for `module`, in the batch's order (read
     only: shared by the batch's plans)."""
-    memo = _batch_memo(batch)
-    got = memo.get(module)
-    if got is None:
-        got = memo[module] = {s.sample_id: encoder_cost(s, module) for s in batch.samples if s.encoder_seq_lens(module)}
-    return got
+    return {s.sample_id: encoder_cost(s, module) for s in batch.samples if s.encoder_seq_lens(module)}
 
 
 def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[list[tuple[int, ...]]]:
