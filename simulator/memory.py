@@ -28,6 +28,7 @@ the default), Megatron-LM ("megatron", what the `fused` kernel stack charges), t
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 
 from omnibench.plan import (
@@ -166,10 +167,12 @@ def communicators(plan, rank: int) -> int:
     from omnibench.process_groups import groups_of_rank
 
     cached = _STEP_GROUPS.get(id(plan))
-    if cached is None or cached[0] is not plan:  # one Plan at a time: its ranks are asked in turn
+    if cached is None or cached[0]() is not plan:  # one Plan at a time: its ranks are asked in turn
         members = Counter(r for groups in plan.options.get("long_short", {}).get("groups", {}).values()
                           for g in groups for r in g)
-        cached = (plan, members)
+        # held weakly: a strong hold kept the step's last Plan (its actions and routes) alive into the
+        # next step, where the cyclic GC scanned it again and again
+        cached = (weakref.ref(plan), members)
         _STEP_GROUPS.clear()
         _STEP_GROUPS[id(plan)] = cached
     return 1 + groups_of_rank(plan.layouts, rank) + cached[1].get(rank, 0)

@@ -5,6 +5,7 @@ one."""
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -261,3 +262,30 @@ def test_simulate_over_steps_gives_the_same_record_serial_pooled_and_from_the_ca
     assert record("c", "--workers", "1") == serial  # every step from the cache
     rows = serial[0]
     assert [m["step"] for m in rows[0]["per_step"]] == [0, 1, 2] and len(serial[2]) == 2
+
+
+def test_a_step_leaves_nothing_for_the_cyclic_gc():
+    # A tune plans and simulates hundreds of steps in one process: a step must be freed as it ends
+    # (by reference counts), not left in reference cycles, nor held into the next step, for the cyclic
+    # GC to scan (the engine's self-calling collective closure once kept every span and rank table of a
+    # step in a cycle; the memory model's communicator count kept the last Plan alive)
+    import weakref
+
+    from simulator.engine import simulate
+    from systems import get_planner
+
+    job = _job(use_cache=False)
+    cache.run_step(job)  # imports and one-off tables first
+    gc.collect()
+    gc.disable()
+    try:
+        outcome = cache.run_step(job)
+        plan = get_planner(job.system).plan(job.model, job.parallel, job.batch)
+        result = simulate(plan, job.model, job.cluster, options=job.options)
+        held = weakref.ref(plan)
+        del plan, result
+        assert held() is None, "the simulated Plan outlived its step"
+        assert gc.collect() == 0, "a planned and simulated step left objects in reference cycles"
+    finally:
+        gc.enable()
+    assert outcome.result.step_time > 0
