@@ -246,6 +246,14 @@ def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[li
     """Split the global batch over `dp` data groups (balanced by LLM tokens), then each group's
     samples into microbatches (balanced again). Every group gets the same number of microbatches,
     at most its sample count, so data-parallel collectives stay in step."""
+    # A tune weighs many layouts of one data-parallel size on the same batch (tp x cp splits, recompute
+    # modes, encoder knobs): the split is worked out once per (batch, dp, microbatches, pp), and each
+    # plan gets lists of its own (the microbatches are tuples)
+    return [list(group) for group in _assign_llm(batch, dp, microbatches, pp)]
+
+
+@by_identity(1, size=16)
+def _assign_llm(batch: Batch, dp: int, microbatches: int, pp: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     if len(batch.samples) < dp:
         raise PlanError(f"batch: {len(batch.samples)} samples cannot feed dp={dp} data-parallel ranks")
     tokens = llm_tokens_of(batch)
@@ -256,7 +264,7 @@ def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[li
             f"microbatches: only {m} microbatch(es) per data rank fit this batch but pp={pp} needs >= {pp}; "
             "use a larger batch or fewer stages"
         )
-    return [[tuple(mb) for mb in balance(((i, tokens[i]) for i in g), m)] for g in groups]
+    return tuple(tuple(tuple(mb) for mb in balance(((i, tokens[i]) for i in g), m)) for g in groups)
 
 
 def encoder_cost(sample: Sample, module: str) -> float:
