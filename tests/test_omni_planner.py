@@ -364,3 +364,58 @@ def test_lock_stepped_microbatches_are_levelled_to_the_costliest():
     # the token cap: a rank never grows a microbatch beyond the group's largest in tokens
     capped = level_microbatches(before, cost, {**tokens, 2: 90}, [[0, 1]])
     assert capped[1] == [(1, 3, 4), (2,)]
+
+
+def _reshard_by_scan(ids, cost, home, dp, floor, start=None):
+    """`reshard` as first written (every rank scanned per sample once only the floor is left to fill):
+    the reference its heap must agree with, bit for bit."""
+    import heapq
+
+    from systems.omni.reshard import SLACK
+
+    order = sorted(ids, key=lambda i: (-cost[i], i))
+    floor = min(floor, len(order) // dp)
+    tol = SLACK * (sum(cost[i] for i in order) + sum(start or ())) / dp
+    loads = list(start) if start is not None else [0.0] * dp
+    counts, out = [0] * dp, [[] for _ in range(dp)]
+    heap = [(loads[b], b) for b in range(dp)]
+    heapq.heapify(heap)
+    left, deficit = len(order), floor * dp
+    for i in order:
+        if left <= deficit:
+            short = [b for b in range(dp) if counts[b] < floor]
+            b = home[i] if home[i] in short else min(short, key=lambda b: (loads[b], b))
+        else:
+            while True:
+                load, b = heapq.heappop(heap)
+                if load == loads[b]:
+                    heapq.heappush(heap, (load, b))
+                    break
+            if loads[home[i]] <= loads[b] + tol and (counts[home[i]] < floor or left - 1 >= deficit):
+                b = home[i]
+        deficit -= counts[b] < floor
+        counts[b] += 1
+        loads[b] += cost[i]
+        out[b].append(i)
+        heapq.heappush(heap, (loads[b], b))
+        left -= 1
+    return [sorted(x) for x in out]
+
+
+def test_resharding_fills_the_floor_as_a_scan_of_every_rank_would():
+    # the ranks still under the floor are kept in a heap (a scan of every rank per sample was
+    # quadratic at thousands of data ranks): the same split as the scan, ties and zero costs included
+    import random
+
+    from systems.omni.reshard import reshard
+
+    rng = random.Random(0)
+    for _ in range(1500):
+        dp = rng.choice([1, 2, 3, 8, 33])
+        ids = rng.sample(range(5000), rng.randint(0, 200))
+        ints = rng.random() < 0.4
+        cost = {i: float(rng.randint(0, 3)) if ints else rng.random() * 100 for i in ids}
+        home = {i: rng.randrange(dp) for i in ids}
+        floor = rng.randint(0, 8)
+        start = [rng.random() * 50 for _ in range(dp)] if rng.random() < 0.3 else None
+        assert reshard(ids, cost, home, dp, floor, start) == _reshard_by_scan(ids, cost, home, dp, floor, start)

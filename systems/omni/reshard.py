@@ -32,10 +32,21 @@ def reshard(sample_ids: Sequence[int], cost: dict[int, float], home: dict[int, i
     heap = [(loads[b], b) for b in range(dp)]
     heapq.heapify(heap)
     left, deficit = len(order), floor * dp
+    short = None  # the ranks still under the floor, least loaded first (stale entries skipped)
     for i in order:
         if left <= deficit:
-            short = [b for b in range(dp) if counts[b] < floor]
-            b = home[i] if home[i] in short else min(short, key=lambda b: (loads[b], b))
+            # from here on every sample goes to a rank under the floor: its home if it is one, else the
+            # least loaded of them (a heap: a scan of every rank per sample was quadratic at scale)
+            if short is None:
+                short = [(loads[b], b) for b in range(dp) if counts[b] < floor]
+                heapq.heapify(short)
+            b = home[i]
+            if counts[b] >= floor:
+                while True:
+                    load, b = short[0]
+                    if load == loads[b] and counts[b] < floor:
+                        break
+                    heapq.heappop(short)
         else:
             while True:
                 load, b = heapq.heappop(heap)
@@ -51,6 +62,8 @@ def reshard(sample_ids: Sequence[int], cost: dict[int, float], home: dict[int, i
         loads[b] += cost[i]
         out[b].append(i)
         heapq.heappush(heap, (loads[b], b))
+        if short is not None and counts[b] < floor:
+            heapq.heappush(short, (loads[b], b))
         left -= 1
     return [sorted(x) for x in out]
 
