@@ -32,6 +32,8 @@ import zlib
 from functools import lru_cache
 from pathlib import Path
 
+from systems.common import by_identity
+
 _ROOT = Path(__file__).resolve().parent.parent
 # What plans and costs a step (tests/test_sweep.py checks that every module of this repository a
 # plan-and-simulate imports lies under one of these).
@@ -132,20 +134,17 @@ class PackedBatch:
         return self._batch
 
 
-_packed: dict[int, PackedBatch] = {}
 _unpacked: dict[str, object] = {}  # digest -> batch, in the process that unpacks it (shared like a serial run's)
 
 
 def pack(batch) -> PackedBatch:
-    """`batch` packed, once per batch object (the last few are kept, so an id is never reused)."""
-    if isinstance(batch, PackedBatch):
-        return batch
-    got = _packed.get(id(batch))
-    if got is None or got._batch is not batch:
-        if len(_packed) >= 64:
-            _packed.clear()
-        got = _packed[id(batch)] = PackedBatch(batch)
-    return got
+    """`batch` packed, once per batch object (the last 64 are kept, so an id is never reused)."""
+    return batch if isinstance(batch, PackedBatch) else _pack(batch)
+
+
+@by_identity(1, size=64)
+def _pack(batch) -> PackedBatch:
+    return PackedBatch(batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +254,7 @@ def run_step(job: StepJob, cache: SimCache | None = None) -> StepOutcome:
 
 
 def _run_step(job: StepJob, cache: SimCache | None = None) -> StepOutcome:
-    from simulator.engine import cyclic_gc_paused
+    from systems import cyclic_gc_paused
 
     # One pause over the planning and the simulation: paused apart (each pauses itself), the step's
     # Plan, made while the GC slept, was scanned by the first collection in the simulator's set-up and

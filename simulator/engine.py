@@ -16,9 +16,7 @@ matching send's transfer has (the send starts once the recv is posted).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import heapq
 import itertools
 import math
@@ -48,27 +46,13 @@ from simulator.options import SimOptions, SimulationError
 from simulator.program import PARAM_GATHER, ProgramMixin
 from simulator.result import RankStats, SimResult, Span
 from simulator.work import WorkMixin
+from systems import cyclic_gc_paused
 
 __all__ = ["RESERVED_BYTES", "Engine", "RankStats", "SimOptions", "SimResult", "SimulationError", "Span", "simulate"]
 
 
-@contextlib.contextmanager
-def cyclic_gc_paused():
-    """Hundreds of thousands of small objects (rank tables, messages, events, spans) and no reference
-    cycles worth collecting: the cyclic GC would rescan them again and again while they are made
-    (measured: 2x the run time; at 32,768 GPUs a full collection inside the constructor alone cost
-    0.3 s, rescanning the plan). Paused inside the block (nested blocks leave it to the outermost)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _gc_paused(f):
-    """`f` run with the cyclic GC paused (`cyclic_gc_paused`)."""
+    """`f` run with the cyclic GC paused (`systems.cyclic_gc_paused`)."""
 
     @functools.wraps(f)
     def paused(*args, **kwargs):

@@ -6,6 +6,7 @@ registers it in `_PLANNERS` below.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib
@@ -83,10 +84,25 @@ def _take_spare(planner, model, parallel, batch) -> Plan | None:
     return None
 
 
+@contextlib.contextmanager
+def cyclic_gc_paused():
+    """The cyclic GC paused inside the block (nested blocks leave it to the outermost). A plan and its
+    simulation are hundreds of thousands of small objects at scale (actions, routes; rank tables,
+    messages, spans) and no reference cycles worth collecting: the GC would rescan them again and again
+    while they are made (a third of a 16,384-rank omni plan's time, twice a simulation's; at 32,768 GPUs
+    one full collection in the engine's set-up cost 0.3 s). Planners (`_without_cyclic_gc`), the engine
+    (simulator/engine.py) and a tune's step (simulator/cache.py, both in one pause) use it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _without_cyclic_gc(plan):
-    """A plan is hundreds of thousands of small objects at scale (actions, routes) and no reference
-    cycles worth collecting: the cyclic GC would rescan them again and again while they are built
-    (a third of a 16,384-rank omni plan's time). Paused for the call, as the simulator's run is.
+    """`plan` with the cyclic GC paused for the call (`cyclic_gc_paused`), as the simulator's run is.
     A spare plan of the same inputs (`offer_plan`) is taken instead of planning."""
 
     @functools.wraps(plan)
@@ -94,13 +110,8 @@ def _without_cyclic_gc(plan):
         spare = _take_spare(self, model, parallel, batch)
         if spare is not None and not args and not kwargs:
             return spare
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with cyclic_gc_paused():
             return plan(self, model, parallel, batch, *args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
 
     planned._without_cyclic_gc = True
     return planned
