@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import join_group, leave_group
 
 WORLD = 4
 # step -> the plan's long_short groups (module -> groups of ranks)
@@ -34,7 +35,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     from omnibench.runtime.long_short import LongShortRuntime
 
     timeout = timedelta(seconds=60)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timeout)
+    join_group(rank, WORLD, init)
     rt = LongShortRuntime.create(_plan(STEPS[0]), rank, timeout)
     seen, kept_ids = [], []
     for i, groups in enumerate(STEPS):
@@ -52,8 +53,7 @@ def _worker(rank: int, init: str, out: str) -> None:
         seen.append({"built": sorted(str(list(k)) for k in rt.built), "sums": sums, "live_subgroups": live})
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"steps": seen, "kept": kept_ids}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ import os
 from datetime import timedelta
 
 import pytest
+from gloo_ranks import join_group, leave_group
 from test_omni_planner import skewed_batch
 
 from omnibench.specs.parallel import ParallelSpec
@@ -43,7 +44,7 @@ def _rank(rank: int, store_path: str, out: str) -> None:
 
     os.environ["OMP_NUM_THREADS"] = "1"
     store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    join_group(rank, WORLD, store=store)
     model, planner = get_model("tiny-omni"), get_planner("omni")
     parallel = ParallelSpec(world_size=WORLD, options=OPTIONS)
     batch = skewed_batch(32)
@@ -66,7 +67,7 @@ def _rank(rank: int, store_path: str, out: str) -> None:
                    "shards": loading.shards, "traffic": loading.traffic, "before": loading.before,
                    "after": loading.after, "timings": sorted(timings), "same_batch": got.samples == batch.samples,
                    "plan": plan.to_dict()}, f)
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.timeout(120)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import join_group, leave_group
 from parity import Run, make_batches, reference, run_all
 from test_runtime_zero import _data, _toy  # the ZeRO tests' toy model and per-rank data
 
@@ -78,7 +79,7 @@ def test_a_module_without_gradients_is_not_stepped():
 def _ddp_worker(rank: int, world: int, init: str, out: str) -> None:
     from omnibench.runtime.master import MasterWeights
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    join_group(rank, world, init)
     model = _toy()
     state = MasterWeights("toy", list(model.parameters()), dist.group.WORLD, "adamw", 1e-2)
     for step in range(3):
@@ -86,8 +87,7 @@ def _ddp_worker(rank: int, world: int, init: str, out: str) -> None:
         state.reduce()
         state.step()
     torch.save([m.detach() for m in state.master], os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.timeout(120)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import join_group, leave_group
 from parity import Run, assert_parity, make_batches, reference, run_all
 from test_omni_parity import long_batches
 
@@ -34,7 +35,7 @@ def _data(step: int, rank: int) -> torch.Tensor:
 def _worker(rank: int, world: int, init: str, stage: int, out: str, shard: int = 0) -> None:
     from omnibench.runtime.zero import ShardedState
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    join_group(rank, world, init)
     model = _toy()
     group, replicate = dist.group.WORLD, None
     if shard:  # hybrid: shard groups of `shard` consecutive ranks, replicated across them
@@ -53,8 +54,7 @@ def _worker(rank: int, world: int, init: str, stage: int, out: str, shard: int =
         state.zero_grad()
     torch.save({"params": [p.detach() for p in model.parameters()], "grads_kept": sizes,
                 "master": state.master.numel()}, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.timeout(120)
