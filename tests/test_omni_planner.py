@@ -419,3 +419,25 @@ def test_resharding_fills_the_floor_as_a_scan_of_every_rank_would():
         floor = rng.randint(0, 8)
         start = [rng.random() * 50 for _ in range(dp)] if rng.random() < 0.3 else None
         assert reshard(ids, cost, home, dp, floor, start) == _reshard_by_scan(ids, cost, home, dp, floor, start)
+
+
+def test_a_batch_planned_at_other_layouts_first_is_planned_as_a_fresh_copy_of_it_is():
+    """What omni works out once per batch for every plan of it (`systems.omni._per_batch`: costs, the
+    loaders' exchange per loader spec, prices per group size and weight dtype) never leaks one layout's
+    answer into another's: each plan of a batch a tune has already planned elsewhere equals the plan of
+    an equal batch planned first."""
+    model = get_model("omni-7b")
+
+    def batch():
+        return WorkloadStream("mixed_video", seed=0, global_batch_tokens=8192 * 32).batch(0)
+
+    shared = batch()
+    layouts = [dict(cp=4), dict(cp=4, options={"encoder_dp": "ddp"}),  # encoders in fp32, then bf16 weights
+               dict(cp=4, mixed_precision="master", options={"encoder_dp": "ddp"}),
+               dict(cp=4, recompute="full"), dict(cp=2, tp=2),  # other recompute, other loaders
+               dict(cp=4, options={"encoder_sp_scheme": "all"}), dict(cp=2, pp=2, options={"reorder_group": 4})]
+    for kw in layouts:
+        kw = dict(kw)
+        par = ParallelSpec(world_size=32, options={"hardware": "h100", **kw.pop("options", {})}, **kw)
+        got = get_planner("omni").plan(model, par, shared).to_json()
+        assert got == get_planner("omni").plan(model, par, batch()).to_json(), kw

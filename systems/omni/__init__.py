@@ -30,6 +30,7 @@ each step decided.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -43,6 +44,7 @@ from systems.common import (
     BoundaryIndex,
     active_encoders,
     balance,
+    by_identity,
     check_p2p_order,
     data_rank,
     data_ranks,
@@ -58,6 +60,7 @@ from systems.omni.long_short import (
     SCHEMES,
     Candidates,
     GroupCosts,
+    _holds_bf16,
     checked_finish,
     choose,
     pack_by_due,
@@ -131,6 +134,16 @@ def heaviest_first(mbs: list[list[int]], cost: dict[int, float]) -> list[tuple[i
     the slowest rank's microbatch j; aligning every rank's heaviest at the same index minimises that
     sum (the rearrangement inequality)."""
     return [tuple(mb) for mb in sorted(mbs, key=lambda mb: (-sum(cost[i] for i in mb), mb))]
+
+
+@by_identity(3, size=8)
+def _per_batch(batch: Batch, model: MultimodalSpec, cm: CostModel) -> dict:
+    """What every plan of `batch` works out alike under one cost model, whatever its layout: the samples'
+    costs, the in-process loaders' exchange per LoaderSpec, each encoder's per-sample prices per group
+    size and pricing (`priced`). A tune plans one batch at every layout it tries, and these were a third
+    of omni's planning there. Filled as plans ask; every plan only reads what it finds (as the two ways
+    of one `plan` call always shared them)."""
+    return {}
 
 
 def _samples_floor(llm, parallel: ParallelSpec, n_samples: int) -> int:
@@ -234,15 +247,17 @@ class OmniPlanner:
         and their prices): filled by the first, read by the second."""
         shared = {} if shared is None else shared
 
-        def once(key, make):
-            """`make()`, worked out by the first of the batch's plans and read by the second."""
-            if key not in shared:
-                shared[key] = make()
-            return shared[key]
+        def once(key, make, store=shared):
+            """`make()`, worked out by the first of the batch's plans and read by the others (`store`:
+            this call's two ways, or `per_batch`: every plan of the batch under this cost model)."""
+            if key not in store:
+                store[key] = make()
+            return store[key]
 
         resolve_common(model, parallel, batch)
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
+        per_batch = _per_batch(batch, model, cm)
         layouts = build_layouts(model, parallel, opts.encoder_dp)
         llm = layouts["llm"]
         locked = locks_encoders(layouts)
@@ -257,7 +272,8 @@ class OmniPlanner:
         by_id = {s.sample_id: s for s in samples}
         llm_cost, enc_cost = once("costs", lambda: (
             {i: cm.llm(by_id[i]) for i in ids},
-            {m: {i: cm.encoder(by_id[i], m) for i in ids if by_id[i].encoder_seq_lens(m)} for m in model.encoders}))
+            {m: {i: cm.encoder(by_id[i], m) for i in ids if by_id[i].encoder_seq_lens(m)} for m in model.encoders}),
+            per_batch)
         active = active_encoders(model, batch)
         notes: dict = {"cost_model": cm.source}
 
@@ -279,7 +295,7 @@ class OmniPlanner:
         dp = llm.dp
         spec = self.loader_spec(model, parallel, len(ids), layouts)
         if loading is None:
-            loading = once("loading", lambda: in_process_loading(spec, cm, samples))
+            loading = once(("loading", spec), lambda: in_process_loading(spec, cm, samples), per_batch)
         elif sorted(i for shard in loading.shards for i in shard) != sorted(ids) or len(loading.shards) != dp:
             raise PlanError(f"loading: the loaders' shards do not cover this batch's {len(ids)} samples over dp={dp}")
         shards, before, after, traffic = loading.shards, loading.before, loading.after, loading.traffic
@@ -358,13 +374,16 @@ class OmniPlanner:
             # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
             credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
 
-        price_cache: dict[tuple[str, int], dict[int, float]] = once("prices", dict)
+        # GroupCosts.cost: its configuration, and what of the layout it reads (the weights' dtype)
+        pricing = (opts.hardware, parallel.recompute, parallel.mixed_precision == "master")
+        price_cache: dict[tuple, dict[int, float]] = once(("prices", pricing), dict, per_batch)
 
         def priced(m: str, k: int) -> dict[int, float]:
             """Each sample's seconds on one rank (k = 1) or per member of a group of k (GroupCosts.cost)."""
-            if (m, k) not in price_cache:
-                price_cache[(m, k)] = {i: exchange.cost(m, by_id[i], k, layouts[m]) for i in enc_cost[m]}
-            return price_cache[(m, k)]
+            key = (m, k, _holds_bf16(layouts[m], pricing[2]))
+            if key not in price_cache:
+                price_cache[key] = {i: exchange.cost(m, by_id[i], k, layouts[m]) for i in enc_cost[m]}
+            return price_cache[key]
 
         # What `place` weighs that does not depend on the bubbles it starts from, nor (each sample's
         # consumer) on the candidate's group size: worked out once for both placements (even,
@@ -564,7 +583,7 @@ class OmniPlanner:
                     "loader_cost_before_s": [_r(x) for x in before][:64],
                     "loader_cost_after_s": [_r(x) for x in after][:64],
                     "max_over_mean_before": _r(max_over_mean(before)), "max_over_mean_after": _r(max_over_mean(after)),
-                    "groups": traffic[:16],
+                    "groups": copy.deepcopy(traffic[:16]),  # the batch's plans share `traffic` (_per_batch)
                     "metadata_bytes_per_loader": {a.what: a.nbytes for a in meta[0]},
                 },
                 "reshard": {
