@@ -267,6 +267,17 @@ def _assign_llm(batch: Batch, dp: int, microbatches: int, pp: int) -> tuple[tupl
     return tuple(tuple(tuple(mb) for mb in balance(((i, tokens[i]) for i in g), m)) for g in groups)
 
 
+@by_identity(1, size=16)
+def _encoders_split(batch: Batch, module: str, dp: int, microbatches: int, pp: int,
+                    split: int) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]:
+    """Per LLM data group, per LLM microbatch (`_assign_llm`'s), its samples with work for `module`
+    balanced over `split` encoder data ranks: what `plan_encoders_in_stage0` gives each, once per batch
+    and split for every layout a tune weighs with it."""
+    cost = encoder_costs_of(batch, module)
+    return tuple(tuple(tuple(tuple(part) for part in balance(((i, cost[i]) for i in mb if i in cost), split))
+                       for mb in mbs) for mbs in _assign_llm(batch, dp, microbatches, pp))
+
+
 def encoder_cost(sample: Sample, module: str) -> float:
     # Linear in positions plus the attention term; only relative sizes matter for balancing.
     lens = sample.encoder_seq_lens(module)
@@ -625,13 +636,12 @@ def plan_encoders_in_stage0(
         enc = with_dp_shard(encoder_layout(module, stage0, tp=encoder_tp, sp=encoder_sp, fsdp=parallel.fsdp,
                                             zero=parallel.zero), parallel)
         layouts[module] = enc
-        cost = encoder_costs_of(batch, module)
         enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
-        for d, mbs in enumerate(llm_mbs):
-            for mb in mbs:
-                parts = balance(((i, cost[i]) for i in mb if i in cost), split)
+        by_group = _encoders_split(batch, module, llm.dp, default_microbatches(parallel), llm.pp, split)
+        for d, mbs in enumerate(by_group):
+            for parts in mbs:
                 for k in range(split):
-                    enc_mbs[enc.rank_at(dp=d * split + k, sp=0, tp=0)].append(tuple(parts[k]))
+                    enc_mbs[enc.rank_at(dp=d * split + k, sp=0, tp=0)].append(parts[k])
         assignment[module] = enc_mbs
         routes += make_routes(module, batch, llm, llm_mbs, enc, enc_mbs)
     active = active_encoders(model, batch)

@@ -203,7 +203,9 @@ def test_a_batch_planned_again_or_a_new_batch_with_the_same_ids_plans_from_its_o
     assert set(encoder_costs_of(other, "vision")) == {s.sample_id for s in other.samples if s.encoder_seq_lens("vision")}
     fresh = get_planner(system).plan(MODEL, parallel, Batch(0, list(other.samples)))
     assert get_planner(system).plan(MODEL, parallel, other).assignment == fresh.assignment
-    # the LLM's split is kept per (batch, dp, microbatches, pp) too: a plan's lists are its own
+    # the LLM's split is kept per (batch, dp, microbatches, pp) too, and the stage-0 encoders' split of
+    # it (homogeneous, temporal): a plan's lists are its own
     expected = copy.deepcopy(again.assignment)
-    first.assignment["llm"][next(iter(first.assignment["llm"]))].append((999,))
+    for lists in first.assignment.values():
+        lists[next(iter(lists))].append((999,))
     assert again.assignment == expected and get_planner(system).plan(MODEL, parallel, batch).assignment == expected
