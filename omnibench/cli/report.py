@@ -193,14 +193,16 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One self-contained HTML page: every figure the records can make, its table, the commands."""
         from omnibench.plots.report import draw_all, write_html
+        from omnibench.provenance import figure_provenance
 
         recs = _load(run_dirs, "report")
-        sections = draw_all(recs, calibration=calibration)
+        prov = figure_provenance()  # one for the page and every figure on it
+        sections = draw_all(recs, calibration=calibration, prov=prov)
         if not any(s.drawn for s in sections):
             fail("report: the records make no figure: " + "; ".join(f"{s.title}: {s.reason}" for s in sections))
         out.mkdir(parents=True, exist_ok=True)
         path = out / "report.html"
-        write_html(sections, recs, path, title)
+        write_html(sections, recs, path, title, prov=prov)
         for s in sections:
             mark = "[green]drawn[/]" if s.drawn else f"[yellow]not drawn[/]: {s.reason}"
             console.print(f"{s.title}: {mark}", highlight=False)
@@ -456,8 +458,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     # 4. the report over everything produced
     try:
         everything = load([runs_dir, sims_dir])
-        write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None), everything,
-                   out / "report.html", "omnibench reference results", prov=prov)
+        write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None, prov=prov),
+                   everything, out / "report.html", "omnibench reference results", prov=prov)
         results.append(("report.html", "written"))
     except PlotInputError as e:
         results.append(("report.html", f"not produced: {e}"))

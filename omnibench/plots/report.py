@@ -20,21 +20,34 @@ class Section:
     title: str
     drawn: figures.Drawn | None
     reason: str = ""  # why it was not drawn
+    png: str = ""  # the figure as the page inlines it (base64), rendered when drawn; "" : render at write time
 
 
-def _try(title: str, fn, *args, **kw) -> Section:
+def _draw(title: str, fn, *args, **kw) -> Section:
     try:
         return Section(title, fn(*args, **kw))
     except PlotInputError as e:
         return Section(title, None, str(e))
 
 
-def draw_all(recs: Records, calibration: str | None = None) -> list[Section]:
+def draw_all(recs: Records, calibration: str | None = None, prov: dict | None = None) -> list[Section]:
     """Each figure kind for which the records hold enough data; the rest say why not. Simulations are
     kept apart by what they answer: the condition grid's cells (the conditions figure), those under a
     --memory-error (the memory figure), and the rest, one hardware at a time (a comparison never
-    mixes machines)."""
+    mixes machines). Each figure is rendered for the page (its PNG naming `prov`, default: this
+    process's provenance; pass `write_html` the same) and closed as soon as it is drawn: a reproduce's
+    records make dozens, and pyplot held every one open until the page was written."""
+    from omnibench.provenance import figure_provenance
     from workloads.conditions import parse_cell
+
+    prov = prov or figure_provenance()
+
+    def _try(title: str, fn, *args, **kw) -> Section:
+        s = _draw(title, fn, *args, **kw)
+        if s.drawn is not None:
+            s.png = _png(s.drawn.fig, prov)
+            plt.close(s.drawn.fig)
+        return s
 
     grid = [r for r in nominal(recs.sims) if parse_cell(r.workload)]
     varied = [r for r in recs.sims if memory_error(r)]
@@ -170,7 +183,7 @@ def write_html(sections: list[Section], recs: Records, path, title: str = "omnib
     for i, s in enumerate(drawn):
         d = s.drawn
         parts.append(f"<h2 id='f{i}'>{html.escape(s.title)}</h2><img alt='{html.escape(s.title)}' "
-                     f"src='data:image/png;base64,{_png(d.fig, prov)}'><p class='cap'>{html.escape(d.caption)}</p>"
+                     f"src='data:image/png;base64,{s.png or _png(d.fig, prov)}'><p class='cap'>{html.escape(d.caption)}</p>"
                      f"<p class='prov'>Figure {made}.</p>"
                      f"<details><summary>table ({len(d.table)} rows)</summary>{_table_html(d.table)}</details>")
         plt.close(d.fig)
