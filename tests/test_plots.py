@@ -315,7 +315,7 @@ def test_report_is_one_self_contained_html_page(sim, runs, tmp_path):
     assert "<table" in page
 
 
-def test_the_report_closes_each_figure_as_it_draws_it(sim, runs):
+def test_the_report_closes_each_figure_as_it_draws_it(sim, runs, monkeypatch):
     # a reproduce's records make dozens of figures: pyplot held every one open until the page was
     # written (matplotlib's more-than-20-figures warning in reproduce's output)
     import matplotlib.pyplot as plt
@@ -332,11 +332,9 @@ def test_the_report_closes_each_figure_as_it_draws_it(sim, runs):
         opened.append(len(plt.get_fignums()))
         return out
 
-    plt.subplots = counting
-    try:
-        sections = draw_all(load([sim, runs]), prov={"commit": "abc", "command": "test"})
-    finally:
-        plt.subplots = real
+    monkeypatch.setattr(plt, "subplots", counting)
+    sections = draw_all(load([sim, runs]), prov={"commit": "abc", "command": "test"})
+    monkeypatch.undo()
     drawn = [s for s in sections if s.drawn]
     assert len(drawn) >= 6 and all(s.png for s in drawn)
     assert opened and max(opened) == 1 and plt.get_fignums() == []
