@@ -137,27 +137,34 @@ def test_the_way_kept_is_the_plan_of_that_way_alone_and_only_it_is_built(monkeyp
     assert weighed.assignment == one_way.assignment
 
 
-@pytest.mark.timeout(120)
-def test_a_ways_floor_is_under_its_estimate_and_decides_only_where_the_estimate_would():
-    """Each way's `_Floor` (the first stage's LLM work alone, schedule.step_floor) is never above the
-    estimate its draft then works out, at pp 1 and 2 and with or without the joint pipeline; and the
-    planner's decision, floored (`floor` in the notes) or not, is the one both drafts' estimates make."""
+@pytest.mark.timeout(180)
+def test_a_ways_floor_is_under_its_estimate_and_decides_only_where_the_estimate_would(monkeypatch):
+    """Each way's `_Floor` (the first stage's LLM work, schedule.step_floor, plus every rank's share of
+    the encoder work at its cheapest) is never above the estimate its draft then works out: at pp 1 and
+    2, with or without the joint pipeline, with measured or datasheet prices, with FSDP-locked encoders;
+    and the planner's decision, floored (`floor` in the notes) or not, is the one both drafts' estimates
+    make. The encoder share must lift some floor above the LLM's alone (else it checks nothing)."""
+    import systems.omni as omni
     from systems.omni import SPLIT_MARGIN, _r
 
+    llm_floors = []
+    real = omni.step_floor
+    monkeypatch.setattr(omni, "step_floor", lambda *a: llm_floors.append(real(*a)) or llm_floors[-1])
     gpus, model = 256, get_model("omni-7b")
-    floored = 0
+    floored = lifted = 0
     for workload, layout in (("mixed_video", {"tp": 4}), ("long_video", {"tp": 2, "cp": 2}),
                              ("mixed_video", {"tp": 4, "pp": 2}), ("long_video", {"tp": 2, "cp": 2, "pp": 2})):
         batch = WorkloadStream(workload, seed=0, global_batch_tokens=8192 * gpus).batch(0)
-        for joint in (True, False):
-            options = {"hardware": "h100", "joint_pipeline": joint}
+        for options in ({"hardware": "h100"}, {"hardware": "h100", "joint_pipeline": False}, {},
+                        {"hardware": "h100", "encoder_dp": "fsdp"}):
             par = ParallelSpec(world_size=gpus, options=options, **layout)
             planner = get_planner("omni")
             est = {}
             for split in (True, False):
                 way = planner._plan(model, par, batch, split_llm=split)
                 floor, draft = next(way), next(way)
-                assert _r(floor.step_s) <= draft.estimated_step_s, (workload, layout, joint, split)
+                assert _r(floor.step_s) <= draft.estimated_step_s, (workload, layout, options, split)
+                lifted += floor.step_s > llm_floors[-1]
                 est[split] = draft.estimated_step_s
             plan = planner.plan(model, par, batch)
             notes = plan.notes["llm_long_short"]
@@ -166,3 +173,4 @@ def test_a_ways_floor_is_under_its_estimate_and_decides_only_where_the_estimate_
             assert bool(notes["long_samples"]) == (est[True] < (1 - SPLIT_MARGIN) * est[False])
             floored += "floor" in notes["estimated_step_s"]
     assert floored, "no case decided by a floor: the test checks nothing of it"
+    assert lifted, "no floor holds encoder work: its share checks nothing"

@@ -368,12 +368,6 @@ class OmniPlanner:
         # -- encoder placement ------------------------------------------------------------------------
         stage_cost = self._stage_costs(cm, llm, llm_mbs, llm_cost, llm_share)
         f_stage, b_stage = stage_cost
-        yield _Floor(step_floor(llm, m_count, f_stage, b_stage), len(long_llm), opts.llm_split == "always")
-        credit = {}
-        for r in range(world):
-            # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
-            credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
-
         # GroupCosts.cost: its configuration, and what of the layout it reads (the weights' dtype)
         pricing = (opts.hardware, parallel.recompute, parallel.mixed_precision == "master")
         price_cache: dict[tuple, dict[int, float]] = once(("prices", pricing), dict, per_batch)
@@ -384,6 +378,43 @@ class OmniPlanner:
             if key not in price_cache:
                 price_cache[key] = {i: exchange.cost(m, by_id[i], k, layouts[m]) for i in enc_cost[m]}
             return price_cache[key]
+
+        def encoder_floor() -> float:
+            """Rank-seconds of encoder work per rank under any placement `place` can choose: each sample
+            at its cheapest (its cost on one rank, or k members at its price per member of a group of k),
+            times the fewest ranks that run one encoder data rank's items (its tp peers run them too).
+            The timeline runs every rank's items and its stage's LLM ops one after another, and its step
+            is the slowest rank's, so it is at least their mean. 0 where some rank holds no LLM stage."""
+            if sorted(llm.ranks) != list(range(world)):
+                return 0.0
+            total = 0.0
+            for m in model.encoders:
+                copies = defaultdict(int)
+                for r in range(world):
+                    copies[data_rank(layouts[m], r)] += 1
+                cheapest = dict(enc_cost[m])
+                for _, k in schemes[m] if exchange.measured else ():
+                    if k > 1 and sp_by_size[m].get(k):  # the sizes `candidates` prices members at
+                        for i, member in priced(m, k).items():
+                            cheapest[i] = min(cheapest[i], k * member)
+                total += min(copies.values()) * sum(cheapest.values())
+            return total / world
+
+        # The way's floor: the first stage's LLM ops alone (schedule.step_floor), or with every rank's
+        # share of the encoder work the LLM ops cannot overlap on that rank. The second is summed in
+        # another order than the timeline adds, so it is lowered by far more than their rounding can
+        # differ (a relative 1e-9 against ~1e-11 for 10^5 terms): a floor must never pass the estimate.
+        # Only a way that is weighed needs it: the whole-sample way, or a split way with samples to split.
+        floor_s = step_floor(llm, m_count, f_stage, b_stage)
+        weighed = not split_llm or (long_llm and opts.llm_split != "always")
+        enc_s = once("encoder_floor", encoder_floor) if weighed else 0.0
+        if enc_s > 0:
+            floor_s = max(floor_s, (floor_s + enc_s) * (1 - 1e-9))
+        yield _Floor(floor_s, len(long_llm), opts.llm_split == "always")
+        credit = {}
+        for r in range(world):
+            # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
+            credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
 
         # What `place` weighs that does not depend on the bubbles it starts from, nor (each sample's
         # consumer) on the candidate's group size: worked out once for both placements (even,
