@@ -78,11 +78,14 @@ def one(system: str, gpus: int, workload: str, model_name: str, reference: bool 
     # unless that check's plan is handed over (systems.offer_plan; `--plan-twice` refuses it)
     given = ParallelSpec(world_size=gpus, gpus_per_node=cluster.gpus_per_node,
                          options=planner_options(system, {}, "h100"))
-    parallel = timed("layout", lambda: resolve_layout(system, model, given, [batch], cluster, recompute="full")).parallel
-    if plan_twice:
-        systems.drop_spare_plan()
-    plan = timed("plan", lambda: get_planner(system).plan(model, parallel, batch))
-    r = timed("sim", lambda: engine(plan, model, cluster, options=SimOptions(recompute="full")).run())
+    # in one pause of the cyclic GC, as `simulate` holds one over a step's layout, planning and simulation
+    with systems.cyclic_gc_paused():
+        parallel = timed("layout", lambda: resolve_layout(system, model, given, [batch], cluster,
+                                                          recompute="full")).parallel
+        if plan_twice:
+            systems.drop_spare_plan()
+        plan = timed("plan", lambda: get_planner(system).plan(model, parallel, batch))
+        r = timed("sim", lambda: engine(plan, model, cluster, options=SimOptions(recompute="full")).run())
     out = {"system": system, "gpus": gpus, "layout": f"tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp}",
            "wall": wall, "cpu": cpu, "total_s": sum(wall.values()), "total_cpu_s": sum(cpu.values()),
            "step_s": r.step_time, "distinct": r.classes, "actions": sum(len(a) for a in plan.actions.values()),

@@ -265,3 +265,34 @@ def test_tune_simulates_every_layout_with_the_stack_and_dp_mode_asked_for(monkey
     assert r.exit_code == 2 and "stack must be one of" in r.output
     r = CliRunner().invoke(app, ["tune", "--help"], env={"COLUMNS": "200"})
     assert "--stack" in r.output and "--dp-mode" in r.output
+
+
+def test_a_steps_layout_check_planning_and_simulation_run_in_one_gc_pause(app, tmp_path, monkeypatch):
+    """`simulate` (no tune) checks the default layout by planning the step and keeps that plan for the
+    step: the cyclic GC stays paused from that planning until the step is simulated, so no collection
+    walks the plan in between (`_one_gc_pause`)."""
+    import gc
+
+    import omnibench.resolve as resolve
+    import simulator.cache as cache
+
+    seen = []
+    real_resolve, real_run = resolve.resolve_layout, cache.run_step
+
+    def resolved(*a, **k):
+        got = real_resolve(*a, **k)
+        seen.append(("layout", gc.isenabled()))
+        return got
+
+    def run(*a, **k):
+        seen.append(("step", gc.isenabled()))
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(resolve, "resolve_layout", resolved)
+    monkeypatch.setattr(cache, "run_step", run)
+    r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "omni", "--gpus", "16",
+                                 "--global-batch-tokens", "65536", "--workers", "1", "--no-cache",
+                                 "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert seen == [("layout", False), ("step", False)], seen
+    assert gc.isenabled()

@@ -405,6 +405,20 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     return res.best.candidate, entry
 
 
+def _one_gc_pause(on: bool):
+    """The cyclic GC paused over a simulation's planning and its steps (`systems.cyclic_gc_paused`), where
+    no tune runs between them. Planner and engine pause it each for themselves, but a step's default
+    layout is checked by planning it (`resolve_layout`, the plan kept for the step): made in one pause
+    and simulated in the next, that plan's objects (330,000 actions at 16,384 GPUs) were walked by the
+    collections in between and again when they were promoted. A tune keeps its own pauses (its memos
+    live across steps, and the steps' garbage is freed as it goes)."""
+    from contextlib import nullcontext
+
+    from systems import cyclic_gc_paused
+
+    return cyclic_gc_paused() if on else nullcontext()
+
+
 def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
               cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int,
               packed: dict | None = None, memory_error: float = 0.0):
@@ -737,7 +751,7 @@ def register(app: typer.Typer) -> None:
         with exit_on_sigterm():
             rows: list[dict] = []
             try:
-                with Sweep(workers, ray, label="simulate", quiet=as_json) as sweep:
+                with Sweep(workers, ray, label="simulate", quiet=as_json) as sweep, _one_gc_pause(not tuned):
                     # 1. each system's layout at each size (tuned, its default, or the one asked for)
                     todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
                     priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
