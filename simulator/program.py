@@ -202,8 +202,10 @@ class ProgramMixin:
                 else:
                     exposed += reps * calls * g
             op.comm, op.exposed, op.calls = comm, exposed, n_calls
-            if n_calls:
-                # The rank's own work around each call (hooks, copies) runs on its compute stream.
+            if n_calls and self.compute.curves:
+                # The rank's own work around each call (hooks, copies) runs on its compute stream: a
+                # fitted curve's cost per call (the kernel profile and the datasheet curve charge none,
+                # so their duration stays `own`, the same bits).
                 op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls) + again
         lock = self._lock_group(module, rank)
         if lock is not None and self.compute.lock_skew:
