@@ -91,8 +91,10 @@ __all__ = ["OmniOptions", "OmniPlanner"]
 
 @dataclass(frozen=True)
 class _Floor:
-    """One way of planning a batch up to its LLM microbatches: a floor under its estimated step
-    (`schedule.step_floor`), before its encoder placement is worked out."""
+    """One way of planning a batch up to its LLM microbatches: a floor under its estimated step (the
+    first stage's LLM ops, `schedule.step_floor`, plus every rank's share of the encoder work at its
+    cheapest where the way is weighed: `encoder_floor` in `_plan`), before its encoder placement is
+    worked out."""
     step_s: float
     long_samples: int  # LLM samples split over a context-parallel group of data ranks
     always: bool  # options.llm_split "always": kept without weighing
@@ -403,8 +405,10 @@ class OmniPlanner:
         # The way's floor: the first stage's LLM ops alone (schedule.step_floor), or with every rank's
         # share of the encoder work the LLM ops cannot overlap on that rank. The second is summed in
         # another order than the timeline adds, so it is lowered by far more than their rounding can
-        # differ (a relative 1e-9 against ~1e-11 for 10^5 terms): a floor must never pass the estimate.
-        # Only a way that is weighed needs it: the whole-sample way, or a split way with samples to split.
+        # differ: the terms are non-negative (costs, exchange seconds), each sum is within (n - 1) x
+        # 1.1e-16 of exact, and 1e-9 covers up to ~4 million samples (a 131,072-GPU mixed_video batch at
+        # 4,096 tokens per GPU holds 217,885). A floor must never pass the estimate. Only a way that is
+        # weighed needs it: the whole-sample way, or a split way with samples to split.
         floor_s = step_floor(llm, m_count, f_stage, b_stage)
         weighed = not split_llm or (long_llm and opts.llm_split != "always")
         enc_s = once("encoder_floor", encoder_floor) if weighed else 0.0
