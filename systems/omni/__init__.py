@@ -410,7 +410,7 @@ class OmniPlanner:
         # 4,096 tokens per GPU holds 217,885). A floor must never pass the estimate. Only a way that is
         # weighed needs it: the whole-sample way, or a split way with samples to split.
         floor_s = step_floor(llm, m_count, f_stage, b_stage)
-        weighed = not split_llm or (long_llm and opts.llm_split != "always")
+        weighed = not split_llm or (bool(long_llm) and opts.llm_split != "always")
         enc_s = once("encoder_floor", encoder_floor) if weighed else 0.0
         if enc_s > 0:
             floor_s = max(floor_s, (floor_s + enc_s) * (1 - 1e-9))
