@@ -55,6 +55,33 @@ def test_reproduce_prints_each_stage_with_time_left_and_resumes_only_what_did_no
     assert len(log) == 1
 
 
+def test_time_left_comes_from_the_measured_stages_and_each_kind_keeps_its_own_pace(tmp_path, monkeypatch):
+    """A stage the committed reproduce timed is estimated at its measured time (else its formula), and
+    the CPU runs' pace (faster than estimated here) does not shorten the simulations' estimate."""
+    times = tmp_path / "reproduce-stages.csv"
+    times.write_text("stage,seconds,note\r\nrun-x,4.0,\r\ntuned-y,300.0,\r\n")
+    monkeypatch.setattr(report, "STAGE_TIMES", times)
+    stages = report._measured([report.Stage("run-x", "", [], 10.0), report.Stage("tuned-y", "", [], 100.0),
+                               report.Stage("sim-z", "", [], 50.0)])
+    assert [st.estimate_s for st in stages] == [4.0, 300.0, 50.0]
+    # the run took half its estimate: the runs left are paced at 0.5, the simulations at 1 (none run yet)
+    spent, estimated = {"run": 2.0, "sim": 0.0}, {"run": 4.0, "sim": 0.0}
+    assert report._time_left(stages, spent, estimated) == 2.0 + 300.0 + 50.0
+    spent["sim"], estimated["sim"] = 600.0, 300.0  # then a simulation took twice its estimate
+    assert report._time_left(stages[1:], spent, estimated) == 2 * (300.0 + 50.0)
+    monkeypatch.setattr(report, "STAGE_TIMES", tmp_path / "absent.csv")  # nothing measured: the formulas
+    assert [st.estimate_s for st in report._measured(stages[:1])] == [4.0]
+
+
+def test_the_committed_stage_times_name_every_stage_of_the_default_plan(tmp_path):
+    """The progress line's estimates are the committed reproduce's times: a stage added or renamed
+    without a measured time would fall back to a formula that was 2x off (session 25)."""
+    stages = report._stages(tmp_path / "runs", tmp_path / "sims", SYSTEMS, quick=False)
+    measured = report._stage_seconds(report.STAGE_TIMES)
+    missing = [st.key for st in stages if st.key not in measured]
+    assert not missing, f"results/reproduce-stages.csv has no time for {missing}: time a reproduce and commit its CSV"
+
+
 def test_reproduce_reuse_without_the_data_for_a_figure_exits_1_naming_it(tmp_path, capsys):
     for d in ("runs/reproduce", "sims/reproduce"):
         (tmp_path / d).mkdir(parents=True)

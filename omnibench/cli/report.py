@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import typer
@@ -262,8 +262,8 @@ def register(app: typer.Typer) -> None:
         if plan:
             from systems import available_systems
 
-            stages = _stages(out / "runs" / "reproduce", out / "sims" / "reproduce", available_systems(), quick,
-                             repeat, tune_budget, sweep, extended=extended)
+            stages = _measured(_stages(out / "runs" / "reproduce", out / "sims" / "reproduce", available_systems(),
+                                       quick, repeat, tune_budget, sweep, extended=extended))
             for k, st in enumerate(stages, 1):
                 args = st.args if isinstance(st.args, list) else ["(arguments made when it starts)"]
                 console.print(f"[{k}/{len(stages)}] {st.key}: about {_duration(st.estimate_s)}\n      "
@@ -289,11 +289,48 @@ class SweepArgs:
             + (["--no-cache"] if self.no_cache else [])
 
 
+# What each stage took in the committed reproduce (on 2 cores; a reproduce writes OUT/reproduce-stages.csv
+# from its ledger): the progress line's estimate for every stage it names, the stage's formula for the rest.
+STAGE_TIMES = Path(__file__).resolve().parents[2] / "results" / "reproduce-stages.csv"
+
+
+def _stage_seconds(path: Path) -> dict[str, float]:
+    """stage key -> seconds, from a reproduce-stages.csv (empty when it cannot be read)."""
+    import csv
+
+    try:
+        with path.open(newline="") as f:
+            return {r["stage"]: float(r["seconds"]) for r in csv.DictReader(f) if r.get("stage") and r.get("seconds")}
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _measured(stages: list[Stage]) -> list[Stage]:
+    """`stages` with the committed reproduce's time as the estimate of each stage it names."""
+    measured = _stage_seconds(STAGE_TIMES)
+    return [replace(st, estimate_s=measured.get(st.key, st.estimate_s)) for st in stages]
+
+
+def _pace_kind(st: Stage) -> str:
+    """CPU training runs and simulations keep different paces on a host (the runs' ranks wait on each
+    other, the simulations fill both cores): each kind's time left is paced by its own stages so far."""
+    return "run" if st.key.startswith("run-") or st.key == "calibrate" else "sim"
+
+
+def _time_left(todo: list[Stage], spent: dict[str, float], estimated: dict[str, float]) -> float:
+    """Estimated seconds of `todo`, each stage's estimate scaled by measured / estimated over the stages
+    of its kind run so far (1 before the first)."""
+    def pace(kind: str) -> float:
+        return spent[kind] / estimated[kind] if estimated.get(kind) else 1.0
+    return sum(st.estimate_s * pace(_pace_kind(st)) for st in todo)
+
+
 @dataclass
 class Stage:
     """One command of `reproduce`'s data production. `args` may be a function: its arguments depend on
     what earlier stages left (calibrate takes the finished runs). `estimate_s`: its time on 2 shared
-    cores (results/BENCHMARKS.md), for the progress line's time left."""
+    cores (results/BENCHMARKS.md), for the progress line's time left; the committed reproduce's
+    measured time replaces it where it names the stage (`_measured`)."""
 
     key: str
     what: str
@@ -541,17 +578,19 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
             shutil.rmtree(part, ignore_errors=True)
     stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep, extended=extended)
+    stages = _measured(stages)
     todo = [st for st in stages if st.key not in done]
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
-    spent = estimated = 0.0  # measured and estimated seconds of the stages run so far: their ratio paces the rest
+    # measured and estimated seconds of the stages run so far, per kind: their ratio paces the rest
+    spent, estimated = {"run": 0.0, "sim": 0.0}, {"run": 0.0, "sim": 0.0}
     stopping.install()  # so that the running command is stopped with us
     for st in stages:
         stopping.raise_if_stopped()
         k = stages.index(st) + 1
         if st.key in done:
             continue
-        left = sum(x.estimate_s for x in todo[todo.index(st):]) * (spent / estimated if estimated else 1.0)
+        left = _time_left(todo[todo.index(st):], spent, estimated)
         console.print(f"[{k}/{len(stages)}] {st.what} (about {_duration(left)} left)", highlight=False)
         if st.prepare is not None:
             st.prepare()
@@ -563,7 +602,8 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         else:
             ok, why = _omnibench(args)
         dt = time.perf_counter() - t0
-        spent, estimated = spent + dt, estimated + st.estimate_s
+        spent[_pace_kind(st)] += dt
+        estimated[_pace_kind(st)] += st.estimate_s
         line = "omnibench " + " ".join(args)
         if not ok and st.no_fit_is_an_answer and why.startswith(NOTHING_FITS):
             notes = json.loads(_notes(sims_dir).read_text()) if _notes(sims_dir).is_file() else {}
