@@ -58,6 +58,31 @@ def default_curve(cluster: ClusterSpec) -> EfficiencyCurve:
     )
 
 
+# the scaled copies of the loaded profiles: (id of the loaded profile, scales) -> (that profile, its copy)
+_SCALED: dict = {}
+
+
+def _kernel_profile(name: str, peak_flops: float, compute_scale: float, memory_scale: float):
+    """The kernel profile `name` on a variant of its GPU (hardware.GPUSpec.kernel_compute_scale /
+    _memory_scale), one object per loaded profile: a profile keeps what it has costed (GEMM rates per
+    shape bucket, attention per length, a block's terms per token count) for the simulations after,
+    and a scaled copy made per simulation (every H200, A100 or B200 one) began each with none of it.
+    Keyed by the loaded profile's identity, so a profile loaded again (load_kernel_profile.cache_clear,
+    as an ablation that patches the kernel model does) gets a fresh copy."""
+    from simulator.kernels import load_kernel_profile
+
+    base = load_kernel_profile(name, peak_flops)
+    if (compute_scale, memory_scale) == (1.0, 1.0):
+        return base
+    key = (id(base), compute_scale, memory_scale)
+    got = _SCALED.get(key)
+    if got is None or got[0] is not base:
+        if len(_SCALED) >= 16:
+            _SCALED.clear()
+        got = _SCALED[key] = (base, base.scaled(compute_scale, memory_scale))
+    return got[1]
+
+
 @dataclass
 class ComputeModel:
     cluster: ClusterSpec
@@ -81,13 +106,9 @@ class ComputeModel:
             return None
         got = self._kernel_cache.get("profile")
         if got is None:
-            from simulator.kernels import load_kernel_profile
-
             g = self.cluster.gpu
-            got = load_kernel_profile(self.cluster.kernels, g.peak_flops)
-            if (g.kernel_compute_scale, g.kernel_memory_scale) != (1.0, 1.0):
-                got = got.scaled(g.kernel_compute_scale, g.kernel_memory_scale)
-            self._kernel_cache["profile"] = got
+            got = self._kernel_cache["profile"] = _kernel_profile(self.cluster.kernels, g.peak_flops,
+                                                                  g.kernel_compute_scale, g.kernel_memory_scale)
         return got
 
     def describe(self) -> str:

@@ -114,3 +114,35 @@ def test_virtual_stages_are_validated_and_refused_by_the_runtime():
         ParallelSpec(world_size=8, tp=8, virtual_stages=2).validate(model)
     with pytest.raises(SpecError, match="not supported by the runtime"):
         ParallelSpec(world_size=8, pp=2, virtual_stages=2).check_runtime()
+
+
+def test_a_scaled_gpus_simulations_share_one_kernel_profile_and_answer_as_a_fresh_one_would():
+    """Every simulation makes its own ComputeModel; on a GPU whose kernels are the H100's scaled (H200,
+    A100, B200) each used to get a scaled copy with empty caches. One profile per process now, so what
+    a step costs must not depend on which steps were costed on it before (GEMM rates by bucket centre,
+    a block's terms by token count, attention by length)."""
+    from omnibench.specs.presets import get_model
+    from simulator.compute import ComputeModel
+    from simulator.engine import simulate
+    from systems import get_planner
+    from workloads.stream import WorkloadStream
+
+    cluster = load_cluster("h200", 64)
+    assert ComputeModel(cluster).kernels is ComputeModel(cluster.with_gpus(8)).kernels
+    assert ComputeModel(cluster).kernels is not ComputeModel(load_cluster("h100", 64)).kernels
+    model = get_model("omni-7b")
+    parallel = ParallelSpec(world_size=64, tp=2, microbatches=2)
+    stream = WorkloadStream("mixed_video", seed=3, global_batch_tokens=4096 * 64)
+    plans = [get_planner("homogeneous").plan(model, parallel, stream.batch(s)) for s in (0, 1)]
+
+    def step(plan) -> tuple:
+        r = simulate(plan, model, cluster)
+        return r.step_time, tuple(s.memory_needed for s in r.ranks)
+
+    load_kernel_profile.cache_clear()  # a profile loaded again gets a fresh scaled copy
+    fresh_profile = ComputeModel(cluster).kernels
+    fresh = step(plans[1])
+    load_kernel_profile.cache_clear()
+    assert ComputeModel(cluster).kernels is not fresh_profile
+    step(plans[0])  # another batch first: the profile's caches hold its shapes
+    assert step(plans[1]) == fresh
