@@ -4,8 +4,9 @@
     python benchmarks/tune_speed.py --case image_sft-8192 --rounds 1   # one case, this tree only
     python benchmarks/tune_speed.py --against /tmp/wt-base --workers 2 # in a pool of 2, as reproduce runs
 
-Each case is one `simulate --tuned` as `reproduce` runs its stages: seeded with the committed answers of
-the stage before (results/sims/reproduce/seeds), tune budget 4 with its doublings, one worker (or a
+Each case is one `simulate --tuned` as `reproduce` runs its stages: seeded as its stage is (the stage's
+seeds file, benchmarks/data/tune_speed_seeds: copied from a reproduce at f48de1e whose 95 convergence rows
+equal results/convergence.csv's), tune budget 4 with its doublings, one worker (or a
 pool of `--workers`, as `reproduce --workers 2` runs: CPU seconds then include the workers'), no step
 cache, in a fresh process. The trees run one after the other, round by round (A B A B: a drifting host
 shows in both), and each run prints its CPU seconds (user + sys of the process, not the wall clock
@@ -14,8 +15,9 @@ must be the same in every tree whose change is meant to keep them (the script sa
 
 Cases: `image_sft-8192` (homogeneous at 8,192 GPUs: many small samples, the planning and boundary
 routes per sample count), `omni_av-1024` (colocated and omni at 1,024 GPUs, the size of most of
-reproduce's stages) and `mixed_video-8192` (omni alone in reproduce's largest stage, where its planner
-weighs splitting the long samples; not in the default run, which times the first two).
+reproduce's stages), `mixed_video-8192` (omni alone in reproduce's largest stage, where its planner
+weighs splitting the long samples) and `image_sft-h200-1024` (every system on 1,024 H200s, reproduce's
+stage on the second machine, whose kernels are the H100's scaled); the default run times the first two.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEEDS = os.path.join(ROOT, "results", "sims", "reproduce", "seeds")
+SEEDS = os.path.join(ROOT, "benchmarks", "data", "tune_speed_seeds")
+H100 = ["--hardware", "h100"]
 
 CASES = {
     "image_sft-8192": (["--workload", "image_sft", "--system", "homogeneous", "--gpus", "8192"], "tuned-image_sft-b4s.json"),
     "omni_av-1024": (["--workload", "omni_av", "--system", "colocated,omni", "--gpus", "1024"], "tuned-omni_av-b4s.json"),
     "mixed_video-8192": (["--workload", "mixed_video", "--system", "omni", "--gpus", "8192"],
                          "largest-mixed_video-8192-b4s.json"),
+    "image_sft-h200-1024": (["--workload", "image_sft", "--system", "homogeneous,temporal,colocated,noncolocated,omni",
+                             "--gpus", "1024", "--hardware", "h200"], "tuned-image_sft-h200-b4s.json"),
 }
 
 
@@ -43,7 +48,8 @@ def run_case(tree: str, case: str, workers: int = 1) -> tuple[float, list]:
     """(CPU seconds, [(system, layout, step s)]) of one tune of `case` with the code of `tree`."""
     args, seeds = CASES[case]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "omnibench", "simulate", *args, "--hardware", "h100", "--model", "omni-7b",
+        machine = [] if "--hardware" in args else H100
+        cmd = [sys.executable, "-m", "omnibench", "simulate", *args, *machine, "--model", "omni-7b",
                "--tuned", "--tune-budget", "4", "--tune-cache", os.path.join(tmp, "cache"), "--out",
                os.path.join(tmp, "out"), "--no-cache", "--workers", str(workers), "--seed-from", os.path.join(SEEDS, seeds),
                "--json"]
