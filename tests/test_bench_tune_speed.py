@@ -19,3 +19,15 @@ def test_tune_speed_names_the_bad_flag_in_one_line(args, flag, tmp_path):
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(flag), res.stderr
+
+
+def test_every_case_reads_a_committed_seeds_file():
+    """The cases run on a fresh clone: their seeds are in the repository, not in a reproduce's output."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_speed", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.SEEDS.startswith(os.path.join(mod.ROOT, "benchmarks"))
+    for case, (_args, seeds) in mod.CASES.items():
+        assert os.path.isfile(os.path.join(mod.SEEDS, seeds)), f"{case}: no committed {seeds}"
