@@ -69,8 +69,10 @@ def test_time_left_comes_from_the_measured_stages_and_each_kind_keeps_its_own_pa
     assert report._time_left(stages, spent, estimated) == 2.0 + 300.0 + 50.0
     spent["sim"], estimated["sim"] = 600.0, 300.0  # then a simulation took twice its estimate
     assert report._time_left(stages[1:], spent, estimated) == 2 * (300.0 + 50.0)
+    raw = [report.Stage("run-x", "", [], 10.0)]
+    assert [st.estimate_s for st in report._measured(raw, quick=True)] == [10.0]  # --quick's run-x does less
     monkeypatch.setattr(report, "STAGE_TIMES", tmp_path / "absent.csv")  # nothing measured: the formulas
-    assert [st.estimate_s for st in report._measured(stages[:1])] == [4.0]
+    assert [st.estimate_s for st in report._measured(raw)] == [10.0]
 
 
 def test_the_committed_stage_times_name_every_stage_of_the_default_plan(tmp_path):

@@ -263,7 +263,7 @@ def register(app: typer.Typer) -> None:
             from systems import available_systems
 
             stages = _measured(_stages(out / "runs" / "reproduce", out / "sims" / "reproduce", available_systems(),
-                                       quick, repeat, tune_budget, sweep, extended=extended))
+                                       quick, repeat, tune_budget, sweep, extended=extended), quick)
             for k, st in enumerate(stages, 1):
                 args = st.args if isinstance(st.args, list) else ["(arguments made when it starts)"]
                 console.print(f"[{k}/{len(stages)}] {st.key}: about {_duration(st.estimate_s)}\n      "
@@ -305,8 +305,11 @@ def _stage_seconds(path: Path) -> dict[str, float]:
         return {}
 
 
-def _measured(stages: list[Stage]) -> list[Stage]:
-    """`stages` with the committed reproduce's time as the estimate of each stage it names."""
+def _measured(stages: list[Stage], quick: bool = False) -> list[Stage]:
+    """`stages` with the committed reproduce's time as the estimate of each stage it names. Not with
+    --quick: its stages share some keys with the default plan's (runs, the scaling sweep) but do less."""
+    if quick:
+        return stages
     measured = _stage_seconds(STAGE_TIMES)
     return [replace(st, estimate_s=measured.get(st.key, st.estimate_s)) for st in stages]
 
@@ -577,8 +580,7 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         d.mkdir(parents=True, exist_ok=True)
         for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
             shutil.rmtree(part, ignore_errors=True)
-    stages = _stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep, extended=extended)
-    stages = _measured(stages)
+    stages = _measured(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep, extended=extended), quick)
     todo = [st for st in stages if st.key not in done]
     if done:
         console.print(f"resuming: {len(stages) - len(todo)} of {len(stages)} stages already done", highlight=False)
