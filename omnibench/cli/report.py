@@ -20,6 +20,7 @@ import typer
 
 from omnibench import stopping
 from omnibench.cli.common import console, err_console, fail
+from omnibench.provenance import REPO_ROOT
 from workloads.conditions import cell_name
 
 ABLATIONS = ("joint-pipeline", "reorder", "reshard", "long-short-sp")  # omni's switches (`omnibench run --no-X`)
@@ -291,7 +292,7 @@ class SweepArgs:
 
 # What each stage took in the committed reproduce (on 2 cores; a reproduce writes OUT/reproduce-stages.csv
 # from its ledger): the progress line's estimate for every stage it names, the stage's formula for the rest.
-STAGE_TIMES = Path(__file__).resolve().parents[2] / "results" / "reproduce-stages.csv"
+STAGE_TIMES = REPO_ROOT / "results" / "reproduce-stages.csv"
 
 
 def _stage_seconds(path: Path) -> dict[str, float]:
