@@ -10,6 +10,7 @@ module only divides them over the layout (tp, cp, sp, ep) and adds what the simu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from omnibench.specs import costs
@@ -109,15 +110,65 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     """`stack`: whose kernels keep the activations (costs.ACTIVATION_STACKS); `kernel_stack` and
     `sequence_parallel`: the shape's software stack (simulator.kernels.Stack; FUSED when None) and
     whether tp runs sequence-parallel, as the kernel model costs it."""
+    st = _llm_stage(llm, layers, first, last, tp, cp, ep, recompute, cp_kind, expert_tp, stack, kernel_stack,
+                    sequence_parallel)
     h, d = llm.hidden, llm.dim_head
     t = sum(seq_lens)
-    n = len(layers)
+    n = st.layers
     f = costs.llm_flops(llm, seq_lens, layers=layers, embed=first, head=last, recompute=recompute)
-    mats = 3 if llm.mlp == "swiglu" else 2
-    mlp_ops = mats if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
     per_rank_tokens = t // cp
     from simulator.kernels import BlockShape
 
+    shape = BlockShape(**st.shape, seq_lens=tuple(seq_lens), tokens=max(1, per_rank_tokens) if cp > 1 else 0)
+    mem = _llm_memory(llm, per_rank_tokens, n, first, last, tp, recompute, stack, st.layer_memory)
+    ring, gather = st.ring, st.gather
+    return Work(
+        **_split(f, tp * cp),
+        ops=st.ops,
+        sequences=n * len(seq_lens),
+        tokens=per_rank_tokens,
+        layers=n,
+        **mem,
+        params=st.params,
+        expert_params=st.expert_params,
+        # two bf16 all-reduces per layer (one where folded experts need none)
+        tp_bytes=n * (1 if st.folded else 2) * (t / cp) * h * 2 if tp > 1 else 0.0,
+        # Ulysses: q, k, v in and the output back, bf16, per layer; ring: the rank's K/V block passed
+        # on cp - 1 times (point to point, overlapped with the block's attention: simulator/program.py);
+        # all-gather: the gathered K/V of the whole sequences (the all-gather's output), per layer
+        seq_bytes=(0.0 if cp == 1 else n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp * (cp - 1) if ring
+                   else n * t * 2 * llm.kv_heads * d * 2 / tp if gather
+                   else n * (t / cp) * 2 * (llm.heads + llm.kv_heads) * d * 2 / tp),
+        ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
+        shape=shape,
+    )
+
+
+@dataclass(frozen=True)
+class _LLMStage:
+    """What `llm_work` gives every microbatch of one stage under one layout alike: the shape's fields but
+    its sequences and tokens, the op count, the parameters and one block's bytes per token."""
+
+    shape: dict
+    layers: int
+    ops: int
+    params: float
+    expert_params: float
+    layer_memory: costs.LayerMemory
+    ring: bool
+    gather: bool
+    folded: bool
+
+
+@functools.lru_cache(maxsize=512)
+def _llm_stage(llm: LLMSpec, layers: range, first: bool, last: bool, tp: int, cp: int, ep: int, recompute: str,
+               cp_kind: str, expert_tp: int, stack: str, kernel_stack, sequence_parallel: bool) -> _LLMStage:
+    # worked out once per (stage, layout, stack): a tune meets thousands of microbatches per stage, and
+    # these fields took half of each one's Work
+    h, d = llm.hidden, llm.dim_head
+    n = len(layers)
+    mats = 3 if llm.mlp == "swiglu" else 2
+    mlp_ops = mats if llm.moe is None else 3 * max(1, llm.moe.experts // ep) + 1
     heads, kvh, ffn = llm.heads // tp, max(1, llm.kv_heads // tp), -(-llm.ffn // tp)
     # Context parallelism is Ulysses (omnibench/runtime/parallelize.py::UlyssesAttention): each cp
     # rank runs the GEMMs of 1/cp of the packed tokens, and attention over whole sequences with 1/cp
@@ -140,43 +191,26 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
         moe_shared_ffn=-(-moe.shared_expert_ffn // tp), moe_token_split=tp if folded else 1)
     mlp_params = mats * h * ffn if moe is None else (
         3 * h * moe_fields["moe_ffn"] * moe_fields["moe_experts"] + h * moe.experts + 3 * h * moe_fields["moe_shared_ffn"])
-    shape = BlockShape(
+    shape = dict(
         **moe_fields,
         hidden=h, heads=heads / ulysses, kv_heads=kvh / ulysses, head_dim=d, ffn=0 if moe is not None else ffn,
-        vocab=-(-llm.vocab // tp), seq_lens=tuple(seq_lens), layers=n, head=last, tp=tp,
-        tokens=max(1, per_rank_tokens) if cp > 1 else 0, ring=cp if ring else 1, kv_gather=cp if gather else 1,
+        vocab=-(-llm.vocab // tp), layers=n, head=last, tp=tp, ring=cp if ring else 1, kv_gather=cp if gather else 1,
         biased=(heads + 2 * kvh) * d if llm.qkv_bias else 0,
         mlp=llm.mlp, norm=llm.norm, rope=llm.positions == "rope",
         params=float(h * (heads + 2 * kvh) * d + heads * d * h + mlp_params), embed=first,
         **_stack_fields(kernel_stack, sequence_parallel))
-    mem = _llm_memory(llm, per_rank_tokens, n, first, last, tp, recompute, stack)
-    return Work(
-        **_split(f, tp * cp),
-        ops=n * (_ATTN_OPS + mlp_ops) + (1 if last else 0),
-        sequences=n * len(seq_lens),
-        tokens=per_rank_tokens,
-        layers=n,
-        **mem,
-        params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
-        expert_params=llm_expert_params(llm, layers),
-        # two bf16 all-reduces per layer (one where folded experts need none)
-        tp_bytes=n * (1 if folded else 2) * (t / cp) * h * 2 if tp > 1 else 0.0,
-        # Ulysses: q, k, v in and the output back, bf16, per layer; ring: the rank's K/V block passed
-        # on cp - 1 times (point to point, overlapped with the block's attention: simulator/program.py);
-        # all-gather: the gathered K/V of the whole sequences (the all-gather's output), per layer
-        seq_bytes=(0.0 if cp == 1 else n * (t / cp) * 2 * llm.kv_heads * d * 2 / tp * (cp - 1) if ring
-                   else n * t * 2 * llm.kv_heads * d * 2 / tp if gather
-                   else n * (t / cp) * 2 * (llm.heads + llm.kv_heads) * d * 2 / tp),
-        ep_bytes=n * 2 * (t / cp) * llm.moe.top_k * h * 2 / tp if llm.moe is not None and ep > 1 else 0.0,
-        shape=shape,
-    )
+    return _LLMStage(shape=shape, layers=n, ops=n * (_ATTN_OPS + mlp_ops) + (1 if last else 0),
+                     params=float(costs.llm_params(llm, layers=layers, embed=first, head=last)),
+                     expert_params=llm_expert_params(llm, layers),
+                     layer_memory=costs.llm_layer_memory(llm, recompute, stack), ring=ring, gather=gather,
+                     folded=folded)
 
 
 def _llm_memory(llm: LLMSpec, tokens: int, n: int, first: bool, last: bool, tp: int, recompute: str,
-                stack: str) -> dict:
+                stack: str, lm: costs.LayerMemory) -> dict:
     """Work's memory fields of an LLM stage on one microbatch of `tokens` tokens per rank (tp splits
-    the activations: sequence-parallel norms, column/row-parallel linears)."""
-    lm = costs.llm_layer_memory(llm, recompute, stack)
+    the activations: sequence-parallel norms, column/row-parallel linears); `lm`: one block's bytes per
+    token (costs.llm_layer_memory under `recompute` and `stack`)."""
     layer = tokens * lm.held / tp
     transient = tokens * lm.recompute / tp if n else 0.0
     if tp > 1 and not stack.startswith("megatron"):
@@ -237,9 +271,10 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
     heads, ffn, win = max(1, v.heads // (tp * sp)), -(-v.ffn // tp), v.merge**2
     d_in = v.in_channels * v.temporal_patch * v.patch_size**2
     out = v.out_hidden or h
+    groups = tuple(costs.vision_groups(grids))  # the attention calls: the shape's and `sequences`
     shape = BlockShape(
         hidden=h, heads=heads, kv_heads=heads, head_dim=h // v.heads, ffn=ffn, vocab=0,
-        seq_lens=tuple(costs.vision_groups(grids)), layers=v.layers, head=False, tp=tp, tokens=max(1, per_rank),
+        seq_lens=groups, layers=v.layers, head=False, tp=tp, tokens=max(1, per_rank),
         mlp=v.mlp, norm=v.norm, rope=True, causal=False, fused_qkv=True,
         biased=3 * heads * (h // v.heads) + h + (2 if v.mlp == "swiglu" else 1) * ffn + h,
         params=float(4 * h * h / tp + mlp_mats * h * ffn),
@@ -262,7 +297,7 @@ def vision_work(v: VisionEncoderSpec, grids: list[tuple[int, int, int]], tp: int
         **_split(f, tp * sp),
         shape=shape,
         ops=v.layers * (_ATTN_OPS + mlp_mats) + 3,
-        sequences=v.layers * len(costs.vision_groups(grids)),
+        sequences=v.layers * len(groups),
         tokens=per_rank,
         layers=v.layers,
         act_bytes=act / tp,
@@ -298,9 +333,10 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
     heads, ffn = max(1, a.heads // (tp * sp)), -(-a.ffn // tp)
     hd = h // a.heads
     out = a.out_hidden or h
+    windows = tuple(costs.audio_windows(mel_frames, a.max_positions))  # the attention calls
     shape = BlockShape(
         hidden=h, heads=heads, kv_heads=heads, head_dim=hd, ffn=ffn, vocab=0,
-        seq_lens=tuple(costs.audio_windows(mel_frames, a.max_positions)), layers=a.layers, head=False, tp=tp,
+        seq_lens=windows, layers=a.layers, head=False, tp=tp,
         tokens=max(1, per_rank), mlp="gelu", norm="layer", rope=False, causal=False,
         biased=3 * heads * hd + ffn + h,  # q, v, out projection, fc1, fc2 (Whisper's key has no bias)
         params=float(4 * h * h / tp + 2 * h * ffn),
@@ -323,7 +359,7 @@ def audio_work(a: AudioEncoderSpec, mel_frames: list[int], tp: int = 1, sp: int 
         **_split(f, tp * sp),
         shape=shape,
         ops=a.layers * (_ATTN_OPS + 2) + 3,
-        sequences=a.layers * len(costs.audio_windows(mel_frames, a.max_positions)),
+        sequences=a.layers * len(windows),
         tokens=per_rank,
         layers=a.layers,
         act_bytes=act / tp,
