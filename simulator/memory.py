@@ -551,26 +551,38 @@ class MemoryMixin:
         This runtime's chunked loss holds the output projection's fp32 weight gradient from the
         forward (costs.loss_memory); its backward scales it into a new tensor (its transient,
         `Work.loss_backward`) that becomes the weight's gradient (cast to bf16 under FSDP) and
-        releases the held one."""
+        releases the held one.
+
+        Every term depends on the rank only through its data-parallel mode and where the microbatch
+        stands in the stage's backward order: worked out once per such case (asked by every backward)."""
         module = a.module
+        mode, n = self._dp_mode(module, rank)
+        order = self._backward_order(rank, module, a.stage)
+        first, last = bool(order) and a.microbatch == order[0], bool(order) and a.microbatch == order[-1]
+        key = ("backward-grads", module, a.stage, mode, n, first, last, len(order) <= 1)
+        got = self._sig_cache.get(key)
+        if got is None:
+            got = self._sig_cache[key] = self._backward_grads_of(rank, module, a.stage, mode, n, first, last,
+                                                                 len(order))
+        return got
+
+    def _backward_grads_of(self, rank: int, module: str, stage: int, mode: str, n: int, first: bool, last: bool,
+                           n_order: int) -> tuple[float, float, float, float, float, float]:
         d = self._dtypes(module, rank)
         if d.grads_static:
             return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        mode, n = self._dp_mode(module, rank)
         lay = self.plan.layouts[module]
         lp = self._layer_on_rank(module)
-        w = self.work(module, a.stage, ())
+        w = self.work(module, stage, ())
         total = (w.params - w.expert_params) / lay.tp + w.expert_params / lay.tp / max(1, lay.ep)
         root = max(0.0, total - w.layers * lp)
         embed = 0.0
-        if module == "llm" and a.stage == 0:
+        if module == "llm" and stage == 0:
             embed = min(root, self.model.llm.vocab * self.model.llm.hidden / lay.tp)
         head = root - embed
         handover = 0.0
-        if self.memory_stack == "eager" and module == "llm" and a.stage == lay.stages - 1:
+        if self.memory_stack == "eager" and module == "llm" and stage == lay.stages - 1:
             handover = 4.0 * self.model.llm.vocab * self.model.llm.hidden / lay.tp
-        order = self._backward_order(rank, module, a.stage)
-        first, last = bool(order) and a.microbatch == order[0], bool(order) and a.microbatch == order[-1]
         if mode in ("fsdp", "hsdp") and self._zero3_buckets:
             # DeepSpeed ZeRO-3: each parameter's gradient (in the parameters' dtype) waits in the reduce
             # bucket until the bucket is full, is reduce-scattered with it and dropped; the rank keeps
@@ -581,7 +593,7 @@ class MemoryMixin:
             return per * lp, g * head, per * root - g * head, g * embed, self._zero3_grad_buffer(module), handover
         if mode in ("fsdp", "hsdp"):
             reduce = 2 * lp + 4 * lp  # the layer's bf16 gradient, the previous layer's fp32 reduce-scatter input
-            if len(order) <= 1 or not self._defers_reduce(module):
+            if n_order <= 1 or not self._defers_reduce(module):
                 # every microbatch reduce-scatters; the first creates the rank's shard, later ones add
                 per, buf = (4 / n if first else 0.0), reduce
             elif first:
