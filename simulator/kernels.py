@@ -63,6 +63,7 @@ class KernelProfile:
         self._gemm_cache: dict = {}
         self._attention_cache: dict = {}
         self._block_cache: dict = {}
+        self._rates_cache: dict = {}
         self._outside_cache: dict = {}
         # the measured shapes' (log2 m, log2 n, log2 k), one contiguous column each (gemm_rate's distance)
         xyz = np.array([r[:3] for r in self.gemm], dtype=float).reshape(-1, 3)
@@ -352,10 +353,11 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str, blocks_only: bool = F
     # at thousands of ranks many microbatches share it with different sequences (and a forward and
     # its recomputation share the blocks): those terms are worked out once per (shape without its
     # sequences, tokens, pass) and added in the same order as ever: the same sum to the last bit.
-    key = (passes, t, _block_key(s))
+    bk = _block_key(s)
+    key = (passes, t, bk)
     block = p._block_cache.get(key)
     if block is None:
-        block = p._block_cache[key] = _block_parts(p, s, t, bwd)
+        block = p._block_cache[key] = _block_parts(p, s, t, bwd, bk)
     before, after = block
     time = before + _attention(p, s, bwd)
     for x in after:
@@ -381,17 +383,32 @@ def _linears(s: BlockShape) -> list[tuple[float, float]]:
     return linears
 
 
-def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> tuple[float, tuple]:
+def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool, bk: tuple) -> tuple[float, tuple]:
     """One layer's terms of `llm_pass` that do not depend on the sequence lengths: its GEMMs (and FP8
-    quantisation) summed, and the terms added after its attention, in `llm_pass`'s order."""
+    quantisation) summed, and the terms added after its attention, in `llm_pass`'s order; `bk`: the
+    shape's block fields (`_block_key`)."""
     linears = _linears(s)
     time = 0.0
     fp8 = s.stack.gemm == "fp8"
-    for fan_out, fan_in in linears:
+    if fp8 or min(min(fan) for fan in linears) <= 0:  # (an empty linear costs nothing in `gemm_time`)
+        for fan_out, fan_in in linears:
+            if bwd:
+                time += p.gemm_time(t, fan_in, fan_out, fp8=fp8) + p.gemm_time(fan_out, fan_in, t, fp8=fp8)  # dgrad, wgrad
+            else:
+                time += p.gemm_time(t, fan_out, fan_in, fp8=fp8)
+    else:
+        # `gemm_time` of each linear, its rates read once per 1/64 octave of the token count (the
+        # bucket `gemm_rate` keys them by: at thousands of ranks nearly every microbatch has a token
+        # count of its own, and working out three buckets per GEMM was most of such a miss); the
+        # products in `gemm_time`'s order: the same bits
+        launch = p.launch_s
+        rates = _linear_rates(p, linears, t, bwd, bk)
         if bwd:
-            time += p.gemm_time(t, fan_in, fan_out, fp8=fp8) + p.gemm_time(fan_out, fan_in, t, fp8=fp8)  # dgrad, wgrad
+            for (fan_out, fan_in), (r_d, r_w) in zip(linears, rates, strict=True):
+                time += max(2.0 * t * fan_in * fan_out / r_d, launch) + max(2.0 * fan_out * fan_in * t / r_w, launch)
         else:
-            time += p.gemm_time(t, fan_out, fan_in, fp8=fp8)
+            for (fan_out, fan_in), r in zip(linears, rates, strict=True):
+                time += max(2.0 * t * fan_out * fan_in / r, launch)
     if fp8:
         time += p.memory_time(_fp8_bytes(s, linears, t, bwd), 2 * len(linears))
     after = []
@@ -400,6 +417,20 @@ def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> tuple[
     nbytes, kernels = (_eager_block_bytes if s.stack.kind == "eager" else _fused_block_bytes)(s, bwd)
     after.append(p.memory_time(t * nbytes + _cast_bytes(s) * s.params, kernels))
     return time, tuple(after)
+
+
+def _linear_rates(p: KernelProfile, linears: list[tuple[float, float]], t: float, bwd: bool, bk: tuple) -> tuple:
+    """The GEMM rates of a block's linears at `t` tokens (backward: (dgrad, wgrad) per linear), as
+    `gemm_rate` answers them: one lookup per (pass, bucket of t, block)."""
+    key = (bwd, round(64 * math.log2(max(t, 1))), bk)
+    got = p._rates_cache.get(key)
+    if got is None:
+        if bwd:
+            got = tuple((p.gemm_rate(t, fan_in, fan_out), p.gemm_rate(fan_out, fan_in, t)) for fan_out, fan_in in linears)
+        else:
+            got = tuple(p.gemm_rate(t, fan_out, fan_in) for fan_out, fan_in in linears)
+        p._rates_cache[key] = got
+    return got
 
 
 def _outside_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> tuple:
