@@ -48,11 +48,11 @@ def reshard(sample_ids: Sequence[int], cost: dict[int, float], home: dict[int, i
                         break
                     heapq.heappop(short)
         else:
-            while True:
-                load, b = heapq.heappop(heap)
+            while True:  # the least loaded rank, read in place (stale entries, left by loads since grown, go)
+                load, b = heap[0]
                 if load == loads[b]:
-                    heapq.heappush(heap, (load, b))
                     break
+                heapq.heappop(heap)
             h = home[i]
             if loads[h] <= loads[b] + tol and (counts[h] < floor or left - 1 >= deficit):
                 b = h
