@@ -45,6 +45,11 @@ class KernelProfileError(ValueError):
     """A kernel profile is missing or malformed; the message names the file and field."""
 
 
+def _bucket(x: float) -> int:
+    """The 1/64-octave bucket of a GEMM dimension: what `gemm_rate` keys its rates by."""
+    return round(64 * math.log2(max(x, 1)))
+
+
 @dataclass
 class KernelProfile:
     name: str
@@ -88,7 +93,7 @@ class KernelProfile:
         # simulation meets thousands of token counts; the rate moves by far less than 0.1% inside).
         # The rate is the bucket centre's, so it never depends on which shape asked first (a rate
         # of the first query made results depend on what the process had simulated before).
-        key = (round(64 * math.log2(max(m, 1))), round(64 * math.log2(max(n, 1))), round(64 * math.log2(max(k, 1))))
+        key = (_bucket(m), _bucket(n), _bucket(k))
         got = self._gemm_cache.get(key)
         if got is not None:
             return got
@@ -120,7 +125,11 @@ class KernelProfile:
         if m <= 0 or n <= 0 or k <= 0 or count <= 0:
             return 0.0
         rate = self.gemm_rate(m, n, k) * (fp8_speedup(min(m, n, k)) if fp8 else 1.0)
-        return count * max(2.0 * m * n * k / rate, self.launch_s)
+        return count * self.gemm_at(m, n, k, rate)
+
+    def gemm_at(self, m: float, n: float, k: float, rate: float) -> float:
+        """Seconds of one (m, n, k) GEMM at `rate` FLOP/s (a kernel costs at least its launch)."""
+        return max(2.0 * m * n * k / rate, self.launch_s)
 
     def attention_rate(self, passes: str, head_dim: int, seq: float) -> float:
         rows = self.attention.get((passes, head_dim))
@@ -399,16 +408,15 @@ def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool, bk: tuple
     else:
         # `gemm_time` of each linear, its rates read once per 1/64 octave of the token count (the
         # bucket `gemm_rate` keys them by: at thousands of ranks nearly every microbatch has a token
-        # count of its own, and working out three buckets per GEMM was most of such a miss); the
-        # products in `gemm_time`'s order: the same bits
-        launch = p.launch_s
+        # count of its own, and working out three buckets per GEMM was most of such a miss), each
+        # GEMM then timed as `gemm_time` times it: the same bits
         rates = _linear_rates(p, linears, t, bwd, bk)
         if bwd:
             for (fan_out, fan_in), (r_d, r_w) in zip(linears, rates, strict=True):
-                time += max(2.0 * t * fan_in * fan_out / r_d, launch) + max(2.0 * fan_out * fan_in * t / r_w, launch)
+                time += p.gemm_at(t, fan_in, fan_out, r_d) + p.gemm_at(fan_out, fan_in, t, r_w)
         else:
             for (fan_out, fan_in), r in zip(linears, rates, strict=True):
-                time += max(2.0 * t * fan_out * fan_in / r, launch)
+                time += p.gemm_at(t, fan_out, fan_in, r)
     if fp8:
         time += p.memory_time(_fp8_bytes(s, linears, t, bwd), 2 * len(linears))
     after = []
@@ -422,7 +430,7 @@ def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool, bk: tuple
 def _linear_rates(p: KernelProfile, linears: list[tuple[float, float]], t: float, bwd: bool, bk: tuple) -> tuple:
     """The GEMM rates of a block's linears at `t` tokens (backward: (dgrad, wgrad) per linear), as
     `gemm_rate` answers them: one lookup per (pass, bucket of t, block)."""
-    key = (bwd, round(64 * math.log2(max(t, 1))), bk)
+    key = (bwd, _bucket(t), bk)
     got = p._rates_cache.get(key)
     if got is None:
         if bwd:

@@ -559,15 +559,15 @@ class MemoryMixin:
         mode, n = self._dp_mode(module, rank)
         order = self._backward_order(rank, module, a.stage)
         first, last = bool(order) and a.microbatch == order[0], bool(order) and a.microbatch == order[-1]
-        key = ("backward-grads", module, a.stage, mode, n, first, last, len(order) <= 1)
+        single = len(order) <= 1  # the stage's only backward microbatch on this rank
+        key = ("backward-grads", module, a.stage, mode, n, first, last, single)
         got = self._sig_cache.get(key)
         if got is None:
-            got = self._sig_cache[key] = self._backward_grads_of(rank, module, a.stage, mode, n, first, last,
-                                                                 len(order))
+            got = self._sig_cache[key] = self._backward_grads_of(rank, module, a.stage, mode, n, first, last, single)
         return got
 
     def _backward_grads_of(self, rank: int, module: str, stage: int, mode: str, n: int, first: bool, last: bool,
-                           n_order: int) -> tuple[float, float, float, float, float, float]:
+                           single: bool) -> tuple[float, float, float, float, float, float]:
         d = self._dtypes(module, rank)
         if d.grads_static:
             return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
@@ -593,7 +593,7 @@ class MemoryMixin:
             return per * lp, g * head, per * root - g * head, g * embed, self._zero3_grad_buffer(module), handover
         if mode in ("fsdp", "hsdp"):
             reduce = 2 * lp + 4 * lp  # the layer's bf16 gradient, the previous layer's fp32 reduce-scatter input
-            if n_order <= 1 or not self._defers_reduce(module):
+            if single or not self._defers_reduce(module):
                 # every microbatch reduce-scatters; the first creates the rank's shard, later ones add
                 per, buf = (4 / n if first else 0.0), reduce
             elif first:
