@@ -44,7 +44,11 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there 
 # its host synchronisations were removed, the compiled LLM stack). Earlier sessions' parts stay callable.
 # Session 14: the all-gather-KV attention kernels, the LLM-only whole step under --mixed-precision master
 # against the plain stack's whole step, the same pair on mixed_video; then what session 10 left.
-PARTS=${PARTS:-"facts allgather_attention llm_stack_master mixed_master chunk_profile nccl_memory"}
+# Session 27 (the first H200): the machine model's held-out check. The H200 is simulated as the H100's
+# measured kernels with memory-bound kernels 1.43x faster (simulator/data/hardware/h200.toml); the
+# CUDA attention tests, the H100's own commands again (so each ratio is like for like), the kernel
+# sweep the simulator reads, then the default run at the depth the memory check picks for 141 GB.
+PARTS=${PARTS:-"facts cuda_tests runs_like_h100 kernels run_default"}
 for p in $PARTS; do
   case $p in
   facts) part facts 30 bash -c 'nvidia-smi; python3 -c "
@@ -87,6 +91,17 @@ print(\"after a first matmul: in use\", total - free, \"reserved\", torch.cuda.m
   # torch.compile of the plain stack and the harness took more than 3 minutes on an H100 (2026-11-27)
   llm_stack_compile) part llm_stack_compile 330 python3 benchmarks/gpu_llm_stack.py --layers 4 --seq 8192 \
     --tokens 16384 --steps 8 --compile-only --out "$W/llm_stack_compile" ;;
+  cuda_tests) part cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_models_attention.py \
+    tests/test_llm_allgather_kv.py ;;
+  # the commands of the H100 records runs-2026-11-27/homogeneous-text_only and omni-mixed_video, the depth and
+  # recompute the memory check picked on 80 GB named, so the H200 runs the same Plans
+  runs_like_h100) part runs_like_h100 240 bash -c 'python3 -m omnibench run --system homogeneous \
+    --workload text_only --model llm-7b@4L --steps 5 --out '"$W"'/gpu/runs/homogeneous-text_only --json \
+    && python3 -m omnibench run --system omni --workload mixed_video --model omni-7b@8L --recompute full \
+    --steps 5 --out '"$W"'/gpu/runs/omni-mixed_video-8L --json' ;;
+  kernels) mkdir -p "$W/kernels"; part kernels 200 python3 benchmarks/gpu_kernels.py --budget-s 150 --out "$W/kernels/kernels.json" ;;
+  run_default) part run_default 200 python3 -m omnibench run --system omni --workload mixed_video --steps 4 \
+    --out "$W/gpu/runs/omni-mixed_video" --json ;;
   *) echo "== unknown part $p" | tee -a "$LOG" ;;
   esac
 done
