@@ -135,7 +135,9 @@ def _model_of(run: RunRecord) -> MultimodalSpec:
     return get_model(spec or run.plans[0].model)
 
 
-def _cluster_of(run: RunRecord, hardware: str | None) -> ClusterSpec:
+def _cluster_of(run: RunRecord, hardware: str | ClusterSpec | None) -> ClusterSpec:
+    if isinstance(hardware, ClusterSpec):  # a machine no preset names (a variant under study)
+        return hardware.with_gpus(run.plans[0].world_size)
     name = hardware or run.hardware
     if name is None:
         raise CalibrationError(f"{run.path}: device {run.device!r} matches no hardware preset; pass --hardware")
@@ -764,7 +766,7 @@ class Validation:
         return (self.simulated_s - self.measured_s) / self.measured_s if self.measured_s > 0 else math.nan
 
 
-def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str | None = None,
+def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str | ClusterSpec | None = None,
              stack: str = "eager") -> list[Validation]:
     """Simulate each step's own Plan; compare median step times over the steps whose Plan is known.
     `stack`: the software the kernel model assumes (SimOptions.stack; "eager" = this project's runtime)."""
@@ -877,7 +879,7 @@ class MemoryCheck:
         return self.estimated_bytes / self.measured_bytes if self.measured_bytes > 0 else math.nan
 
 
-def memory_check(run_dir: str, hardware: str | None = None) -> MemoryCheck:
+def memory_check(run_dir: str, hardware: str | ClusterSpec | None = None) -> MemoryCheck:
     """The memory estimate `run` checks before launch and `simulate` reports (`fits`), for each
     step's own Plan, model and recompute mode, against the peak the run measured in that step.
     Steps after the first: the first step's peak comes before AdamW has allocated its state (at its

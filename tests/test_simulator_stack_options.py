@@ -97,8 +97,12 @@ def test_a_gpu_variant_scales_its_profiles_compute_and_element_wise_rates():
     free = SimOptions(stack="fused", communication=False)
     base, half = (compute(simulate(plan, MODEL, c, options=free), FORWARD) for c in (cluster, slow))
     assert 1.5 * base < half <= 2.0 * base  # GEMMs and attention at half the rate, element-wise work not
-    prof = load_cluster("h200", 8)
     from simulator.compute import ComputeModel
 
-    assert ComputeModel(prof).kernels.memory_bandwidth == pytest.approx(
-        ComputeModel(cluster).kernels.memory_bandwidth * 4.8 / 3.35, rel=1e-3)
+    b200 = load_cluster("b200", 8)  # the H100's profile, element-wise at the B200's bandwidth
+    assert b200.gpu.kernel_memory_scale > 2
+    assert ComputeModel(b200).kernels.memory_bandwidth == pytest.approx(
+        ComputeModel(cluster).kernels.memory_bandwidth * b200.gpu.kernel_memory_scale, rel=1e-3)
+    # the H200 has its own measured profile, nothing scaled
+    h200 = ComputeModel(load_cluster("h200", 8)).kernels
+    assert (h200.name, h200.device) == ("h200-measured", "NVIDIA H200")
