@@ -30,7 +30,10 @@ from simulator.calibrate import Profile, calibrate, fit_warnings, memory_check, 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "results" / "gpu"
 PROFILE = ROOT / "results" / "calibration" / "h100-1gpu.json"
-RUNS = sorted(p.parent for p in GPU.glob("runs*/*/config.json"))
+ALL_RUNS = sorted(p.parent for p in GPU.glob("runs*/*/config.json"))
+# the H100's records (the profile and its tests are the H100's); the first H200's are tested apart
+H200_RUNS = [r for r in ALL_RUNS if "H200" in str(json.loads((r / "summary.json").read_text()).get("device_name"))]
+RUNS = [r for r in ALL_RUNS if r not in H200_RUNS]
 # written before records carried provenance (sessions of 2026-11-23); those after carry all of it
 OLD_RUNS = [r for r in RUNS if r.parent.name in ("runs", "runs-session2")]
 NEW_RUNS = [r for r in RUNS if r not in OLD_RUNS]
@@ -250,3 +253,32 @@ def test_the_memory_estimate_is_within_5_percent_of_every_measured_gpu_peak():
         assert m.steps >= 3, run
         assert 0.95 <= m.ratio <= 1.05, f"{run.name}: estimate {m.estimated_bytes / 2**30:.1f} GiB, " \
                                         f"measured {m.measured_bytes / 2**30:.1f} GiB ({m.ratio:.3f})"
+
+
+# -- the first H200 ----------------------------------------------------------------------------------
+def test_the_h200_records_carry_their_provenance_and_repeat_h100_plans():
+    from omnibench.tables.gpu import modelled, plan_label, runs
+    from omnibench.tables.h200 import h200_runs
+
+    assert len(H200_RUNS) == 6 and {r["path"] for r in h200_runs()} == {str(r.relative_to(ROOT)) for r in H200_RUNS}
+    assert all(r["gpu"] == "H100" for r in runs())  # the H100 tables never read an H200 record
+    h100_plans = {plan_label(r) for r in modelled()}
+    for r in h200_runs():
+        prov = r["provenance"]
+        assert missing(prov) == [] and prov["gpu_name"] == "NVIDIA H200" and not prov["dirty"], r["path"]
+    # every one but the default run (omni-7b@16L, the depth 141 GB holds) repeats an H100 record's Plan
+    assert [r["model"] for r in h200_runs() if plan_label(r) not in h100_plans] == ["omni-7b@16L"]
+
+
+def test_the_h200_preset_meets_the_h200_runs_it_never_saw():
+    """The h200 preset (its own measured kernels, nothing fitted to these runs) against the six runs, step
+    time and memory. The encoder-chunked run is host-bound (8x the kernels, a host sync per chunk) and reads
+    about 43% under on both GPUs: the kernel model does not cost that host; it is left out of the bound."""
+    runs = [str(r) for r in H200_RUNS]
+    for v in validate(runs, None, "h200"):
+        if "chunks" in v.run:
+            assert -0.5 < v.error < -0.3, v
+        else:
+            assert abs(v.error) < 0.05, v
+    for run in runs:
+        assert 0.95 <= memory_check(run, "h200").ratio <= 1.05, run

@@ -39,8 +39,19 @@ def _read(path: Path) -> dict | list:
     return json.loads(path.read_text())
 
 
-@lru_cache(maxsize=1)
+def gpu_of(summary: dict) -> str:
+    """Which GPU a record ran on: "H200" where its device says so, else "H100" (every GPU lent before
+    2026-11-29 was an H100 80GB; the first records name no device)."""
+    return "H200" if "H200" in str(summary.get("device_name") or "") else "H100"
+
+
 def runs() -> tuple[dict, ...]:
+    """The H100 run records under results/gpu/runs*/ (omnibench/tables/h200.py has the H200's)."""
+    return tuple(r for r in all_runs() if r["gpu"] == "H100")
+
+
+@lru_cache(maxsize=1)
+def all_runs() -> tuple[dict, ...]:
     """Every run record under results/gpu/runs*/, with what the tables need from it."""
     out = []
     for cfg in sorted((REPO_ROOT / GPU_DIR).glob("runs*/*/config.json")):
@@ -51,7 +62,7 @@ def runs() -> tuple[dict, ...]:
             "path": _rel(folder), "name": folder.name, "system": summary["system"], "workload": summary["workload"],
             "model": summary["model"], "recompute": summary.get("recompute", run.get("recompute", "none")),
             "compile": bool(summary.get("compile")), "chunk": max(0, int(run.get("encoder_chunk_tokens", 0) or 0)),
-            "summary": summary, "provenance": record_provenance(folder),
+            "summary": summary, "provenance": record_provenance(folder), "gpu": gpu_of(summary),
         })
     return tuple(out)
 
@@ -338,7 +349,12 @@ def h100_llm_stack() -> str:
 @table("h100-kernel-sweep")
 def h100_kernel_sweep() -> str:
     """One line: what the committed kernel sweep holds."""
-    k = _read(REPO_ROOT / KERNELS)
+    return kernel_sweep(KERNELS)
+
+
+def kernel_sweep(path: str) -> str:
+    """One line: what the kernel sweep at `path` holds."""
+    k = _read(REPO_ROOT / path)
     best = max(r["tflops"] for r in k["gemm"])
     bw = max(r["gbps"] for r in k["memory_bound"])
     return (f"{len(k['gemm'])} bf16 GEMM shapes (best {best:.0f} TFLOP/s), {len(k['attention'])} attention entries, "
@@ -655,7 +671,12 @@ def h100_chunk_profile() -> str:
 def h100_whole_step() -> str:
     """Issue 23 item 1: the LLM-only whole training step (AdamW included) of the harness under both ways of
     holding one rank's weights, against a plain bf16 stack's whole step measured in the same command."""
-    d = _read(REPO_ROOT / SESSION_C / "llm_stack_master" / "gpu_llm_stack.json")
+    return whole_step(SESSION_C)
+
+
+def whole_step(session: str) -> str:
+    """gpu_llm_stack.py --optimizer's record of `session`, as a table."""
+    d = _read(REPO_ROOT / session / "llm_stack_master" / "gpu_llm_stack.json")
     peak = d["peak_tflops"]
     (row,) = [r for r in d["rows"] if not r["compile"]]
     base = row["plain_step"]["tflops"]
@@ -672,7 +693,7 @@ def h100_whole_step() -> str:
                      f"{m['step_s'] * 1e3:.1f} | {m['peak_gib']:.1f} |")
     lines += ["", f"{_llm_stack_case(d['args'])} timed steps after warm-up, eager; TFLOP/s counts the forward and backward matmul FLOPs alone "
               f"(the optimizer's are not counted in any row); MFU against {peak:.0f} TFLOP/s. "
-              f"{_prov_line(d['provenance'])} (`{SESSION_C}/llm_stack_master/gpu_llm_stack.json`)."]
+              f"{_prov_line(d['provenance'])} (`{session}/llm_stack_master/gpu_llm_stack.json`)."]
     return "\n".join(lines)
 
 
