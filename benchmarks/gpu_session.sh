@@ -44,10 +44,10 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there 
 # its host synchronisations were removed, the compiled LLM stack). Earlier sessions' parts stay callable.
 # Session 14: the all-gather-KV attention kernels, the LLM-only whole step under --mixed-precision master
 # against the plain stack's whole step, the same pair on mixed_video; then what session 10 left.
-# Session 27 (the first H200): the machine model's held-out check. The H200 is simulated as the H100's
-# measured kernels with memory-bound kernels 1.43x faster (simulator/data/hardware/h200.toml); the
-# CUDA attention tests, the H100's own commands again (so each ratio is like for like), the kernel
-# sweep the simulator reads, then the default run at the depth the memory check picks for 141 GB.
+# Session 27 (the first H200, 2026-11-29): the machine model's held-out check, made while the H200 was
+# simulated as the H100's measured kernels with memory-bound kernels 1.43x faster (since then it reads the
+# sweep of this part `kernels`: simulator/data/hardware/h200.toml); the CUDA attention tests, the H100's own
+# commands again (the same Plans), the kernel sweep, then the default run at the depth 141 GB holds.
 PARTS=${PARTS:-"facts cuda_tests runs_like_h100 kernels run_default"}
 for p in $PARTS; do
   case $p in

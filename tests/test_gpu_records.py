@@ -256,18 +256,28 @@ def test_the_memory_estimate_is_within_5_percent_of_every_measured_gpu_peak():
 
 
 # -- the first H200 ----------------------------------------------------------------------------------
-def test_the_h200_records_carry_their_provenance_and_repeat_h100_plans():
-    from omnibench.tables.gpu import modelled, plan_label, runs
-    from omnibench.tables.h200 import h200_runs
+def test_the_h200_records_carry_their_provenance_and_repeat_h100_commands():
+    from omnibench.tables.gpu import runs
+    from omnibench.tables.h200 import h100_twin, h200_runs
 
-    assert len(H200_RUNS) == 6 and {r["path"] for r in h200_runs()} == {str(r.relative_to(ROOT)) for r in H200_RUNS}
-    assert all(r["gpu"] == "H100" for r in runs())  # the H100 tables never read an H200 record
-    h100_plans = {plan_label(r) for r in modelled()}
+    here = {str(r.relative_to(ROOT)) for r in H200_RUNS}
+    assert len(here) == 6 and all(p.startswith("results/gpu/runs-2026-11-29-h200/") for p in here)
+    assert {r["path"] for r in h200_runs()} == here
+    assert not here & {r["path"] for r in runs()}  # the H100 tables never read an H200 record
     for r in h200_runs():
         prov = r["provenance"]
         assert missing(prov) == [] and prov["gpu_name"] == "NVIDIA H200" and not prov["dirty"], r["path"]
-    # every one but the default run (omni-7b@16L, the depth 141 GB holds) repeats an H100 record's Plan
-    assert [r["model"] for r in h200_runs() if plan_label(r) not in h100_plans] == ["omni-7b@16L"]
+    # each run but the default (omni-7b@16L, the depth 141 GB holds) repeats the command of one H100 record
+    twins = {r["name"]: (h100_twin(r) or {}).get("path") for r in h200_runs()}
+    assert twins == {
+        "homogeneous-mixed_video-chunks-4096": "results/gpu/runs-2026-11-27/homogeneous-mixed_video-chunks-4096",
+        "homogeneous-mixed_video-vit-block-recompute":
+            "results/gpu/runs-2026-11-27/homogeneous-mixed_video-vit-block-recompute",
+        "homogeneous-text_only": "results/gpu/runs-2026-11-27/homogeneous-text_only",
+        "omni-image_sft-8L": "results/gpu/runs-2026-11-27/omni-image_sft",
+        "omni-mixed_video": None,
+        "omni-mixed_video-8L": "results/gpu/runs-2026-11-27/omni-mixed_video",
+    }
 
 
 def test_the_h200_preset_meets_the_h200_runs_it_never_saw():

@@ -19,6 +19,7 @@ from omnibench.tables import table
 GPU_DIR = "results/gpu"
 PROFILE = "results/calibration/h100-1gpu.json"
 KERNELS = "results/calibration/h100-kernels.json"
+KERNEL_SWEEPS = (KERNELS, "results/calibration/h200-kernels.json")
 HARDWARE = "h100"
 # The runs the kernel profile's model of this project's eager stack (simulator/kernels.py::Stack)
 # was written against (issue 12); the second pass's runs came after it.
@@ -62,6 +63,7 @@ def all_runs() -> tuple[dict, ...]:
             "path": _rel(folder), "name": folder.name, "system": summary["system"], "workload": summary["workload"],
             "model": summary["model"], "recompute": summary.get("recompute", run.get("recompute", "none")),
             "compile": bool(summary.get("compile")), "chunk": max(0, int(run.get("encoder_chunk_tokens", 0) or 0)),
+            "mixed_precision": run.get("mixed_precision") or "autocast",  # records before it existed: autocast
             "summary": summary, "provenance": record_provenance(folder), "gpu": gpu_of(summary),
         })
     return tuple(out)
@@ -407,13 +409,14 @@ def gpu_provenance() -> str:
     lines = ["| record | torch | CUDA | driver | GPU | GPU memory | commit | command | status |",
              "|---|---|---|---|---|---|---|---|---|"]
     root = REPO_ROOT / GPU_DIR
-    for r in runs():
+    for r in all_runs():
         lines.append(_provenance_row(r["path"].removeprefix(GPU_DIR + "/") + "/", r["provenance"]))
-    folders = {REPO_ROOT / r["path"] for r in runs()}
+    folders = {REPO_ROOT / r["path"] for r in all_runs()}
     for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".json", ".txt", ".md")
                     and p.name != "README.md" and not any(d in p.parents for d in folders)):
         lines.append(_provenance_row(_rel(f).removeprefix(GPU_DIR + "/"), _file_facts(f)))
-    lines.append(_provenance_row(KERNELS, _file_facts(REPO_ROOT / KERNELS)))
+    for sweep in KERNEL_SWEEPS:
+        lines.append(_provenance_row(sweep, _file_facts(REPO_ROOT / sweep)))
     from simulator.calibrate import Profile
 
     prof = Profile.load(REPO_ROOT / PROFILE).provenance

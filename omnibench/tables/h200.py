@@ -65,9 +65,15 @@ def _memory() -> dict[str, object]:
     return {r["path"]: memory_check(str(REPO_ROOT / r["path"]), HARDWARE) for r in h200_runs()}
 
 
-def _h100_twin(r: dict) -> dict | None:
-    """The H100 record of the same Plan with provenance (the latest), if any."""
-    twins = [x for x in modelled() if plan_label(x) == plan_label(r) and x["provenance"].get("commit")]
+def _same_command(r: dict) -> tuple:
+    """What a repeated command keeps: the system (one GPU's Plan is the same for every system only up to
+    the encoders' data-parallel mode and assignment), the Plan, the way one rank holds its weights."""
+    return r["system"], plan_label(r), r["mixed_precision"]
+
+
+def h100_twin(r: dict) -> dict | None:
+    """The H100 record whose command this H200 run repeated (with provenance; the latest), if any."""
+    twins = [x for x in modelled() if _same_command(x) == _same_command(r) and x["provenance"].get("commit")]
     return twins[-1] if twins else None
 
 
@@ -82,14 +88,14 @@ def h200_held_out() -> str:
     """The H200 runs against the simulator under both machine models, and the H200/H100 step ratios."""
     before, now, h100 = _checks(True), _checks(False), _validations(None)
     lines = ["| Plan | H200 step s | before: simulated s (error) | H200 kernels: simulated s (error) | "
-             "H100 step s | H100 / H200 measured | simulated before | simulated now |",
+             "H100 step s (its commit) | H100 / H200 measured | simulated before | simulated now |",
              "|---|---|---|---|---|---|---|---|"]
     for r in h200_runs():
         b, n = before[r["path"]], now[r["path"]]
-        twin = _h100_twin(r)
+        twin = h100_twin(r)
         t = h100.get(twin["path"]) if twin else None
-        ratio = (f"{t.measured_s:.3f} | {t.measured_s / n.measured_s:.3f} | {t.simulated_s / b.simulated_s:.3f} | "
-                 f"{t.simulated_s / n.simulated_s:.3f}") if t else "- | - | - | -"
+        ratio = (f"{t.measured_s:.3f} (`{twin['provenance']['commit'][:7]}`) | {t.measured_s / n.measured_s:.3f} | "
+                 f"{t.simulated_s / b.simulated_s:.3f} | {t.simulated_s / n.simulated_s:.3f}") if t else "- | - | - | -"
         mark = " (host-bound)" if _host_bound(r) else ""
         lines.append(f"| {plan_label(r)}{mark} | {n.measured_s:.3f} | {b.simulated_s:.3f} ({b.error:+.1%}) | "
                      f"{n.simulated_s:.3f} ({n.error:+.1%}) | {ratio} |")
@@ -107,9 +113,12 @@ def h200_held_out() -> str:
               f"{BEFORE_MEMORY_SCALE:.3f}x faster (4.8 / 3.35 TB/s), nothing fitted to an H200; now: the H200's own sweep "
               f"(`{H200_KERNELS}`), nothing fitted to these runs either. Step times: medians over each run's steps "
               "after the first (`python -m omnibench validate results/gpu/runs-2026-11-29-h200/* --hardware h200`); "
-              "the H100 column is the same Plan's record and its simulated ratios use the H100's measured kernels. "
+              "the H100 column is the record whose command the H200 run repeated, and its simulated ratios use the "
+              "H100's measured kernels. The H100 records ran older code (their commits): a measured ratio holds "
+              "what changed in the runtime between them, so it is like for like in the Plan, not in the code. "
               "Host-bound: encoder chunks of 4,096 patches run 8x the kernels with a host sync per chunk "
-              "(h100-chunk-profile), which the kernel model does not cost. "
+              "(h100-chunk-profile), which the kernel model does not cost; its H100 record predates the cut of "
+              "those syncs (1,315 -> 75, h100-chunk-profile), so its measured ratio mixes that cut with the GPU. "
               f"{_verification(h200_runs())}"]
     return "\n".join(lines)
 
@@ -122,7 +131,7 @@ def h200_memory() -> str:
              "|---|---|---|---|---|"]
     for r in h200_runs():
         m = mem[r["path"]]
-        twin = _h100_twin(r)
+        twin = h100_twin(r)
         peak = f"{twin['summary']['peak_memory_bytes'] / GiB:.2f}" if twin else "-"
         lines.append(f"| {plan_label(r)} | {m.measured_bytes / GiB:.2f} | {m.estimated_bytes / GiB:.2f} | "
                      f"{m.ratio:.3f} | {peak} |")
