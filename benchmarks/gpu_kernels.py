@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import inspect
 import json
 import math
@@ -417,15 +418,29 @@ def _driver() -> str | None:
     return None
 
 
+def _commit_state() -> dict:
+    """{"commit", "dirty"}: the project's own answer where this copy holds omnibench/provenance.py (it
+    reads OMNIBENCH_GIT_MANIFEST: a lent machine's copy carries a .git of an older commit under
+    changes, and the manifest names the commit the tree really is), loaded by path so that the script
+    still runs alone; else git's."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "omnibench", "provenance.py")
+    if os.path.isfile(path):
+        spec = importlib.util.spec_from_file_location("_omnibench_provenance", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.git_state()
+    sha = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if sha else None
+    return {"commit": sha, "dirty": None if status is None else bool(status)}
+
+
 def provenance(dev, argv: list[str] | None) -> dict:
     """The same fields as omnibench/provenance.py (this script imports nothing from the project, so
     that it runs from a bare copy): commit (+ dirty), torch, CUDA, driver, GPU, the command; None
     where unknown (no git checkout, no NVIDIA driver, a CPU run)."""
-    sha = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if sha else None
     info = device_info(dev)
     return {
-        "commit": sha, "dirty": None if status is None else bool(status),
+        **_commit_state(),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "driver": _driver() if dev.type == "cuda" else None,
         "gpu_name": info["name"] if dev.type == "cuda" else None,

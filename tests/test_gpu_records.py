@@ -136,6 +136,19 @@ def test_the_standalone_kernel_sweep_records_the_same_fields_without_importing_t
     assert set(GPU_FIELDS) <= set(prov)
 
 
+def test_the_kernel_sweep_names_the_commit_a_manifest_gives(tmp_path, monkeypatch):
+    """The first H200's sweep named the lent copy's .git (an older commit under changes), not the tree's
+    commit: the script now answers as the project does, reading OMNIBENCH_GIT_MANIFEST."""
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "benchmarks" / "gpu_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("ab" * 20 + "\n")  # a commit, and no file listed: nothing can differ
+    monkeypatch.setenv(MANIFEST_ENV, str(manifest))
+    prov = mod.provenance(torch.device("cpu"), ["--device", "cpu"])
+    assert prov["commit"] == "ab" * 20 and prov["dirty"] is False and "MANIFEST" in prov["commit_source"]
+
+
 def test_the_committed_gpu_records_are_labelled_by_what_they_lack_and_nothing_is_invented():
     for run in OLD_RUNS:
         prov = record_provenance(run)
