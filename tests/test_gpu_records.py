@@ -305,3 +305,11 @@ def test_the_h200_preset_meets_the_h200_runs_it_never_saw():
             assert abs(v.error) < 0.05, v
     for run in runs:
         assert 0.95 <= memory_check(run, "h200").ratio <= 1.05, run
+
+
+def test_the_simulators_measured_kernel_profiles_are_the_committed_sweeps():
+    """simulator/data/kernels/<gpu>-measured.json is what the simulator reads; results/calibration/<gpu>-kernels.json
+    is the record the tables quote: one sweep each, byte for byte."""
+    for gpu in ("h100", "h200"):
+        assert (ROOT / "simulator" / "data" / "kernels" / f"{gpu}-measured.json").read_bytes() == \
+            (ROOT / "results" / "calibration" / f"{gpu}-kernels.json").read_bytes(), gpu

@@ -3,8 +3,8 @@ results/calibration/h200-kernels.json): the simulator's H200 checked on runs it 
 machine model it had (the H100's measured kernels, element-wise work at the HBM3e's bandwidth) and the
 H200's own measured kernels; the kernel sweep beside the H100's, shape by shape; the LLM-only step.
 
-Every H200 run repeats an H100 record's command (same Plan, `omnibench.tables.gpu.plan_label`), so
-each H200/H100 ratio is measured like for like, and so is the simulator's.
+Every H200 run but the default repeats an H100 record's command (`h100_twin`), so each H200/H100 ratio
+is like for like in the Plan; the H100 records ran older code (the table names their commits).
 """
 
 from __future__ import annotations
