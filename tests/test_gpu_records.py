@@ -25,6 +25,7 @@ from omnibench.provenance import (
     provenance,
     record_provenance,
 )
+from omnibench.tables.gpu import gpu_of
 from simulator.calibrate import Profile, calibrate, fit_warnings, memory_check, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ GPU = ROOT / "results" / "gpu"
 PROFILE = ROOT / "results" / "calibration" / "h100-1gpu.json"
 ALL_RUNS = sorted(p.parent for p in GPU.glob("runs*/*/config.json"))
 # the H100's records (the profile and its tests are the H100's); the first H200's are tested apart
-H200_RUNS = [r for r in ALL_RUNS if "H200" in str(json.loads((r / "summary.json").read_text()).get("device_name"))]
+H200_RUNS = [r for r in ALL_RUNS if gpu_of(json.loads((r / "summary.json").read_text())) == "H200"]
 RUNS = [r for r in ALL_RUNS if r not in H200_RUNS]
 # written before records carried provenance (sessions of 2026-11-23); those after carry all of it
 OLD_RUNS = [r for r in RUNS if r.parent.name in ("runs", "runs-session2")]
@@ -124,11 +125,15 @@ def test_a_script_names_itself_as_the_command():
         "python benchmarks/gpu_llm_stack.py --compile"
 
 
-def test_the_standalone_kernel_sweep_records_the_same_fields_without_importing_the_project():
+def _kernel_sweep_script():
     spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "benchmarks" / "gpu_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    prov = mod.provenance(torch.device("cpu"), ["--device", "cpu", "--quick", "--out", "k.json"])
+    return mod
+
+
+def test_the_standalone_kernel_sweep_records_the_same_fields_without_importing_the_project():
+    prov = _kernel_sweep_script().provenance(torch.device("cpu"), ["--device", "cpu", "--quick", "--out", "k.json"])
     assert prov["command"] == "python benchmarks/gpu_kernels.py --device cpu --quick --out k.json"
     assert len(prov["commit"]) == 40 and isinstance(prov["dirty"], bool) and prov["torch"] == torch.__version__
     # a CPU run: no driver or GPU; the CUDA field is the build's (None for a CPU build of torch)
@@ -139,9 +144,7 @@ def test_the_standalone_kernel_sweep_records_the_same_fields_without_importing_t
 def test_the_kernel_sweep_names_the_commit_a_manifest_gives(tmp_path, monkeypatch):
     """The first H200's sweep named the lent copy's .git (an older commit under changes), not the tree's
     commit: the script now answers as the project does, reading OMNIBENCH_GIT_MANIFEST."""
-    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "benchmarks" / "gpu_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _kernel_sweep_script()
     manifest = tmp_path / "m.txt"
     manifest.write_text("ab" * 20 + "\n")  # a commit, and no file listed: nothing can differ
     monkeypatch.setenv(MANIFEST_ENV, str(manifest))

@@ -18,6 +18,7 @@ from omnibench.tables.gpu import (
     KERNELS,
     REPO_ROOT,
     GiB,
+    _mae,
     _read,
     _validations,
     _verification,
@@ -83,6 +84,11 @@ def _host_bound(r: dict) -> bool:
     return bool(r["chunk"])
 
 
+def _host_modelled() -> list[dict]:
+    """The H200 runs whose host the simulator models: the ones its error is summed over."""
+    return [r for r in h200_runs() if not _host_bound(r)]
+
+
 @table("h200-held-out")
 def h200_held_out() -> str:
     """The H200 runs against the simulator under both machine models, and the H200/H100 step ratios."""
@@ -99,16 +105,14 @@ def h200_held_out() -> str:
         mark = " (host-bound)" if _host_bound(r) else ""
         lines.append(f"| {plan_label(r)}{mark} | {n.measured_s:.3f} | {b.simulated_s:.3f} ({b.error:+.1%}) | "
                      f"{n.simulated_s:.3f} ({n.error:+.1%}) | {ratio} |")
-    kept = [r for r in h200_runs() if not _host_bound(r)]
-
-    def mae(vals):
-        return sum(abs(vals[r["path"]].error) for r in kept) / len(kept)
+    kept = _host_modelled()
 
     def worst(vals):
         return max((vals[r["path"]].error for r in kept), key=abs)
 
-    lines += ["", f"Over the {len(kept)} Plans whose host the simulator models: mean |error| {mae(before):.1%} "
-              f"(worst {worst(before):+.1%}) before, {mae(now):.1%} (worst {worst(now):+.1%}) with the H200's kernels. "
+    lines += ["", f"Over the {len(kept)} Plans whose host the simulator models: mean |error| {_mae(kept, before):.1%} "
+              f"(worst {worst(before):+.1%}) before, {_mae(kept, now):.1%} (worst {worst(now):+.1%}) with the H200's "
+              "kernels. "
               "Before: the H100's measured kernels (`h100-measured`), element-wise work "
               f"{BEFORE_MEMORY_SCALE:.3f}x faster (4.8 / 3.35 TB/s), nothing fitted to an H200; now: the H200's own sweep "
               f"(`{H200_KERNELS}`), nothing fitted to these runs either. Step times: medians over each run's steps "
@@ -199,11 +203,10 @@ def h200_whole_step() -> str:
 @table("h200-summary")
 def h200_summary() -> str:
     """One line for the README: the held-out check and the H200's MFU figures."""
-    before, now = _checks(True), _checks(False)
-    kept = [r for r in h200_runs() if not _host_bound(r)]
+    kept = _host_modelled()
     by_name = {r["name"]: r["summary"] for r in h200_runs()}
     text, default = by_name["homogeneous-text_only"], by_name["omni-mixed_video"]
-    mae = [sum(abs(v[r["path"]].error) for r in kept) / len(kept) for v in (before, now)]
+    mae = [_mae(kept, _checks(before)) for before in (True, False)]
     return (f"on {len(kept)} H200 runs it never saw, the simulator's step time was {mae[0]:.1%} off (mean) with the "
             f"H100's kernels scaled and is {mae[1]:.1%} with the H200's own; LLM-only {text['mfu']:.1%} MFU "
             f"({text['model']}), the CUDA default on mixed_video {default['mfu']:.1%} ({default['model']}, recompute "
