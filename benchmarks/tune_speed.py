@@ -18,6 +18,9 @@ routes per sample count), `omni_av-1024` (colocated and omni at 1,024 GPUs, the 
 reproduce's stages), `mixed_video-8192` (omni alone in reproduce's largest stage, where its planner
 weighs splitting the long samples) and `image_sft-h200-1024` (every system on 1,024 H200s, reproduce's
 stage on the second machine, whose kernels are the H100's scaled); the default run times the first two.
+Two cases are the untuned command as a user types it, the layout checked and `--recompute auto` settled by
+the memory estimate of each cheaper mode before the step (omnibench/resolve.py): `simulate-16384` (omni
+at 16,384 GPUs) and `simulate-five-1024` (every system at 1,024 GPUs).
 """
 
 from __future__ import annotations
@@ -41,18 +44,24 @@ CASES = {
                          "largest-mixed_video-8192-b4s.json"),
     "image_sft-h200-1024": (["--workload", "image_sft", "--system", "homogeneous,temporal,colocated,noncolocated,omni",
                              "--gpus", "1024", "--hardware", "h200"], "tuned-image_sft-h200-b4s.json"),
+    # the command as a user types it (no tune): the default layout, recompute `auto` settled by the memory
+    # estimate of each cheaper mode (omnibench/resolve.py), then the step
+    "simulate-16384": (["--workload", "mixed_video", "--system", "omni", "--gpus", "16384"], None),
+    "simulate-five-1024": (["--workload", "mixed_video", "--system", "homogeneous,temporal,colocated,noncolocated,omni",
+                            "--gpus", "1024"], None),
 }
 
 
 def run_case(tree: str, case: str, workers: int = 1) -> tuple[float, list]:
-    """(CPU seconds, [(system, layout, step s)]) of one tune of `case` with the code of `tree`."""
+    """(CPU seconds, [(system, layout, recompute, step s)]) of `case` (a tune, or the untuned command) with the code
+    of `tree`."""
     args, seeds = CASES[case]
     with tempfile.TemporaryDirectory() as tmp:
         machine = [] if "--hardware" in args else H100
-        cmd = [sys.executable, "-m", "omnibench", "simulate", *args, *machine, "--model", "omni-7b",
-               "--tuned", "--tune-budget", "4", "--tune-cache", os.path.join(tmp, "cache"), "--out",
-               os.path.join(tmp, "out"), "--no-cache", "--workers", str(workers), "--seed-from", os.path.join(SEEDS, seeds),
-               "--json"]
+        tune = [] if seeds is None else ["--tuned", "--tune-budget", "4", "--tune-cache", os.path.join(tmp, "cache"),
+                                         "--seed-from", os.path.join(SEEDS, seeds)]
+        cmd = [sys.executable, "-m", "omnibench", "simulate", *args, *machine, "--model", "omni-7b", *tune, "--out",
+               os.path.join(tmp, "out"), "--no-cache", "--workers", str(workers), "--json"]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -61,7 +70,7 @@ def run_case(tree: str, case: str, workers: int = 1) -> tuple[float, list]:
         raise SystemExit(f"{tree}: {case} failed: {tail}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     out = json.loads(res.stdout)
-    return cpu, [(r["system"], r["layout"], r["step_time_s"]) for r in out["results"]]
+    return cpu, [(r["system"], r["layout"], r.get("recompute"), r["step_time_s"]) for r in out["results"]]
 
 
 def main() -> None:

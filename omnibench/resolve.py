@@ -17,6 +17,7 @@ No torch here: planners and the simulator only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
@@ -98,25 +99,30 @@ def default_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
 
 
 def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batches: Sequence[Batch], cluster,
-                encoder_chunk_tokens: int = 0) -> tuple[float, int]:
+                encoder_chunk_tokens: int = 0, over: float = math.inf) -> tuple[float, int]:
     """(bytes, rank): the most loaded rank's peak over `batches`, as the simulator counts it for
-    `parallel` (its recompute mode) on `cluster`."""
-    from simulator.engine import Engine, SimOptions
+    `parallel` (its recompute mode) on `cluster` (`Engine.peak_memory`: the step's programs, not its
+    play). `over`: where some rank needs more, that rank's need (the layout does not fit `over`; the
+    rest is not looked at)."""
+    from simulator.engine import Engine, SimOptions, offer_engine
     from systems import get_planner, offer_plan
 
     planner = get_planner(system)
     options = SimOptions(recompute=parallel.recompute, check_memory=False, encoder_chunk_tokens=encoder_chunk_tokens,
                          mixed_precision=parallel.mixed_precision)
     tops: dict[int, tuple[float, int]] = {}
-    # the first batch last: its plan is then offered to the caller, which plans that step next
+    # the first batch last: its plan (and the programs built for it) is then offered to the caller,
+    # which plans and simulates that step next
     for k in [*range(1, len(batches)), 0][:len(batches)]:
         plan = planner.plan(model, parallel, batches[k])
-        result = Engine(plan, model, cluster, options=options).run()
-        top = max(result.ranks, key=lambda r: r.memory_needed)  # the fits check's figure (check_fit)
-        tops[k] = top.memory_needed, top.rank
+        engine = Engine(plan, model, cluster, options=options)
+        tops[k] = engine.peak_memory(over)
+        if tops[k][0] > over:
+            return tops[k]
         if k == 0:
             offer_plan(planner, model, parallel, batches[0], plan)
-        del plan, result
+            offer_engine(engine)
+        del plan, engine
     worst, rank = 0.0, 0
     for k in range(len(batches)):
         if tops[k][0] > worst:
@@ -152,16 +158,20 @@ def resolve_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
                         encoder_chunk_tokens=encoder_chunk_tokens)
     first = list(batches[:ESTIMATE_STEPS])
     modes = recompute_modes(model, [x for b in first for x in b.samples]) if mode == AUTO else [mode]
+    trials = [(m, chunk) for m in modes for chunk in (chunk_options(m) if chunk_options else (encoder_chunk_tokens,))]
+    # the one trial whose estimate is answered when none fits (auto: the last, the most recomputation;
+    # a given mode: its first); every other one only has to be found over the budget, which its first
+    # rank over it shows
+    reported = len(trials) - 1 if mode == AUTO else 0
     tried = None
-    for m in modes:
-        for chunk in (chunk_options(m) if chunk_options else (encoder_chunk_tokens,)):
-            trial = replace(laid, recompute=m)
-            trial.validate(model)
-            peak, rank = peak_memory(system, model, trial, first, cluster, chunk)
-            got = Resolved(trial, note, chunk, peak, rank, budget, peak <= budget, chosen=mode == AUTO)
-            if got.fits:
-                return got
-            tried = tried or got
+    for i, (m, chunk) in enumerate(trials):
+        trial = replace(laid, recompute=m)
+        trial.validate(model)
+        peak, rank = peak_memory(system, model, trial, first, cluster, chunk, math.inf if i == reported else budget)
+        got = Resolved(trial, note, chunk, peak, rank, budget, peak <= budget, chosen=mode == AUTO)
+        if got.fits:
+            return got
+        tried = tried or got
     if mode == AUTO:  # nothing fits: the most recomputation, and how far over it is
         return replace(got, fits=False)
     return tried

@@ -22,6 +22,7 @@ import itertools
 import math
 import time
 from collections import defaultdict, deque
+from dataclasses import replace
 
 from omnibench.plan import (
     BACKWARD,
@@ -106,6 +107,13 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self.message_tokens: dict[tuple, int] = defaultdict(int)
         for r in plan.routes:
             self.message_tokens[(r.module, r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)] += r.tokens
+        # what `peak_memory` builds before any play, kept for a `run` of the same engine (`offer_engine`):
+        # the classes, each class's program and its memory figures, and the seconds they took
+        self._reps: tuple[dict[int, int], list[int], dict[int, int]] | None = None
+        self._programs: dict[int, list] = {}
+        self._memory_stats: dict[int, RankStats] = {}
+        self._built_s = 0.0
+        self.default_costs = compute is None and collectives is None
 
     def _memo(self, key: tuple, compute, *args):
         """compute(self, *args), worked out once per run under `key`."""
@@ -151,19 +159,60 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
     def run(self) -> SimResult:
         return self._run()
 
-    def _run(self) -> SimResult:
+    def _classes(self) -> tuple[dict[int, int], list[int], dict[int, int]]:
+        """(rank -> its class's representative, the representatives in order, members per class)."""
+        if self._reps is None:
+            cls = self.classes()
+            members: dict[int, int] = defaultdict(int)
+            for c in cls.values():
+                members[c] += 1
+            self._reps = cls, sorted(members), members
+        return self._reps
+
+    def _program_of(self, rep: int, cls: dict[int, int]) -> list:
+        got = self._programs.get(rep)
+        if got is None:
+            got = self._programs[rep] = self.program(rep, cls)
+        return got
+
+    def _class_memory(self, rep: int, members: int, ops: list) -> RankStats:
+        """A class's stats with its memory figures filled in (the rest are the play's)."""
+        st = self._memory_stats.pop(rep, None)
+        if st is None:
+            st = RankStats(rank=rep, members=members)
+            self._rank_memory(st, rep, *activation_peak(ops))
+        return st
+
+    @_gc_paused
+    def peak_memory(self, over: float = math.inf) -> tuple[float, int]:
+        """(bytes, rank): the most loaded class's `memory_needed` (the fits check's figure, `check_fit`;
+        the first such class in rank order, as `max` over a result's ranks finds it) and its
+        representative, without playing the step: memory depends on the order of a rank's actions,
+        never on times. `over`: stop at the first class that needs more than it and answer that one
+        (the step cannot fit `over`), the later classes' programs not built. What was built is kept
+        for a `run` of this engine, which then only plays."""
         t0 = time.perf_counter()
-        cls = self.classes()
-        reps = sorted(set(cls.values()))
-        members: dict[int, int] = defaultdict(int)
-        for c in cls.values():
-            members[c] += 1
-        programs = {r: self.program(r, cls) for r in reps}
-        stats = {r: RankStats(rank=r, members=members[r]) for r in reps}
+        cls, reps, members = self._classes()
+        worst, at = -math.inf, 0
+        for r in reps:
+            st = self._memory_stats.get(r)
+            if st is None:
+                st = self._memory_stats[r] = self._class_memory(r, members[r], self._program_of(r, cls))
+            if st.memory_needed > worst:
+                worst, at = st.memory_needed, r
+                if worst > over:
+                    break
+        self._built_s += time.perf_counter() - t0
+        return (worst, at) if reps else (0.0, 0)
+
+    def _run(self) -> SimResult:
+        t0 = time.perf_counter() - self._built_s  # a simulation's seconds include what peak_memory built for it
+        cls, reps, members = self._classes()
+        programs = {r: self._program_of(r, cls) for r in reps}
+        self._programs = {}
+        stats = {r: self._class_memory(r, members[r], programs[r]) for r in reps}
         spans: list[Span] = []
         self._play(reps, programs, stats, spans)
-        for r in reps:
-            self._rank_memory(stats[r], r, *activation_peak(programs[r]))
         return self._result(reps, stats, spans, t0)
 
     def _play(self, reps: list[int], programs: dict[int, list], stats: dict[int, RankStats],
@@ -504,6 +553,39 @@ def activation_peak(ops: list) -> tuple[float, object]:
     return peak_live, peak_at
 
 
+_spare_engine: list[Engine] = []
+
+
+def offer_engine(engine: Engine) -> None:
+    """Hand `engine` (its plan's classes and programs built by `Engine.peak_memory`, not played) to the
+    next `simulate` of the very same plan object under the same costs: a command that checks a layout's
+    memory and then simulates that step (omnibench/resolve.py, with `systems.offer_plan` for the plan)
+    then builds the step's programs once, not twice. One engine is kept; a newer offer replaces it."""
+    _spare_engine[:] = [engine]
+
+
+def drop_spare_engine() -> None:
+    _spare_engine.clear()
+
+
+def _take_spare_engine(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, options: SimOptions) -> Engine | None:
+    """The offered engine if it was made for `plan` itself with the default costs of an equal model and
+    cluster and equal options but for the fits check's (`check_memory`, `memory_error`: they decide
+    nothing before the result), which then become `options`'. Taken or not, the offer is dropped."""
+    try:
+        e = _spare_engine.pop()
+    except IndexError:  # none offered (or another thread took it)
+        return None
+    same = (e.plan is plan and e.default_costs and (e.model is model or e.model == model)
+            and (e.cluster is cluster or e.cluster == cluster)
+            and replace(e.options, check_memory=True, memory_error=0.0)
+            == replace(options, check_memory=True, memory_error=0.0))
+    if not same:
+        return None
+    e.options = options
+    return e
+
+
 def simulate(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, *, calibration=None,
              options: SimOptions = SimOptions()) -> SimResult:
     """Simulate one step of `plan`; `calibration` is a `simulator.calibrate.Profile` or None (datasheet)."""
@@ -511,4 +593,8 @@ def simulate(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, *, calibra
     if calibration is not None:
         compute = calibration.compute_model(cluster)
         collectives = calibration.collective_model(cluster)
+    else:
+        spare = _take_spare_engine(plan, model, cluster, options)
+        if spare is not None:
+            return spare.run()
     return Engine(plan, model, cluster, compute, collectives, options).run()

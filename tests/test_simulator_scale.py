@@ -149,3 +149,62 @@ def test_layout_groups_are_the_ranks_sharing_every_other_coordinate(shape):
         assert all(lay.group(r, dim) in lay.groups(dim) and r in lay.group(r, dim) for r in lay.ranks)
     assert lay.fsdp_groups() == by_definition(lay.fsdp_dims)
     assert all(lay.coord(r, d) == coords[r][d] for r in lay.ranks for d in lay.mesh_dims)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 4, 6, 9, 11, 12)],
+                         ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-{c[4]}-{c[5]}-{c[7]}")
+def test_memory_checked_before_the_play_is_the_steps_and_the_play_after_it_is_a_fresh_engines(case):
+    # omnibench/resolve.py checks a layout's memory with Engine.peak_memory (programs, no play) and hands
+    # that engine to the step's simulation (offer_engine): the same figures as one engine run once
+    system, model_name, workload, hardware, gpus, layout, recompute, options, tokens = case
+    model = get_model(model_name)
+    cluster = load_cluster(hardware, gpus)
+    plan = _plan(system, model, workload, hardware, gpus, layout, tokens)
+    opts = SimOptions(recompute=recompute, **options)
+    fresh = Engine(plan, model, cluster, options=opts).run()
+    top = max(fresh.ranks, key=lambda r: r.memory_needed)
+    checked = Engine(plan, model, cluster, options=opts)
+    assert checked.peak_memory() == (top.memory_needed, top.rank)
+    again = checked.run()
+    assert again.step_time == fresh.step_time
+    assert [vars(r) for r in again.ranks] == [vars(r) for r in fresh.ranks]
+    assert _spans(again) == _spans(fresh)
+    assert again.metrics() | {"sim_seconds": 0} == fresh.metrics() | {"sim_seconds": 0}
+    # asked only whether it fits under less than its peak: it stops at the first class over it
+    lower = Engine(plan, model, cluster, options=opts)
+    need, rank = lower.peak_memory(over=top.memory_needed * 0.999)
+    assert need > top.memory_needed * 0.999
+    first_over = next(r for r in fresh.ranks if r.memory_needed > top.memory_needed * 0.999)
+    assert (need, rank) == (first_over.memory_needed, first_over.rank)
+    assert len(lower._memory_stats) == [r.rank for r in fresh.ranks].index(rank) + 1
+    assert lower.run().step_time == fresh.step_time  # the rest built when it is played after all
+
+
+def test_simulate_plays_an_offered_engine_only_for_its_own_plan_and_costs():
+    from dataclasses import replace
+
+    from simulator.engine import _spare_engine, offer_engine, simulate
+
+    model, cluster = get_model("omni-7b"), load_cluster("h100", 32)
+    plan = _plan("omni", model, "mixed_video", "h100", 32, "default", 4096)
+    opts = SimOptions(recompute="full")
+    fresh = Engine(plan, model, cluster, options=opts).run()
+    other = _plan("omni", model, "mixed_video", "h100", 32, "default", 4096)  # equal, but not the same object
+
+    def offered(check_opts):
+        e = Engine(plan, model, cluster, options=check_opts)
+        e.peak_memory()
+        offer_engine(e)
+        return e
+
+    for target, sim_opts, taken in ((plan, replace(opts, memory_error=0.2), True), (other, opts, False),
+                                    (plan, replace(opts, stack="fused"), False)):
+        e = offered(replace(opts, check_memory=False))
+        got = simulate(target, model, cluster, options=sim_opts)
+        assert not _spare_engine  # taken or dropped
+        assert (e._reps is not None and not e._memory_stats) is taken  # played: its memory figures used
+        if sim_opts.stack == "eager":
+            assert got.step_time == fresh.step_time and [vars(r) for r in got.ranks] == [vars(r) for r in fresh.ranks]
+        if taken:
+            assert got.fits == (max(r.memory_needed for r in got.ranks) * 1.2 <= cluster.gpu.memory_bytes)
+            assert got.sim_seconds >= e._built_s > 0
