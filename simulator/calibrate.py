@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import curve_fit, least_squares, lsq_linear
 
+# scipy.optimize is imported by the fitting functions alone: at module level it cost every command that
+# reads a profile (simulate, tune) 0.35 s of start-up
 from omnibench.plan import BACKWARD, BOUNDARY, FORWARD, GRAD_SYNC, OPTIMIZER_STEP, RECV, SEND, Action
 from omnibench.specs.model import MultimodalSpec
 from simulator.collectives import CollectiveModel
@@ -279,6 +280,8 @@ def fit_compute(points: list[tuple], peak_flops: float, robust: bool = True) -> 
     call), so a bounded linear least squares gives the start; scipy's curve_fit then refines it
     with a robust loss. A regressor that is zero on every point gets a zero coefficient.
     """
+    from scipy.optimize import curve_fit, lsq_linear
+
     a = np.array(points, dtype=float)
     x_cols = a[:, :-1]
     x_cols = np.column_stack([x_cols, np.zeros((len(a), 6 - x_cols.shape[1]))]) if x_cols.shape[1] < 6 else x_cols
@@ -545,6 +548,8 @@ def fit_optimizer(points: list[tuple]) -> tuple[tuple[float, ...], dict]:
     """time = a + b * params + c * sharded layers + d * plain layers (non-negative, robust). A term no
     data constrains is fixed at 0 and named in the stats' "fixed_at_zero" (fitting it would give any
     value at all, e.g. 1e32 ms per sharded layer from runs without FSDP)."""
+    from scipy.optimize import least_squares, lsq_linear
+
     a = np.array(points, dtype=float)
     y = a[:, -1]
     design = np.column_stack([np.ones_like(y), a[:, :-1]])
@@ -615,6 +620,8 @@ def fit_collectives(points: list[tuple], mean: bool = False) -> tuple[dict[str, 
     moved / beta, over relative residuals with a robust loss (a loaded host delays a few messages
     by whole scheduler slices); `mean`: plain least squares on seconds instead, for costs that
     enter every step many times over, so that their mean, not their typical value, is what counts."""
+    from scipy.optimize import least_squares, lsq_linear
+
     out, stats = {}, {}
     for where in ("intra", "inter"):
         rows = [p for p in points if p[0] == where]
@@ -646,6 +653,8 @@ def fit_inline(points: list[tuple]) -> tuple[dict[str, tuple[float, float]], flo
     compute (the last term: peers waiting for each other layer by layer, in proportion to the
     work). Plain least squares on seconds: these waits enter every step many times over, so their
     mean is what a step time needs. Returns ({placement: (alpha, beta)}, skew, stats)."""
+    from scipy.optimize import lsq_linear
+
     rows = [p for p in points if len(p) > 5]
     if len(rows) < 3:
         return {}, 0.0, {}
