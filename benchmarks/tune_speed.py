@@ -20,7 +20,7 @@ weighs splitting the long samples) and `image_sft-h200-1024` (every system on 1,
 stage on the second machine, whose kernels are the H100's scaled); the default run times the first two.
 Two cases are the untuned command as a user types it, the layout checked and `--recompute auto` settled by
 the memory estimate of each cheaper mode before the step (omnibench/resolve.py): `simulate-16384` (omni
-at 16,384 GPUs) and `simulate-five-1024` (every system at 1,024 GPUs).
+at 16,384 GPUs; `simulate-131072` the same at 131,072) and `simulate-five-1024` (every system at 1,024 GPUs).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ CASES = {
     # the command as a user types it (no tune): the default layout, recompute `auto` settled by the memory
     # estimate of each cheaper mode (omnibench/resolve.py), then the step
     "simulate-16384": (["--workload", "mixed_video", "--system", "omni", "--gpus", "16384"], None),
+    "simulate-131072": (["--workload", "mixed_video", "--system", "omni", "--gpus", "131072"], None),
     "simulate-five-1024": (["--workload", "mixed_video", "--system", "homogeneous,temporal,colocated,noncolocated,omni",
                             "--gpus", "1024"], None),
 }
