@@ -104,9 +104,10 @@ def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batc
     `parallel` (its recompute mode) on `cluster` (`Engine.peak_memory`: the step's programs, not its
     play). `over`: where some rank needs more, that rank's need (the layout does not fit `over`; the
     rest is not looked at)."""
-    from simulator.engine import Engine, SimOptions, offer_engine
+    from simulator.engine import Engine, SimOptions, drop_spare_engine, offer_engine
     from systems import get_planner, offer_plan
 
+    drop_spare_engine()  # an engine offered for an earlier check is not held while this one builds its own
     planner = get_planner(system)
     options = SimOptions(recompute=parallel.recompute, check_memory=False, encoder_chunk_tokens=encoder_chunk_tokens,
                          mixed_precision=parallel.mixed_precision)
