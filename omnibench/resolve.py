@@ -101,7 +101,7 @@ def default_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
 def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batches: Sequence[Batch], cluster,
                 encoder_chunk_tokens: int = 0, over: float = math.inf) -> tuple[float, int]:
     """(bytes, rank): the most loaded rank's peak over `batches`, as the simulator counts it for
-    `parallel` (its recompute mode) on `cluster` (`Engine.peak_memory`: the step's programs, not its
+    `parallel` (its recompute mode) on `cluster` (`Engine.peak_needed`: the step's programs, not its
     play). `over`: where some rank needs more, that rank's need (the layout does not fit `over`; the
     rest is not looked at)."""
     from simulator.engine import Engine, SimOptions, drop_spare_engine, offer_engine
@@ -117,11 +117,12 @@ def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batc
     for k in [*range(1, len(batches)), 0][:len(batches)]:
         plan = planner.plan(model, parallel, batches[k])
         engine = Engine(plan, model, cluster, options=options)
-        tops[k] = engine.peak_memory(over)
+        tops[k] = engine.peak_needed(over)
+        if k == 0:  # (a planner that does not read the recompute mode plans the next mode's step with it too)
+            offer_plan(planner, model, parallel, batches[0], plan)
         if tops[k][0] > over:
             return tops[k]
         if k == 0:
-            offer_plan(planner, model, parallel, batches[0], plan)
             offer_engine(engine)
         del plan, engine
     worst, rank = 0.0, 0

@@ -107,7 +107,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self.message_tokens: dict[tuple, int] = defaultdict(int)
         for r in plan.routes:
             self.message_tokens[(r.module, r.src_rank, r.src_microbatch, r.dst_rank, r.dst_microbatch)] += r.tokens
-        # what `peak_memory` builds before any play, kept for a `run` of the same engine (`offer_engine`):
+        # what `peak_needed` builds before any play, kept for a `run` of the same engine (`offer_engine`):
         # the classes, each class's program and its memory figures, and the seconds they took
         self._reps: tuple[dict[int, int], list[int], dict[int, int]] | None = None
         self._programs: dict[int, list] = {}
@@ -184,7 +184,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         return st
 
     @_gc_paused
-    def peak_memory(self, over: float = math.inf) -> tuple[float, int]:
+    def peak_needed(self, over: float = math.inf) -> tuple[float, int]:
         """(bytes, rank): the most loaded class's `memory_needed` (the fits check's figure, `check_fit`;
         the first such class in rank order, as `max` over a result's ranks finds it) and its
         representative, without playing the step: memory depends on the order of a rank's actions,
@@ -206,7 +206,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         return (worst, at) if reps else (0.0, 0)
 
     def _run(self) -> SimResult:
-        t0 = time.perf_counter() - self._built_s  # a simulation's seconds include what peak_memory built for it
+        t0 = time.perf_counter() - self._built_s  # a simulation's seconds include what peak_needed built for it
         cls, reps, members = self._classes()
         programs = {r: self._program_of(r, cls) for r in reps}
         self._programs = {}
@@ -557,7 +557,7 @@ _spare_engine: list[Engine] = []
 
 
 def offer_engine(engine: Engine) -> None:
-    """Hand `engine` (its plan's classes and programs built by `Engine.peak_memory`, not played) to the
+    """Hand `engine` (its plan's classes and programs built by `Engine.peak_needed`, not played) to the
     next `simulate` of the very same plan object under the same costs: a command that checks a layout's
     memory and then simulates that step (omnibench/resolve.py, with `systems.offer_plan` for the plan)
     then builds the step's programs once, not twice. One engine is kept; a newer offer replaces it."""

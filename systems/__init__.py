@@ -10,6 +10,7 @@ import contextlib
 import functools
 import gc
 import importlib
+from dataclasses import replace
 from typing import Protocol
 
 from omnibench.plan import Plan
@@ -20,6 +21,9 @@ from workloads.sample import Batch
 
 class Planner(Protocol):
     name: str
+    # False where no plan reads `parallel.recompute` (only the engine prices it): a spare plan then serves
+    # a call that differs from its maker in the recompute mode alone (`_take_spare`)
+    reads_recompute: bool
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan: ...
 
@@ -60,7 +64,8 @@ _spare: list[tuple] = []
 
 def offer_plan(planner: Planner, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, plan: Plan) -> None:
     """Hand `plan` (which `planner` made from these inputs, and which its caller keeps no reference
-    to and has not changed) to the next `plan` call with equal inputs."""
+    to and has not changed) to the next `plan` call with equal inputs (equal but for the recompute mode
+    where the planner does not read it: `Planner.reads_recompute`)."""
     _spare[:] = [(type(planner), _config(planner), model, parallel, batch, plan)]
 
 
@@ -78,6 +83,8 @@ def _take_spare(planner, model, parallel, batch) -> Plan | None:
     if not _spare:
         return None
     kind, config, m, p, b, plan = _spare.pop()
+    if not getattr(planner, "reads_recompute", True):
+        p = replace(p, recompute=parallel.recompute)
     if (kind is type(planner) and config is _config(planner) and (m is model or m == model)
             and (p is parallel or p == parallel) and (b is batch or b == batch)):
         return plan

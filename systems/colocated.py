@@ -37,6 +37,7 @@ from workloads.sample import Batch
 
 class ColocatedPlanner:
     name = "colocated"
+    reads_recompute = False  # its plans are the same for every recompute mode (systems.offer_plan)
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
         resolve_common(model, parallel, batch)

@@ -20,6 +20,7 @@ from workloads.sample import Batch
 
 class HomogeneousPlanner:
     name = "homogeneous"
+    reads_recompute = False  # its plans are the same for every recompute mode (systems.offer_plan)
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
         return finish(plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=parallel.tp))

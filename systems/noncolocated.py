@@ -89,6 +89,7 @@ def split_ranks(model: MultimodalSpec, parallel: ParallelSpec) -> int:
 
 class NoncolocatedPlanner:
     name = "noncolocated"
+    reads_recompute = False  # its plans are the same for every recompute mode (systems.offer_plan)
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
         resolve_common(model, parallel, batch)

@@ -31,6 +31,7 @@ from workloads.sample import Batch
 
 class TemporalPlanner:
     name = "temporal"
+    reads_recompute = False  # its plans are the same for every recompute mode (systems.offer_plan)
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
         if parallel.pp != 1:

@@ -61,3 +61,50 @@ def test_auto_hands_the_chosen_modes_plan_of_the_first_batch_over():
     taken = get_planner("omni").plan(model, res.parallel, batches[0])
     assert taken is spare
     assert taken.to_json() == get_planner("omni").plan(model, res.parallel, batches[0]).to_json()
+
+
+def _priced(system: str, gpus: int) -> ParallelSpec:
+    """A layout's spec with the planner options `simulate --hardware h100` gives (omni prices its
+    encoder work with the run's recompute mode on that hardware)."""
+    from omnibench.cli.simulate import planner_options
+
+    return ParallelSpec(world_size=gpus, options=planner_options(system, {}, "h100"))
+
+
+@pytest.mark.parametrize("system", ["homogeneous", "temporal", "colocated", "noncolocated"])
+def test_a_planner_that_says_it_does_not_read_recompute_plans_the_same_step_in_every_mode(system):
+    model, batch = get_model("omni-7b"), WorkloadStream("omni_av", seed=0, global_batch_tokens=8192 * 32).batch(0)
+    planner = get_planner(system)
+    assert planner.reads_recompute is False
+    parallel, _ = with_default_layout(system, model, _priced(system, 32), batch)
+    systems.drop_spare_plan()
+    plans = {m: get_planner(system).plan(model, replace(parallel, recompute=m), batch).to_json()
+             for m in ("none", "vision=full", "llm=full", "full")}
+    assert len(set(plans.values())) == 1
+
+
+def test_omni_reads_recompute():
+    model, batch = get_model("omni-7b"), WorkloadStream("mixed_video", seed=0, global_batch_tokens=8192 * 32).batch(0)
+    assert getattr(get_planner("omni"), "reads_recompute", True)
+    parallel, _ = with_default_layout("omni", model, _priced("omni", 32), batch)
+    none, full = (get_planner("omni").plan(model, replace(parallel, recompute=m), batch).to_json()
+                  for m in ("none", "full"))
+    assert none != full  # its prices hold the recomputed forward: a spare of another mode would be wrong
+
+
+def test_auto_plans_a_baselines_step_once_for_every_mode_it_checks(monkeypatch):
+    model, batch = get_model("omni-7b"), WorkloadStream("mixed_video", seed=0, global_batch_tokens=8192 * 64).batch(0)
+    cluster = load_cluster("h100", 64)
+    took: list[bool] = []
+    take = systems._take_spare
+
+    def counted(planner, model, parallel, batch):
+        got = take(planner, model, parallel, batch)
+        took.append(got is not None)
+        return got
+
+    monkeypatch.setattr(systems, "_take_spare", counted)
+    res = resolve_layout("homogeneous", model, _priced("homogeneous", 64), [batch], cluster, recompute="auto")
+    assert res.recompute != "none" and len(took) >= 3  # the layout check, then a plan per mode checked
+    assert took[0] is False and all(took[1:])  # planned once: every mode's check took the layout check's plan
+    assert get_planner("homogeneous").plan(model, res.parallel, batch) is not None and took[-1]

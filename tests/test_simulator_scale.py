@@ -154,7 +154,7 @@ def test_layout_groups_are_the_ranks_sharing_every_other_coordinate(shape):
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 4, 6, 9, 11, 12)],
                          ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-{c[4]}-{c[5]}-{c[7]}")
 def test_memory_checked_before_the_play_is_the_steps_and_the_play_after_it_is_a_fresh_engines(case):
-    # omnibench/resolve.py checks a layout's memory with Engine.peak_memory (programs, no play) and hands
+    # omnibench/resolve.py checks a layout's memory with Engine.peak_needed (programs, no play) and hands
     # that engine to the step's simulation (offer_engine): the same figures as one engine run once
     system, model_name, workload, hardware, gpus, layout, recompute, options, tokens = case
     model = get_model(model_name)
@@ -164,7 +164,7 @@ def test_memory_checked_before_the_play_is_the_steps_and_the_play_after_it_is_a_
     fresh = Engine(plan, model, cluster, options=opts).run()
     top = max(fresh.ranks, key=lambda r: r.memory_needed)
     checked = Engine(plan, model, cluster, options=opts)
-    assert checked.peak_memory() == (top.memory_needed, top.rank)
+    assert checked.peak_needed() == (top.memory_needed, top.rank)
     again = checked.run()
     assert again.step_time == fresh.step_time
     assert [vars(r) for r in again.ranks] == [vars(r) for r in fresh.ranks]
@@ -172,7 +172,7 @@ def test_memory_checked_before_the_play_is_the_steps_and_the_play_after_it_is_a_
     assert again.metrics() | {"sim_seconds": 0} == fresh.metrics() | {"sim_seconds": 0}
     # asked only whether it fits under less than its peak: it stops at the first class over it
     lower = Engine(plan, model, cluster, options=opts)
-    need, rank = lower.peak_memory(over=top.memory_needed * 0.999)
+    need, rank = lower.peak_needed(over=top.memory_needed * 0.999)
     assert need > top.memory_needed * 0.999
     first_over = next(r for r in fresh.ranks if r.memory_needed > top.memory_needed * 0.999)
     assert (need, rank) == (first_over.memory_needed, first_over.rank)
@@ -193,7 +193,7 @@ def test_simulate_plays_an_offered_engine_only_for_its_own_plan_and_costs():
 
     def offered(check_opts):
         e = Engine(plan, model, cluster, options=check_opts)
-        e.peak_memory()
+        e.peak_needed()
         offer_engine(e)
         return e
 
