@@ -3,6 +3,7 @@
     python benchmarks/sim_scale.py [--gpus 1024,16384,131072] [--limit-s 600]
     python benchmarks/sim_scale.py --gpus 16384 --profile 30     # where the time goes (cProfile: layout, plan, sim)
     python benchmarks/sim_scale.py --reference --gpus 1024,4096  # the simpy loop (SimpyEngine)
+    python benchmarks/sim_scale.py --recompute auto --gpus 1024,16384  # the command as typed: recompute settled
 
 One omni `mixed_video` step with full recomputation (the issue's reference case) per size, each in
 a fresh process so its peak memory (max RSS) is its own, and then all five systems at 1,024 GPUs
@@ -12,7 +13,9 @@ layout, checked by planning the step), planning (the check's plan handed over, `
 `--plan-twice` plans again, as before), simulation (`sim`: the issue's
 `sim_seconds`), their total, max RSS, and the total's ratio to the 1,024-GPU total (wall / CPU). Every phase is
 given in wall seconds and in CPU seconds of the process: on a shared host the wall clock also
-counts other work, the CPU time does not. Targets printed beside the figures: 16,384 GPUs in
+counts other work, the CPU time does not. `--recompute auto` times the command as a user types it
+instead: the layout phase then also checks each cheaper recompute mode's memory (omnibench/resolve.py),
+and the step plays the engine that checked the chosen one. Targets printed beside the figures: 16,384 GPUs in
 <= 10 s and <= 4x the 1,024 time, 131,072 in <= 60 s and <= 4 GB, all five at 1,024 in <= 5 s
 together. A size that runs past `--limit-s` is reported as such, not guessed.
 """
@@ -34,7 +37,7 @@ PHASES = ("batch", "layout", "plan", "sim")
 
 
 def one(system: str, gpus: int, workload: str, model_name: str, reference: bool = False, profile: int = 0,
-        plan_twice: bool = False) -> dict:
+        plan_twice: bool = False, recompute: str = "full") -> dict:
     """Generate, check the default layout, plan and simulate one step; wall and CPU seconds."""
     import resource
 
@@ -43,7 +46,7 @@ def one(system: str, gpus: int, workload: str, model_name: str, reference: bool 
     from omnibench.resolve import resolve_layout
     from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
-    from simulator.engine import Engine, SimOptions
+    from simulator.engine import Engine, SimOptions, simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
     from workloads.stream import WorkloadStream
@@ -81,12 +84,16 @@ def one(system: str, gpus: int, workload: str, model_name: str, reference: bool 
     # in one pause of the cyclic GC, as `simulate` holds one over a step's layout, planning and simulation
     with systems.cyclic_gc_paused():
         parallel = timed("layout", lambda: resolve_layout(system, model, given, [batch], cluster,
-                                                          recompute="full")).parallel
+                                                          recompute=recompute)).parallel
         if plan_twice:
             systems.drop_spare_plan()
         plan = timed("plan", lambda: get_planner(system).plan(model, parallel, batch))
-        r = timed("sim", lambda: engine(plan, model, cluster, options=SimOptions(recompute="full")).run())
+        opts = SimOptions(recompute=parallel.recompute)
+        # `simulate` plays the engine that checked the chosen mode's memory (recompute auto), as the command does
+        r = timed("sim", lambda: engine(plan, model, cluster, options=opts).run() if reference
+                  else simulate(plan, model, cluster, options=opts))
     out = {"system": system, "gpus": gpus, "layout": f"tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp}",
+           "recompute": parallel.recompute,
            "wall": wall, "cpu": cpu, "total_s": sum(wall.values()), "total_cpu_s": sum(cpu.values()),
            "step_s": r.step_time, "distinct": r.classes, "actions": sum(len(a) for a in plan.actions.values()),
            "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -111,16 +118,20 @@ def main() -> None:
     ap.add_argument("--no-five", action="store_true", help="skip the five systems at 1,024 GPUs")
     ap.add_argument("--plan-twice", action="store_true",
                     help="plan the step again after the layout check (as before systems.offer_plan)")
+    ap.add_argument("--recompute", default="full", choices=("full", "auto"),
+                    help="full: the issue's reference case; auto: the command as typed (each cheaper mode's memory "
+                         "checked in the layout phase, the chosen mode's engine played)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         system, gpus = args.child.split(":")
         print(json.dumps(one(system, int(gpus), args.workload, args.model, args.reference, args.profile,
-                             args.plan_twice)))
+                             args.plan_twice, args.recompute)))
         return
     print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start (wall times scale with "
           f"it; CPU times much less)")
-    print(f"omni, {args.model}, {args.workload}, h100, default layout, full recompute, 4,096 tokens/GPU"
+    how = "full recompute" if args.recompute == "full" else "recompute auto (the command as typed)"
+    print(f"omni, {args.model}, {args.workload}, h100, default layout, {how}, 4,096 tokens/GPU"
           + (", simpy reference loop" if args.reference else "") + (", planned twice" if args.plan_twice else ""))
     print("seconds per phase as wall / CPU")
     print(f"{'GPUs':>7} {'batch':>11} {'layout':>11} {'plan':>11} {'sim':>11} {'total':>13} {'x1024':>10} "
@@ -128,7 +139,7 @@ def main() -> None:
     base = None
     for n in [int(x) for x in args.gpus.split(",")]:
         cmd = [sys.executable, __file__, "--child", f"omni:{n}", "--workload", args.workload, "--model", args.model,
-               "--profile", str(args.profile)] + (["--reference"] if args.reference else []) \
+               "--profile", str(args.profile), "--recompute", args.recompute] + (["--reference"] if args.reference else []) \
             + (["--plan-twice"] if args.plan_twice else [])
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit_s, check=True)
@@ -150,7 +161,8 @@ def main() -> None:
     if args.no_five:
         return
     w, c = time.perf_counter(), time.process_time()
-    rows = [one(s, 1024, args.workload, args.model, args.reference, plan_twice=args.plan_twice) for s in SYSTEMS]
+    rows = [one(s, 1024, args.workload, args.model, args.reference, plan_twice=args.plan_twice,
+                recompute=args.recompute) for s in SYSTEMS]
     wall, cpu = time.perf_counter() - w, time.process_time() - c
     print(f"all five systems at 1,024 GPUs: {wall:.2f} s wall / {cpu:.2f} s CPU together (target <= 5 s): "
           + ", ".join(f"{r['system']} {r['total_s']:.2f}/{r['total_cpu_s']:.2f}" for r in rows))
