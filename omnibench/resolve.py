@@ -99,18 +99,18 @@ def default_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
 
 
 def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batches: Sequence[Batch], cluster,
-                encoder_chunk_tokens: int = 0, over: float = math.inf) -> tuple[float, int]:
+                encoder_chunk_tokens: int = 0, over: float = math.inf, stack: str = "eager") -> tuple[float, int]:
     """(bytes, rank): the most loaded rank's peak over `batches`, as the simulator counts it for
-    `parallel` (its recompute mode) on `cluster` (`Engine.peak_needed`: the step's programs, not its
-    play). `over`: where some rank needs more, that rank's need (the layout does not fit `over`; the
-    rest is not looked at)."""
+    `parallel` (its recompute mode) on `cluster` under the software `stack` (`Engine.peak_needed`: the
+    step's programs, not its play). `over`: where some rank needs more, that rank's need (the layout does
+    not fit `over`; the rest is not looked at)."""
     from simulator.engine import Engine, SimOptions, drop_spare_engine, offer_engine
     from systems import get_planner, offer_plan
 
     drop_spare_engine()  # an engine offered for an earlier check is not held while this one builds its own
     planner = get_planner(system)
     options = SimOptions(recompute=parallel.recompute, check_memory=False, encoder_chunk_tokens=encoder_chunk_tokens,
-                         mixed_precision=parallel.mixed_precision)
+                         mixed_precision=parallel.mixed_precision, stack=stack)
     tops: dict[int, tuple[float, int]] = {}
     # the first batch last: its plan (and the programs built for it) is then offered to the caller,
     # which plans and simulates that step next
@@ -136,14 +136,16 @@ def resolve_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
                    *, tp: int = 0, pp: int = 0, cp: int = 0, recompute: str | None = None,
                    budget_bytes: float | None = None, encoder_chunk_tokens: int = 0,
                    chunk_options: Callable[[str], Sequence[int]] | None = None, check: Callable | None = None,
-                   estimate: bool | None = None) -> Resolved:
+                   estimate: bool | None = None, stack: str = "eager") -> Resolved:
     """The layout `system` runs with (module docstring). `parallel` carries every other field;
     `batches` are the first batches of the run (the first ESTIMATE_STEPS are estimated); `cluster`
     is what the memory is estimated on, `budget_bytes` what must hold (default: its GPU's memory).
     `recompute` (default: `parallel.recompute`) `auto` is settled here; a given mode is estimated only
     when `estimate` is true. `chunk_options(mode)`: encoder chunk budgets to try with each mode, in
-    order (default: `encoder_chunk_tokens` only). Raises what the planner or layout rules raise for a
-    layout that cannot plan (SpecError, PlanError, ValueError), in one line."""
+    order (default: `encoder_chunk_tokens` only). `stack`: the software stack the simulator's memory
+    estimate counts (SimOptions.stack: this runtime's eager one, or `simulate --stack fused`). Raises what
+    the planner or layout rules raise for a layout that cannot plan (SpecError, PlanError, ValueError), in
+    one line."""
     mode = recompute or parallel.recompute
     memory = cluster.gpu.memory_bytes
     if estimate is None:
@@ -169,7 +171,8 @@ def resolve_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
     for i, (m, chunk) in enumerate(trials):
         trial = replace(laid, recompute=m)
         trial.validate(model)
-        peak, rank = peak_memory(system, model, trial, first, cluster, chunk, math.inf if i == reported else budget)
+        peak, rank = peak_memory(system, model, trial, first, cluster, chunk, math.inf if i == reported else budget,
+                                 stack)
         got = Resolved(trial, note, chunk, peak, rank, budget, peak <= budget, chosen=mode == AUTO)
         if got.fits:
             return got

@@ -69,7 +69,7 @@ def test_when_nothing_fits_auto_keeps_full_recomputation_and_says_so():
     assert "does not fit even so" in res.memory_note()
 
 
-def _every_peak(system, model, parallel, batches, cluster, modes):
+def _every_peak(system, model, parallel, batches, cluster, modes, stack="eager"):
     """Each mode's whole estimate, every batch's every class played (what resolve_layout did before it
     stopped at a layout's first rank over the budget and left the play out)."""
     from dataclasses import replace
@@ -83,28 +83,30 @@ def _every_peak(system, model, parallel, batches, cluster, modes):
         tops = []
         for b in batches:
             res = Engine(get_planner(system).plan(model, trial, b), model, cluster,
-                         options=SimOptions(recompute=m, check_memory=False)).run()
+                         options=SimOptions(recompute=m, check_memory=False, stack=stack)).run()
             top = max(res.ranks, key=lambda r: r.memory_needed)
             tops.append((top.memory_needed, top.rank))
         out[m] = max(tops, key=lambda t: t[0])
     return out
 
 
-@pytest.mark.parametrize("system, model_name, workload, gpus, tokens", [
-    ("homogeneous", "omni-7b", "mixed_video", 64, 8192),
-    ("omni", "omni-7b", "mixed_video", 64, 8192),
-    ("homogeneous", "vl-72b", "long_video", 8, 32768),  # nothing fits: the last mode's whole estimate answered
+@pytest.mark.parametrize("system, model_name, workload, gpus, tokens, stack", [
+    ("homogeneous", "omni-7b", "mixed_video", 64, 8192, "eager"),
+    ("omni", "omni-7b", "mixed_video", 64, 8192, "eager"),
+    ("homogeneous", "omni-7b", "mixed_video", 64, 8192, "fused"),  # the stack the step is simulated on
+    ("homogeneous", "vl-72b", "long_video", 8, 32768, "eager"),  # nothing fits: the last mode's whole estimate
 ])
-def test_auto_answers_what_every_modes_whole_estimate_would(system, model_name, workload, gpus, tokens):
+def test_auto_answers_what_every_modes_whole_estimate_would(system, model_name, workload, gpus, tokens, stack):
     from omnibench.resolve import ESTIMATE_STEPS
 
     model, cluster = get_model(model_name), load_cluster("h100", gpus)
     stream = WorkloadStream(workload, seed=0, global_batch_tokens=tokens * gpus)
     batches = [stream.batch(s) for s in range(2)]
-    res = resolve_layout(system, model, ParallelSpec(world_size=gpus), batches, cluster, recompute="auto")
+    res = resolve_layout(system, model, ParallelSpec(world_size=gpus), batches, cluster, recompute="auto",
+                         stack=stack)
     modes = recompute_modes(model, [x for b in batches[:ESTIMATE_STEPS] for x in b.samples])
     laid = res.parallel
-    every = _every_peak(system, model, laid, batches, cluster, modes[: modes.index(res.recompute) + 1])
+    every = _every_peak(system, model, laid, batches, cluster, modes[: modes.index(res.recompute) + 1], stack)
     budget = cluster.gpu.memory_bytes
     assert all(every[m][0] > budget for m in modes[: modes.index(res.recompute)])
     assert (res.peak_bytes, res.peak_rank) == every[res.recompute]

@@ -421,7 +421,7 @@ def _one_gc_pause(on: bool):
 
 def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
               cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int,
-              packed: dict | None = None, memory_error: float = 0.0):
+              packed: dict | None = None, memory_error: float = 0.0, stack: str = "eager"):
     """The layout and recompute mode `system` is simulated with (omnibench/resolve.py: the flags, else
     its default layout; `auto`: the cheapest recompute that the simulator's memory estimate of the
     first simulated batches fits); what was settled goes into `row`. `packed`: the stream's batches
@@ -442,7 +442,7 @@ def _resolved(row: dict, system: str, model, parallel, stream, steps: int, strid
         batches.append(packed[i].get())
     res = resolve_layout(system, model, parallel, batches, cluster, tp=tp, pp=pp, cp=cp, recompute=recompute,
                          encoder_chunk_tokens=chunk_tokens,
-                         budget_bytes=cluster.gpu.memory_bytes / (1.0 + memory_error))
+                         budget_bytes=cluster.gpu.memory_bytes / (1.0 + memory_error), stack=stack)
     if (tp, pp, cp) == (0, 0, 0):
         row["layout"] = f"tp{res.parallel.tp} pp{res.parallel.pp} cp{res.parallel.cp}"
         row["layout_note"] = res.layout_note
@@ -856,7 +856,7 @@ def register(app: typer.Typer) -> None:
                                     sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
                                                                             step_stride, clusters[n], tp, pp, cp, recompute,
                                                                             options, hardware, profile, encoder_chunk_tokens,
-                                                                            packed, memory_error)
+                                                                            packed, memory_error, stack)
                                 if micro_batch and not tuned:
                                     sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                                 row.setdefault("recompute", sys_recompute)
