@@ -11,7 +11,8 @@ a fresh process so its peak memory (max RSS) is its own, and then all five syste
 ("batch"), the layout (`resolve_layout` as `simulate --recompute full` calls it: the default
 layout, checked by planning the step), planning (the check's plan handed over, `systems.offer_plan`;
 `--plan-twice` plans again, as before), simulation (`sim`: the issue's
-`sim_seconds`), their total, max RSS, and the total's ratio to the 1,024-GPU total (wall / CPU). Every phase is
+`sim_seconds`; under `--recompute auto` the step's programs are built in the layout phase's memory
+check, which `sim_seconds` counts and the `sim` column does not), their total, max RSS, and the total's ratio to the 1,024-GPU total (wall / CPU). Every phase is
 given in wall seconds and in CPU seconds of the process: on a shared host the wall clock also
 counts other work, the CPU time does not. `--recompute auto` times the command as a user types it
 instead: the layout phase then also checks each cheaper recompute mode's memory (omnibench/resolve.py),

@@ -21,6 +21,9 @@ stage on the second machine, whose kernels are the H100's scaled); the default r
 Two cases are the untuned command as a user types it, the layout checked and `--recompute auto` settled by
 the memory estimate of each cheaper mode before the step (omnibench/resolve.py): `simulate-16384` (omni
 at 16,384 GPUs; `simulate-131072` the same at 131,072) and `simulate-five-1024` (every system at 1,024 GPUs).
+Like every case they run with `--workers 1`: in a pool (a user's default, all cores) a command of several
+steps plays them in workers, where the engine that checked a layout's memory is not at hand, so
+`simulate-five-1024` then saves the checks' plays but not the step's programs.
 """
 
 from __future__ import annotations

@@ -157,18 +157,23 @@ class Sweep:
         item a thread other than the main one maps runs in the pool's workers (`map`)."""
         return not self.ray_address and resolve_workers(self.workers, 2) > 1
 
+    def in_process(self, n_items: int) -> bool:
+        """Whether `map` of `n_items` runs them in this process (and thread). One item runs here even with
+        a pool: nothing to overlap, and its job and result (a large cluster's step with spans) are not
+        pickled across, nor is a spare plan of the parent lost; but not in a thread mapping beside others
+        (`concurrent`): this process would run them one at a time while the workers wait."""
+        if self.ray_address:
+            return False
+        return resolve_workers(self.workers, 2) == 1 or (n_items == 1
+                                                         and threading.current_thread() is threading.main_thread())
+
     def map(self, fn: Callable[[Any], Any], items: Sequence) -> list:
         items = list(items)
         if not items:
             return []
         if self.ray_address:
             return self._map_ray(fn, items)
-        # one item runs here even with a pool: nothing to overlap, and its job and result (a large
-        # cluster's step with spans) are not pickled across, nor is a spare plan of the parent lost;
-        # but not in a thread mapping beside others (`concurrent`): this process would run them one
-        # at a time while the workers wait
-        if resolve_workers(self.workers, 2) == 1 or (len(items) == 1
-                                                     and threading.current_thread() is threading.main_thread()):
+        if self.in_process(len(items)):
             self._grow(len(items))
             out = []
             for x in items:

@@ -589,12 +589,12 @@ def _take_spare_engine(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, 
 def simulate(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, *, calibration=None,
              options: SimOptions = SimOptions()) -> SimResult:
     """Simulate one step of `plan`; `calibration` is a `simulator.calibrate.Profile` or None (datasheet)."""
+    spare = _take_spare_engine(plan, model, cluster, options)  # dropped whether it serves or not
+    if calibration is None and spare is not None:
+        return spare.run()
+    del spare
     compute = collectives = None
     if calibration is not None:
         compute = calibration.compute_model(cluster)
         collectives = calibration.collective_model(cluster)
-    else:
-        spare = _take_spare_engine(plan, model, cluster, options)
-        if spare is not None:
-            return spare.run()
     return Engine(plan, model, cluster, compute, collectives, options).run()

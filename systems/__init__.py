@@ -64,8 +64,9 @@ _spare: list[tuple] = []
 
 def offer_plan(planner: Planner, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch, plan: Plan) -> None:
     """Hand `plan` (which `planner` made from these inputs, and which its caller keeps no reference
-    to and has not changed) to the next `plan` call with equal inputs (equal but for the recompute mode
-    where the planner does not read it: `Planner.reads_recompute`)."""
+    to and has not changed; an engine offered with it, simulator.engine.offer_engine, only reads it) to the
+    next `plan` call with equal inputs (equal but for the recompute mode where the planner does not read
+    it: `Planner.reads_recompute`)."""
     _spare[:] = [(type(planner), _config(planner), model, parallel, batch, plan)]
 
 
@@ -84,6 +85,12 @@ def _take_spare(planner, model, parallel, batch) -> Plan | None:
         return None
     kind, config, m, p, b, plan = _spare.pop()
     if not getattr(planner, "reads_recompute", True):
+        from omnibench.specs.costs import recompute_policy
+
+        try:
+            recompute_policy(parallel.recompute)  # a mode the planner would refuse is still refused
+        except ValueError:
+            return None
         p = replace(p, recompute=parallel.recompute)
     if (kind is type(planner) and config is _config(planner) and (m is model or m == model)
             and (p is parallel or p == parallel) and (b is batch or b == batch)):

@@ -296,3 +296,33 @@ def test_a_steps_layout_check_planning_and_simulation_run_in_one_gc_pause(app, t
     assert r.exit_code == 0, r.output
     assert seen == [("layout", False), ("step", False)], seen
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_checked_layouts_engine_is_played_in_process_and_dropped_before_steps_run_in_workers(app, tmp_path,
+                                                                                               monkeypatch, workers):
+    # recompute auto checks each mode's memory and offers the chosen one's engine (simulator.engine.offer_engine):
+    # one step in this process plays it; steps sent to a pool would leave it (and its plan) held here meanwhile
+    from omnibench.sweep import Sweep
+    from simulator import engine as sim_engine
+
+    seen: list[tuple[bool, int]] = []
+    real_map = Sweep.map
+
+    def watched(self, fn, items):
+        items = list(items)
+        if fn.__name__ == "run_step":
+            seen.append((self.in_process(len(items)), len(sim_engine._spare_engine)))
+        return real_map(self, fn, items)
+
+    monkeypatch.setattr(Sweep, "map", watched)
+    steps = "1" if workers == "1" else "2"
+    r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "homogeneous", "--gpus", "16", "--steps", steps,
+                                 "--hardware", "h100", "--model", "omni-7b@4L", "--no-cache", "--workers", workers,
+                                 "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(seen) == 1
+    in_process, spare = seen[0]
+    assert in_process is (workers == "1")
+    assert spare == (1 if in_process else 0)  # offered for the step it plays, or let go before the pool's steps
+    assert not sim_engine._spare_engine  # taken, or dropped

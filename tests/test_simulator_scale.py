@@ -177,7 +177,10 @@ def test_memory_checked_before_the_play_is_the_steps_and_the_play_after_it_is_a_
     first_over = next(r for r in fresh.ranks if r.memory_needed > top.memory_needed * 0.999)
     assert (need, rank) == (first_over.memory_needed, first_over.rank)
     assert len(lower._memory_stats) == [r.rank for r in fresh.ranks].index(rank) + 1
-    assert lower.run().step_time == fresh.step_time  # the rest built when it is played after all
+    late = lower.run()  # the rest built when it is played after all
+    assert late.step_time == fresh.step_time
+    assert [vars(r) for r in late.ranks] == [vars(r) for r in fresh.ranks]
+    assert _spans(late) == _spans(fresh)
 
 
 def test_simulate_plays_an_offered_engine_only_for_its_own_plan_and_costs():
@@ -208,3 +211,17 @@ def test_simulate_plays_an_offered_engine_only_for_its_own_plan_and_costs():
         if taken:
             assert got.fits == (max(r.memory_needed for r in got.ranks) * 1.2 <= cluster.gpu.memory_bytes)
             assert got.sim_seconds >= e._built_s > 0
+
+    class Datasheet:  # a calibration whose models are the default ones: still never the offered engine's
+        def compute_model(self, c):
+            from simulator.compute import ComputeModel
+            return ComputeModel(c)
+
+        def collective_model(self, c):
+            from simulator.collectives import CollectiveModel
+            return CollectiveModel(c)
+
+    e = offered(replace(opts, check_memory=False))
+    got = simulate(plan, model, cluster, calibration=Datasheet(), options=opts)
+    assert not _spare_engine and e._memory_stats  # dropped, not played
+    assert got.step_time == fresh.step_time

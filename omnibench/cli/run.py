@@ -303,11 +303,12 @@ def register(app: typer.Typer) -> None:
                       highlight=False, soft_wrap=True)
         print_plan(p)
         try:
-            from simulator.engine import Engine, SimOptions
+            from simulator.engine import SimOptions, simulate
 
-            res = Engine(p, spec, cluster, options=SimOptions(recompute=parallel.recompute, check_memory=False,
-                                                              encoder_chunk_tokens=chunk,
-                                                              mixed_precision=parallel.mixed_precision)).run()
+            # the engine that checked this layout's memory (recompute auto) is played, not built again
+            res = simulate(p, spec, cluster, options=SimOptions(recompute=parallel.recompute, check_memory=False,
+                                                                encoder_chunk_tokens=chunk,
+                                                                mixed_precision=parallel.mixed_precision))
         except ValueError as e:
             fail(str(e).strip("'\""))
         worst = max(res.ranks, key=lambda r: r.memory_bytes)

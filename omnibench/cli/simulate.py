@@ -872,7 +872,16 @@ def register(app: typer.Typer) -> None:
                             todo.append((row, jobs))
                     # 2. every step of every (size, system) at once: independent simulations
                     sweep.describe(f"simulate {sum(len(j) for _, j in todo)} step(s)")
-                    outcomes = iter(sweep.map(run_step, [j for _, jobs in todo for j in jobs]))
+                    step_jobs = [j for _, jobs in todo for j in jobs]
+                    if not sweep.in_process(len(step_jobs)):
+                        # the steps run in workers: the checked layout's spare plan and engine would only be
+                        # held here while they run (simulator.engine.offer_engine, systems.offer_plan)
+                        from simulator.engine import drop_spare_engine
+                        from systems import drop_spare_plan
+
+                        drop_spare_engine()
+                        drop_spare_plan()
+                    outcomes = iter(sweep.map(run_step, step_jobs))
                 for row, jobs in todo:
                     n, s = row["gpus"], row["system"]
                     if "error" in row:

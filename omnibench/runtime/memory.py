@@ -83,6 +83,9 @@ def estimate(spec: RunSpec, model_name: str | None = None, recompute: str | None
     batches = batch_source(trial)
     peak, rank = peak_memory(trial.system, model, parallel, [batches(s) for s in range(min(trial.steps, ESTIMATE_STEPS))],
                              _cluster(trial.nproc, memory_gib, trial.extra.get("device", "cpu")), chunk)
+    from simulator.engine import drop_spare_engine
+
+    drop_spare_engine()  # nothing here simulates the step it checked
     return Estimate(peak, rank, name, mode, chunk)
 
 
@@ -160,13 +163,16 @@ def _settle(spec: RunSpec, cap: float, budget: float, chunk_options):
     from omnibench.resolve import ESTIMATE_STEPS, resolve_layout
     from omnibench.runtime.run_inputs import batch_source, parallel_spec
     from omnibench.specs.presets import get_model
+    from simulator.engine import drop_spare_engine
 
     batches = batch_source(spec)
-    return resolve_layout(spec.system, get_model(spec.model), parallel_spec(replace(spec, recompute="none"), spec.nproc),
-                          [batches(s) for s in range(min(spec.steps, ESTIMATE_STEPS))],
-                          _cluster(spec.nproc, cap, spec.extra.get("device", "cpu")),
-                          tp=spec.tp, pp=spec.pp, cp=spec.cp, recompute=spec.recompute, budget_bytes=budget,
-                          chunk_options=chunk_options, estimate=True)
+    res = resolve_layout(spec.system, get_model(spec.model), parallel_spec(replace(spec, recompute="none"), spec.nproc),
+                         [batches(s) for s in range(min(spec.steps, ESTIMATE_STEPS))],
+                         _cluster(spec.nproc, cap, spec.extra.get("device", "cpu")),
+                         tp=spec.tp, pp=spec.pp, cp=spec.cp, recompute=spec.recompute, budget_bytes=budget,
+                         chunk_options=chunk_options, estimate=True)
+    drop_spare_engine()  # the run trains the step; nothing simulates it
+    return res
 
 
 def _first_tried(spec: RunSpec, cap: float, chunk: int) -> Estimate:
