@@ -175,12 +175,13 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
             got = self._programs[rep] = self.program(rep, cls)
         return got
 
-    def _class_memory(self, rep: int, members: int, ops: list) -> RankStats:
-        """A class's stats with its memory figures filled in (the rest are the play's)."""
-        st = self._memory_stats.pop(rep, None)
+    def _class_memory(self, rep: int, members: int, cls: dict[int, int]) -> RankStats:
+        """A class's stats with its memory figures filled in (the rest are the play's), worked out once:
+        `peak_needed` keeps them for the play."""
+        st = self._memory_stats.get(rep)
         if st is None:
-            st = RankStats(rank=rep, members=members)
-            self._rank_memory(st, rep, *activation_peak(ops))
+            st = self._memory_stats[rep] = RankStats(rank=rep, members=members)
+            self._rank_memory(st, rep, *activation_peak(self._program_of(rep, cls)))
         return st
 
     @_gc_paused
@@ -195,9 +196,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         cls, reps, members = self._classes()
         worst, at = -math.inf, 0
         for r in reps:
-            st = self._memory_stats.get(r)
-            if st is None:
-                st = self._memory_stats[r] = self._class_memory(r, members[r], self._program_of(r, cls))
+            st = self._class_memory(r, members[r], cls)
             if st.memory_needed > worst:
                 worst, at = st.memory_needed, r
                 if worst > over:
@@ -209,8 +208,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         t0 = time.perf_counter() - self._built_s  # a simulation's seconds include what peak_needed built for it
         cls, reps, members = self._classes()
         programs = {r: self._program_of(r, cls) for r in reps}
-        self._programs = {}
-        stats = {r: self._class_memory(r, members[r], programs[r]) for r in reps}
+        stats = {r: self._class_memory(r, members[r], cls) for r in reps}
+        self._programs, self._memory_stats = {}, {}  # the play's own now
         spans: list[Span] = []
         self._play(reps, programs, stats, spans)
         return self._result(reps, stats, spans, t0)

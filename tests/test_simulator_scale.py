@@ -61,17 +61,25 @@ def _plan(system, model, workload, hardware, gpus, layout, tokens):
     return get_planner(system).plan(model, parallel, batch)
 
 
+def _case(case):
+    """(model, cluster, plan, options) of a CASES entry."""
+    system, model_name, workload, hardware, gpus, layout, recompute, options, tokens = case
+    model = get_model(model_name)
+    return (model, load_cluster(hardware, gpus), _plan(system, model, workload, hardware, gpus, layout, tokens),
+            SimOptions(recompute=recompute, **options))
+
+
+def _case_id(c) -> str:
+    return f"{c[0]}-{c[2]}-{c[3]}-{c[4]}-{c[5]}-{c[7]}"
+
+
 def _spans(result):
     return sorted((s.rank, s.stream, str(s.action), s.kind, s.start, s.duration) for s in result.spans)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-{c[4]}-{c[5]}-{c[7]}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_fast_loop_gives_the_simpy_loops_step(case):
-    system, model_name, workload, hardware, gpus, layout, recompute, options, tokens = case
-    model = get_model(model_name)
-    cluster = load_cluster(hardware, gpus)
-    plan = _plan(system, model, workload, hardware, gpus, layout, tokens)
-    opts = SimOptions(recompute=recompute, **options)
+    model, cluster, plan, opts = _case(case)
     fast = Engine(plan, model, cluster, options=opts).run()
     ref = SimpyEngine(plan, model, cluster, options=opts).run()
     assert fast.step_time == pytest.approx(ref.step_time, rel=0.005)
@@ -151,16 +159,11 @@ def test_layout_groups_are_the_ranks_sharing_every_other_coordinate(shape):
     assert all(lay.coord(r, d) == coords[r][d] for r in lay.ranks for d in lay.mesh_dims)
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 4, 6, 9, 11, 12)],
-                         ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-{c[4]}-{c[5]}-{c[7]}")
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 4, 6, 9, 11, 12)], ids=_case_id)
 def test_memory_checked_before_the_play_is_the_steps_and_the_play_after_it_is_a_fresh_engines(case):
     # omnibench/resolve.py checks a layout's memory with Engine.peak_needed (programs, no play) and hands
     # that engine to the step's simulation (offer_engine): the same figures as one engine run once
-    system, model_name, workload, hardware, gpus, layout, recompute, options, tokens = case
-    model = get_model(model_name)
-    cluster = load_cluster(hardware, gpus)
-    plan = _plan(system, model, workload, hardware, gpus, layout, tokens)
-    opts = SimOptions(recompute=recompute, **options)
+    model, cluster, plan, opts = _case(case)
     fresh = Engine(plan, model, cluster, options=opts).run()
     top = max(fresh.ranks, key=lambda r: r.memory_needed)
     checked = Engine(plan, model, cluster, options=opts)
