@@ -54,19 +54,20 @@ def runs() -> tuple[dict, ...]:
 @lru_cache(maxsize=1)
 def all_runs() -> tuple[dict, ...]:
     """Every run record under results/gpu/runs*/, with what the tables need from it."""
-    out = []
-    for cfg in sorted((REPO_ROOT / GPU_DIR).glob("runs*/*/config.json")):
-        folder = cfg.parent
-        run = _read(cfg)["run"]
-        summary = _read(folder / "summary.json")
-        out.append({
-            "path": _rel(folder), "name": folder.name, "system": summary["system"], "workload": summary["workload"],
-            "model": summary["model"], "recompute": summary.get("recompute", run.get("recompute", "none")),
-            "compile": bool(summary.get("compile")), "chunk": max(0, int(run.get("encoder_chunk_tokens", 0) or 0)),
-            "mixed_precision": run.get("mixed_precision") or "autocast",  # records before it existed: autocast
-            "summary": summary, "provenance": record_provenance(folder), "gpu": gpu_of(summary),
-        })
-    return tuple(out)
+    return tuple(run_record(cfg.parent) for cfg in sorted((REPO_ROOT / GPU_DIR).glob("runs*/*/config.json")))
+
+
+def run_record(folder) -> dict:
+    """One run record (a folder `omnibench run --out` wrote), with what the tables need from it."""
+    run = _read(folder / "config.json")["run"]
+    summary = _read(folder / "summary.json")
+    return {
+        "path": _rel(folder), "name": folder.name, "system": summary["system"], "workload": summary["workload"],
+        "model": summary["model"], "recompute": summary.get("recompute", run.get("recompute", "none")),
+        "compile": bool(summary.get("compile")), "chunk": max(0, int(run.get("encoder_chunk_tokens", 0) or 0)),
+        "mixed_precision": run.get("mixed_precision") or "autocast",  # records before it existed: autocast
+        "summary": summary, "provenance": record_provenance(folder), "gpu": gpu_of(summary),
+    }
 
 
 def verified(r: dict) -> bool:
@@ -409,9 +410,11 @@ def gpu_provenance() -> str:
     lines = ["| record | torch | CUDA | driver | GPU | GPU memory | commit | command | status |",
              "|---|---|---|---|---|---|---|---|---|"]
     root = REPO_ROOT / GPU_DIR
-    for r in all_runs():
+    # a lease's run records under session-*/runs/ (commands rerun at a later commit) read as runs too
+    records = [*all_runs(), *(run_record(c.parent) for c in sorted(root.glob("session-*/runs/*/config.json")))]
+    for r in records:
         lines.append(_provenance_row(r["path"].removeprefix(GPU_DIR + "/") + "/", r["provenance"]))
-    folders = {REPO_ROOT / r["path"] for r in all_runs()}
+    folders = {REPO_ROOT / r["path"] for r in records}
     for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".json", ".txt", ".md")
                     and p.name != "README.md" and not any(d in p.parents for d in folders)):
         lines.append(_provenance_row(_rel(f).removeprefix(GPU_DIR + "/"), _file_facts(f)))

@@ -26,10 +26,14 @@ from omnibench.tables.gpu import (
     kernel_sweep,
     modelled,
     plan_label,
+    run_record,
     whole_step,
 )
 
 SESSION = "results/gpu/session-2026-11-29-h200"
+# session 29's lease: three of the first lease's commands again, at a later commit (a regression check of
+# the CUDA path; kept out of `runs*/` so the tables above read the first lease alone)
+RERUNS = "results/gpu/session-2026-11-29-h200-b/runs"
 H200_KERNELS = "results/calibration/h200-kernels.json"
 HARDWARE = "h200"
 # the H200 as the simulator modelled it before its own sweep: the H100's measured kernels, element-wise
@@ -213,3 +217,26 @@ def h200_summary() -> str:
             f"{default['recompute']}, the depth 139.8 GiB holds)")
 
 
+
+
+@table("h200-rerun")
+def h200_rerun() -> str:
+    """The first H200 lease's commands run again at a later commit: the CUDA path's regression check."""
+    from simulator.calibrate import validate
+
+    first = {r["name"]: r for r in h200_runs()}
+    again = [run_record(p) for p in sorted((REPO_ROOT / RERUNS).iterdir()) if (p / "config.json").is_file()]
+    pairs = [(first[r["name"]], r) for r in again]
+    got = validate([str(REPO_ROOT / r["path"]) for pair in pairs for r in pair], None, HARDWARE)
+    lines = ["| Plan | first lease: step s (commit) | again: step s (commit) | again / first | peak GiB, first / again "
+             "| again: simulated s (error) |", "|---|---|---|---|---|---|"]
+    for i, (a, b) in enumerate(pairs):
+        va, vb = got[2 * i], got[2 * i + 1]
+        lines.append(f"| {plan_label(b)} | {va.measured_s:.3f} (`{a['provenance']['commit'][:7]}`) | {vb.measured_s:.3f} "
+                     f"(`{b['provenance']['commit'][:7]}`) | {vb.measured_s / va.measured_s:.3f} | "
+                     f"{a['summary']['peak_memory_bytes'] / GiB:.2f} / {b['summary']['peak_memory_bytes'] / GiB:.2f} | "
+                     f"{vb.simulated_s:.3f} ({vb.error:+.1%}) |")
+    lines += ["", f"Step times: medians over each run's steps after the first (`python -m omnibench validate {RERUNS}/* "
+              "--hardware h200`); peaks: max allocated over the steps. Simulated: the H200's own kernels, nothing "
+              f"fitted. {_verification(again)}"]
+    return "\n".join(lines)
