@@ -629,7 +629,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     lay = rules.llm
     tokens, positions = _mean_loads(model, samples)
     big_tokens, big_positions = _largest(model, samples)
-    m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
+    m = c.microbatches or default_microbatches(system, c.pp)
     per_mb = max(1, int(tokens / lay.dp / m), big_tokens // rules.llm_split)
     w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
                  mode["llm"], c.cp_kind)
@@ -649,6 +649,15 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     llm_act = in_flight * (w.act_bytes - w.act_transient)
     llm_side = llm_state.params + llm_state.optimizer + llm_state.grads + llm_act  # allocated bytes
     enc_state = enc_grads = enc_act = 0.0
+    # the share of a rank's encoder activations live at once: every microbatch's where the encoders run
+    # the whole batch before the LLM (colocated); those in flight where they run inside the LLM's pipeline;
+    # noncolocated's encoder ranks run 1F1B as one more stage before the LLM's pp, so at most pp + 1 of
+    # its m rounds are live, and the heaviest run of them holds at least 1 / ceil(m / (pp + 1)) of the
+    # rank's rounds (a lower bound also where pp + 1 does not divide m)
+    if rules.separate_encoders:
+        enc_live = 1.0 / math.ceil(m / min(c.pp + 1, m))
+    else:
+        enc_live = 1.0 if rules.whole_batch_live else in_flight / m
     for name, enc in model.encoders.items():
         if not positions[name]:
             continue
@@ -663,7 +672,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         enc_state += st.params + st.optimizer  # its gradients appear only at its own backward
         # whole until grad_sync under this runtime's ZeRO (simulator/memory.py _grad_timeline)
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
-        enc_act += (ew.act_bytes - ew.act_transient) * (1.0 if rules.whole_batch_live else in_flight / m)
+        enc_act += (ew.act_bytes - ew.act_transient) * enc_live
     # the NCCL communicators the fewest-grouped rank holds (the world's and its layouts' groups)
     comms = 1 + fewest_groups({"llm": rules.llm, **rules.encoders}, world)
     if rules.separate_encoders:
@@ -688,7 +697,7 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
     rate = gpu.peak_flops * gpu.matmul_efficiency
     llm_flops = per_module["llm"].total
     n_llm = rules.llm.size
-    m = c.microbatches or (2 * c.pp if c.pp > 1 else 1)
+    m = c.microbatches or default_microbatches(system, c.pp)
     tokens, _ = _mean_loads(model, samples)
     # A rank's LLM work is at least the mean and at least the largest sample's (exact FLOPs, attention
     # quadratic) split over the ranks that share it: its stage's tp x cp, and omni's long-sample group.
