@@ -1,0 +1,71 @@
+"""tune's analytic memory bound against the simulator's count, system by system and mode by mode.
+
+    python benchmarks/memory_bound.py [--systems ...] [--workloads ...] [--gpus 1024] [--hardware h100]
+
+`tune` drops every recompute mode whose bound (`omnibench.tune.memory_estimate`) is over the device and
+keeps the cheapest one left (`_Search.settle`); the simulator only ever retries towards more
+recomputation. So a bound above the simulated need prunes a mode that fits, and the tuned system runs
+slower than it could. Per system (at its default layout as `tune` weighs it: no microbatch count named), per
+workload and per mode this prints the bound, the simulated need of the first batch
+(`omnibench.resolve.peak_memory`, the figure `simulate` checks) and their ratio; a ratio under 1 is
+a bound that is not one, and `WRONG PRUNE` marks a mode the bound drops although it fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    from omnibench.cli.simulate import planner_options
+    from omnibench.resolve import default_layout, peak_memory, recompute_modes
+    from omnibench.specs.parallel import ParallelSpec
+    from omnibench.specs.presets import get_model
+    from omnibench.tune import Candidate, memory_estimate
+    from simulator.hardware import load_cluster
+    from workloads.stream import WorkloadStream
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default="homogeneous,temporal,colocated,noncolocated,omni")
+    ap.add_argument("--workloads", default="mixed_video,long_video,image_sft,omni_av")
+    ap.add_argument("--gpus", type=int, default=1024)
+    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--model", default="omni-7b")
+    args = ap.parse_args()
+    model = get_model(args.model)
+    cluster = load_cluster(args.hardware, args.gpus)
+    gpn, budget = cluster.gpus_per_node, cluster.gpu.memory_bytes
+    print(f"{args.model} on {args.gpus} x {args.hardware} ({budget / 2**30:.1f} GiB), 8,192 tokens per GPU, "
+          "each system's default layout; GiB as the fits check counts them")
+    print(f"{'system':13s} {'workload':12s} {'recompute':24s} {'bound':>8s} {'simulated':>10s} {'ratio':>7s}")
+    lowest, wrong = float("inf"), 0
+    for wl in args.workloads.split(","):
+        batch = WorkloadStream(wl, seed=0, global_batch_tokens=8192 * args.gpus).batch(0)
+        for system in args.systems.split(","):
+            given = ParallelSpec(world_size=args.gpus, gpus_per_node=gpn,
+                                 options=planner_options(system, {}, args.hardware))
+            laid, _ = default_layout(system, model, given, batch, memory_bytes=budget)
+            for mode in recompute_modes(model, batch.samples):
+                trial = replace(laid, recompute=mode)
+                c = Candidate(system, tp=trial.tp, pp=trial.pp, cp=trial.cp, ep=trial.ep,
+                              microbatches=trial.microbatches, virtual_stages=trial.virtual_stages, recompute=mode,
+                              encoder_tp=trial.encoder_tp, encoder_sp=trial.encoder_sp,
+                              encoder_ranks=trial.encoder_ranks, cp_kind=trial.cp_kind)
+                bound = memory_estimate(system, model, args.gpus, gpn, c, batch.samples, options=trial.options,
+                                        device=cluster.gpu.name, mixed_precision=trial.mixed_precision)
+                need, _ = peak_memory(system, model, trial, [batch], cluster)
+                lowest = min(lowest, need / bound)
+                flag = "WRONG PRUNE" if bound > budget >= need else ""
+                wrong += bool(flag)
+                print(f"{system:13s} {wl:12s} {mode:24s} {bound / 2**30:8.1f} {need / 2**30:10.1f} "
+                      f"{need / bound:7.3f} {flag}", flush=True)
+    print(f"lowest simulated / bound: {lowest:.3f}; modes pruned although they fit: {wrong}")
+
+
+if __name__ == "__main__":
+    main()
