@@ -83,6 +83,17 @@ def test_a_planner_that_says_it_does_not_read_recompute_plans_the_same_step_in_e
     assert len(set(plans.values())) == 1
 
 
+@pytest.mark.parametrize("system", ["homogeneous", "colocated", "noncolocated"])
+def test_a_pipelined_baseline_plans_the_same_step_in_every_mode(system):
+    # its stages' 1F1B order and where the encoders sit are the planner's; recomputation is the simulator's
+    model, batch = get_model("omni-7b"), WorkloadStream("omni_av", seed=0, global_batch_tokens=8192 * 32).batch(0)
+    parallel = replace(_priced(system, 32), tp=2, pp=2, microbatches=4)
+    systems.drop_spare_plan()
+    plans = {m: get_planner(system).plan(model, replace(parallel, recompute=m), batch) for m in ("none", "full")}
+    assert {p.layouts["llm"].pp for p in plans.values()} == {2}
+    assert plans["none"].to_json() == plans["full"].to_json()
+
+
 def test_omni_reads_recompute():
     model, batch = get_model("omni-7b"), WorkloadStream("mixed_video", seed=0, global_batch_tokens=8192 * 32).batch(0)
     assert getattr(get_planner("omni"), "reads_recompute", True)

@@ -215,6 +215,13 @@ def test_simulate_plays_an_offered_engine_only_for_its_own_plan_and_costs():
             assert got.fits == (max(r.memory_needed for r in got.ranks) * 1.2 <= cluster.gpu.memory_bytes)
             assert got.sim_seconds >= e._built_s > 0
 
+    # an equal plan on another machine, or beside another model, is never the offered engine's
+    renamed = replace(model, name=model.name + "-renamed")
+    for target_model, target_cluster in ((model, load_cluster("h200", 32)), (renamed, cluster)):
+        e = offered(replace(opts, check_memory=False))
+        simulate(plan, target_model, target_cluster, options=opts)
+        assert not _spare_engine and e._memory_stats  # dropped, not played
+
     class Datasheet:  # a calibration whose models are the default ones: still never the offered engine's
         def compute_model(self, c):
             from simulator.compute import ComputeModel
