@@ -217,8 +217,6 @@ def h200_summary() -> str:
             f"{default['recompute']}, the depth 139.8 GiB holds)")
 
 
-
-
 @table("h200-rerun")
 def h200_rerun() -> str:
     """The first H200 lease's commands run again at a later commit: the CUDA path's regression check."""
