@@ -1,6 +1,7 @@
 """tune's analytic memory bound against the simulator's count, system by system and mode by mode.
 
     python benchmarks/memory_bound.py [--systems ...] [--workloads ...] [--gpus 1024] [--hardware h100]
+    python benchmarks/memory_bound.py --gpus 64 --tp 2 --pp 4    # a pipelined layout instead of the defaults
 
 `tune` drops every recompute mode whose bound (`omnibench.tune.memory_estimate`) is over the device and
 keeps the cheapest one left (`_Search.settle`); the simulator only ever retries towards more
@@ -23,11 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> None:
     from omnibench.cli.simulate import planner_options
+    from omnibench.plan import PlanError
     from omnibench.resolve import default_layout, peak_memory, recompute_modes
+    from omnibench.specs.model import SpecError
     from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
     from omnibench.tune import Candidate, memory_estimate
     from simulator.hardware import load_cluster
+    from systems import get_planner
     from workloads.stream import WorkloadStream
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,12 +40,15 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=1024)
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--model", default="omni-7b")
+    ap.add_argument("--tp", type=int, default=0, help="this tp instead of each system's default layout's")
+    ap.add_argument("--pp", type=int, default=0, help="this pp instead of each system's default layout's")
     args = ap.parse_args()
     model = get_model(args.model)
     cluster = load_cluster(args.hardware, args.gpus)
     gpn, budget = cluster.gpus_per_node, cluster.gpu.memory_bytes
-    print(f"{args.model} on {args.gpus} x {args.hardware} ({budget / 2**30:.1f} GiB), 8,192 tokens per GPU, "
-          "each system's default layout; GiB as the fits check counts them")
+    layout = f"tp {args.tp or 'default'}, pp {args.pp or 'default'}" if args.tp or args.pp else "each system's default layout"
+    print(f"{args.model} on {args.gpus} x {args.hardware} ({budget / 2**30:.1f} GiB), 8,192 tokens per GPU, {layout}; "
+          "GiB as the fits check counts them")
     print(f"{'system':13s} {'workload':12s} {'recompute':24s} {'bound':>8s} {'simulated':>10s} {'ratio':>7s}")
     lowest, wrong = float("inf"), 0
     for wl in args.workloads.split(","):
@@ -49,7 +56,12 @@ def main() -> None:
         for system in args.systems.split(","):
             given = ParallelSpec(world_size=args.gpus, gpus_per_node=gpn,
                                  options=planner_options(system, {}, args.hardware))
-            laid, _ = default_layout(system, model, given, batch, memory_bytes=budget)
+            try:
+                laid, _ = default_layout(system, model, given, batch, args.tp, args.pp, memory_bytes=budget)
+                get_planner(system).plan(model, laid, batch)
+            except (PlanError, SpecError, ValueError) as e:
+                print(f"{system:13s} {wl:12s} cannot plan: {str(e).splitlines()[0]}")
+                continue
             for mode in recompute_modes(model, batch.samples):
                 trial = replace(laid, recompute=mode)
                 c = Candidate(system, tp=trial.tp, pp=trial.pp, cp=trial.cp, ep=trial.ep,

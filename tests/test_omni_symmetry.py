@@ -138,5 +138,6 @@ def test_memory_estimate_is_a_lower_bound_for_noncolocated(recompute):
     plan = get_planner("noncolocated").plan(MODEL, c.parallel(gpus, 8), b)
     sim = simulate(plan, MODEL, load_cluster("h100", gpus), options=SimOptions(check_memory=False, recompute=recompute))
     est = memory_estimate("noncolocated", MODEL, gpus, 8, c, b.samples)
-    assert est <= sim.peak_memory * 1.001, (est / 2**30, sim.peak_memory / 2**30)
-    assert est >= 0.4 * sim.peak_memory
+    # against the need the fits check decides on (what settle prunes by), not the unpressured reserve
+    assert est <= sim.peak_needed * 1.001, (est / 2**30, sim.peak_needed / 2**30)
+    assert est >= 0.4 * sim.peak_needed

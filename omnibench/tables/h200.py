@@ -13,7 +13,7 @@ import statistics
 from dataclasses import replace
 from functools import lru_cache
 
-from omnibench.tables import table
+from omnibench.tables import TableError, table
 from omnibench.tables.gpu import (
     KERNELS,
     REPO_ROOT,
@@ -224,6 +224,10 @@ def h200_rerun() -> str:
 
     first = {r["name"]: r for r in h200_runs()}
     again = [run_record(p) for p in sorted((REPO_ROOT / RERUNS).iterdir()) if (p / "config.json").is_file()]
+    unmatched = [r["path"] for r in again if r["name"] not in first]
+    if unmatched:
+        raise TableError(f"{RERUNS}: {', '.join(unmatched)} repeat(s) no run of the first lease (a rerun is named as "
+                         "the record whose command it repeats)")
     pairs = [(first[r["name"]], r) for r in again]
     got = validate([str(REPO_ROOT / r["path"]) for pair in pairs for r in pair], None, HARDWARE)
     lines = ["| Plan | first lease: step s (commit) | again: step s (commit) | again / first | peak GiB, first / again "
