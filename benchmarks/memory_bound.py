@@ -31,7 +31,6 @@ def main() -> None:
     from omnibench.specs.presets import get_model
     from omnibench.tune import Candidate, memory_estimate
     from simulator.hardware import load_cluster
-    from systems import get_planner
     from workloads.stream import WorkloadStream
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,16 +52,19 @@ def main() -> None:
     lowest, wrong = float("inf"), 0
     for wl in args.workloads.split(","):
         batch = WorkloadStream(wl, seed=0, global_batch_tokens=8192 * args.gpus).batch(0)
+        modes = recompute_modes(model, batch.samples)
         for system in args.systems.split(","):
             given = ParallelSpec(world_size=args.gpus, gpus_per_node=gpn,
                                  options=planner_options(system, {}, args.hardware))
             try:
                 laid, _ = default_layout(system, model, given, batch, args.tp, args.pp, memory_bytes=budget)
-                get_planner(system).plan(model, laid, batch)
+                # the planner's verdict on the layout: the recompute mode never decides whether a step plans
+                needs = [peak_memory(system, model, replace(laid, recompute=mode), [batch], cluster)[0]
+                         for mode in modes]
             except (PlanError, SpecError, ValueError) as e:
                 print(f"{system:13s} {wl:12s} cannot plan: {str(e).splitlines()[0]}")
                 continue
-            for mode in recompute_modes(model, batch.samples):
+            for mode, need in zip(modes, needs, strict=True):
                 trial = replace(laid, recompute=mode)
                 c = Candidate(system, tp=trial.tp, pp=trial.pp, cp=trial.cp, ep=trial.ep,
                               microbatches=trial.microbatches, virtual_stages=trial.virtual_stages, recompute=mode,
@@ -70,7 +72,6 @@ def main() -> None:
                               encoder_ranks=trial.encoder_ranks, cp_kind=trial.cp_kind)
                 bound = memory_estimate(system, model, args.gpus, gpn, c, batch.samples, options=trial.options,
                                         device=cluster.gpu.name, mixed_precision=trial.mixed_precision)
-                need, _ = peak_memory(system, model, trial, [batch], cluster)
                 lowest = min(lowest, need / bound)
                 flag = "WRONG PRUNE" if bound > budget >= need else ""
                 wrong += bool(flag)

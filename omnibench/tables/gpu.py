@@ -57,6 +57,12 @@ def all_runs() -> tuple[dict, ...]:
     return tuple(run_record(cfg.parent) for cfg in sorted((REPO_ROOT / GPU_DIR).glob("runs*/*/config.json")))
 
 
+def rerun_records() -> tuple[dict, ...]:
+    """Run records a lease keeps under its session folder (session-*/runs/*/: commands rerun at a later
+    commit), out of the `runs*/` folders the tables above read."""
+    return tuple(run_record(c.parent) for c in sorted((REPO_ROOT / GPU_DIR).glob("session-*/runs/*/config.json")))
+
+
 def run_record(folder) -> dict:
     """One run record (a folder `omnibench run --out` wrote), with what the tables need from it."""
     run = _read(folder / "config.json")["run"]
@@ -410,8 +416,7 @@ def gpu_provenance() -> str:
     lines = ["| record | torch | CUDA | driver | GPU | GPU memory | commit | command | status |",
              "|---|---|---|---|---|---|---|---|---|"]
     root = REPO_ROOT / GPU_DIR
-    # a lease's run records under session-*/runs/ (commands rerun at a later commit) read as runs too
-    records = [*all_runs(), *(run_record(c.parent) for c in sorted(root.glob("session-*/runs/*/config.json")))]
+    records = [*all_runs(), *rerun_records()]
     for r in records:
         lines.append(_provenance_row(r["path"].removeprefix(GPU_DIR + "/") + "/", r["provenance"]))
     folders = {REPO_ROOT / r["path"] for r in records}

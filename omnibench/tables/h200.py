@@ -26,7 +26,7 @@ from omnibench.tables.gpu import (
     kernel_sweep,
     modelled,
     plan_label,
-    run_record,
+    rerun_records,
     whole_step,
 )
 
@@ -223,17 +223,19 @@ def h200_rerun() -> str:
     from simulator.calibrate import validate
 
     first = {r["name"]: r for r in h200_runs()}
-    again = [run_record(p) for p in sorted((REPO_ROOT / RERUNS).iterdir()) if (p / "config.json").is_file()]
+    again = [r for r in rerun_records() if r["path"].startswith(RERUNS + "/")]
     unmatched = [r["path"] for r in again if r["name"] not in first]
     if unmatched:
         raise TableError(f"{RERUNS}: {', '.join(unmatched)} repeat(s) no run of the first lease (a rerun is named as "
                          "the record whose command it repeats)")
     pairs = [(first[r["name"]], r) for r in again]
-    got = validate([str(REPO_ROOT / r["path"]) for pair in pairs for r in pair], None, HARDWARE)
+    checked = _checks(before=False)  # the first lease's runs, as the held-out table reads them
+    got = dict(zip((r["path"] for r in again), validate([str(REPO_ROOT / r["path"]) for r in again], None, HARDWARE),
+                   strict=True))
     lines = ["| Plan | first lease: step s (commit) | again: step s (commit) | again / first | peak GiB, first / again "
              "| again: simulated s (error) |", "|---|---|---|---|---|---|"]
-    for i, (a, b) in enumerate(pairs):
-        va, vb = got[2 * i], got[2 * i + 1]
+    for a, b in pairs:
+        va, vb = checked[a["path"]], got[b["path"]]
         lines.append(f"| {plan_label(b)} | {va.measured_s:.3f} (`{a['provenance']['commit'][:7]}`) | {vb.measured_s:.3f} "
                      f"(`{b['provenance']['commit'][:7]}`) | {vb.measured_s / va.measured_s:.3f} | "
                      f"{a['summary']['peak_memory_bytes'] / GiB:.2f} / {b['summary']['peak_memory_bytes'] / GiB:.2f} | "
