@@ -31,6 +31,7 @@ def main() -> None:
     from omnibench.specs.presets import get_model
     from omnibench.tune import Candidate, memory_estimate
     from simulator.hardware import load_cluster
+    from systems import SYSTEMS
     from workloads.stream import WorkloadStream
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,8 +43,20 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=0, help="this tp instead of each system's default layout's")
     ap.add_argument("--pp", type=int, default=0, help="this pp instead of each system's default layout's")
     args = ap.parse_args()
-    model = get_model(args.model)
-    cluster = load_cluster(args.hardware, args.gpus)
+    # bad input is refused here, in one line naming the flag, before anything is simulated
+    for s in args.systems.split(","):
+        if s not in SYSTEMS:
+            raise SystemExit(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+    try:
+        flag = "--model"
+        model = get_model(args.model)
+        flag = "--hardware"
+        cluster = load_cluster(args.hardware, args.gpus)
+        flag = "--workloads"
+        for wl in args.workloads.split(","):
+            WorkloadStream(wl, seed=0, global_batch_tokens=8192 * args.gpus)
+    except ValueError as e:
+        raise SystemExit(f"{flag}: {str(e).splitlines()[0]}") from None
     gpn, budget = cluster.gpus_per_node, cluster.gpu.memory_bytes
     layout = f"tp {args.tp or 'default'}, pp {args.pp or 'default'}" if args.tp or args.pp else "each system's default layout"
     print(f"{args.model} on {args.gpus} x {args.hardware} ({budget / 2**30:.1f} GiB), 8,192 tokens per GPU, {layout}; "

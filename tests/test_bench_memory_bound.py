@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "memory_bound.py")
 
 
@@ -28,3 +30,12 @@ def test_memory_bound_prints_every_mode_and_flags_a_bound_over_a_fitting_need():
 def test_memory_bound_says_which_layout_cannot_plan():
     lines = _run("--systems", "homogeneous", "--workloads", "long_video", "--gpus", "64", "--tp", "2", "--pp", "4")
     assert any("cannot plan: microbatches" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("args,flag", [(["--systems", "foo"], "--systems"), (["--workloads", "nope"], "--workloads"),
+                                       (["--hardware", "zz"], "--hardware"), (["--model", "qq"], "--model")])
+def test_memory_bound_refuses_bad_input_in_one_line_naming_the_flag(args, flag):
+    out = subprocess.run([sys.executable, SCRIPT, *args, "--gpus", "16"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(flag + ":"), out.stderr[-1000:]
