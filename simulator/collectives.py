@@ -47,7 +47,7 @@ NCCL_HOP_US = {
 RING_PLATEAU = 1.9  # NCCL: a multi-node Simple ring all-reduce of large messages pays 1.9x its latency
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # made per cost worked out: never changed once made
 class LinkCost:
     latency: float  # seconds per algorithm step
     bandwidth: float  # bytes/s per rank

@@ -99,7 +99,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self._params_cache: dict[tuple, object] = {}
         self._dp_modes: dict[str, dict[int, tuple[str, int]]] = {}
         self._dtypes_of: dict[tuple[str, str], object] = {}
-        self._sig_of_rank: dict[tuple, tuple] = {}  # (module, rank, microbatch) -> its signature
+        self._boundary_of: dict[int, list[int]] = {}  # rank -> its boundary messages' tokens (groups.py `classes`)
+        self._rank_data_of: dict[str, dict] = {}  # module -> rank -> its microbatches' data (work.py `_rank_data`)
         self._sig_intern: dict[tuple, tuple] = {}
         self._grad_tables: dict[str, dict[int, tuple[int, ...]]] = {}
         self._lock_of: dict[str, dict[int, tuple[int, ...] | None]] = {}
@@ -343,7 +344,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     st.comm_busy += op.comm
                     spans.append(Span(rank, "compute", op.action, kind, start, dur + op.exposed))
                 elif kind == SEND:
-                    ch = channel(op.p2p_keys[0])
+                    ch = channel(op.p2p_key)
                     if ch.posted:  # NCCL p2p: the transfer starts once the receiver has posted its recv
                         end = transfer(rank, op, p2p_free, "p2p", SEND, now)
                         delivered(ch, end)
@@ -353,7 +354,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                         ch.senders.append((rank, op))
                         pend_open[rank] += 1
                 elif kind == RECV or kind == "boundary_recv":
-                    ch = channel(op.p2p_keys[0])
+                    ch = channel(op.p2p_key)
                     if kind == RECV and not ch.posted:
                         ch.posted = True
                         for s, sop in ch.senders:
@@ -369,7 +370,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                         now = yield None
                 elif kind == "boundary_send":
                     end = transfer(rank, op, p2p_free, "p2p", BOUNDARY, now)
-                    delivered(channel(op.p2p_keys[0]), end)
+                    delivered(channel(op.p2p_key), end)
                     if end > pend_max[rank]:
                         pend_max[rank] = end
                 elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:

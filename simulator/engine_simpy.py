@@ -69,7 +69,7 @@ class SimpyEngine(Engine):
             return ev
 
         def send(rank, op, pending):
-            posted, done = channel(op.p2p_keys[0])
+            posted, done = channel(op.p2p_key)
             # NCCL p2p: the transfer starts once the receiver has posted its recv.
             if posted.triggered:
                 pending.append(transfer(rank, op, "p2p", SEND, done))
@@ -133,16 +133,16 @@ class SimpyEngine(Engine):
                 elif kind == SEND:
                     send(rank, op, pending)
                 elif kind == RECV:
-                    posted, done = channel(op.p2p_keys[0])
+                    posted, done = channel(op.p2p_key)
                     if not posted.triggered:
                         posted.succeed()
                     if not done.triggered:
                         yield done
                 elif kind == "boundary_send":
-                    _, done = channel(op.p2p_keys[0])
+                    _, done = channel(op.p2p_key)
                     pending.append(transfer(rank, op, "p2p", BOUNDARY, done))
                 elif kind == "boundary_recv":
-                    done = channel(op.p2p_keys[0])[1]
+                    done = channel(op.p2p_key)[1]
                     if not done.triggered:
                         yield done
                 elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:

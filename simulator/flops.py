@@ -21,7 +21,10 @@ from omnibench.specs.model import AudioEncoderSpec, LLMSpec, MultimodalSpec, Vis
 _ATTN_OPS = 4
 
 
-@dataclass(frozen=True)
+# slots, not frozen: a step at scale makes a Work per distinct microbatch, and a frozen dataclass sets
+# every field through object.__setattr__ (6x dearer to make with its 25 fields). Nothing changes one once
+# made (they are cached and shared); eq and hash are the frozen ones.
+@dataclass(slots=True, unsafe_hash=True)
 class Work:
     """Work of one module stage on one microbatch, per rank of its layout (after tp/cp/sp)."""
 

@@ -205,20 +205,29 @@ class GroupsMixin:
         peers: dict[int, list[int]] = {}
         groups: dict[int, list[tuple[int, ...]]] = {}
         modules = [(m, self.index[m].coords, lay.hybrid) for m, lay in plan.layouts.items()]
+        boundary = self._boundary_of
         for r in ranks:
             sig = []
             ps: list[int] = []
             gs: list[tuple[int, ...]] = []
+            data_of: dict[str, list] = {}  # module -> the rank's microbatch signatures (`_rank_data`)
+            tokens: list[int] = []  # its boundary messages' tokens, in action order (`program` reads them)
             for a in plan.actions[r]:
                 kind = a.kind
                 if kind == FORWARD or kind == BACKWARD or kind == SEND or kind == RECV:
-                    data = self._signature(a.module, r, a.microbatch)
+                    module, mb = a.module, a.microbatch
+                    sigs = data_of.get(module)
+                    if sigs is None:
+                        sigs = data_of[module] = self._rank_data(module, r)[0]
+                    data = sigs[mb] if mb < len(sigs) else self._signature(module, r, mb)  # (which says why not)
                     if kind == FORWARD:
-                        data = (data, self.input_elements(a.module, r, a))
+                        data = (data, self.input_elements(module, r, a))
                     elif kind != BACKWARD:
                         ps.append(a.peer)
                 elif kind == BOUNDARY:
-                    data = (a.direction, a.peer_microbatch, self._boundary_tokens(r, a))
+                    n = self._boundary_tokens(r, a)
+                    tokens.append(n)
+                    data = (a.direction, a.peer_microbatch, n)
                     ps.append(a.peer)
                 else:
                     data = ()
@@ -231,6 +240,7 @@ class GroupsMixin:
                     if hsdp:
                         gs.append(self._shard_group(m, r))
             base[r] = intern.setdefault(tuple(sig), len(intern))
+            boundary[r] = tokens
             peers[r] = ps
             groups[r] = gs
         colour = base

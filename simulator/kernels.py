@@ -292,7 +292,7 @@ FUSED = Stack()
 FULL_ATTENTION_STRETCH = math.sqrt(2.0)  # see _attention
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # as flops.Work: made per distinct microbatch, never changed once made
 class BlockShape:
     """What the kernel model needs of one stage of a transformer (LLM or encoder) on one microbatch,
     per rank (after tp / cp / sp)."""

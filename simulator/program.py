@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omnibench.plan import (
     BACKWARD,
@@ -58,7 +58,7 @@ class _Op:
     comm: float = 0.0  # inline communication total (for comm-stream busy time)
     lock_key: tuple | None = None  # lock-step / collective rendezvous key
     lock_n: int = 1  # distinct participants
-    p2p_keys: list = field(default_factory=list)  # (key, bytes-time) sends, or keys awaited for recv
+    p2p_key: tuple | None = None  # the message a send, recv or boundary op passes or waits for
     # memory (simulator/memory.py): the op's high point over what was live before it, and what it
     # leaves (activations added or freed, gradients, buffers)
     mem_peak: float = 0.0
@@ -274,6 +274,10 @@ class ProgramMixin:
         seen: dict[tuple, int] = defaultdict(int)
         comm_on = self.options.communication
         hidden = self.model.llm.hidden
+        tokens = self._boundary_of.get(rank)  # its boundary messages' tokens, as `classes` found them
+        if tokens is None:
+            tokens = [self._boundary_tokens(rank, a) for a in self.plan.actions[rank] if a.kind == BOUNDARY]
+        boundary = iter(tokens)
         for a in self.plan.actions[rank]:
             if a.kind in (FORWARD, BACKWARD):
                 op = self._compute_op(rank, a, cls)
@@ -290,15 +294,16 @@ class ProgramMixin:
                 n = seen[base]
                 seen[base] += 1
                 cost = self.coll.send_recv(self._p2p_bytes(a.module, rank, a.microbatch), src, dst) if comm_on else 0.0
-                ops.append(_Op(a, a.kind, duration=cost, p2p_keys=[(*base, n)]))
+                ops.append(_Op(a, a.kind, duration=cost, p2p_key=(*base, n)))
             elif a.kind == BOUNDARY:
                 key = self._boundary_key(rank, a, cls)
+                n_tokens = next(boundary)
                 if a.direction == "send":
-                    nbytes = self._boundary_tokens(rank, a) * hidden * 2
+                    nbytes = n_tokens * hidden * 2
                     cost = self.coll.send_recv(nbytes, rank, a.peer) if comm_on else 0.0
-                    ops.append(_Op(a, "boundary_send", duration=cost, p2p_keys=[key]))
+                    ops.append(_Op(a, "boundary_send", duration=cost, p2p_key=key))
                 else:
-                    ops.append(_Op(a, "boundary_recv", p2p_keys=[key]))
+                    ops.append(_Op(a, "boundary_recv", p2p_key=key))
             elif a.kind == GRAD_SYNC:
                 module = a.module
                 group = self._grad_group(module, rank)

@@ -63,24 +63,38 @@ class WorkMixin:
     def _signature(self, module: str, rank: int, mb: int) -> tuple:
         """The cost-relevant lengths of a microbatch: one shared tuple per distinct value (so the
         work of equal microbatches on different ranks is looked up by identity, never rehashed)."""
-        by_rank = self._sig_of_rank.get((module, rank, mb))
-        if by_rank is not None:
-            return by_rank
-        key = (module, self._data_rank(module, rank), mb)
-        got = self._sig_cache.get(key)
+        sigs = self._rank_data(module, rank)[0]
+        if mb >= len(sigs):
+            raise SimulationError(f"rank {rank}: {module} microbatch {mb} has no assignment in the plan")
+        return sigs[mb]
+
+    def _rank_data(self, module: str, rank: int) -> tuple[list, list]:
+        """(signature, raw input elements or None until asked) of each microbatch the rank's data rank
+        is assigned, by microbatch index: one pair of lists per data rank, shared by the ranks it
+        feeds (tp, cp and pipeline peers), so an action's data is an index into them."""
+        per = self._rank_data_of.get(module)
+        if per is None:
+            per = self._rank_data_of[module] = {}
+        got = per.get(rank)
         if got is None:
-            ids = self._microbatch(module, rank, mb)
-            by_id = self._samples_by_id
-            if module == "llm":
-                got = tuple(by_id[i].llm_tokens for i in ids)
-            else:  # the segments its encoder takes (Segment.encoder, by modality, without a call per segment)
-                mods = _MODALITIES_OF[module]
-                if module == "vision":
-                    got = tuple(s.grid_thw for i in ids for s in by_id[i].segments if s.modality in mods)
-                else:
-                    got = tuple(s.mel_frames for i in ids for s in by_id[i].segments if s.modality in mods)
-            got = self._sig_cache[key] = self._sig_intern.setdefault((module, got), got)
-        self._sig_of_rank[(module, rank, mb)] = got
+            data_rank = self._data_rank(module, rank)
+            got = per.get(data_rank) if data_rank != rank else None
+            if got is None:
+                mbs = self.plan.assignment.get(module, {}).get(data_rank, [])
+                by_id, intern = self._samples_by_id, self._sig_intern
+                sigs = []
+                for ids in mbs:
+                    if module == "llm":
+                        sig = tuple(by_id[i].llm_tokens for i in ids)
+                    else:  # the segments its encoder takes (Segment.encoder, by modality, without a call per segment)
+                        mods = _MODALITIES_OF[module]
+                        if module == "vision":
+                            sig = tuple(s.grid_thw for i in ids for s in by_id[i].segments if s.modality in mods)
+                        else:
+                            sig = tuple(s.mel_frames for i in ids for s in by_id[i].segments if s.modality in mods)
+                    sigs.append(intern.setdefault((module, sig), sig))
+                got = per[data_rank] = (sigs, [None] * len(sigs))
+            per[rank] = got
         return got
 
     def input_elements(self, module: str, rank: int, a: Action) -> float:
@@ -88,12 +102,12 @@ class WorkMixin:
         samples (the runtime draws all of each sample's inputs there); 0 for other actions."""
         if a.kind != FORWARD or (module == "llm" and a.stage != 0):
             return 0.0
-        key = ("inputs", module, self._data_rank(module, rank), a.microbatch)
-        got = self._sig_cache.get(key)
+        inputs = self._rank_data(module, rank)[1]
+        got = inputs[a.microbatch] if a.microbatch < len(inputs) else None
         if got is None:
             ids = self._microbatch(module, rank, a.microbatch)
             by_id, model = self._samples_by_id, self.model
-            got = self._sig_cache[key] = float(sum(input_elements(by_id[i], model) for i in ids))
+            got = inputs[a.microbatch] = float(sum(input_elements(by_id[i], model) for i in ids))
         return got
 
     def _stage(self, module: str, rank: int, action: Action) -> int:

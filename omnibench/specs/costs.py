@@ -414,7 +414,7 @@ def encoder_chunk_sizes(module: str, inputs: Sequence, budget: int) -> list[int]
 PRECISIONS = ("bf16", "fp32")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # made per rank and module at scale: never changed once made
 class StateBytes:
     params: float
     grads: float
