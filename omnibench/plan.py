@@ -339,8 +339,10 @@ class Plan:
         return self.assignment.get(module, {}).get(rank, [])
 
     # -- checks ----------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Structural checks every planner's output must pass (executors trust a valid plan)."""
+    def validate(self, order: bool = False) -> None:
+        """Structural checks every planner's output must pass (executors trust a valid plan); `order`:
+        also that every ordered pair of ranks posts its messages in the same order on both sides
+        (`check_p2p_order`), checked in the same pass."""
         ranks = set(range(self.world_size))
         for name, lay in self.layouts.items():
             lay.validate()
@@ -357,31 +359,27 @@ class Plan:
             seen = sorted(once + list(listed))
             if seen != sorted(ids):
                 raise PlanError("assignment.llm: every sample must be assigned to exactly one LLM data rank")
-        kinds = set(ACTION_KINDS)
-        # Every send has its matching recv (boundary sends too); indexed so this stays linear in size,
-        # in one pass over the actions (a plan at scale holds hundreds of thousands).
+        # Every send has its matching recv (boundary sends too): where every pair of ranks posts the
+        # same messages in the same order on both sides, it has; only otherwise is it looked for
+        # message by message. One pass over the actions (a plan at scale holds hundreds of thousands).
+        sent, got = p2p_messages(self, check_kinds=True)
+        if sent == got:
+            return
         recvs: set[tuple] = set()
-        sends: list[tuple[int, Action]] = []
+        for pair, keys in got.items():
+            recvs.update((pair[0], pair[1], key) for key in keys)
         for rank, acts in self.actions.items():
-            for b in acts:
-                kind = b.kind
-                if kind == RECV:
-                    recvs.add((RECV, rank, b.peer, b.microbatch, b.what))
-                elif kind == BOUNDARY:
-                    if b.direction == "recv":
-                        recvs.add((BOUNDARY, rank, b.peer, b.module, b.what, b.microbatch, b.peer_microbatch))
-                    elif b.direction == "send":
-                        sends.append((rank, b))
-                elif kind == SEND:
-                    sends.append((rank, b))
-                elif kind not in kinds:
-                    raise PlanError(f"actions[{rank}]: unknown kind {kind!r}; allowed: {', '.join(ACTION_KINDS)}")
-        for rank, a in sends:
-            if a.kind == SEND:
-                if (RECV, a.peer, rank, a.microbatch, a.what) not in recvs:
-                    raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
-            elif (BOUNDARY, a.peer, rank, a.module, a.what, a.peer_microbatch, a.microbatch) not in recvs:
-                raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
+            for a in acts:
+                if a.kind == SEND:
+                    if (rank, a.peer, _message(a, sending=True)) not in recvs:
+                        raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
+                elif a.kind == BOUNDARY and a.direction == "send":
+                    if (rank, a.peer, _message(a, sending=True)) not in recvs:
+                        raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
+        if order:
+            for pair in set(sent) | set(got):
+                if sent.get(pair, []) != got.get(pair, []):
+                    raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -425,3 +423,57 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> Plan:
         return Plan.from_dict(json.loads(text))
+
+
+def _message(a: Action, sending: bool) -> tuple:
+    """One message's identity, the same on its sender and its receiver."""
+    if a.kind == BOUNDARY:
+        smb, dmb = (a.microbatch, a.peer_microbatch) if sending else (a.peer_microbatch, a.microbatch)
+        return ("boundary", a.module, a.what, smb, dmb)
+    return ("p2p", a.module, a.what, a.microbatch, a.microbatch)
+
+
+def p2p_messages(plan: Plan, check_kinds: bool = False) -> tuple[dict[tuple, list[tuple]], dict[tuple, list[tuple]]]:
+    """The messages each ordered pair of ranks (sender, receiver) posts, in order, on the sending side
+    and on the receiving one (pipeline sends/recvs and boundary exchanges). NCCL matches point-to-point
+    messages first-in first-out per pair. Interleaved 1F1B on 2 stages sends activations and gradients
+    both ways between the same pair; Megatron-LM posts each step's pair of exchanges as one batched
+    send/recv, so there only the order within each direction of tensors (activations, gradients) has to
+    agree: such pairs are keyed by it too. `check_kinds`: an action of a kind not in ACTION_KINDS is
+    refused on the way."""
+    kinds = set(ACTION_KINDS) if check_kinds else None
+    sent: dict[tuple, list[tuple]] = {}
+    got: dict[tuple, list[tuple]] = {}
+    split = "llm" in plan.layouts and plan.layouts["llm"].vpp > 1
+    for rank, acts in plan.actions.items():
+        for a in acts:
+            kind = a.kind
+            if kind == BOUNDARY:
+                if a.direction == "send":
+                    key = (rank, a.peer, "")
+                    msg = ("boundary", a.module, a.what, a.microbatch, a.peer_microbatch)
+                    out = sent
+                elif a.direction == "recv":
+                    key = (a.peer, rank, "")
+                    msg = ("boundary", a.module, a.what, a.peer_microbatch, a.microbatch)
+                    out = got
+                else:
+                    continue
+            elif kind == SEND:
+                key = (rank, a.peer, a.what if split else "")
+                msg = ("p2p", a.module, a.what, a.microbatch, a.microbatch)
+                out = sent
+            elif kind == RECV:
+                key = (a.peer, rank, a.what if split else "")
+                msg = ("p2p", a.module, a.what, a.microbatch, a.microbatch)
+                out = got
+            else:
+                if kinds is not None and kind not in kinds:
+                    raise PlanError(f"actions[{rank}]: unknown kind {kind!r}; allowed: {', '.join(ACTION_KINDS)}")
+                continue
+            got_list = out.get(key)
+            if got_list is None:
+                out[key] = [msg]
+            else:
+                got_list.append(msg)
+    return sent, got

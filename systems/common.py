@@ -42,10 +42,11 @@ from omnibench.plan import (
     Plan,
     PlanError,
     Route,
+    p2p_messages,
 )
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
-from workloads.sample import Batch, Sample
+from workloads.sample import ENCODER_OF, Batch, Sample
 
 # ----------------------------------------------------------------------------------- layouts
 
@@ -146,20 +147,21 @@ def data_rank(layout: Layout, rank: int) -> int:
     table = _cached(layout, "_data_rank", dict)
     got = table.get(rank)
     if got is None:
-        if layout.module == "llm":
-            got = layout.rank_at(pp=0, dp=layout.coord(rank, "dp"), cp=0, tp=0)
-        else:
-            got = layout.rank_at(dp=layout.coord(rank, "dp"), sp=0, tp=0)
-        table[rank] = got
+        got = table[rank] = _data_ranks(layout)[layout.coord(rank, "dp")]
     return got
 
 
-def data_ranks(layout: Layout) -> list[int]:
+def _data_ranks(layout: Layout) -> list[int]:
+    """Each data group's rank holding its assignment, by dp index (kept on the layout: read, not changed)."""
     def make() -> list[int]:
         if layout.module == "llm":
             return [layout.rank_at(pp=0, dp=d, cp=0, tp=0) for d in range(layout.dp)]
         return [layout.rank_at(dp=d, sp=0, tp=0) for d in range(layout.dp)]
-    return list(_cached(layout, "_data_ranks", make))  # a copy: callers may change theirs
+    return _cached(layout, "_data_ranks", make)
+
+
+def data_ranks(layout: Layout) -> list[int]:
+    return list(_data_ranks(layout))  # a copy: callers may change theirs
 
 
 def consumers(layout: Layout, dp_index: int) -> list[int]:
@@ -508,7 +510,7 @@ def llm_stage_actions(
     if llm.vpp > 1:  # interleaved: each step of the order names the virtual stage (chunk) it runs
         neighbours = [pipeline_neighbours(llm, rank, c) for c in range(llm.vpp)]
         order = ((kind, j, neighbours[chunk]) for kind, j, chunk
-                 in interleaved_1f1b(llm.coords(rank)["pp"], llm.pp, llm.vpp, microbatches))
+                 in interleaved_1f1b(llm.coord(rank, "pp"), llm.pp, llm.vpp, microbatches))
     else:
         mine = pipeline_neighbours(llm, rank)
         order = ((kind, j, mine) for kind, j in one_f_one_b(mine[0], llm.pp, microbatches))
@@ -534,28 +536,10 @@ def step_tail(modules: Iterable[str]) -> list[Action]:
 
 def check_p2p_order(plan: Plan) -> None:
     """Every ordered pair of ranks must post its messages (pipeline and boundary) in the same order
-    on both sides: NCCL matches point-to-point messages first-in first-out per pair."""
-    sent: dict[tuple, list[tuple]] = defaultdict(list)
-    got: dict[tuple, list[tuple]] = defaultdict(list)
-    # Interleaved 1F1B on 2 stages sends activations and gradients both ways between the same pair;
-    # Megatron-LM posts each step's pair of exchanges as one batched send/recv, so only the order
-    # within each direction of tensors (activations, gradients) has to agree.
-    split = "llm" in plan.layouts and plan.layouts["llm"].vpp > 1
-    for rank, acts in plan.actions.items():
-        for a in acts:
-            kind = a.kind
-            if kind == BOUNDARY:
-                if a.direction == "send":
-                    sent[(rank, a.peer, "")].append(("boundary", a.module, a.what, a.microbatch, a.peer_microbatch))
-                elif a.direction == "recv":
-                    got[(a.peer, rank, "")].append(("boundary", a.module, a.what, a.peer_microbatch, a.microbatch))
-            elif kind == SEND:
-                sent[(rank, a.peer, a.what if split else "")].append(("p2p", a.module, a.what, a.microbatch,
-                                                                      a.microbatch))
-            elif kind == RECV:
-                got[(a.peer, rank, a.what if split else "")].append(("p2p", a.module, a.what, a.microbatch,
-                                                                     a.microbatch))
-    if len(sent) != len(got) or sent != got:
+    on both sides: NCCL matches point-to-point messages first-in first-out per pair
+    (`omnibench.plan.p2p_messages`). `Plan.validate(order=True)` checks it in its own pass."""
+    sent, got = p2p_messages(plan)
+    if sent != got:
         for pair in set(sent) | set(got):
             if sent.get(pair, []) != got.get(pair, []):
                 raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
@@ -565,14 +549,23 @@ def resolve_common(model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) 
     parallel.validate(model)
     if not batch.samples:
         raise PlanError("batch: a step needs at least one sample")
+    _check_encoders(batch, model)
+
+
+@by_identity(2, size=8)
+def _check_encoders(batch: Batch, model: MultimodalSpec) -> bool:
+    """That the model has an encoder for every modality of the batch: once per batch and model (a tune
+    plans one batch at every layout it weighs), an answer kept only when it passes."""
     encoders = model.encoders
     for s in batch.samples:
         for seg in s.segments:
-            if seg.encoder is not None and seg.encoder not in encoders:
+            enc = ENCODER_OF.get(seg.modality)
+            if enc is not None and enc not in encoders:
                 raise PlanError(
-                    f"model: {model.name} has no {seg.encoder} encoder for the batch's {seg.modality} samples; "
+                    f"model: {model.name} has no {enc} encoder for the batch's {seg.modality} samples; "
                     f"pick a model with one (e.g. tiny-omni) or a workload without {seg.modality}"
                 )
+    return True
 
 
 def notes_for(plan: Plan) -> dict:
@@ -684,7 +677,8 @@ def plan_encoders_in_stage0(
     )
 
 
-def finish(plan: Plan) -> Plan:
+def finish(plan: Plan, order: bool = False) -> Plan:
+    """The plan with its notes, validated (`order`: its messages' order per pair of ranks too)."""
     plan.notes = {**notes_for(plan), **plan.notes}
-    plan.validate()
+    plan.validate(order=order)
     return plan

@@ -45,11 +45,11 @@ from systems.common import (
     active_encoders,
     balance,
     by_identity,
-    check_p2p_order,
     data_rank,
     data_ranks,
     default_microbatches,
     finish,
+    llm_tokens_of,
     make_routes,
     resolve_common,
     step_tail,
@@ -179,7 +179,7 @@ class OmniPlanner:
         llm = layouts["llm"]
         if n_samples < llm.dp:
             raise PlanError(f"batch: {n_samples} samples cannot feed dp={llm.dp} data-parallel ranks")
-        loader0 = [r for r in llm.ranks if llm.coords(r)["dp"] == 0]
+        loader0 = [r for r in llm.ranks if llm.coord(r, "dp") == 0]
         shares = [EncoderShare(m, len({data_rank(layouts[m], r) for r in loader0}), layouts[m].dp)
                   for m in model.encoders]
         return LoaderSpec(loaders=llm.dp, group_size=opts.reorder_group, reorder=opts.reorder and llm.dp > 1,
@@ -260,12 +260,12 @@ class OmniPlanner:
         opts = OmniOptions.parse(parallel.options)
         cm = self.cost_model(model, opts)
         per_batch = _per_batch(batch, model, cm)
-        layouts = build_layouts(model, parallel, opts.encoder_dp)
+        layouts = once("layouts", lambda: build_layouts(model, parallel, opts.encoder_dp))  # both ways alike
         llm = layouts["llm"]
         locked = locks_encoders(layouts)
         for m in model.encoders:
             for group in layouts[m].groups("tp") if layouts[m].tp > 1 else []:
-                if len({llm.coords(r)["pp"] for r in group}) > 1:
+                if len({llm.coord(r, "pp") for r in group}) > 1:
                     raise PlanError(f"encoder_tp={layouts[m].tp}: {m} tp group {group} spans LLM pipeline stages; "
                                     f"use an encoder_tp that divides the ranks of one stage")
         world = parallel.world_size
@@ -308,7 +308,7 @@ class OmniPlanner:
             """Each LLM data group's encoder data ranks, per encoder."""
             group_ranks: dict[int, list[int]] = defaultdict(list)
             for r in llm.ranks:
-                group_ranks[llm.coords(r)["dp"]].append(r)
+                group_ranks[llm.coord(r, "dp")].append(r)
             return {m: {d: sorted({data_rank(layouts[m], r) for r in group_ranks[d]}) for d in range(dp)}
                     for m in model.encoders}
         enc_home = once("enc_home", homes)
@@ -347,12 +347,13 @@ class OmniPlanner:
             # Microbatches exist to bound activation memory, which grows with tokens: split each data
             # rank's samples by tokens (as the baselines do), which also leaves the costliest (longest)
             # samples together in the first microbatch on every rank, then level them (lock-step).
-            llm_mbs = [heaviest_first(balance(((i, by_id[i].llm_tokens) for i in shard), m_count), llm_cost)
+            tokens = llm_tokens_of(batch)
+            llm_mbs = [heaviest_first(balance(((i, tokens[i]) for i in shard), m_count), llm_cost)
                        for shard in llm_shards]
             if llm.pp == 1 and m_count > 1 and llm.fsdp and llm.fsdp_size > 1:
                 # microbatch j runs in lock-step over each FSDP shard group: level it (reshard.py)
-                locks = [sorted({llm.coords(r)["dp"] for r in g}) for g in llm.shard_groups() if llm.coords(g[0])["tp"] == 0]
-                llm_mbs = level_microbatches(llm_mbs, llm_cost, {i: by_id[i].llm_tokens for i in ids}, locks)
+                locks = [sorted({llm.coord(r, "dp") for r in g}) for g in llm.shard_groups() if llm.coord(g[0], "tp") == 0]
+                llm_mbs = level_microbatches(llm_mbs, llm_cost, tokens, locks)
         due = {i: j for mbs in llm_mbs for j, mb in enumerate(mbs) for i in mb}
         consumer = {i: d for d, mbs in enumerate(llm_mbs) for mb in mbs for i in mb}
         llm_leader: dict[int, int] = {}
@@ -362,9 +363,11 @@ class OmniPlanner:
                 llm_leader[i] = llm.rank_at(pp=0, dp=g * k_llm, cp=0, tp=0)
         llm_share = {i: k_llm for i in long_set}
 
+        llm_data_ranks = data_ranks(llm)  # data group d's rank at pp 0, cp 0, tp 0
+
         def consumer_rank(i: int) -> int:
             """The LLM rank whose route carries sample i's gradient back (cp 0, tp 0 of its data group)."""
-            return llm_leader.get(i, llm.rank_at(pp=0, dp=consumer[i], cp=0, tp=0))
+            return llm_leader.get(i, llm_data_ranks[consumer[i]])
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
 
         # -- encoder placement ------------------------------------------------------------------------
@@ -416,9 +419,10 @@ class OmniPlanner:
             floor_s = max(floor_s, (floor_s + enc_s) * (1 - 1e-9))
         yield _Floor(floor_s, len(long_llm), opts.llm_split == "always")
         credit = {}
+        slots = sum(f_stage) + sum(b_stage)
         for r in range(world):
             # A later stage idles ~s forward slots in warm-up and ~s backward slots in cool-down.
-            credit[r] = llm.coords(r)["pp"] * (sum(f_stage) + sum(b_stage)) / max(1, m_count)
+            credit[r] = llm.coord(r, "pp") * slots / max(1, m_count)
 
         # What `place` weighs that does not depend on the bubbles it starts from, nor (each sample's
         # consumer) on the candidate's group size: worked out once for both placements (even,
@@ -589,11 +593,12 @@ class OmniPlanner:
             meta = self._metadata_actions(spec, llm, loading, by_id)
             for r in actions:
                 actions[r] = meta[r] + actions[r]
-            llm_tokens = [round(sum(by_id[i].llm_tokens / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
+            tokens = llm_tokens_of(batch)
+            llm_tokens = [round(sum(tokens[i] / llm_share.get(i, 1) for mb in mbs for i in mb)) for mbs in llm_mbs]
             llm_groups_all = llm_groups(llm, k_llm) if k_llm > 1 and long_llm else []  # no communicators unused
             long_llm_mbs = {}
             for grp in llm_groups_all:  # every stage's members run the long microbatches
-                d0 = llm.coords(grp[0])["dp"]
+                d0 = llm.coord(grp[0], "dp")
                 slots = list(range(len(on_llm_group[d0 // k_llm]))) if on_llm_group else []
                 if slots:
                     for r in grp:
@@ -659,9 +664,7 @@ class OmniPlanner:
                                             "llm_data_ranks": k_llm, "llm_cp_kind": llm_kind} if llm_leader else {})}},
                 notes=notes,
             )
-            plan = finish(plan)
-            check_p2p_order(plan)
-            return plan
+            return finish(plan, order=True)  # align_sends reorders sends: their order per pair checked too
 
         yield _Draft(_r(timeline.step_s), build)
 

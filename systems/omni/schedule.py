@@ -39,7 +39,7 @@ from systems.common import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # one per encoder microbatch and rank: never changed once made
 class EncItem:
     module: str
     microbatch: int
@@ -59,7 +59,7 @@ class Timeline:
 def _stage_ranks(llm: Layout) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in range(llm.pp)]
     for r in llm.ranks:
-        out[llm.coords(r)["pp"]].append(r)
+        out[llm.coord(r, "pp")].append(r)
     return out
 
 
@@ -195,7 +195,7 @@ def lockstep_orders(llm: Layout, m: int, items: dict[int, list[EncItem]], module
     backwards, and sends do not block."""
     orders: dict[int, list[tuple]] = {}
     for r, its in items.items():
-        s = llm.coords(r)["pp"]
+        s = llm.coord(r, "pp")
         mine = sorted(its, key=lambda it: (modules.index(it.module), it.microbatch))
         orders[r] = ([("enc_f", it) for it in mine] + [("llm", kind, j) for kind, j in one_f_one_b(s, llm.pp, m)]
                      + [("enc_b", it) for it in mine])
