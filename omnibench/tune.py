@@ -630,9 +630,10 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     tokens, positions = _mean_loads(model, samples)
     big_tokens, big_positions = _largest(model, samples)
     m = c.microbatches or default_microbatches(system, c.pp)
-    per_mb = max(1, int(tokens / lay.dp / m), big_tokens // rules.llm_split)
-    w = llm_work(model.llm, [per_mb], stage_layers(model.llm.layers, c.pp, 0), True, c.pp == 1, c.tp, c.cp, c.ep,
-                 mode["llm"], c.cp_kind)
+    mean_mb = max(1, int(tokens / lay.dp / m))
+    per_mb = max(mean_mb, big_tokens // rules.llm_split)
+    layers = stage_layers(model.llm.layers, c.pp, 0)
+    w = llm_work(model.llm, [per_mb], layers, True, c.pp == 1, c.tp, c.cp, c.ep, mode["llm"], c.cp_kind)
     dense = (w.params - w.expert_params) / c.tp
     expert = w.expert_params / c.tp / max(1, c.ep)
     # As the simulator's timeline holds them at the LLM's first backward: its training state, the
@@ -646,7 +647,17 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         llm_state = costs.StateBytes(llm_state.params + e.params, llm_state.grads + e.grads,
                                      llm_state.optimizer + e.optimizer)
     in_flight = min(c.pp, m)
-    llm_act = in_flight * (w.act_bytes - w.act_transient)
+    # A first-stage rank's 1F1B holds up to `in_flight` microbatches at once: the rank holding the largest
+    # sample holds at least that sample's microbatch, and every rank holds at once each run of
+    # `in_flight` consecutive microbatches, so the heaviest of its ceil(m / in_flight) disjoint runs holds
+    # at least that share of its microbatches, at least m of the mean size over the ranks (activations
+    # grow with tokens at least linearly). The largest sample's microbatch counted for each one in
+    # flight was no lower bound: it pruned pipelined layouts' cheaper recompute modes that fit.
+    llm_act = w.act_bytes - w.act_transient
+    if in_flight > 1:
+        mean = w if mean_mb == per_mb else llm_work(model.llm, [mean_mb], layers, True, c.pp == 1, c.tp, c.cp,
+                                                     c.ep, mode["llm"], c.cp_kind)
+        llm_act = max(llm_act, m / math.ceil(m / in_flight) * (mean.act_bytes - mean.act_transient))
     llm_side = llm_state.params + llm_state.optimizer + llm_state.grads + llm_act  # allocated bytes
     enc_state = enc_grads = enc_act = 0.0
     # the share of a rank's encoder activations live at once: every microbatch's where the encoders run
