@@ -197,6 +197,10 @@ class Layout:
         """Mesh coordinates of a global rank in this layout."""
         return dict(self._tables()[0][rank])
 
+    def coord_table(self) -> dict[int, dict[str, int]]:
+        """Every rank's mesh coordinates: the layout's own table, shared (read it, never change it)."""
+        return self._tables()[0]
+
     def coord(self, rank: int, dim: str) -> int:
         """One mesh coordinate of a global rank (`coords(rank)[dim]` without copying the mapping)."""
         return self._tables()[0][rank][dim]

@@ -124,29 +124,27 @@ class ComputeModel:
         prof = self.kernels
         if prof is None or work.shape is None:
             return None
-        # by identity first: Work objects are cached, and hashing a BlockShape (its sequence lengths
-        # and stack) on every lookup cost more than the lookup at thousands of ranks
+        # by identity: Work objects are cached (one per distinct microbatch, the shape inside it), and
+        # hashing a BlockShape (its sequence lengths and stack) per lookup cost more than the lookup; a
+        # second, by-value level found almost nothing that the identity missed (equal shapes come from
+        # equal microbatches, which share one Work)
         fast = (id(work.shape), passes, recompute)
         hit = self._kernel_cache.get(fast)
         if hit is not None and hit[1] is work.shape:
             return hit[0]
-        key = (work.shape, passes, recompute)
-        got = self._kernel_cache.get(key)
-        if got is None:
-            from simulator.kernels import llm_attention, llm_pass
+        from simulator.kernels import llm_attention, llm_pass
 
-            got = llm_pass(prof, work.shape, passes)
-            if passes == "bwd" and recompute == "full":
-                # Megatron / torch checkpointing re-runs each block's forward (not the head, not the
-                # work outside the blocks)
-                got += llm_pass(prof, work.shape, "fwd", blocks_only=True)
-            elif passes == "bwd" and recompute == "selective":
-                got += llm_attention(prof, work.shape, "fwd")
-            elif passes == "bwd" and recompute == "half":
-                # torchtitan's selective checkpointing: every other block whole (layer policy) or every
-                # other matmul and the element-wise ops (op policy): half of the blocks' forward again
-                got += 0.5 * llm_pass(prof, work.shape, "fwd", blocks_only=True)
-            self._kernel_cache[key] = got
+        got = llm_pass(prof, work.shape, passes)
+        if passes == "bwd" and recompute == "full":
+            # Megatron / torch checkpointing re-runs each block's forward (not the head, not the
+            # work outside the blocks)
+            got += llm_pass(prof, work.shape, "fwd", blocks_only=True)
+        elif passes == "bwd" and recompute == "selective":
+            got += llm_attention(prof, work.shape, "fwd")
+        elif passes == "bwd" and recompute == "half":
+            # torchtitan's selective checkpointing: every other block whole (layer policy) or every
+            # other matmul and the element-wise ops (op policy): half of the blocks' forward again
+            got += 0.5 * llm_pass(prof, work.shape, "fwd", blocks_only=True)
         self._kernel_cache[fast] = (got, work.shape)
         return got
 

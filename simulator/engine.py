@@ -99,6 +99,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         self._params_cache: dict[tuple, object] = {}
         self._dp_modes: dict[str, dict[int, tuple[str, int]]] = {}
         self._dtypes_of: dict[tuple[str, str], object] = {}
+        self._sample_inputs: dict[int, int] = {}  # sample id -> its raw input elements (work.py)
+        self._static_of: dict[tuple, float] = {}  # a rank's static memory by what decides it (memory.py)
         self._boundary_of: dict[int, list[int]] = {}  # rank -> its boundary messages' tokens (groups.py `classes`)
         self._rank_data_of: dict[str, dict] = {}  # module -> rank -> its microbatches' data (work.py `_rank_data`)
         self._sig_intern: dict[tuple, tuple] = {}

@@ -35,14 +35,9 @@ class LayoutIndex:
 
     def __init__(self, layout: Layout):
         self.layout = layout
-        dims, shape = layout.mesh_dims, layout.mesh_shape
-        self.coords: dict[int, dict[str, int]] = {}
-        for i, r in enumerate(layout.ranks):
-            c, idx = {}, i
-            for d, s in zip(reversed(dims), reversed(shape), strict=True):
-                c[d] = idx % s
-                idx //= s
-            self.coords[r] = c
+        # rank -> its mesh coordinates: the layout's own table (the planner has mostly built it already);
+        # read, never changed
+        self.coords: dict[int, dict[str, int]] = layout.coord_table()
         self._groups: dict[tuple[str, ...], dict[int, tuple[int, ...]]] = {}
         self._hsdp: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 

@@ -334,6 +334,8 @@ class BlockShape:
     moe_ffn: int = 0
     moe_shared_ffn: int = 0
     moe_token_split: int = 1  # the MoE sees 1/this of the rank's tokens (folded experts: its SP shard)
+    # its block fields (`_block_key`) as the one object of their value, once asked (`_block_of`)
+    _block: tuple | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
     def ntokens(self) -> float:
@@ -346,8 +348,20 @@ LLMShape = BlockShape  # the name the decoder-only callers use
 # count only (not the sequence lengths, the layer count or what lies outside the blocks); the stage's
 # terms outside its blocks on every field but the sequence lengths.
 _OUTSIDE = ("seq_lens", "tokens", "layers", "head", "embed", "extra_gemms", "extra_pointwise")
-_block_key = operator.attrgetter(*(f.name for f in fields(BlockShape) if f.name not in _OUTSIDE))
-_shape_key = operator.attrgetter(*(f.name for f in fields(BlockShape) if f.name != "seq_lens"))
+_block_key = operator.attrgetter(*(f.name for f in fields(BlockShape) if f.name not in _OUTSIDE and f.init))
+# A block key's value -> the one object of it, process-wide (a few per simulation: one per module stage,
+# layout and stack). The profile's caches are keyed by that object's identity: hashing the 27 fields (the
+# stack's own among them) on every lookup was a fifth of a warm `llm_pass`. A value met again is the same
+# object; an entry is kept with the object it was made for, so an identity is never reused.
+_BLOCK_KEYS: dict[tuple, tuple] = {}
+
+
+def _block_of(s: BlockShape) -> tuple:
+    bk = s._block
+    if bk is None:
+        k = _block_key(s)
+        bk = s._block = _BLOCK_KEYS.setdefault(k, k)
+    return bk
 
 
 def llm_pass(p: KernelProfile, s: BlockShape, passes: str, blocks_only: bool = False) -> float:
@@ -362,21 +376,28 @@ def llm_pass(p: KernelProfile, s: BlockShape, passes: str, blocks_only: bool = F
     # at thousands of ranks many microbatches share it with different sequences (and a forward and
     # its recomputation share the blocks): those terms are worked out once per (shape without its
     # sequences, tokens, pass) and added in the same order as ever: the same sum to the last bit.
-    bk = _block_key(s)
-    key = (passes, t, bk)
-    block = p._block_cache.get(key)
-    if block is None:
-        block = p._block_cache[key] = _block_parts(p, s, t, bwd, bk)
+    bk = _block_of(s)
+    key = (passes, t, id(bk))
+    hit = p._block_cache.get(key)
+    if hit is not None and hit[1] is bk:
+        block = hit[0]
+    else:
+        block = _block_parts(p, s, t, bwd, bk)
+        p._block_cache[key] = (block, bk)
     before, after = block
     time = before + _attention(p, s, bwd)
     for x in after:
         time += x
     total = s.layers * time
     if not blocks_only and (s.extra_gemms or s.extra_pointwise or s.head or s.embed):
-        key = (passes, t, _shape_key(s))
-        outside = p._outside_cache.get(key)
-        if outside is None:
-            outside = p._outside_cache[key] = _outside_parts(p, s, t, bwd)
+        # every field but the sequence lengths: the block's, and those outside it
+        key = (passes, t, id(bk), s.tokens, s.layers, s.head, s.embed, s.extra_gemms, s.extra_pointwise)
+        hit = p._outside_cache.get(key)
+        if hit is not None and hit[1] is bk:
+            outside = hit[0]
+        else:
+            outside = _outside_parts(p, s, t, bwd)
+            p._outside_cache[key] = (outside, bk)
         for x in outside:
             total += x
     return total
@@ -430,14 +451,15 @@ def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool, bk: tuple
 def _linear_rates(p: KernelProfile, linears: list[tuple[float, float]], t: float, bwd: bool, bk: tuple) -> tuple:
     """The GEMM rates of a block's linears at `t` tokens (backward: (dgrad, wgrad) per linear), as
     `gemm_rate` answers them: one lookup per (pass, bucket of t, block)."""
-    key = (bwd, _bucket(t), bk)
-    got = p._rates_cache.get(key)
-    if got is None:
-        if bwd:
-            got = tuple((p.gemm_rate(t, fan_in, fan_out), p.gemm_rate(fan_out, fan_in, t)) for fan_out, fan_in in linears)
-        else:
-            got = tuple(p.gemm_rate(t, fan_out, fan_in) for fan_out, fan_in in linears)
-        p._rates_cache[key] = got
+    key = (bwd, _bucket(t), id(bk))
+    hit = p._rates_cache.get(key)
+    if hit is not None and hit[1] is bk:
+        return hit[0]
+    if bwd:
+        got = tuple((p.gemm_rate(t, fan_in, fan_out), p.gemm_rate(fan_out, fan_in, t)) for fan_out, fan_in in linears)
+    else:
+        got = tuple(p.gemm_rate(t, fan_out, fan_in) for fan_out, fan_in in linears)
+    p._rates_cache[key] = (got, bk)
     return got
 
 

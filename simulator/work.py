@@ -106,8 +106,11 @@ class WorkMixin:
         got = inputs[a.microbatch] if a.microbatch < len(inputs) else None
         if got is None:
             ids = self._microbatch(module, rank, a.microbatch)
-            by_id, model = self._samples_by_id, self.model
-            got = inputs[a.microbatch] = float(sum(input_elements(by_id[i], model) for i in ids))
+            of = self._sample_inputs  # per sample: its LLM and encoder microbatches all ask
+            for i in ids:
+                if i not in of:
+                    of[i] = input_elements(self._samples_by_id[i], self.model)
+            got = inputs[a.microbatch] = float(sum(of[i] for i in ids))
         return got
 
     def _stage(self, module: str, rank: int, action: Action) -> int:
