@@ -363,23 +363,37 @@ class Plan:
             seen = sorted(once + list(listed))
             if seen != sorted(ids):
                 raise PlanError("assignment.llm: every sample must be assigned to exactly one LLM data rank")
-        # Every send has its matching recv (boundary sends too): where every pair of ranks posts the
-        # same messages in the same order on both sides, it has; only otherwise is it looked for
-        # message by message. One pass over the actions (a plan at scale holds hundreds of thousands).
-        sent, got = p2p_messages(self, check_kinds=True)
-        if sent == got:
-            return
+        # Every send has its matching recv (boundary sends too); indexed so this stays linear in size,
+        # in one pass over the actions (a plan at scale holds hundreds of thousands). With `order`, the
+        # messages of every pair of ranks in the pass that lists them per pair: where they agree on both
+        # sides every send is matched.
+        if order:
+            sent, got = p2p_messages(self, check_kinds=True)
+            if sent == got:
+                return
         recvs: set[tuple] = set()
-        for pair, keys in got.items():
-            recvs.update((pair[0], pair[1], key) for key in keys)
+        sends: list[tuple[int, Action]] = []
+        kinds = set(ACTION_KINDS)
         for rank, acts in self.actions.items():
-            for a in acts:
-                if a.kind == SEND:
-                    if (rank, a.peer, _message(a, sending=True)) not in recvs:
-                        raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
-                elif a.kind == BOUNDARY and a.direction == "send":
-                    if (rank, a.peer, _message(a, sending=True)) not in recvs:
-                        raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
+            for b in acts:
+                kind = b.kind
+                if kind == RECV:
+                    recvs.add((RECV, rank, b.peer, b.microbatch, b.what))
+                elif kind == BOUNDARY:
+                    if b.direction == "recv":
+                        recvs.add((BOUNDARY, rank, b.peer, b.module, b.what, b.microbatch, b.peer_microbatch))
+                    elif b.direction == "send":
+                        sends.append((rank, b))
+                elif kind == SEND:
+                    sends.append((rank, b))
+                elif kind not in kinds:
+                    raise PlanError(f"actions[{rank}]: unknown kind {kind!r}; allowed: {', '.join(ACTION_KINDS)}")
+        for rank, a in sends:
+            if a.kind == SEND:
+                if (RECV, a.peer, rank, a.microbatch, a.what) not in recvs:
+                    raise PlanError(f"actions[{rank}]: {a} has no matching recv on rank {a.peer}")
+            elif (BOUNDARY, a.peer, rank, a.module, a.what, a.peer_microbatch, a.microbatch) not in recvs:
+                raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
         if order:
             for pair in set(sent) | set(got):
                 if sent.get(pair, []) != got.get(pair, []):
@@ -427,14 +441,6 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> Plan:
         return Plan.from_dict(json.loads(text))
-
-
-def _message(a: Action, sending: bool) -> tuple:
-    """One message's identity, the same on its sender and its receiver."""
-    if a.kind == BOUNDARY:
-        smb, dmb = (a.microbatch, a.peer_microbatch) if sending else (a.peer_microbatch, a.microbatch)
-        return ("boundary", a.module, a.what, smb, dmb)
-    return ("p2p", a.module, a.what, a.microbatch, a.microbatch)
 
 
 def p2p_messages(plan: Plan, check_kinds: bool = False) -> tuple[dict[tuple, list[tuple]], dict[tuple, list[tuple]]]:
