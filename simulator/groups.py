@@ -214,7 +214,8 @@ class GroupsMixin:
                     sigs = data_of.get(module)
                     if sigs is None:
                         sigs = data_of[module] = self._rank_data(module, r)[0]
-                    data = sigs[mb] if mb < len(sigs) else self._signature(module, r, mb)  # (which says why not)
+                    # (a microbatch beyond its assignment: `_signature` raises the plan's error)
+                    data = sigs[mb] if mb < len(sigs) else self._signature(module, r, mb)
                     if kind == FORWARD:
                         data = (data, self.input_elements(module, r, a))
                     elif kind != BACKWARD:
