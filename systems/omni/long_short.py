@@ -340,7 +340,10 @@ def checked_finish(pm: ModulePlacement, due: dict[int, int], start: dict[int, fl
     k = len(pm.groups[0]) if pm.groups else 1
     group_s: dict[int, float] = {}
     out, seen = float("-inf"), set()
-    for r in sorted(pm.loads, key=lambda r: (-pm.loads[r], r)):
+    loads = pm.loads
+    # the first CHECKED_RANKS units lie within the CHECKED_RANKS * k most loaded ranks (a unit holds at
+    # most k of them): those alone, in sorted order (nsmallest is sorted(...)[:n]; the keys are distinct)
+    for r in heapq.nsmallest(CHECKED_RANKS * k, loads, key=lambda r: (-loads[r], r)):
         g = member.get(r)
         unit = ("group", g) if g is not None and not pm.on_rank.get(r) else ("rank", r)
         if unit in seen:  # a group's members with no work of their own finish together
