@@ -148,6 +148,16 @@ class ComputeModel:
         self._kernel_cache[fast] = (got, work.shape)
         return got
 
+    def trim_kernel_times(self, most: int) -> None:
+        """Forget the kernel times kept (`_kernel_time`) once more than `most` are: a model that outlives
+        the shapes it priced (a planner's, kept per process) would otherwise keep each one alive."""
+        cache = self._kernel_cache
+        if len(cache) > most:
+            profile = cache.get("profile")
+            cache.clear()
+            if profile is not None:
+                cache["profile"] = profile
+
     def curve(self, kind: str, module: str = "") -> EfficiencyCurve:
         if self.curves:
             for key in (f"{kind}.{module}", kind):

@@ -406,6 +406,9 @@ class GroupCosts:
         # per (module, k, bf16, attention sequences): a step's samples share a few hundred sets of
         # sequences (images of a few sizes, videos of a few grids) among tens of thousands
         self._priced: dict[tuple, float] = {}
+        # per (module, inputs, input elements, k, stack): a whole microbatch's compute, which checking a
+        # placement asks for again per candidate and per bubble pass
+        self._microbatch: dict[tuple, float] = {}
 
     def seconds(self, module: str, positions: int, k: int) -> float:
         key = (module, positions, k)
@@ -480,19 +483,26 @@ class GroupCosts:
                   for s in samples for seg in s.segments if seg.encoder == module]
         if not inputs:
             return 0.0
-        make = vision_work if module == "vision" else audio_work
-        rc = self.recompute.get(module, "none")
-        w = make(getattr(self.model, module), inputs, 1, k, rc)
-        if layout is not None and w.shape is not None:  # as the simulator's eager stack runs it
-            from dataclasses import replace
+        from simulator.work import eager_stack
 
-            from simulator.work import eager_stack
-
-            w = replace(w, shape=replace(w.shape, stack=eager_stack(self.model, module, layout, self.master)))
-        comp = _compute(self.hardware)
+        stack = eager_stack(self.model, module, layout, self.master) if layout is not None else None
         elements = float(sum(input_elements(s, self.model) for s in samples))
-        t = (comp.action_time(w, "forward", module=module, inputs=elements)
-             + comp.action_time(w, "backward", rc, module=module))
+        key = (module, tuple(inputs), elements, k, stack)
+        t = self._microbatch.get(key)
+        if t is None:
+            make = vision_work if module == "vision" else audio_work
+            rc = self.recompute.get(module, "none")
+            w = make(getattr(self.model, module), inputs, 1, k, rc)
+            if stack is not None and w.shape is not None:  # as the simulator's eager stack runs it
+                from dataclasses import replace
+
+                w = replace(w, shape=replace(w.shape, stack=stack))
+            comp = _compute(self.hardware)
+            t = self._microbatch[key] = (comp.action_time(w, "forward", module=module, inputs=elements)
+                                         + comp.action_time(w, "backward", rc, module=module))
+            # this model lives as long as the process and its kernel times are kept by the identity of
+            # shapes made here and nowhere else: bounded, or a long tune's planning grows it without end
+            comp.trim_kernel_times(KERNEL_TIMES_KEPT)
         positions = sum(seg.encoder_seq_len for s in samples for seg in s.segments if seg.encoder == module)
         return t + self.seconds(module, positions, k)
 
@@ -534,6 +544,9 @@ def _member_coefficients(model, hardware: str, module: str, k: int, recompute: s
             t.append(comp.action_time(w, "forward", module=module) + comp.action_time(w, "backward", recompute, module=module))
         rows.append((n, float(n) * n, t[1] - t[0]))
     return Coefficients(*_least_squares(rows))
+
+
+KERNEL_TIMES_KEPT = 1 << 16  # kernel times `_compute`'s models keep (~1 KB each with its shape)
 
 
 @lru_cache(maxsize=8)
