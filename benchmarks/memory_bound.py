@@ -2,6 +2,7 @@
 
     python benchmarks/memory_bound.py [--systems ...] [--workloads ...] [--gpus 1024] [--hardware h100]
     python benchmarks/memory_bound.py --gpus 64 --tp 2 --pp 4    # a pipelined layout instead of the defaults
+    python benchmarks/memory_bound.py --systems omni --gpus 64 --tp 2 --pp 4 --microbatches 4  # every one in flight
 
 `tune` drops every recompute mode whose bound (`omnibench.tune.memory_estimate`) is over the device and
 keeps the cheapest one left (`_Search.settle`); the simulator only ever retries towards more
@@ -42,7 +43,12 @@ def main() -> None:
     ap.add_argument("--model", default="omni-7b")
     ap.add_argument("--tp", type=int, default=0, help="this tp instead of each system's default layout's")
     ap.add_argument("--pp", type=int, default=0, help="this pp instead of each system's default layout's")
+    ap.add_argument("--microbatches", type=int, default=0,
+                    help="this many microbatches per data rank instead of the planner's default")
     args = ap.parse_args()
+    if args.microbatches < 0:
+        raise SystemExit(f"--microbatches: a count of microbatches per data rank, >= 1 (0: the planner's); "
+                         f"got {args.microbatches}")
     # bad input is refused here, in one line naming the flag, before anything is simulated
     for s in args.systems.split(","):
         if s not in SYSTEMS:
@@ -59,6 +65,7 @@ def main() -> None:
         raise SystemExit(f"{flag}: {str(e).splitlines()[0]}") from None
     gpn, budget = cluster.gpus_per_node, cluster.gpu.memory_bytes
     layout = f"tp {args.tp or 'default'}, pp {args.pp or 'default'}" if args.tp or args.pp else "each system's default layout"
+    layout += f", {args.microbatches} microbatches" if args.microbatches else ""
     print(f"{args.model} on {args.gpus} x {args.hardware} ({budget / 2**30:.1f} GiB), 8,192 tokens per GPU, {layout}; "
           "GiB as the fits check counts them")
     print(f"{'system':13s} {'workload':12s} {'recompute':24s} {'bound':>8s} {'simulated':>10s} {'ratio':>7s}")
@@ -71,6 +78,8 @@ def main() -> None:
                                  options=planner_options(system, {}, args.hardware))
             try:
                 laid, _ = default_layout(system, model, given, batch, args.tp, args.pp, memory_bytes=budget)
+                if args.microbatches:
+                    laid = replace(laid, microbatches=args.microbatches)
                 # the planner's verdict on the layout: the recompute mode never decides whether a step plans
                 needs = [peak_memory(system, model, replace(laid, recompute=mode), [batch], cluster)[0]
                          for mode in modes]

@@ -33,9 +33,19 @@ def test_memory_bound_says_which_layout_cannot_plan():
 
 
 @pytest.mark.parametrize("args,flag", [(["--systems", "foo"], "--systems"), (["--workloads", "nope"], "--workloads"),
-                                       (["--hardware", "zz"], "--hardware"), (["--model", "qq"], "--model")])
+                                       (["--hardware", "zz"], "--hardware"), (["--model", "qq"], "--model"),
+                                       (["--microbatches", "-1"], "--microbatches")])
 def test_memory_bound_refuses_bad_input_in_one_line_naming_the_flag(args, flag):
     out = subprocess.run([sys.executable, SCRIPT, *args, "--gpus", "16"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(flag + ":"), out.stderr[-1000:]
+
+
+def test_memory_bound_takes_a_microbatch_count_and_reads_omnis_bound_under_its_need_with_all_in_flight():
+    # m == pp: every microbatch in flight, where omni's bound added the encoder share to the LLM's peak
+    lines = _run("--systems", "omni", "--workloads", "image_sft", "--gpus", "64", "--tp", "2", "--pp", "4",
+                 "--microbatches", "4")
+    assert "4 microbatches" in lines[0]
+    rows = [ln.split() for ln in lines if ln.startswith("omni ")]
+    assert rows and all(float(r[5]) >= 1.0 for r in rows), rows  # simulated / bound
