@@ -669,56 +669,27 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
         enc_live = 1.0 / math.ceil(m / min(c.pp + 1, m))
     else:
         enc_live = 1.0 if rules.whole_batch_live else in_flight / m
-    def enc_work(enc, elay, per_rank: float, name: str):
-        sp = max(1, elay.sp)
-        if isinstance(enc, VisionEncoderSpec):
-            return vision_work(enc, [(1, 1, max(1, int(per_rank * sp)))], elay.tp, sp, mode[name])
-        return audio_work(enc, [max(2, int(2 * per_rank * sp))], elay.tp, sp, mode[name])
-
-    # omni at pp > 1 (below): every rank's mean share of the step's encoder activations, and the
-    # largest sample's on the rank holding it
-    enc_mean = enc_big = 0.0
     for name, enc in model.encoders.items():
         if not positions[name]:
             continue
         elay = rules.encoders[name]
-        mean_rank = positions[name] / max(1, elay.dp * elay.sp)
-        big_rank = big_positions[name] / rules.split[name]
-        ew = enc_work(enc, elay, max(mean_rank, big_rank), name)
+        per_rank = max(positions[name] / max(1, elay.dp * elay.sp), big_positions[name] / rules.split[name])
+        sp = max(1, elay.sp)
+        if isinstance(enc, VisionEncoderSpec):
+            ew = vision_work(enc, [(1, 1, max(1, int(per_rank * sp)))], elay.tp, sp, mode[name])
+        else:
+            ew = audio_work(enc, [max(2, int(2 * per_rank * sp))], elay.tp, sp, mode[name])
         st = _state(ew.params / elay.tp, elay, master)
         enc_state += st.params + st.optimizer  # its gradients appear only at its own backward
         # whole until grad_sync under this runtime's ZeRO (simulator/memory.py _grad_timeline)
         enc_grads += 4.0 * ew.params / elay.tp if elay.dp_mode.startswith("zero") else st.grads
         enc_act += (ew.act_bytes - ew.act_transient) * enc_live
-        if rules.fills_bubbles and in_flight > 1:
-            mw = enc_work(enc, elay, mean_rank, name)
-            bw = enc_work(enc, elay, big_rank, name)
-            enc_mean += mw.act_bytes - mw.act_transient
-            enc_big = max(enc_big, bw.act_bytes - bw.act_transient)
     # the NCCL communicators the fewest-grouped rank holds (the world's and its layouts' groups)
     comms = 1 + fewest_groups({"llm": rules.llm, **rules.encoders}, world)
     if rules.separate_encoders:
         return memory_needed(max(llm_side, enc_state + enc_grads + enc_act), memory_stack, device, comms)
-    llm_rest = llm_side - llm_act
-    if rules.fills_bubbles and in_flight > 1:
-        # omni weighs its encoder work into the pipeline's bubbles, away from the ranks the LLM loads most:
-        # the first-stage rank at its LLM peak need not hold encoder activations, nor the rank holding them
-        # be at its LLM peak (their sum read up to 1.12x the need at m == pp). Each run of in_flight
-        # consecutive microbatches is in flight at once on the first stage (just before the first one's
-        # backward there): its LLM activations on the first stage's ranks, a 1/pp share of all ranks, and its
-        # samples' encoder activations wherever they ran, none backward yet. The most loaded rank then holds
-        # at least the mean rank's share of the heaviest of the ceil(m / in_flight) disjoint runs, and at
-        # least the largest encoder sample whole, on top of the lightest stage's state.
-        thin_stage = stage_layers(model.llm.layers, c.pp, c.pp - 1)  # the fewest layers, no embedding or head
-        tw = llm_work(model.llm, [mean_mb], thin_stage, False, False, c.tp, c.cp, c.ep, mode["llm"], c.cp_kind)
-        thin = _state((tw.params - tw.expert_params) / c.tp, lay, master)
-        thin_rest = thin.params + thin.optimizer + thin.grads
-        llm_mean = m * (mean.act_bytes - mean.act_transient)  # a first-stage rank's whole step, linear in tokens
-        window = (llm_mean / c.pp + enc_mean) / math.ceil(m / in_flight)
-        return memory_needed(max(llm_side + enc_state, thin_rest + enc_state + max(window, enc_big),
-                                 llm_rest + enc_state + enc_grads), memory_stack, device, comms)
     # at the LLM's first backward, and at the end of the step (every gradient, no activation left)
-    return memory_needed(max(llm_side + enc_state + enc_act, llm_rest + enc_state + enc_grads),
+    return memory_needed(max(llm_side + enc_state + enc_act, llm_side - llm_act + enc_state + enc_grads),
                          memory_stack, device, comms)
 
 
