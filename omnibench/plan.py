@@ -395,9 +395,7 @@ class Plan:
             elif (BOUNDARY, a.peer, rank, a.module, a.what, a.peer_microbatch, a.microbatch) not in recvs:
                 raise PlanError(f"actions[{rank}]: {a} has no matching boundary recv on rank {a.peer}")
         if order:
-            for pair in set(sent) | set(got):
-                if sent.get(pair, []) != got.get(pair, []):
-                    raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
+            check_message_order(sent, got)
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -487,3 +485,12 @@ def p2p_messages(plan: Plan, check_kinds: bool = False) -> tuple[dict[tuple, lis
             else:
                 got_list.append(msg)
     return sent, got
+
+
+def check_message_order(sent: dict[tuple, list[tuple]], got: dict[tuple, list[tuple]]) -> None:
+    """That each pair of ranks lists the same messages in the same order on both sides (`p2p_messages`'
+    two halves); the first pair that does not is named."""
+    if sent != got:
+        for pair in set(sent) | set(got):
+            if sent.get(pair, []) != got.get(pair, []):
+                raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")

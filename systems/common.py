@@ -42,6 +42,7 @@ from omnibench.plan import (
     Plan,
     PlanError,
     Route,
+    check_message_order,
     p2p_messages,
 )
 from omnibench.specs.model import MultimodalSpec
@@ -538,11 +539,7 @@ def check_p2p_order(plan: Plan) -> None:
     """Every ordered pair of ranks must post its messages (pipeline and boundary) in the same order
     on both sides: NCCL matches point-to-point messages first-in first-out per pair
     (`omnibench.plan.p2p_messages`). `Plan.validate(order=True)` checks it in its own pass."""
-    sent, got = p2p_messages(plan)
-    if sent != got:
-        for pair in set(sent) | set(got):
-            if sent.get(pair, []) != got.get(pair, []):
-                raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
+    check_message_order(*p2p_messages(plan))
 
 
 def resolve_common(model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> None:

@@ -356,19 +356,18 @@ class OmniPlanner:
                 llm_mbs = level_microbatches(llm_mbs, llm_cost, tokens, locks)
         due = {i: j for mbs in llm_mbs for j, mb in enumerate(mbs) for i in mb}
         consumer = {i: d for d, mbs in enumerate(llm_mbs) for mb in mbs for i in mb}
+        llm_data_ranks = data_ranks(llm)  # data group d's rank at pp 0, cp 0, tp 0
         llm_leader: dict[int, int] = {}
         for g, sids in enumerate(on_llm_group):
             for i in sids:
                 consumer[i] = g * k_llm
-                llm_leader[i] = llm.rank_at(pp=0, dp=g * k_llm, cp=0, tp=0)
+                llm_leader[i] = llm_data_ranks[g * k_llm]
         llm_share = {i: k_llm for i in long_set}
-
-        llm_data_ranks = data_ranks(llm)  # data group d's rank at pp 0, cp 0, tp 0
 
         def consumer_rank(i: int) -> int:
             """The LLM rank whose route carries sample i's gradient back (cp 0, tp 0 of its data group)."""
             return llm_leader.get(i, llm_data_ranks[consumer[i]])
-        assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
+        assignment: dict = {"llm": dict(zip(llm_data_ranks, llm_mbs, strict=True))}
 
         # -- encoder placement ------------------------------------------------------------------------
         stage_cost = self._stage_costs(cm, llm, llm_mbs, llm_cost, llm_share)
