@@ -713,8 +713,9 @@ class MemoryMixin:
         trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD}
         # a function of each module's data-parallel mode, pipeline stage and whether the rank trains it:
         # worked out once per such case (asked for every class)
-        key = tuple((m, self._dp_mode(m, rank), coords[rank].get("pp", 0), m in trained)
-                    for m, coords in ((m, self.index[m].coords) for m in self.plan.layouts) if rank in coords)
+        index = self.index
+        key = tuple((m, self._dp_mode(m, rank), index[m].coords[rank].get("pp", 0), m in trained)
+                    for m in self.plan.layouts if rank in index[m].coords)
         got = self._static_of.get(key)
         if got is None:
             got = self._static_of[key] = self._static_memory_of(rank, trained)
