@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -114,3 +117,37 @@ def writable_file(path: str | Path, field: str = "out") -> Path:
         fail(f"{field}: {p} is a folder; give a file name")
     writable_folder(p.parent if str(p.parent) else Path("."), field)
     return p
+
+
+def os_error_line(e: OSError, what: str | Path) -> str:
+    """One line for an OSError met while writing `what`: the cause in words (a full disk named as such)."""
+    cause = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"writing {what}: {cause}"
+
+
+@contextmanager
+def writing(what: str | Path, code: int = 1) -> Iterator[None]:
+    """Writes inside the block that fail (a full disk, a folder made read-only meanwhile) end the command
+    with one line naming what was being written, never a traceback."""
+    try:
+        yield
+    except OSError as e:
+        fail(os_error_line(e, getattr(e, "filename", None) or what), code)
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, renamed over it once complete, so a
+    full disk or a kill leaves the previous file (or none), never a truncated one."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
+        os.replace(tmp, p)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
