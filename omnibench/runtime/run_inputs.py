@@ -87,16 +87,10 @@ def runtime_limits(model, parallel: ParallelSpec) -> None:
     """Layouts a planner (and the simulator) accepts but this runtime cannot execute yet."""
     from omnibench.specs.model import SpecError
 
-    llm, tp, cp = model.llm, parallel.tp, parallel.cp
+    llm = model.llm
     if (llm.mlp, llm.norm, llm.positions) != ("swiglu", "rms", "rope"):
         raise SpecError(f"{llm.name}: the runtime builds Llama-style blocks only (mlp swiglu, norm rms, positions "
                         f"rope); got mlp {llm.mlp}, norm {llm.norm}, positions {llm.positions} (simulate it instead)")
-    # Ulysses context parallelism splits each tp rank's heads again over cp ranks.
-    if (llm.heads // tp) % cp or (llm.kv_heads // tp) % cp:
-        raise SpecError(
-            f"cp={cp} must divide the LLM's heads per tp rank ({llm.heads}/{tp} query, {llm.kv_heads}/{tp} kv) "
-            "for Ulysses attention (the runtime has no ring attention yet)"
-        )
     if parallel.pp > 1 and llm.tie_embeddings:
         raise SpecError(
             f"pp={parallel.pp} with tied embeddings ({llm.name}) is not supported by the runtime: the first and "

@@ -129,6 +129,16 @@ class ParallelSpec:
             allowed = [t for t in range(1, llm.kv_heads + 1) if llm.heads % t == 0 and llm.kv_heads % t == 0]
             raise SpecError(f"tp={self.tp} does not divide the LLM's attention heads ({llm.heads}) and kv heads "
                             f"({llm.kv_heads}) of {llm.name}; allowed tp: {', '.join(map(str, allowed))}")
+        # Ulysses splits each tp rank's heads again over the cp ranks (an all-to-all from sequence to head
+        # shards), so cp must divide both head counts per tp rank; all-gathered K/V and ring attention keep
+        # every head on every rank and take any cp.
+        if self.cp > 1 and self.cp_kind == "ulysses" and ((llm.heads // self.tp) % self.cp
+                                                           or (llm.kv_heads // self.tp) % self.cp):
+            allowed = [c for c in range(1, llm.kv_heads // self.tp + 1)
+                       if (llm.heads // self.tp) % c == 0 and (llm.kv_heads // self.tp) % c == 0]
+            raise SpecError(f"cp={self.cp} with cp_kind=ulysses must divide the LLM's heads per tp rank "
+                            f"({llm.heads}/{self.tp} query, {llm.kv_heads}/{self.tp} kv) of {llm.name}; allowed cp: "
+                            f"{', '.join(map(str, allowed))}, or cp_kind=allgather or ring for any cp")
         units = llm.layers + (2 if self.embedding_loss_stages else 0)
         if self.pp * self.virtual_stages > units:
             extra = " plus its embedding and loss" if self.embedding_loss_stages else ""

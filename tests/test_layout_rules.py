@@ -1,0 +1,44 @@
+"""One rule per layout constraint, the same for plan, run, simulate and tune: a layout one command
+refuses is refused by every command, before any work or any record."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from omnibench.cli import app
+from omnibench.specs.model import SpecError
+from omnibench.specs.parallel import ParallelSpec
+from omnibench.specs.presets import get_model
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_ulysses_cp_must_divide_the_heads_per_tp_rank():
+    model = get_model("omni-7b")  # 28 query heads, 4 kv heads
+    with pytest.raises(SpecError, match=r"cp=8 with cp_kind=ulysses .* allowed cp: 1, 2, 4"):
+        ParallelSpec(world_size=64, cp=8, cp_kind="ulysses").validate(model)
+    # all-gathered K/V and ring attention keep every head on every rank: any cp
+    for kind in ("allgather", "ring"):
+        ParallelSpec(world_size=64, cp=8, cp_kind=kind).validate(model)
+    ParallelSpec(world_size=64, cp=4, cp_kind="ulysses").validate(model)
+    with pytest.raises(SpecError, match=r"heads per tp rank \(28/2 query, 4/2 kv\)"):
+        ParallelSpec(world_size=64, tp=2, cp=4, cp_kind="ulysses").validate(model)
+
+
+@pytest.mark.parametrize("command", [
+    ("plan", "--system", "homogeneous", "--nproc", "6", "--cp", "3"),
+    ("simulate", "--system", "homogeneous", "-w", "mixed_video", "--gpus", "24", "--cp", "3", "--cp-kind", "ulysses"),
+], ids=["plan", "simulate"])
+def test_plan_and_simulate_refuse_the_ulysses_layout_run_refuses(tmp_path, command):
+    out = tmp_path / "out"
+    r = invoke(*command, *(("--out", str(out)) if command[0] == "simulate" else ()))
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "cp=3 with cp_kind=ulysses must divide" in errors[0], r.output
+    assert not out.exists() or not any(out.iterdir())
