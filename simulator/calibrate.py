@@ -36,7 +36,7 @@ from simulator.collectives import CollectiveModel
 from simulator.compute import ComputeModel, EfficiencyCurve
 from simulator.engine import Engine, SimOptions, SimulationError, simulate
 from simulator.hardware import ClusterSpec, load_cluster
-from simulator.traces import RunRecord, TraceSpan, plan_for_step, read_run
+from simulator.traces import RunRecord, TraceError, TraceSpan, plan_for_step, read_run
 
 ROBUST_LOSS = "soft_l1"  # see fit_compute
 
@@ -116,8 +116,50 @@ class Profile:
                 provenance=_resolved_runs(d.get("provenance", {}), p.resolve().parent),
                 fit=d.get("fit", {}),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
-            raise CalibrationError(f"calibration: {p} is not a profile ({e})") from None
+        except (KeyError, TypeError, AttributeError, ValueError) as e:  # JSONDecodeError is a ValueError
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e).splitlines()[0] if str(e) else ""
+            raise CalibrationError(f"calibration: {p} is not a profile from `omnibench calibrate` "
+                                   f"({type(e).__name__}: {what})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CalibrationError(f"calibration: cannot read {p} ({e})") from None
+
+
+def _bad_metrics_line(folder: Path) -> str:
+    """Where a run's per-step metrics stop being JSON objects of numbers: `file: line N ...`, or ""."""
+    for name in ("steps.jsonl", "metrics.jsonl"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            return f"{path}: cannot read it ({e})"
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise TypeError(f"a JSON {type(row).__name__}, not an object")
+                for k in ("step_time_s", "step_time", "time_s", "seconds", "step"):
+                    if k in row:
+                        float(row[k])
+            except (ValueError, TypeError) as e:
+                return f"{path}: line {n} is not one step's metrics ({str(e).splitlines()[0]})"
+        return ""
+    return ""
+
+
+def _read_run(run_dir) -> RunRecord:
+    """`read_run`, with a run whose steps.jsonl is not JSON lines of step metrics named as such (file and
+    line) instead of the JSON parser's bare "Expecting value: line 1 column 1"."""
+    try:
+        return read_run(run_dir)
+    except TraceError:
+        raise
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        where = _bad_metrics_line(Path(run_dir))
+        raise CalibrationError(where or f"{run_dir}: cannot read the run record ({type(e).__name__}: {e})") from None
 
 
 def _optimizer_from(d: dict) -> tuple[float, ...]:
@@ -245,7 +287,7 @@ def _compute_points(runs: list[RunRecord], hardware: str | None, profile: Profil
             not_fitted = op.exposed + again  # what the engine charges beside this curve
             lay = plan.layouts[sp.module]
             if (not profile.inline_overlap and sp.kind == BACKWARD and lay.fsdp
-                    and sp.microbatch == eng._last_backward(sp.rank, sp.module)):
+                    and eng._reduces_in(sp.rank, sp.module, sp.microbatch)):
                 not_fitted += eng.grad_sync_cost(sp.module, sp.rank, stage)
             lock = eng._lock_group(sp.module, sp.rank)
             base = (sp.step, sp.kind, sp.module, stage, lock if lock is not None else (sp.rank,))
@@ -496,7 +538,7 @@ def _inline_points(runs: list[RunRecord], hardware: str | None, inline_overlap: 
             steps = eng_a._compute_op(last.rank, a, _Identity()).exposed
             moved = eng_b._compute_op(last.rank, a, _Identity()).exposed
             if (not inline_overlap and kind == BACKWARD and plan.layouts[module].fsdp
-                    and last.microbatch == eng_a._last_backward(last.rank, module)):
+                    and eng_a._reduces_in(last.rank, module, last.microbatch)):
                 steps += eng_a.grad_sync_cost(module, last.rank, stage)
                 moved += eng_b.grad_sync_cost(module, last.rank, stage)
             if gap > 0 and steps > 0:
@@ -685,7 +727,7 @@ def fit_inline(points: list[tuple]) -> tuple[dict[str, tuple[float, float]], flo
 def calibrate(run_dirs: list[str], hardware: str | None = None) -> Profile:
     if not run_dirs:
         raise CalibrationError("calibrate: give at least one run folder")
-    runs = [read_run(d) for d in run_dirs]
+    runs = [_read_run(d) for d in run_dirs]
     if not any(r.spans for r in runs):
         raise CalibrationError("calibrate: the runs hold no trace spans (trace.json) to fit")
     base = _cluster_of(runs[0], hardware)
@@ -781,7 +823,7 @@ def validate(run_dirs: list[str], profile: Profile | None = None, hardware: str 
     `stack`: the software the kernel model assumes (SimOptions.stack; "eager" = this project's runtime)."""
     out = []
     for d in run_dirs:
-        run = read_run(d)
+        run = _read_run(d)
         model = _model_of(run)
         cluster = _cluster_of(run, hardware or (profile.hardware if profile else None))
         steps = sorted(run.step_times)
@@ -845,7 +887,7 @@ class ActionRow:
 
 def action_breakdown(run_dir: str, profile: Profile | None = None, hardware: str | None = None) -> list[ActionRow]:
     """Where measured and simulated time go, action kind by action kind (steps after the first)."""
-    run = read_run(run_dir)
+    run = _read_run(run_dir)
     model = _model_of(run)
     cluster = _cluster_of(run, hardware or (profile.hardware if profile else None))
     steps = sorted(run.step_times)[1:] or sorted(run.step_times)
@@ -893,7 +935,7 @@ def memory_check(run_dir: str, hardware: str | ClusterSpec | None = None) -> Mem
     step's own Plan, model and recompute mode, against the peak the run measured in that step.
     Steps after the first: the first step's peak comes before AdamW has allocated its state (at its
     end), which the estimate, a steady step, holds."""
-    run = read_run(run_dir)
+    run = _read_run(run_dir)
     model = _model_of(run)
     cluster = _cluster_of(run, hardware)
     peaks = {int(m["step"]): float(m["peak_memory_bytes"]) for m in run.metrics
