@@ -507,7 +507,7 @@ def check_fit(result: SimResult, memory_error: float = 0.0) -> SimResult:
     low, so a rank needs 1.2x it), against the device's memory. The unpressured reserve
     (`memory_bytes`) is reported beside it and decides nothing. Timing never depends on it, so a
     cached step is re-decided under another error without simulating it again."""
-    result.fits, result.fit_message = True, ""
+    result.fits, result.fit_message, result.fit_checked = True, "", True
     if not result.ranks:
         return result
     worst = max(result.ranks, key=lambda s: s.memory_needed)

@@ -37,6 +37,12 @@ class Span:
         return self.action.microbatch
 
 
+# What `fits` compares with the device, said beside every verdict (engine.check_fit)
+FITS_RULE = ("fits: peak_memory_needed_gib (what the step holds under memory pressure) x (1 + memory_error) <= "
+             "memory_capacity_gib; peak_memory_gib is the peak a run would reserve, at most the capacity when it "
+             "fits, and peak_memory_unpressured_gib what it would reserve with memory to spare")
+
+
 @dataclass
 class RankStats:
     rank: int
@@ -71,6 +77,7 @@ class SimResult:
     sim_seconds: float
     fits: bool = True
     fit_message: str = ""
+    fit_checked: bool = False  # whether `fits` was decided (engine.check_fit); else it says nothing
     flop_formula: str = ("costs.batch_flops: exact forward + backward matmul FLOPs of every module, attention "
                           "over the real packed lengths, no recomputation")
     # The same counter with the run's recomputation added (what the GPU executes): the numerator
@@ -160,6 +167,19 @@ class SimResult:
         return max((r.memory_bytes for r in self.ranks), default=0.0)
 
     @property
+    def peak_reported(self) -> float:
+        """The most loaded rank's peak as a run on this device would reserve it, so that it and `fits` are
+        one consistent pair: a step that fits never reserves more than the device holds (under pressure
+        the caching allocator hands its cache back before it goes over; what it cannot hand back is
+        `peak_needed`, the figure fits is decided on), and one that does not fit reports the larger of its
+        need and its unpressured reserve, over the device. Unchecked: the unpressured reserve."""
+        if not self.fit_checked:
+            return self.peak_memory
+        if self.fits:
+            return min(self.peak_memory, self.memory_capacity)
+        return max(self.peak_memory, self.peak_needed)
+
+    @property
     def peak_needed(self) -> float:
         """The most loaded rank's need under memory pressure (RankStats.memory_needed): what fits is decided on."""
         return max((r.memory_needed for r in self.ranks), default=0.0)
@@ -185,9 +205,11 @@ class SimResult:
             "compute_model": self.compute_model,
             "bubble": self.bubble,
             "exposed_comm": self.exposed_comm,
-            "peak_memory_gib": self.peak_memory / GiB,
+            "peak_memory_gib": self.peak_reported / GiB,
             "peak_memory_needed_gib": self.peak_needed / GiB,
+            "peak_memory_unpressured_gib": self.peak_memory / GiB,
             "memory_capacity_gib": self.memory_capacity / GiB,
+            "fits_rule": FITS_RULE,
             "compute_s_by_module": self.compute_by_module(),
             "breakdown_s": self.breakdown(),
             "distinct_ranks": self.classes,

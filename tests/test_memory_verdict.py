@@ -225,3 +225,20 @@ def test_counting_groups_without_enumerating_them_matches_the_runtimes_groups(tp
     counted = group_counts(layouts)
     assert [groups_of_rank(layouts, r) for r in range(world)] == [counted.get(r, 0) for r in range(world)]
     assert fewest_groups(layouts, world) == min(counted.get(r, 0) for r in range(world))
+
+
+@pytest.mark.parametrize("where", ["below-need", "between", "above-reserve"])
+def test_the_fits_verdict_and_the_reported_peak_are_one_consistent_pair(where):
+    # a run that fits never reports a peak over the device (the allocator hands its cache back under
+    # pressure); one that does not fit reports a peak over it; the record says what fits compares
+    res = _result()
+    need = res.peak_needed
+    capacity = {"below-need": need * 0.99, "between": (need + res.peak_memory) / 2,
+                "above-reserve": res.peak_memory * 1.5}[where]
+    got = check_fit(replace(res, memory_capacity=capacity))
+    m = got.metrics()
+    assert got.fits == (m["peak_memory_gib"] <= m["memory_capacity_gib"]), m
+    assert got.fits == (m["peak_memory_needed_gib"] <= m["memory_capacity_gib"])
+    assert m["peak_memory_unpressured_gib"] == pytest.approx(res.peak_memory / GiB)
+    assert m["peak_memory_gib"] >= m["peak_memory_needed_gib"] - 1e-9
+    assert "peak_memory_needed_gib" in m["fits_rule"] and "memory_capacity_gib" in m["fits_rule"]
