@@ -237,7 +237,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         seq = itertools.count()
         now = 0
         locks: dict[tuple, list] = {}  # key -> [arrived, max contribution, ready time, [(rank, op)]]
-        colls: dict[tuple, list] = {}  # key -> [arrived, latest arrival, [(rank, op, holder)]]
+        colls: dict[tuple, list] = {}  # key -> [arrived, latest arrival, [(rank, op, holder, arrival)]]
+        lags: dict[int, list] = {r: [] for r in reps}  # per rank: (arrival, all arrived) of collectives that waited
         chans: dict[tuple, _Channel] = {}
         chan_list: list[_Channel] = []
         p2p_free = dict.fromkeys(reps, 0.0)
@@ -291,12 +292,14 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
             rv[0] += 1
             if t > rv[1]:
                 rv[1] = t
-            rv[2].append((rank, op, holder))
+            rv[2].append((rank, op, holder, t))
             if rv[0] < op.lock_n:
                 return
             del colls[key]
             ready = rv[1]
-            for m, mop, h in rv[2]:
+            for m, mop, h, tm in rv[2]:
+                if ready > tm:
+                    lags[m].append((tm, ready))
                 end = transfer(m, mop, coll_free, "collective", mop.kind, ready)
                 h[0] = coll_next[m] = end
                 if h[1]:  # its process waits for it (a blocking collective)
@@ -330,8 +333,10 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                         if rv[0] < op.lock_n:
                             # the last member to arrive wakes this one at its op's end
                             rv[3].append((rank, op))
+                            arrived = now
                             now = yield None
                             start, dur = rv[2], rv[1]
+                            st.imbalance += start - arrived
                         else:
                             del locks[key]
                             start = rv[2] = now
@@ -339,6 +344,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                             for w, wop in rv[3]:
                                 push(heap, (now + (dur + wop.exposed), next(seq), w))
                             now = yield now + (dur + op.exposed)
+                        st.imbalance += dur - op.duration  # the slowest peer's time sets the locked op's
                     st.compute += op.duration
                     by = st.compute_by_module
                     by[op.action.module] = by.get(op.action.module, 0.0) + op.duration
@@ -392,7 +398,9 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                             now = yield None
                         elif holder[0] > now:
                             now = yield holder[0]
-                        st.exposed_comm += now - wait_start
+                        waited = peer_wait(lags[rank], wait_start, now)
+                        st.imbalance += waited
+                        st.exposed_comm += (now - wait_start) - waited
                 elif kind == OPTIMIZER_STEP:
                     wait_start = now
                     if pend_open[rank]:
@@ -401,7 +409,9 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
                     elif pend_max[rank] > now:
                         now = yield pend_max[rank]
                     pend_max[rank] = 0.0
-                    st.exposed_comm += now - wait_start
+                    waited = peer_wait(lags[rank], wait_start, now)
+                    st.imbalance += waited
+                    st.exposed_comm += (now - wait_start) - waited
                     start = now
                     now = yield now + op.duration
                     st.optimizer += op.duration
@@ -498,6 +508,22 @@ def _sample_totals(samples: list, model: MultimodalSpec, recompute: str) -> tupl
         got = _TOTALS[key] = (list(samples), sum(lens["llm"]), lengths_train_flops(model, lens),
                               lengths_train_flops(model, lens, recompute))
     return got[1], got[2], got[3]
+
+
+def peer_wait(lags: list, a: float, b: float) -> float:
+    """Seconds of [a, b] (a wait of the rank's compute stream on its communication) during which one of
+    its collectives had arrived but waited for a slower peer: `lags` holds (arrival, all arrived) per
+    such collective. That part of the wait is imbalance, the rest communication. Intervals over by `b`
+    are dropped (consumed)."""
+    got, reach = 0.0, a
+    for lo, hi in sorted(lags):
+        lo = lo if lo > reach else reach
+        hi = hi if hi < b else b
+        if hi > lo:
+            got += hi - lo
+            reach = hi
+    lags[:] = [iv for iv in lags if iv[1] > b]
+    return got
 
 
 def check_fit(result: SimResult, memory_error: float = 0.0) -> SimResult:

@@ -22,7 +22,7 @@ from omnibench.plan import (
     RECV,
     SEND,
 )
-from simulator.engine import Engine
+from simulator.engine import Engine, peer_wait
 from simulator.options import SimulationError
 from simulator.program import PARAM_GATHER
 from simulator.result import RankStats, Span
@@ -83,6 +83,7 @@ class SimpyEngine(Engine):
             posted.callbacks.append(go)
 
         queues = {r: deque() for r in reps}  # collectives issued but not started, per rank
+        lags: dict[int, list] = {r: [] for r in reps}  # (arrival, all arrived) of collectives that waited
         busy = dict.fromkeys(reps, False)
 
         def collective(rank, op, pending):
@@ -99,9 +100,12 @@ class SimpyEngine(Engine):
                 return
             busy[rank] = True
             op, holder = q.popleft()
+            arrived = env.now
             ready = arrive(op.lock_key, op.lock_n, 0.0)
 
             def run_it(_e=None):
+                if env.now > arrived:
+                    lags[rank].append((arrived, env.now))
                 ev = transfer(rank, op, "collective", op.kind, holder)
                 ev.callbacks.append(lambda _x: next_collective(rank))
 
@@ -118,8 +122,11 @@ class SimpyEngine(Engine):
                 if kind == FORWARD or kind == BACKWARD:
                     dur = op.duration
                     if op.lock_key is not None:
+                        arrived = env.now
                         ev = arrive(op.lock_key, op.lock_n, op.duration)
                         dur = ev.value if ev.triggered else (yield ev)
+                        st.imbalance += env.now - arrived
+                        st.imbalance += dur - op.duration  # the slowest peer's time sets the locked op's
                     start = env.now
                     total = dur + op.exposed
                     yield env.timeout(total)
@@ -150,13 +157,17 @@ class SimpyEngine(Engine):
                     if op.blocking:
                         wait_start = env.now
                         yield pending.pop()
-                        st.exposed_comm += env.now - wait_start
+                        waited = peer_wait(lags[rank], wait_start, env.now)
+                        st.imbalance += waited
+                        st.exposed_comm += (env.now - wait_start) - waited
                 elif kind == OPTIMIZER_STEP:
                     wait_start = env.now
                     if pending:
                         yield simpy.AllOf(env, pending)
                     pending = []
-                    st.exposed_comm += env.now - wait_start
+                    waited = peer_wait(lags[rank], wait_start, env.now)
+                    st.imbalance += waited
+                    st.exposed_comm += (env.now - wait_start) - waited
                     start = env.now
                     yield env.timeout(op.duration)
                     st.optimizer += op.duration

@@ -49,7 +49,8 @@ class RankStats:
     members: int  # ranks this class stands for
     finish: float = 0.0
     compute: float = 0.0  # own compute time (sum of its actions' costs)
-    exposed_comm: float = 0.0  # compute stream blocked on communication
+    exposed_comm: float = 0.0  # compute stream blocked on communication (its transfer, not a peer's lateness)
+    imbalance: float = 0.0  # compute stream waiting for slower data-parallel peers (at a collective or lock)
     optimizer: float = 0.0
     comm_busy: float = 0.0  # time the collective and p2p streams were busy
     memory_bytes: float = 0.0  # the allocator's unpressured reserve and what lives outside it (published peaks')
@@ -120,14 +121,21 @@ class SimResult:
 
     @property
     def bubble(self) -> float:
-        """Mean fraction of the step a rank's compute stream is idle (not computing, not blocked on comm)."""
+        """Mean fraction of the step a rank's compute stream is idle (not computing, not blocked on comm, not
+        waiting for a slower peer): pipeline bubbles, boundary waits, the step's end."""
         if self.step_time <= 0:
             return 0.0
-        return self._mean(lambda r: max(0.0, 1 - (r.compute + r.exposed_comm + r.optimizer) / self.step_time))
+        return self._mean(lambda r: max(0.0, 1 - (r.compute + r.exposed_comm + r.imbalance + r.optimizer)
+                                        / self.step_time))
 
     @property
     def exposed_comm(self) -> float:
         return self._mean(lambda r: r.exposed_comm / self.step_time) if self.step_time > 0 else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """Mean fraction of the step a rank's compute stream waits for slower data-parallel peers."""
+        return self._mean(lambda r: r.imbalance / self.step_time) if self.step_time > 0 else 0.0
 
     def compute_by_module(self) -> dict[str, float]:
         """Mean seconds per rank each module's forward/backward occupied the compute stream."""
@@ -148,15 +156,15 @@ class SimResult:
         if not self.ranks:
             return {}
         n = sum(r.members for r in self.ranks)
-        out = dict.fromkeys(("encoder", "llm", "optimizer", "exposed_comm", "idle"), 0.0)
+        out = dict.fromkeys(("encoder", "llm", "optimizer", "exposed_comm", "imbalance", "idle"), 0.0)
         idles = []
         for r in self.ranks:
             enc = sum(v for m, v in r.compute_by_module.items() if m != "llm")
             llm = r.compute_by_module.get("llm", 0.0)
-            idle = max(0.0, self.step_time - (r.compute + r.exposed_comm + r.optimizer))
+            idle = max(0.0, self.step_time - (r.compute + r.exposed_comm + r.imbalance + r.optimizer))
             idles.append(idle)
             for k, v in (("encoder", enc), ("llm", llm), ("optimizer", r.optimizer),
-                         ("exposed_comm", r.exposed_comm), ("idle", idle)):
+                         ("exposed_comm", r.exposed_comm), ("imbalance", r.imbalance), ("idle", idle)):
                 out[k] += v * r.members / n
         out["idle_max"], out["idle_min"] = max(idles), min(idles)
         return out
@@ -205,6 +213,7 @@ class SimResult:
             "compute_model": self.compute_model,
             "bubble": self.bubble,
             "exposed_comm": self.exposed_comm,
+            "imbalance": self.imbalance,
             "peak_memory_gib": self.peak_reported / GiB,
             "peak_memory_needed_gib": self.peak_needed / GiB,
             "peak_memory_unpressured_gib": self.peak_memory / GiB,

@@ -193,6 +193,26 @@ def test_data_parallel_imbalance_shows_as_a_straggler():
     assert skew.step_time > even.step_time  # the rank with the long sample sets the step
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_waiting_for_a_slower_peer_is_imbalance_not_exposed_communication(fsdp):
+    # one data rank holds a long sample: its peers wait for it at the gradient reduction (DDP) or at every
+    # layer's locked gather and reduce (FSDP). With communication free that wait is still there, so it is
+    # imbalance, its own column, and exposed communication is only what transfers cost
+    model = get_model("qwen2-vl-7b")
+    parallel = ParallelSpec(world_size=16, tp=4, microbatches=1, fsdp=fsdp)
+    cluster = load_cluster("h100", 16)
+    plan = get_planner("homogeneous").plan(model, parallel, text_batch(4, lambda i: 13312 if i == 0 else 1024))
+    res = simulate(plan, model, cluster)
+    free = simulate(plan, model, cluster, options=SimOptions(communication=False))
+    assert free.imbalance > 0.3  # the short ranks wait most of the step
+    # exposed communication is at most what communication adds to the step
+    assert res.exposed_comm * res.step_time <= (res.step_time - free.step_time) * 1.05 + 1e-6
+    assert res.imbalance == pytest.approx(free.imbalance, rel=0.2)
+    assert "imbalance" in res.breakdown() and "imbalance" in res.metrics()
+    even = simulate(get_planner("homogeneous").plan(model, parallel, text_batch(4, lambda i: 4096)), model, cluster)
+    assert even.imbalance < 0.01
+
+
 def test_recv_waits_for_the_matching_send():
     p, m = 2, 1
     cluster = load_cluster("a100-80g", 16)
