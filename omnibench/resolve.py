@@ -59,6 +59,24 @@ class Resolved:
                 f"{self.peak_rank}{verdict}")
 
 
+def model_for_workload(model: str, workload) -> tuple[str, str]:
+    """The model a command trains on `workload` (a WorkloadSpec): `model` less every encoder that no sample
+    of the workload feeds (`NAME@no-audio`), and a note saying so ("" when none is left out). Such an
+    encoder never runs, so it holds no activations, gets no gradients and no optimizer state, and
+    constrains no layout (e.g. temporal's one Ulysses degree would otherwise have to divide its heads
+    too). Every system gets the same model. Raises SpecError for an unknown model."""
+    from omnibench.specs.presets import get_model
+    from workloads.modules import encoders_used
+
+    spec = get_model(model)
+    idle = [m for m in spec.encoders if m not in encoders_used(workload)]
+    if not idle:
+        return model, ""
+    name = model + "".join(f"@no-{m}" for m in idle)
+    return name, (f"model: {name} ({workload.name} feeds no {' and no '.join(idle)} encoder, so "
+                  f"{'it is' if len(idle) == 1 else 'they are'} left out of {model})")
+
+
 def recompute_modes(model: MultimodalSpec, samples: Sequence = ()) -> list[str]:
     """The recompute modes `auto` tries, cheapest first: each set of the model's modules recomputed in
     full (none, then e.g. audio, vision, both encoders, ..., all), ordered by the forward FLOPs the

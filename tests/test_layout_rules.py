@@ -42,3 +42,37 @@ def test_plan_and_simulate_refuse_the_ulysses_layout_run_refuses(tmp_path, comma
     errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "cp=3 with cp_kind=ulysses must divide" in errors[0], r.output
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_workload_trains_the_model_less_the_encoders_its_samples_never_feed():
+    from omnibench.resolve import model_for_workload
+    from workloads.modules import encoders_used
+    from workloads.registry import get_workload
+
+    assert encoders_used(get_workload("long_video")) == ("vision",)
+    assert encoders_used(get_workload("omni_av")) == ("vision", "audio")
+    assert encoders_used(get_workload("text_only")) == ()
+    name, note = model_for_workload("omni-7b", get_workload("long_video"))
+    assert name == "omni-7b@no-audio" and "long_video feeds no audio encoder" in note
+    assert model_for_workload("omni-7b", get_workload("omni_av")) == ("omni-7b", "")
+    assert model_for_workload("qwen2-vl-7b", get_workload("long_video")) == ("qwen2-vl-7b", "")
+    model = get_model("omni-7b@8L@no-audio")
+    assert list(model.encoders) == ["vision"] and model.llm.layers == 8
+    assert get_model("omni-7b@no-audio").vision == get_model("omni-7b").vision
+    with pytest.raises(SpecError, match="qwen2-vl-7b has no audio encoder"):
+        get_model("qwen2-vl-7b@no-audio")
+
+
+def test_an_encoder_no_sample_feeds_constrains_no_layout():
+    # temporal's one Ulysses degree spans every encoder it runs: omni-7b's audio encoder (20 heads) rules
+    # out cp 8, but long_video never feeds it, so without it cp 8 plans
+    from systems import get_planner
+    from workloads.registry import get_workload
+    from workloads.stream import WorkloadStream
+
+    batch = WorkloadStream(get_workload("long_video"), seed=0, global_batch_tokens=64 * 8192).batch(0)
+    parallel = ParallelSpec(world_size=64, cp=8, cp_kind="allgather", fsdp=True)
+    with pytest.raises(Exception, match="does not divide its 20 heads"):
+        get_planner("temporal").plan(get_model("omni-7b"), parallel, batch)
+    plan = get_planner("temporal").plan(get_model("omni-7b@no-audio"), parallel, batch)
+    assert set(plan.layouts) == {"llm", "vision"}

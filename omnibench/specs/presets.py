@@ -189,15 +189,24 @@ def get_component(name: str) -> LLMSpec | VisionEncoderSpec | AudioEncoderSpec:
 
 
 REDUCED_DEPTH = re.compile(r"^(?P<base>.+)@(?P<layers>\d+)L$")
+WITHOUT_ENCODER = re.compile(r"^(?P<base>.+)@no-(?P<module>vision|audio)$")
 
 
 def get_model(name_or_path: str | Path) -> MultimodalSpec:
     """A preset name, or a .toml/.yaml/.yml file with MultimodalSpec's fields (validated).
 
     `NAME@<n>L` is preset NAME with its LLM cut to its first n layers (encoders, widths and vocabulary
-    unchanged): the real shapes at a depth that fits one GPU, e.g. `omni-7b@4L`.
+    unchanged): the real shapes at a depth that fits one GPU, e.g. `omni-7b@4L`. `NAME@no-audio` (or
+    `@no-vision`) is NAME without that encoder: what a workload whose samples never feed it trains
+    (omnibench.resolve.model_for_workload). Suffixes chain: `omni-7b@8L@no-audio`.
     """
     text = str(name_or_path)
+    without = WITHOUT_ENCODER.match(text)
+    if without:
+        base = get_model(without["base"])
+        if without["module"] not in base.encoders:
+            raise SpecError(f"model {text!r}: {without['base']} has no {without['module']} encoder")
+        return dataclasses.replace(base, name=text, **{without["module"]: None})
     cut = REDUCED_DEPTH.match(text)
     if cut:
         base, layers = get_model(cut["base"]), int(cut["layers"])
