@@ -20,6 +20,23 @@ TOPOLOGIES = ("rail-optimised", "fat-tree")
 COLLECTIVE_MODELS = ("nccl", "simple")
 GiB = 1024**3
 
+# The largest value of each number a hardware file holds: each far above any machine built or announced
+# (so every real one passes) and low enough that the simulator's times and bytes stay finite (1e308
+# TFLOP/s is inf FLOP/s once in SI units).
+MAX_CLUSTER_GPUS = 1 << 20  # as `--gpus` (omnibench/cli/common.py MAX_GPUS): far beyond any cluster built
+MAX_NODE_GPUS = 4096  # GPUs joined by one NVLink domain: 8 (HGX), 72 (GB200 NVL72), 576 announced
+MAX_NICS = 4 * MAX_NODE_GPUS  # one NIC per GPU is the rule
+MAX_TFLOPS = 1_000_000  # dense bf16 per GPU: 989 (H100), 2,250 (B200)
+MAX_MEMORY_GIB = 65_536  # per GPU: 80 (H100), 288 GB (B300)
+MAX_BANDWIDTH_GBS = 1_000_000  # HBM 8,000 (B200), NVLink 900 per direction, a NIC 50-100
+MAX_HALF_GFLOP = 1_000_000  # the efficiency curve's half point: 0.6 GFLOP (H100)
+MAX_KERNEL_SCALE = 1000  # a variant's rate over the profiled GPU's: 0.7 to 2.5 in the presets
+MAX_LATENCY_US = 1_000_000  # one second; links take 1 to 100 us
+MAX_OVERSUBSCRIPTION = 1024  # fat-tree cores: 1 (full bisection) to 4
+# The slowest rate (TFLOP/s, GB/s) a file may give: a MFLOP/s or a kB/s, below any device (the CPU preset
+# has 0.05 TFLOP/s and 10 GB/s); slower ones make steps of 1e300 seconds, shown as 0 tokens/s.
+MIN_RATE = 1e-6
+
 
 class HardwareError(ValueError):
     """A hardware/cluster field holds an impossible value; the message names the field."""
@@ -136,43 +153,61 @@ class ClusterSpec:
         def number(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        def pos(where: str, v, integer: bool = False) -> None:
+        def bound(v) -> str:
+            return f"{v:,}" if isinstance(v, int) else f"{v:g}"
+
+        def pos(where: str, v, top: int, integer: bool = False) -> None:
             ok = isinstance(v, int) and not isinstance(v, bool) if integer else number(v)
-            if not ok or v <= 0:
-                kind = "a positive integer" if integer else "a positive finite number"
-                raise HardwareError(f"{where} must be {kind}, got {v!r}")
+            if not ok or not 0 < v <= top:
+                kind, low = ("a positive integer", "[1") if integer else ("a positive finite number", "(0")
+                raise HardwareError(f"{where} must be {kind} in {low}, {bound(top)}], got {v!r}")
+
+        def rate(where: str, v, top: int) -> None:
+            if not number(v) or not MIN_RATE <= v <= top:
+                raise HardwareError(f"{where} must be a positive finite number in [{bound(MIN_RATE)}, {bound(top)}], "
+                                    f"got {v!r}")
+
+        for where, v in (("name", self.name), ("description", self.description), ("gpu.name", self.gpu.name)):
+            if not isinstance(v, str):
+                raise HardwareError(f"{where} must be a string, got {v!r}")
 
         def share(where: str, v) -> None:
             if not number(v) or not 0 < v <= 1:
                 raise HardwareError(f"{where} must be in (0, 1], got {v!r}")
 
-        def at_least(where: str, v, low: float) -> None:
-            if not number(v) or v < low:
-                raise HardwareError(f"{where} must be a finite number >= {low:g}, got {v!r}")
+        def between(where: str, v, low: float, top: int) -> None:
+            if not number(v) or not low <= v <= top:
+                raise HardwareError(f"{where} must be a finite number in [{bound(low)}, {bound(top)}], got {v!r}")
 
-        pos("gpus_per_node", self.gpus_per_node, integer=True)
-        for f in ("peak_tflops", "memory_gib", "memory_bandwidth_gbs", "matmul_half_gflop"):
-            pos(f"gpu.{f}", getattr(self.gpu, f))
+        pos("gpus_per_node", self.gpus_per_node, MAX_NODE_GPUS, integer=True)
+        if (not isinstance(self.num_gpus, int) or isinstance(self.num_gpus, bool)
+                or not 0 <= self.num_gpus <= MAX_CLUSTER_GPUS):
+            raise HardwareError(f"num_gpus must be 0 (sized later) or a positive integer at most {MAX_CLUSTER_GPUS:,}, "
+                                f"got {self.num_gpus!r}")
+        rate("gpu.peak_tflops", self.gpu.peak_tflops, MAX_TFLOPS)
+        pos("gpu.memory_gib", self.gpu.memory_gib, MAX_MEMORY_GIB)
+        rate("gpu.memory_bandwidth_gbs", self.gpu.memory_bandwidth_gbs, MAX_BANDWIDTH_GBS)
+        pos("gpu.matmul_half_gflop", self.gpu.matmul_half_gflop, MAX_HALF_GFLOP)
         for f in ("kernel_compute_scale", "kernel_memory_scale"):
-            pos(f"gpu.{f}", getattr(self.gpu, f))
+            pos(f"gpu.{f}", getattr(self.gpu, f), MAX_KERNEL_SCALE)
 
         for f in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             share(f"gpu.{f}", getattr(self.gpu, f))
         for where, link in (("intra", self.intra), ("inter", self.inter)):
-            pos(f"{where}.bandwidth_gbs", link.bandwidth_gbs)
-            at_least(f"{where}.latency_us", link.latency_us, 0)
+            rate(f"{where}.bandwidth_gbs", link.bandwidth_gbs, MAX_BANDWIDTH_GBS)
+            between(f"{where}.latency_us", link.latency_us, 0, MAX_LATENCY_US)
             share(f"{where}.efficiency", link.efficiency)
-        pos("inter.nics_per_node", self.inter.nics_per_node, integer=True)
+        pos("inter.nics_per_node", self.inter.nics_per_node, MAX_NICS, integer=True)
         if self.tray_gpus and (not isinstance(self.tray_gpus, int) or isinstance(self.tray_gpus, bool)
                                or self.tray_gpus < 0 or self.gpus_per_node % self.tray_gpus):
             raise HardwareError(f"tray_gpus must be 0 or a positive divisor of gpus_per_node "
                                 f"({self.gpus_per_node}), got {self.tray_gpus!r}")
         if self.collectives not in COLLECTIVE_MODELS:
             raise HardwareError(f"collectives must be one of {', '.join(COLLECTIVE_MODELS)}; got {self.collectives!r}")
-        at_least("intra.nvls_busbw_gbs", self.intra.nvls_busbw_gbs, 0)
+        between("intra.nvls_busbw_gbs", self.intra.nvls_busbw_gbs, 0, MAX_BANDWIDTH_GBS)
         if self.inter.topology not in TOPOLOGIES:
             raise HardwareError(f"inter.topology must be one of {', '.join(TOPOLOGIES)}; got {self.inter.topology!r}")
-        at_least("inter.oversubscription", self.inter.oversubscription, 1)
+        between("inter.oversubscription", self.inter.oversubscription, 1, MAX_OVERSUBSCRIPTION)
 
 
 def available_presets() -> list[str]:

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from workloads.distributions import PRESETS, Dist, DistributionError, parse_dist
-from workloads.tokens import HF_RULE, UTILS_RULE, TokenRuleError, VisionRule
+from workloads.tokens import HF_RULE, PIXELS_PER_TOKEN, UTILS_RULE, TokenRuleError, VisionRule
 
 
 class WorkloadError(ValueError):
@@ -239,6 +239,30 @@ class WorkloadSpec:
 # of 1000 already makes a 3-minute video 50 hours long.
 MAX_SAMPLE_TOKENS = 1 << 24
 MAX_LENGTH = 1000.0
+# A billion steps: the longest published training runs take about a million; a step number past 2**63
+# no longer fits the int64 the schedules compute with.
+MAX_STEPS = 10**9
+# What one sample of a source may hold, far beyond any data set, so that the sizes drawn (times a length
+# multiplier of up to MAX_LENGTH) stay exact in int64 and a step's draw fits in memory.
+SOURCE_LIMITS: dict[str, tuple[int, str]] = {
+    "text_tokens": (MAX_SAMPLE_TOKENS, "tokens (the longest sample)"),
+    "image_tokens": (MAX_SAMPLE_TOKENS, "tokens (the longest sample)"),
+    # multi-image data sets hold up to a few hundred images per sample
+    "images": (1024, "per sample"),
+    "videos": (1024, "per sample"),
+    "audios": (1024, "per sample"),
+    # a gigapixel; Qwen2-VL resizes an image to at most 12.8 MP (qwen-vl-utils) and an 8K frame has 33 MP
+    "image_pixels": (1 << 30, "pixels"),
+    "video_pixels": (1 << 30, "pixels per frame"),
+    # about 11.6 days; the longest videos and recordings in published sets last hours
+    "video_seconds": (1_000_000, "seconds"),
+    "audio_seconds": (1_000_000, "seconds"),
+}
+# Vision-rule limits: a pixel limit past the longest sample (2**24 tokens of 28 x 28 px) limits nothing;
+# Qwen2-VL samples video at 2 fps, 4 to 768 frames.
+MAX_RULE_PIXELS = MAX_SAMPLE_TOKENS * PIXELS_PER_TOKEN
+MAX_FPS = 1000.0
+MAX_FRAMES = 1 << 20
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -266,6 +290,48 @@ def _dist(d: dict, key: str, fld: str) -> Dist | None:
         raise WorkloadError(str(e)) from None
 
 
+def _top(dist: Dist) -> float:
+    """The largest value `dist` draws; inf for a tail without a bound (normal, lognormal, pareto)."""
+    k, p = dist.kind, dist.params
+    if k == "const":
+        top = p[0]
+    elif k == "uniform":
+        top = p[1]
+    elif k == "quantiles":
+        top = math.exp(max(p[1]))
+    elif k == "buckets":
+        top = p[0][-1]
+    elif k == "choice":
+        top = max(p[0])
+    elif k == "mixture":
+        top = max(_top(c) for c in p[0])
+    else:
+        top = math.inf
+    return min(top, dist.hi)
+
+
+def _named(dist: Dist) -> float:
+    """The largest value `dist`'s parameters name: its top, or where an unbounded tail starts (the
+    median of a lognormal, the mean of a normal, the minimum of a pareto)."""
+    if dist.kind in ("normal", "lognormal", "pareto"):
+        return min(dist.params[0], dist.hi)
+    if dist.kind == "mixture":
+        return max(_named(c) for c in dist.params[0])
+    return _top(dist)
+
+
+def _bounded(dist: Dist, key: str, fld: str) -> Dist:
+    """`dist` refused when its parameters name a value over the field's limit; an unbounded tail is cut
+    at the limit (as a `max` would), so no draw is absurd either."""
+    limit, unit = SOURCE_LIMITS[key]
+    named = _named(dist)
+    if named > limit:
+        raise WorkloadError(f"{fld}.{key}: must be at most {limit:,} {unit}, got {named:g}")
+    if _top(dist) > limit:
+        return Dist(dist.kind, dist.params, dist.lo, float(limit))
+    return dist
+
+
 def parse_source(name: str, d: Any) -> SourceSpec:
     fld = f"sources.{name}"
     if not isinstance(d, dict):
@@ -277,7 +343,7 @@ def parse_source(name: str, d: Any) -> SourceSpec:
             continue
         dist = _dist(d, key, fld)
         if dist is not None:
-            kw[key] = dist
+            kw[key] = _bounded(dist, key, fld) if key in SOURCE_LIMITS else dist
     va = d.get("video_audio", False)
     if not isinstance(va, bool):
         raise WorkloadError(f"{fld}.video_audio: must be true or false, got {va!r}")
@@ -327,11 +393,11 @@ def _phase(d: Any, names: tuple[str, ...], fld: str, default_name: str) -> MixPh
     if isinstance(until, bool) or not isinstance(until, (int, float)) or not 0 < until <= 1:
         raise WorkloadError(f"{fld}.until: must be a fraction in (0, 1], got {until!r}")
     mean_steps = d.get("mean_steps", 0.0)
-    if isinstance(mean_steps, bool) or not isinstance(mean_steps, (int, float)) or mean_steps < 0:
-        raise WorkloadError(f"{fld}.mean_steps: must be a number >= 0, got {mean_steps!r}")
+    if isinstance(mean_steps, bool) or not isinstance(mean_steps, (int, float)) or not 0 <= mean_steps <= MAX_STEPS:
+        raise WorkloadError(f"{fld}.mean_steps: must be a number in [0, {MAX_STEPS:,}], got {mean_steps!r}")
     weight = d.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-        raise WorkloadError(f"{fld}.weight: must be a number >= 0, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise WorkloadError(f"{fld}.weight: must be a finite number >= 0, got {weight!r}")
     return MixPhase(
         name=str(d.get("name", default_name)),
         weights=tuple(x / s for x in w),
@@ -397,9 +463,17 @@ def parse_vision(d: Any) -> VisionRule:
     for k, v in d.items():
         if k == "preset":
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise WorkloadError(f"vision.{k}: must be a number, got {v!r}")
-        kw[k] = float(v) if k == "fps" else int(v)
+        if k == "fps":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_FPS:
+                raise WorkloadError(f"vision.fps: must be a number in (0, {MAX_FPS:g}], got {v!r}")
+            kw[k] = float(v)
+            continue
+        top = MAX_FRAMES if k.endswith("_frames") else MAX_RULE_PIXELS
+        # a float is taken when it is a whole number (1e6 pixels), never rounded
+        whole = isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v == int(v))
+        if isinstance(v, bool) or not whole or not 1 <= v <= top:
+            raise WorkloadError(f"vision.{k}: must be an integer in [1, {top:,}], got {v!r}")
+        kw[k] = int(v)
     try:
         return VisionRule(**kw)
     except TokenRuleError as e:
@@ -429,7 +503,7 @@ def spec_from_dict(d: Any, origin: str = "<dict>") -> WorkloadSpec:
             description=str(d.get("description", "")),
             sources=srcs,
             schedule=sched,
-            total_steps=_positive_int(d.get("total_steps", 1000), "total_steps"),
+            total_steps=_positive_int(d.get("total_steps", 1000), "total_steps", maximum=MAX_STEPS),
             max_sample_tokens=_positive_int(d.get("max_sample_tokens"), "max_sample_tokens", True, MAX_SAMPLE_TOKENS),
             vision=parse_vision(d.get("vision")),
             origin=origin,

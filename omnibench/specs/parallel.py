@@ -93,6 +93,10 @@ class ParallelSpec:
                             f"multiple of pp={self.pp} under the interleaved schedule")
         if self.dp < 0 or self.microbatches < 0:
             raise SpecError("dp and microbatches must be >= 0 (0 = system default)")
+        for name in ("encoder_tp", "encoder_sp", "encoder_ranks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise SpecError(f"{name} must be 0 (the system's default) or a positive integer, got {v!r}")
         if not isinstance(self.dp_shard, int) or self.dp_shard < -1:
             raise SpecError(f"dp_shard must be -1 (whole FSDP group), 0 (automatic) or a positive divisor of dp*cp; "
                             f"got {self.dp_shard!r}")

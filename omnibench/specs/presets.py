@@ -219,13 +219,15 @@ def get_model(name_or_path: str | Path) -> MultimodalSpec:
         return compose(text, LLM_PRESETS[text])
     path = Path(text)
     if path.suffix.lower() in (".toml", ".yaml", ".yml"):
+        if path.is_dir():
+            raise SpecError(f"model file {text} is a folder; give a .toml/.yaml file")
         if not path.is_file():
             raise SpecError(f"model file {text} does not exist")
         try:
-            return model_from_dict(_read_file(path), source=path.name)
+            return model_from_dict(_read_file(path), source=f"model file {text}")
         except SpecError as e:  # the file in every message: a run may name several
             msg = str(e)
-            raise SpecError(msg if msg.startswith((f"{path.name}:", "cannot parse model file", "model file"))
+            raise SpecError(msg if msg.startswith(("cannot parse model file", "model file"))
                             else f"model file {text}: {msg}") from None
     raise SpecError(f"unknown model {text!r}; allowed: {', '.join(list_models())} or a .toml/.yaml file")
 
@@ -277,7 +279,10 @@ def _build(cls, data: Any, where: str, nested: dict[str, type] | None = None):
                 else isinstance(value, int) and not isinstance(value, bool)
             )
         if not ok:
-            raise SpecError(f"{where}.{key} has the wrong type ({type(value).__name__}: {value!r})")
+            expected = ("true or false" if isinstance(default, bool) else "a string" if isinstance(default, str)
+                        or key == "name" else "a number" if isinstance(default, float) else "an integer")
+            raise SpecError(f"{where}.{key} has the wrong type ({type(value).__name__}: {value!r}); "
+                            f"expected {expected}")
         kw[key] = value
     missing = [n for n, f in fields.items() if n not in kw and f.default is dataclasses.MISSING]
     if missing:
@@ -333,6 +338,40 @@ def model_from_dict(data: dict, source: str = "model") -> MultimodalSpec:
 POSITIVE_REALS = ("rope_theta", "norm_eps")
 ZERO_OR_MORE = ("head_dim", "shared_expert_ffn", "aux_loss_coef", "out_hidden")
 
+# The largest value of each number a spec holds, the same in the LLM, the MoE block and the encoders.
+# Each is far above every published model, so every real one passes; each is low enough that the plans,
+# FLOP counts and memory estimates built from a spec stay exact and finish in seconds: a layer count of
+# 1e9 makes a plan of a billion layers (minutes, then MemoryError), one of 1e20 overflows len().
+MAX_WIDTH = 65_536  # the widest published dense transformers: 25,600 (Megatron 1T), 20,480 (MT-NLG 530B)
+MAX_FFN = 4 * MAX_WIDTH  # the widest published: 102,400 (Megatron 1T); 4 x hidden is the usual ratio
+LIMITS: dict[str, int | float] = {
+    "layers": 1024,  # the deepest published dense transformers have ~120-200 layers (Megatron 1T: 128)
+    "hidden": MAX_WIDTH,
+    "out_hidden": MAX_WIDTH,
+    "heads": 1024,  # the most published: 160 (Megatron 1T), 128 (Llama 3.1 405B)
+    "kv_heads": 1024,
+    "head_dim": 4096,  # the widest published: 256 (Gemma)
+    "ffn": MAX_FFN,
+    "expert_ffn": MAX_FFN,
+    "shared_expert_ffn": MAX_FFN,
+    "vocab": 1 << 22,  # ~4M ids; the largest published: 262,144 (Gemma 3)
+    "experts": 4096,  # the most published: 256 (DeepSeek-V3), 128 (Qwen3-MoE)
+    "top_k": 4096,
+    "patch_size": 1024,  # ViTs use 14-32 px patches
+    "temporal_patch": 64,  # Qwen2-VL: 2 frames per patch
+    "merge": 64,  # Qwen2-VL: 2 x 2 patches per token
+    "in_channels": 64,  # RGB: 3; multispectral imagery: ~13
+    "n_mels": 1024,  # Whisper: 80 or 128
+    "max_positions": 1 << 20,  # Whisper: 1,500 per 30 s window
+    "rope_theta": 1e12,  # published: 1e4 (RoPE) to 1e7-1e8 (million-token contexts)
+    "norm_eps": 1.0,  # published: 1e-6 to 1e-5
+    "aux_loss_coef": 1.0,  # a weight beside the language-model loss; published: 1e-4 to 1e-2
+}
+
+
+def _num(v: int | float) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}"
+
 
 def _numbers(part, where: str) -> None:
     """Every number of a spec part finite and in range, named as the user's file names it."""
@@ -346,6 +385,10 @@ def _numbers(part, where: str) -> None:
             raise SpecError(f"{where}.{f.name} must be > 0, got {v}")
         if f.name in ZERO_OR_MORE and v < 0:
             raise SpecError(f"{where}.{f.name} must be >= 0, got {v}")
+        top = LIMITS.get(f.name)
+        if top is not None and v > top:
+            low = "(0" if f.name in POSITIVE_REALS else "[0" if f.name in ZERO_OR_MORE else "[1"
+            raise SpecError(f"{where}.{f.name} must be in {low}, {_num(top)}], got {_num(v)}")
 
 
 def validate_model(spec: MultimodalSpec) -> None:
@@ -359,6 +402,8 @@ def validate_model(spec: MultimodalSpec) -> None:
             raise SpecError(f"llm.{key} must be >= 1, got {getattr(llm, key)}")
     if llm.ffn < 1 and llm.moe is None:
         raise SpecError(f"llm.ffn must be >= 1 for a dense LLM, got {llm.ffn}")
+    if llm.ffn < 0:
+        raise SpecError(f"llm.ffn must be >= 0 (0: none beside the experts), got {llm.ffn}")
     if llm.heads % llm.kv_heads:
         raise SpecError(f"llm.kv_heads ({llm.kv_heads}) must divide llm.heads ({llm.heads})")
     if not llm.head_dim and llm.hidden % llm.heads:
@@ -385,6 +430,9 @@ def validate_model(spec: MultimodalSpec) -> None:
             raise SpecError(f"llm.moe.expert_ffn must be >= 1, got {moe.expert_ffn}")
     if spec.vision is not None:
         v = spec.vision
+        for key in ("layers", "hidden", "heads", "ffn", "patch_size", "temporal_patch", "merge", "in_channels"):
+            if getattr(v, key) < 1:
+                raise SpecError(f"vision.{key} must be >= 1, got {getattr(v, key)}")
         if v.hidden % v.heads or (v.hidden // v.heads) % 4:
             raise SpecError(
                 f"vision.heads ({v.heads}) must split vision.hidden ({v.hidden}) into head dims divisible by 4"
@@ -393,20 +441,17 @@ def validate_model(spec: MultimodalSpec) -> None:
             raise SpecError(f"vision.mlp must be one of gelu, quick_gelu, swiglu; got {v.mlp!r}")
         if v.norm not in ("layer", "rms"):
             raise SpecError(f"vision.norm must be one of layer, rms; got {v.norm!r}")
-        for key in ("layers", "ffn", "patch_size", "temporal_patch", "merge", "in_channels"):
-            if getattr(v, key) < 1:
-                raise SpecError(f"vision.{key} must be >= 1, got {getattr(v, key)}")
     if spec.audio is not None:
         a = spec.audio
+        for key in ("layers", "hidden", "heads", "ffn", "n_mels"):
+            if getattr(a, key) < 1:
+                raise SpecError(f"audio.{key} must be >= 1, got {getattr(a, key)}")
         if a.hidden % a.heads or a.hidden % 2:
             raise SpecError(f"audio.heads ({a.heads}) must divide audio.hidden ({a.hidden}), hidden even")
         if a.pool != 2:
             raise SpecError(f"audio.pool must be 2 (the workloads' 25 tokens/s rule); got {a.pool}")
         if a.max_positions < 2 or a.max_positions % a.pool:
             raise SpecError(f"audio.max_positions must be a positive multiple of pool, got {a.max_positions}")
-        for key in ("layers", "ffn", "n_mels"):
-            if getattr(a, key) < 1:
-                raise SpecError(f"audio.{key} must be >= 1, got {getattr(a, key)}")
 
 
 for _spec in MODEL_PRESETS.values():
