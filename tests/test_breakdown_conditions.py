@@ -26,7 +26,7 @@ def test_breakdown_parts_add_up_to_the_step_time(system):
     parallel = ParallelSpec(world_size=16, tp=1 if system == "temporal" else 2)
     res = simulate(get_planner(system).plan(model, parallel, batch), model, cluster, options=SimOptions(recompute="full"))
     b = res.breakdown()
-    parts = b["encoder"] + b["llm"] + b["optimizer"] + b["exposed_comm"] + b["idle"]
+    parts = b["encoder"] + b["llm"] + b["optimizer"] + b["exposed_comm"] + b["imbalance"] + b["idle"]
     assert parts == pytest.approx(res.step_time, rel=1e-9)
     assert b["encoder"] > 0 and b["llm"] > 0
     assert b["idle_min"] <= b["idle"] <= b["idle_max"] <= res.step_time

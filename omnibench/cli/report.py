@@ -7,8 +7,10 @@ records can make. reproduce: re-make the committed reference figures from scratc
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +21,15 @@ from pathlib import Path
 import typer
 
 from omnibench import stopping
-from omnibench.cli.common import console, err_console, fail
+from omnibench.cli.common import (
+    atomic_write,
+    console,
+    err_console,
+    fail,
+    writable_file,
+    writable_folder,
+    writing,
+)
 from omnibench.provenance import REPO_ROOT
 from workloads.conditions import cell_name
 
@@ -179,8 +189,18 @@ def register(app: typer.Typer) -> None:
         """Draw one paper-style figure (PNG at 200 dpi and PDF) from run or simulation records."""
         from omnibench.plots import style
 
+        if kind not in KINDS:
+            fail(f"KIND must be one of {', '.join(KINDS)}; got {kind!r}")
+        if name is not None and (not name.strip() or name in (".", "..") or Path(name).name != name):
+            fail(f"name: a file name without folder or suffix (PNG and PDF get it), e.g. {kind}_h100; got {name!r}")
+        _check_calibration(calibration)
+        stem = name or kind
+        out_folder(out)  # before the drawing, which a folder that cannot take the files would lose
+        for suffix in (".png", ".pdf"):
+            _not_a_folder(out / f"{stem}{suffix}")
         d = draw(kind, run_dirs, workload, system, gpus, step, calibration, hardware)
-        paths = style.save(d.fig, out, name or d.name)
+        with writing(out / f"{stem}.png"):
+            paths = style.save(d.fig, out, stem)
         console.print(d.caption, highlight=False)
         for p in paths:
             console.print(f"wrote {p}", highlight=False)
@@ -188,7 +208,8 @@ def register(app: typer.Typer) -> None:
     @app.command("report")
     def report_cmd(
         run_dirs: list[Path] = typer.Argument(None, help="Run and/or simulation record folders (or folders of them)."),
-        out: Path = typer.Option(Path("."), "--out", help="Folder for report.html."),
+        out: Path = typer.Option(Path("."), "--out", help="Folder for report.html, or the page's own file name "
+                                 "(ending in .html)."),
         calibration: str = typer.Option(None, "--calibration", help="Profile for the validation figure."),
         title: str = typer.Option("omnibench report", "--title"),
     ) -> None:
@@ -196,14 +217,15 @@ def register(app: typer.Typer) -> None:
         from omnibench.plots.report import draw_all, write_html
         from omnibench.provenance import figure_provenance
 
+        _check_calibration(calibration)
+        path = report_path(out)  # checked before the drawing, which a page that cannot be written would lose
         recs = _load(run_dirs, "report")
         prov = figure_provenance()  # one for the page and every figure on it
         sections = draw_all(recs, calibration=calibration, prov=prov)
         if not any(s.drawn for s in sections):
             fail("report: the records make no figure: " + "; ".join(f"{s.title}: {s.reason}" for s in sections))
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "report.html"
-        write_html(sections, recs, path, title, prov=prov)
+        with writing(path):
+            write_html(sections, recs, path, title, prov=prov)
         for s in sections:
             mark = "[green]drawn[/]" if s.drawn else f"[yellow]not drawn[/]: {s.reason}"
             console.print(f"{s.title}: {mark}", highlight=False)
@@ -272,7 +294,64 @@ def register(app: typer.Typer) -> None:
             console.print(f"{len(stages)} stages, about {_duration(sum(st.estimate_s for st in stages))} on 2 quiet "
                           "cores, then the figures", highlight=False)
             return
+        # before the first stage: hours of runs and simulations must not end in a folder nothing can be written in
+        out_folder(out)
+        for part in ("runs", "runs/reproduce", "sims", "sims/reproduce", "figures"):
+            if (out / part).exists() and not (out / part).is_dir():
+                fail(f"out: {out / part} is a file where reproduce keeps a folder; remove it or give another --out")
+        _not_a_folder(out / "report.html")
         reproduce(out, quick, reuse, resume, repeat, tune_budget, sweep, extended=extended)
+
+
+def report_path(out: Path) -> Path:
+    """Where `report --out` puts the page: OUT/report.html, or OUT itself when it names an .html file
+    (not an existing folder); a file in the way or a place this process cannot write is refused."""
+    _resolvable(out)
+    if out.suffix.lower() in (".html", ".htm") and not out.is_dir():
+        return writable_file(out, "out")
+    if out.exists() and not out.is_dir():
+        fail(f"out: {out} is a file; --out names the folder for report.html or an .html file to write")
+    return _not_a_folder(writable_folder(out, "out") / "report.html")
+
+
+def _not_a_folder(path: Path) -> Path:
+    """A file the command writes in --out, refused up front when a folder has its name."""
+    if path.is_dir():
+        fail(f"out: {path} is a folder where the command writes the file {path.name}; remove it or give another "
+             "--out")
+    return path
+
+
+def out_folder(out: Path) -> Path:
+    """--out of plot and reproduce: a folder this process can write in (made if missing), else one line."""
+    _resolvable(out)
+    return writable_folder(out, "out")
+
+
+def _resolvable(out: Path) -> None:
+    """A symbolic link on the way that leads nowhere (a loop, a missing target) named as such: the
+    system's own words for it ("File exists", "Too many levels of symbolic links") say nothing useful."""
+    for p in (out, *out.parents):
+        if p.is_symlink() and not p.exists():
+            try:
+                target = os.readlink(p)
+            except OSError:
+                target = "?"
+            fail(f"out: {p} is a symbolic link to {target}, which leads nowhere (a loop or a missing target); "
+                 "give another --out or fix the link")
+
+
+def _check_calibration(calibration: str | None) -> None:
+    """--calibration read before any drawing: a profile that is missing or not one is bad input (exit 2),
+    not a validation figure quietly left out of the page."""
+    if calibration is None:
+        return
+    from simulator.calibrate import CalibrationError, Profile
+
+    try:
+        Profile.load(calibration)
+    except CalibrationError as e:
+        fail(str(e))
 
 
 # -- reproduce -------------------------------------------------------------------------------------
@@ -347,11 +426,37 @@ class Stage:
     prepare: Callable[[], None] | None = None
 
 
+def _dies_with(parent: int) -> Callable[[], None] | None:
+    """For Popen's preexec_fn: the child asks Linux for SIGKILL when `parent` ends, however it ends (a
+    SIGKILL or the OOM killer gives reproduce no chance to stop it): an orphaned stage would run on,
+    finish, and leave a folder the next `--resume` trips over. The child's own children (a run's ranks, a
+    simulation's pool) already die with it. Elsewhere None: nothing asked."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    # looked up here, in the parent: between fork and exec the child should only make the call
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent ended before the request was in place
+            os._exit(1)
+
+    return arm
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    """Start a stage's process, its output captured, ending with this process (`_dies_with`)."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_dies_with(os.getpid()))
+
+
 def _omnibench(args: list[str]) -> tuple[bool, str]:
     """Run an omnibench command in a fresh process (exactly the code path a user's command takes);
     (ok, the last lines of its error output). Stopping reproduce stops the command too."""
-    proc = subprocess.Popen([sys.executable, "-m", "omnibench", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _spawn([sys.executable, "-m", "omnibench", *args])
     try:
         stdout, stderr = proc.communicate()
     except BaseException:  # Ctrl-C or SIGTERM: the child ends with us and cleans its own temp folder
@@ -416,9 +521,12 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
         except (PlotInputError, OSError) as e:
             results.append((name, f"not produced: {e}"))
             return None
-        style.save(d.fig, fig_dir, name, prov)
+        # a full disk ends the command (one line, exit 1): every figure after this one would fail the same way
+        with writing(fig_dir / f"{name}.png"):
+            style.save(d.fig, fig_dir, name, prov)
         if d.table is not None and not d.table.empty:  # the figure's numbers, for the documents' tables
-            d.table.to_csv(fig_dir / f"{name}.csv", index=False, float_format="%.6g")
+            with writing(fig_dir / f"{name}.csv"):
+                atomic_write(fig_dir / f"{name}.csv", d.table.to_csv(index=False, float_format="%.6g"))
         results.append((name, "written"))
         import matplotlib.pyplot as plt
 
@@ -499,21 +607,21 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     # 4. the report over everything produced
     try:
         everything = load([runs_dir, sims_dir])
-        write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None, prov=prov),
-                   everything, out / "report.html", "omnibench reference results", prov=prov)
+        with writing(out / "report.html"):
+            write_html(draw_all(everything, calibration=str(profile) if profile.is_file() else None, prov=prov),
+                       everything, out / "report.html", "omnibench reference results", prov=prov)
         results.append(("report.html", "written"))
     except PlotInputError as e:
         results.append(("report.html", f"not produced: {e}"))
     # what each stage took (from the ledger `--resume` reads), for the documents
     if _ledger(sims_dir).is_file():
-        import json
-
         from omnibench.provenance import write_csv
 
-        took = json.loads(_ledger(sims_dir).read_text())
-        notes = json.loads(_notes(sims_dir).read_text()) if _notes(sims_dir).is_file() else {}
-        write_csv(out / "reproduce-stages.csv", [{"stage": k, "seconds": round(v, 1), "note": notes.get(k)}
-                                                 for k, v in took.items()], ["stage", "seconds", "note"])
+        took = _read_ledger(_ledger(sims_dir))
+        notes = _read_notes(sims_dir)
+        with writing(out / "reproduce-stages.csv"):
+            write_csv(out / "reproduce-stages.csv", [{"stage": k, "seconds": round(v, 1), "note": notes.get(k)}
+                                                     for k, v in took.items()], ["stage", "seconds", "note"])
         results.append(("reproduce-stages.csv", "written"))
     # 5. did every tune converge? (doubling its budget moved its best step time by <= 2%)
     conv = convergence_rows(sims_dir / "tuned-layouts.json")
@@ -523,7 +631,8 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
 
         from omnibench.provenance import write_csv
 
-        write_csv(out / "convergence.csv", conv, CONVERGENCE_COLUMNS)
+        with writing(out / "convergence.csv"):
+            write_csv(out / "convergence.csv", conv, CONVERGENCE_COLUMNS)
         table = Table(title="convergence of the tunes (best step time at the budget and at twice it)")
         for col in ("workload", "GPUs", "system", "layout", "space", "budget", "best s", "2x budget", "best s (2x)",
                     "moved", "vs seeds"):
@@ -569,18 +678,19 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
              extended: bool = False) -> None:
     """Run every stage, printing `[k/N] what` before and its time after, with an estimate of the time
     left; the finished stages are kept in a ledger so that `--resume` skips them."""
-    import json
-
     done: dict[str, float] = {}
     if resume and _ledger(sims_dir).is_file():
-        done = json.loads(_ledger(sims_dir).read_text())
+        done = _read_ledger(_ledger(sims_dir))
     else:
         for d in (runs_dir, sims_dir):  # from scratch: these two folders belong to this command alone
             shutil.rmtree(d, ignore_errors=True)
     for d in (runs_dir, sims_dir):
         d.mkdir(parents=True, exist_ok=True)
-        for part in d.glob("*.incomplete"):  # what an interrupted stage left: it runs again
-            shutil.rmtree(part, ignore_errors=True)
+        # what an interrupted stage left (a simulation's too, under sims/<hardware>, memory/, conditions/): it
+        # runs again
+        for part in sorted(d.rglob("*.incomplete")):
+            if part.is_dir() and not part.is_symlink():
+                shutil.rmtree(part, ignore_errors=True)
     stages = _measured(_stages(runs_dir, sims_dir, systems, quick, repeat, tune_budget, sweep, extended=extended), quick)
     todo = [st for st in stages if st.key not in done]
     if done:
@@ -598,6 +708,16 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         if st.prepare is not None:
             st.prepare()
         args = st.args() if callable(st.args) else st.args
+        line = "omnibench " + " ".join(args)
+        kept = _kept_record(args)
+        if kept is not None:
+            folder, dt = kept
+            done[st.key] = dt
+            _write_json(_ledger(sims_dir), done)
+            console.print(f"      kept {folder}: this stage's run finished before reproduce was stopped",
+                          highlight=False)
+            log.append(line)
+            continue
         t0 = time.perf_counter()
         if err_console.is_terminal:  # a spinner while the stage runs (its own bar is quiet: --json)
             with err_console.status(f"[{k}/{len(stages)}] {st.what}", spinner="dots"):
@@ -607,21 +727,106 @@ def _produce(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, re
         dt = time.perf_counter() - t0
         spent[_pace_kind(st)] += dt
         estimated[_pace_kind(st)] += st.estimate_s
-        line = "omnibench " + " ".join(args)
         if not ok and st.no_fit_is_an_answer and why.startswith(NOTHING_FITS):
-            notes = json.loads(_notes(sims_dir).read_text()) if _notes(sims_dir).is_file() else {}
+            notes = _read_notes(sims_dir)
             notes[st.key] = why.removeprefix(NOTHING_FITS)
-            _notes(sims_dir).write_text(json.dumps(notes, indent=1))
+            _write_json(_notes(sims_dir), notes)
             console.print(f"      {why} (the ablation's answer)", highlight=False)
             ok = True
         if ok:
             done[st.key] = dt
-            _ledger(sims_dir).write_text(json.dumps(done, indent=1))
+            _write_json(_ledger(sims_dir), done)
             console.print(f"      done in {dt:.0f} s", highlight=False)
             log.append(line)
         else:
             err_console.print(f"      [red]failed[/] ({dt:.0f} s): {why}", highlight=False)
             log.append(f"FAILED ({st.what}): {line}: {why}")
+
+
+def _write_json(path: Path, obj) -> None:
+    """The ledger and notes `--resume` reads: whole or not at all (a kill mid-write must not lose every
+    finished stage), a full disk one line."""
+    import json
+
+    with writing(path):
+        atomic_write(path, json.dumps(obj, indent=1))
+
+
+def _read_ledger(path: Path) -> dict[str, float]:
+    import json
+
+    try:
+        done = json.loads(path.read_text())
+        if not (isinstance(done, dict) and all(isinstance(v, (int, float)) for v in done.values())):
+            raise ValueError("expected {stage: seconds}")
+    except (OSError, ValueError) as e:
+        fail(f"reproduce --resume: {path} is not a stage ledger ({e}); remove it to redo every stage, or run "
+             "without --resume to start over")
+    return done
+
+
+def _read_notes(sims_dir: Path) -> dict[str, str]:
+    """The ablations' notes (an answer of "nothing fits"); a file that cannot be read is no note."""
+    import json
+
+    try:
+        notes = json.loads(_notes(sims_dir).read_text())
+    except (OSError, ValueError):
+        return {}
+    return notes if isinstance(notes, dict) else {}
+
+
+def _run_out(args: list[str]) -> Path | None:
+    """The record folder a `run` stage creates (its --out), else None."""
+    if args[:1] == ["run"] and "--out" in args:
+        return Path(args[args.index("--out") + 1])
+    return None
+
+
+def _kept_record(args: list[str]) -> tuple[Path, float] | None:
+    """A `run` stage whose folder is already there: a reproduce stopped (killed) after the run had
+    finished but before the ledger said so. (folder, seconds it took) when it holds this stage's
+    finished record, which is kept; otherwise the folder (an unfinished or different run's) is removed
+    so that the stage runs again: it is under runs/reproduce, which belongs to reproduce alone. When it
+    cannot be removed, one line says what to do."""
+    folder = _run_out(args)
+    if folder is None or not (folder.exists() or folder.is_symlink()):
+        return None
+    if _finished_run(folder, args):
+        times = [(folder / f).stat().st_mtime for f in ("config.json", "summary.json")]
+        return folder, max(0.0, times[1] - times[0])
+    console.print(f"      replacing {folder}: not this stage's finished record", highlight=False)
+    try:
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+        else:
+            folder.unlink()
+    except OSError as e:
+        fail(f"reproduce: cannot remove {folder}, which is not this stage's finished record "
+             f"({e.strerror or e}); remove it by hand and run `omnibench reproduce --resume` again", code=1)
+    return None
+
+
+def _finished_run(folder: Path, args: list[str]) -> bool:
+    """`folder` holds a finished run record made by the command `args` (system, workload, ranks, steps,
+    pipeline and the techniques switched off)."""
+    from omnibench.plots.load import PlotInputError, read_run
+
+    if folder.is_symlink() or not (folder / "summary.json").is_file() or not (folder / "steps.jsonl").is_file():
+        return False
+    try:
+        spec = read_run(folder).spec
+    except (PlotInputError, OSError):
+        return False
+
+    def given(flag: str) -> str | None:
+        return args[args.index(flag) + 1] if flag in args else None
+
+    want = {k: given(f"--{k}") for k in ("system", "workload", "nproc", "steps", "pp", "microbatches")}
+    if any(v is not None and str(spec.get(k)) != v for k, v in want.items()):
+        return False
+    off = {a.removeprefix("--no-").replace("-", "_") for a in args if a.startswith("--no-")}
+    return off == {k for k, v in (spec.get("options") or {}).items() if v is False}
 
 
 def _duration(seconds: float) -> str:
@@ -864,7 +1069,13 @@ def write_seeds(tune_cache: Path, path: Path, workload: str | None = None) -> No
     from omnibench.tune import Candidate, Seed
     from simulator.traces import write_json_atomic
 
-    entries = json.loads(tune_cache.read_text()) if tune_cache.is_file() else {}
+    try:
+        entries = json.loads(tune_cache.read_text()) if tune_cache.is_file() else {}
+        if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
+            raise ValueError("expected {key: tune}")
+    except (OSError, ValueError) as e:
+        fail(f"reproduce: {tune_cache} is not a tune cache ({e}); remove it (its tunes are searched again) and run "
+             "`omnibench reproduce --resume`", code=1)
     rows, seen = [], set()
     for e in entries.values():
         if "candidate" not in e or e.get("memory_error") or (workload and e.get("workload") != workload):
@@ -903,7 +1114,8 @@ def _cell_args(cell: Path, share: float, sigma: float, args: list[str]) -> Calla
         from workloads.conditions import cell_toml
 
         cell.parent.mkdir(parents=True, exist_ok=True)
-        cell.write_text(cell_toml(share, sigma))
+        with writing(cell):
+            atomic_write(cell, cell_toml(share, sigma))
         return args
 
     return make

@@ -3,6 +3,7 @@ run, and the exact samples of one step (no torch)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import console, fail
+from omnibench.cli.common import atomic_write, console, fail, os_error_line, writable_file, writing
 
 # Options shared by `show` and `batch` (one definition each).
 WorkloadName = Annotated[str, typer.Argument(help="Named workload, or a TOML/YAML/JSON spec or JSONL trace path.")]
@@ -46,6 +47,22 @@ Examples:
 
   omnibench workloads show bursty_mix --start 0 --steps 300   # consecutive steps: see the bursts
 """
+
+
+def _emit(text: str) -> None:
+    """Write to standard output; a full disk or a reader gone (`> /dev/full`, `| head`) ends the command
+    with one line, exit 1, never a traceback."""
+    import os
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()  # here, inside the check: buffered output would fail at exit, past any handler
+    except OSError as e:
+        # what could not be written is dropped: the interpreter's last flush at exit must not fail again
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        what = "standard output (its reader is gone)" if isinstance(e, BrokenPipeError) else "standard output"
+        fail(os_error_line(e, what), code=1)
 
 
 def _stream(name, seed, global_batch_tokens, global_batch_size, length_scale, max_sample_tokens, total_steps):
@@ -290,9 +307,18 @@ def _plot(summary: dict, rows, path: Path) -> None:
         fontsize=11,
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    import io
+
+    # rendered in memory, then written whole or not at all: a full disk leaves no truncated figure
+    buf = io.BytesIO()
+    fig.savefig(buf, format=path.suffix.lower().lstrip("."), dpi=110)
     plt.close(fig)
+    with writing(path):
+        try:
+            atomic_write(path, buf.getvalue())
+        except OSError as e:
+            e.filename = str(path)  # the figure, not atomic_write's temporary file beside it
+            raise
 
 
 def register(app: typer.Typer) -> None:
@@ -324,7 +350,7 @@ def register(app: typer.Typer) -> None:
 
         items = list_workloads()
         if as_json:
-            sys.stdout.write(json.dumps(items, indent=2) + "\n")
+            _emit(json.dumps(items, indent=2) + "\n")
             return
         t = Table(title="named workloads")
         t.add_column("name")
@@ -361,6 +387,10 @@ def register(app: typer.Typer) -> None:
         tokens and encoder sequences, how much batches differ, and first vs last window."""
         from workloads.stats import collect, sample_steps, summarize
 
+        if plot is not None:  # before drawing the steps, which a figure that cannot be written would lose
+            if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
+                fail(f"plot: file must end in .png, .pdf or .svg, got {plot.name!r}")
+            writable_file(plot, "plot")
         stream = _stream(
             name, seed, global_batch_tokens, global_batch_size, length_scale, max_sample_tokens, total_steps
         )
@@ -373,11 +403,9 @@ def register(app: typer.Typer) -> None:
         except WorkloadError as exc:
             fail(str(exc))
         if plot is not None:
-            if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
-                fail(f"--plot: file must end in .png, .pdf or .svg, got {plot.name!r}")
             _plot(summary, rows, plot)
         if as_json:
-            sys.stdout.write(json.dumps(summary) + "\n")
+            _emit(json.dumps(summary) + "\n")
             return
         _print_summary(summary)
         if plot is not None:
@@ -412,6 +440,4 @@ def register(app: typer.Typer) -> None:
             batch = stream.batch(step)
         except WorkloadError as exc:
             fail(str(exc))
-        out = sys.stdout
-        for s in batch.samples:
-            out.write(json.dumps(s.to_dict()) + "\n")
+        _emit("".join(json.dumps(s.to_dict()) + "\n" for s in batch.samples))

@@ -29,6 +29,7 @@ the same function it calls (`simulator.calibrate.validate`). Nothing here import
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,9 +215,17 @@ def read_run(folder: Path) -> RunRecord:
     for i, line in enumerate((folder / "steps.jsonl").read_text().splitlines()):
         if line.strip():
             try:
-                steps.append(json.loads(line))
+                step = json.loads(line)
             except json.JSONDecodeError:
                 raise PlotInputError(f"{folder}/steps.jsonl: line {i + 1} is not JSON") from None
+            if not isinstance(step, dict) or not (_finite(step.get("step_time_s")) and step["step_time_s"] > 0):
+                got = step.get("step_time_s") if isinstance(step, dict) else step
+                raise PlotInputError(f"{folder}/steps.jsonl: line {i + 1}: step_time_s must be a positive number "
+                                     f"of seconds, got {got!r}")
+            if not _finite(step.get("tokens", 0)):
+                raise PlotInputError(f"{folder}/steps.jsonl: line {i + 1}: tokens must be a number, "
+                                     f"got {step.get('tokens')!r}")
+            steps.append(step)
     if not steps:
         raise PlotInputError(f"{folder}/steps.jsonl: no steps recorded")
     options = {}
@@ -240,7 +249,22 @@ def read_sim(folder: Path) -> SimRecord:
     rows = _read_json(folder / "results.json")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "gpus" in r and "system" in r for r in rows):
         raise PlotInputError(f"{folder}/results.json: expected a list of result rows, each with gpus and system")
+    for i, r in enumerate(rows, 1):  # a hand-edited or damaged row must be named here, not fail inside a figure
+        where = f"{folder}/results.json: row {i}"
+        if not (isinstance(r["gpus"], int) and not isinstance(r["gpus"], bool) and r["gpus"] > 0):
+            raise PlotInputError(f"{where}: gpus must be a positive integer, got {r['gpus']!r}")
+        if not (isinstance(r["system"], str) and r["system"]):
+            raise PlotInputError(f"{where}: system must be a name, got {r['system']!r}")
+        if r.get("fits", False) and "error" not in r:  # a row that ran: the figures read its throughput
+            for k in ("tokens_per_s", "tokens_per_s_per_gpu"):
+                if not _finite(r.get(k)):
+                    raise PlotInputError(f"{where} ({r['system']} at {r['gpus']} GPUs, fits): {k} must be a "
+                                         f"finite number, got {r.get(k)!r}")
     return SimRecord(folder, config, rows)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def load(paths) -> Records:

@@ -166,6 +166,7 @@ def write_html(sections: list[Section], recs: Records, path, title: str = "omnib
                prov: dict | None = None) -> None:
     """The page, and under it and every figure which code (commit, dirty flag) and command made it
     (`prov`, default: this process's); each inline PNG carries the same in its metadata."""
+    from omnibench.cli.common import atomic_write
     from omnibench.provenance import figure_provenance, provenance_text
 
     prov = prov or figure_provenance()
@@ -196,5 +197,9 @@ def write_html(sections: list[Section], recs: Records, path, title: str = "omnib
     parts.append("<h2>Commands that produced the data</h2><pre>" + html.escape(
         "\n".join(r.command for r in recs.all) or "(no records)") + "</pre>")
     parts.append(f"<hr><p class='prov'>This page was {made}.</p></body></html>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
+    # whole or not at all: a page cut short by a full disk still opens and would pass for the report
+    try:
+        atomic_write(path, "\n".join(parts))
+    except OSError as e:
+        e.filename = str(path)  # the page, not atomic_write's temporary file beside it
+        raise

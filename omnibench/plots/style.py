@@ -66,14 +66,26 @@ def apply_theme() -> None:
 def save(fig, out_dir: str | Path, name: str, prov: dict | None = None) -> list[Path]:
     """Write `<name>.png` (dpi 200) and `<name>.pdf`, each naming in its metadata the commit (and
     dirty flag) and the command that drew it (`provenance.figure_provenance`); return both paths."""
+    import io
+
+    from omnibench.cli.common import atomic_write
     from omnibench.provenance import figure_provenance
 
     prov = prov or figure_provenance()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=DPI, metadata=png_metadata(prov))
-    fig.savefig(paths[1], metadata=pdf_metadata(prov))
+    # Both rendered in memory before either file is touched, each then written whole or not at all: a
+    # full disk leaves the earlier file (or none) in its place, never a truncated one.
+    png, pdf = io.BytesIO(), io.BytesIO()
+    fig.savefig(png, format="png", dpi=DPI, metadata=png_metadata(prov))
+    fig.savefig(pdf, format="pdf", metadata=pdf_metadata(prov))
+    for path, data in zip(paths, (png, pdf), strict=True):
+        try:
+            atomic_write(path, data.getvalue())
+        except OSError as e:
+            e.filename = str(path)  # the figure, not atomic_write's temporary file beside it
+            raise
     return paths
 
 
