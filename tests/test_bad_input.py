@@ -250,7 +250,8 @@ def test_a_bad_config_among_several_record_folders_is_named(tmp_path):
     (good / "config.json").write_text(json.dumps({"command": "simulate", "workload": "mixed_video",
                                                   "systems": ["omni"], "gpus": [8], "hardware": "h100",
                                                   "model": "omni-7b"}))
-    (good / "results.json").write_text(json.dumps([{"gpus": 8, "system": "omni", "fits": True}]))
+    (good / "results.json").write_text(json.dumps([{"gpus": 8, "system": "omni", "fits": True, "tokens_per_s": 8.0,
+                                                   "tokens_per_s_per_gpu": 1.0}]))
     bad = tmp_path / "bad"
     shutil.copytree(good, bad)
     (bad / "config.json").write_text(json.dumps({"command": "simulate"}))
