@@ -259,6 +259,10 @@ def load_cluster(name_or_path: str, num_gpus: int | None = None) -> ClusterSpec:
     """A preset name (`h100`, `h200`, `a100-80g`, `cpu-gloo`) or a TOML/YAML file of the same fields."""
     path = Path(name_or_path)
     if path.suffix in (".toml", ".yaml", ".yml", ".json"):
+        if path.is_dir():
+            raise HardwareError(f"hardware: {name_or_path!r} is a folder, not a hardware file")
+        if path.exists() and not path.is_file():
+            raise HardwareError(f"hardware: {name_or_path!r} is not a regular file")
         if not path.is_file():
             raise HardwareError(f"hardware: no such file {name_or_path!r}")
     else:
@@ -267,10 +271,18 @@ def load_cluster(name_or_path: str, num_gpus: int | None = None) -> ClusterSpec:
             raise HardwareError(
                 f"hardware must be one of {', '.join(available_presets())} or a .toml/.yaml file; got {name_or_path!r}"
             )
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise HardwareError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise HardwareError(f"{path}: cannot read: not text (not UTF-8)") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise HardwareError(f"{path}: cannot parse: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        # the parsers recurse once per nested table or list
+        raise HardwareError(f"{path}: cannot parse: nested too deeply") from None
     cluster = _build(data, str(path))
     return cluster.with_gpus(num_gpus) if num_gpus is not None else cluster

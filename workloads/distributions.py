@@ -269,8 +269,8 @@ def parse_dist(value: Any, field: str) -> Dist:
     kind = d.pop("kind", None)
     if kind not in KINDS:
         raise DistributionError(f"{field}.kind: must be one of {', '.join(KINDS)}, got {kind!r}")
-    lo = float(d.pop("min", -math.inf))
-    hi = float(d.pop("max", math.inf))
+    lo = _num(d, "min", field) if "min" in d else -math.inf
+    hi = _num(d, "max", field) if "max" in d else math.inf
     try:
         if kind == "const":
             dist = const(_num(d, "value", field))
@@ -297,11 +297,12 @@ def parse_dist(value: Any, field: str) -> Dist:
             knots = d.pop("knots", None)
             if not isinstance(knots, dict):
                 raise DistributionError(f"{field}.knots: expected a table probability -> value")
-            dist = quantiles({float(k): float(v) for k, v in knots.items()})
+            vals = _nums(knots, "knots", field)
+            dist = quantiles({float(k): v for k, v in zip(knots, vals, strict=True)})
         elif kind == "buckets":
-            dist = buckets(list(d.pop("edges", [])), list(d.pop("weights", [])))
+            dist = buckets(_nums(d.pop("edges", []), "edges", field), list(d.pop("weights", [])))
         elif kind == "choice":
-            dist = choice(list(d.pop("values", [])), d.pop("weights", None))
+            dist = choice(_nums(d.pop("values", []), "values", field), d.pop("weights", None))
         elif kind == "pareto":
             dist = Dist("pareto", (_num(d, "x_min", field), _num(d, "alpha", field)))
         else:  # mixture
@@ -322,6 +323,17 @@ def parse_dist(value: Any, field: str) -> Dist:
             raise DistributionError(f"{field}.max: must be >= min")
         dist = Dist(dist.kind, dist.params, max(lo, dist.lo), min(hi, dist.hi))
     return dist
+
+
+def _nums(values, key: str, field: str) -> list[float]:
+    """A list (or a table's values) of finite numbers; true and false are not numbers here."""
+    items = list(values.values()) if isinstance(values, dict) else values
+    if not isinstance(items, list):
+        raise DistributionError(f"{field}.{key}: expected a list of numbers, got {type(values).__name__}")
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise DistributionError(f"{field}.{key}: expected finite numbers, got {v!r}")
+    return [float(v) for v in items]
 
 
 def _num(d: dict, key: str, field: str) -> float:

@@ -61,6 +61,10 @@ def get_workload(name_or_path: str | Path | WorkloadSpec) -> WorkloadSpec:
         return spec
     p = Path(s)
     if p.suffix.lower() in FILE_SUFFIXES:
+        if p.is_dir():
+            raise WorkloadError(f"workload: {s} is a folder, not a workload file")
+        if p.exists() and not p.is_file():
+            raise WorkloadError(f"workload: {s} is not a regular file")
         if not p.is_file():
             raise WorkloadError(f"workload: file {s} does not exist")
         return load_spec_file(p)

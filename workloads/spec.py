@@ -520,10 +520,14 @@ FILE_SUFFIXES = (".toml", ".yaml", ".yml", ".json", ".jsonl")
 
 def read_spec_file(path: Path) -> Any:
     suffix = path.suffix.lower()
+    if path.is_dir():
+        raise WorkloadError(f"{path}: is a folder, not a workload file")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise WorkloadError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"{path}: cannot read: not text (not UTF-8)") from None
     try:
         if suffix == ".toml":
             try:
@@ -537,6 +541,8 @@ def read_spec_file(path: Path) -> Any:
             return yaml.safe_load(text)
         if suffix == ".json":
             return json.loads(text)
+    except RecursionError:
+        raise WorkloadError(f"{path}: not valid {suffix[1:].upper()}: nested too deeply") from None
     except Exception as e:  # parser errors carry line numbers; keep them on one line
         raise WorkloadError(f"{path}: not valid {suffix[1:].upper()}: {str(e).splitlines()[0]}") from None
     raise WorkloadError(f"{path}: unsupported file type {suffix!r}; allowed: {', '.join(FILE_SUFFIXES)}")

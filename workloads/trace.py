@@ -6,10 +6,10 @@ Each line is one sample:
                                       {"modality": "text", "tokens": 52}]}
 
 Segment fields by modality (no others are accepted):
-- text:  `tokens` (int >= 0)
-- image: `width`, `height` (px, ints > 0, aspect ratio <= 200)
-- video: `width`, `height` (px), `seconds` (> 0); optional `audio: true` adds its audio track
-- audio: `seconds` (> 0)
+- text:  `tokens` (int in [0, 2**24])
+- image: `width`, `height` (px, ints > 0, width x height <= 2**30, aspect ratio <= 200)
+- video: `width`, `height` (px), `seconds` (in (0, 1e6]); optional `audio: true` adds its audio track
+- audio: `seconds` (in (0, 1e6])
 `source` is optional (default "trace"). Raw sizes go through the same token rules (and the
 stream's `length_scale`) as generated workloads.
 
@@ -36,7 +36,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from workloads.sample import ID_STRIDE, Batch, Sample, step_rng
-from workloads.spec import MixPhase, ScheduleSpec, SourceSpec, WorkloadError, WorkloadSpec
+from workloads.spec import (
+    MAX_SAMPLE_TOKENS,
+    SOURCE_LIMITS,
+    MixPhase,
+    ScheduleSpec,
+    SourceSpec,
+    WorkloadError,
+    WorkloadSpec,
+)
 from workloads.tokens import (
     HF_RULE,
     MAX_ASPECT,
@@ -77,15 +85,23 @@ class Trace:
         return _TraceState(self, length_scale, rule, cache)
 
 
-def _int(v, fld: str, where: str, minimum: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise TraceError(f"{where}: {fld}: expected an integer >= {minimum}, got {v!r}")
+# The largest sizes one trace segment may give, as for generated sources (spec.py): the token rules
+# compute in int64 and float64, so a larger size overflows or turns every count negative.
+MAX_TOKENS = MAX_SAMPLE_TOKENS
+MAX_PIXELS = SOURCE_LIMITS["image_pixels"][0]  # width x height of an image or a video frame
+MAX_SECONDS = SOURCE_LIMITS["video_seconds"][0]
+
+
+def _int(v, fld: str, where: str, minimum: int, maximum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        shown = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else repr(v)
+        raise TraceError(f"{where}: {fld}: expected an integer in [{minimum:,}, {maximum:,}], got {shown}")
     return v
 
 
 def _seconds(v, fld: str, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise TraceError(f"{where}: {fld}: expected a number of seconds > 0, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= MAX_SECONDS:
+        raise TraceError(f"{where}: {fld}: expected a number of seconds in (0, {MAX_SECONDS:,}], got {v!r}")
     return float(v)
 
 
@@ -119,13 +135,18 @@ def _parse_line(obj, where: str) -> tuple[str, tuple]:
         if missing:
             raise TraceError(f"{where}: {f}.{missing[0]}: missing (required for {m})")
         if m == "text":
-            out.append(("text", _int(s["tokens"], f"{f}.tokens", where, 0)))
+            out.append(("text", _int(s["tokens"], f"{f}.tokens", where, 0, MAX_TOKENS)))
             continue
         if m == "audio":
             out.append(("audio", _seconds(s["seconds"], f"{f}.seconds", where)))
             continue
-        w = _int(s["width"], f"{f}.width", where, 1)
-        h = _int(s["height"], f"{f}.height", where, 1)
+        w = _int(s["width"], f"{f}.width", where, 1, MAX_PIXELS)
+        h = _int(s["height"], f"{f}.height", where, 1, MAX_PIXELS)
+        if w * h > MAX_PIXELS:
+            raise TraceError(
+                f"{where}: {f}.width: width x height must be at most {MAX_PIXELS:,} pixels, "
+                f"got {w:,} x {h:,} = {w * h:,}"
+            )
         if max(w, h) / min(w, h) > MAX_ASPECT:
             raise TraceError(
                 f"{where}: {f}.width: aspect ratio {max(w, h) / min(w, h):.0f} over {MAX_ASPECT}"
@@ -153,22 +174,32 @@ def load_trace(path: str | Path, order: str = "random", vision: str = "hf") -> W
         raise TraceError(f"vision: must be 'hf' or 'utils', got {vision!r}")
     path = Path(path)
     try:
-        fh = path.open()
+        fh = path.open(encoding="utf-8")
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror})") from None
     sources, segments = [], []
     with fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            src, segs = _parse_line(obj, where)
-            sources.append(src)
-            segments.append(segs)
+        try:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise TraceError(f"{where}: not valid JSON (nested too deeply)") from None
+                except ValueError as e:  # an integer of more than 4,300 digits
+                    raise TraceError(f"{where}: not valid JSON ({str(e).split(';')[0]})") from None
+                src, segs = _parse_line(obj, where)
+                sources.append(src)
+                segments.append(segs)
+        except UnicodeDecodeError:
+            # decoded in blocks, so the line that holds the bad byte is not known
+            raise TraceError(f"{path}: cannot read: not text (not UTF-8)") from None
+        except OSError as e:
+            raise TraceError(f"{path}: cannot read ({e.strerror})") from None
     if not segments:
         raise TraceError(f"{path}: the trace has no samples")
     trace = Trace(str(path), order, tuple(sources), tuple(segments))
