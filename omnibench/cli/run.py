@@ -26,6 +26,7 @@ from omnibench.cli.common import (
     err_console,
     fail,
     writable_folder,
+    writing,
 )
 
 
@@ -35,6 +36,16 @@ def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, 
 
 
 NOT_IN_CONFIG = ("config", "as_json")  # options a run config file cannot set
+# plan --step: the workload stream numbers samples from the step (about a million per step), in 64 bits
+MAX_PLAN_STEP = 1_000_000_000
+
+
+def error_text(e: Exception) -> str:
+    """An exception's message as written: str() of a KeyError quotes it (repr), and stripping those quotes
+    off the ends would also eat the closing quote of a value the message quotes ("got 'tpu'")."""
+    if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str):
+        return e.args[0]
+    return str(e)
 
 
 def with_run_config(ctx, path: Path) -> dict:
@@ -49,6 +60,8 @@ def with_run_config(ctx, path: Path) -> dict:
         fail(f"config: cannot read {path}: {e.strerror}")
     except tomllib.TOMLDecodeError as e:
         fail(f"config: {path} is not valid TOML: {e}")
+    except UnicodeDecodeError as e:
+        fail(f"config: {path} is not valid TOML: not UTF-8 text (byte {e.start})")
     flat: dict[str, object] = {}
 
     def walk(table: dict, where: str) -> None:
@@ -153,7 +166,7 @@ def register(app: typer.Typer) -> None:
             ctx.meta["omnibench.config_applied"] = True  # the call below runs with the file's values applied
             return run(ctx, **with_run_config(ctx, config))
         from omnibench.plan import PlanError
-        from omnibench.runtime.launch import RunFailed, check_layout, launch, resolve, under_torchrun
+        from omnibench.runtime.launch import LaunchError, check_layout, launch, resolve, under_torchrun
         from omnibench.runtime.memory import fit_to_device
         from omnibench.specs.model import SpecError
         from omnibench.specs.run import RunSpec
@@ -174,7 +187,6 @@ def register(app: typer.Typer) -> None:
         if nproc > MAX_LOCAL_RANKS:
             fail(f"nproc must be at most {MAX_LOCAL_RANKS:,} (the processes run starts on this machine; torchrun "
                  f"starts more), got {nproc:,}")
-        _check_out(out)
         spec = RunSpec(system=system, workload=workload, model=model, nproc=nproc, steps=steps, seed=seed,
                        global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
                        mixed_precision=mixed_precision, out=out,
@@ -183,6 +195,11 @@ def register(app: typer.Typer) -> None:
                        encoder_chunk_tokens=chunk, cp_kind=cp_kind,
                        options=options, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
+        try:
+            spec.validate()  # the values alone, before --out is looked at or anything is made on disk
+        except SpecError as e:
+            fail(str(e))
+        _check_out(out)
         if dp_mode is not None:
             from omnibench.specs.parallel import dp_mode_fields
 
@@ -198,22 +215,24 @@ def register(app: typer.Typer) -> None:
             spec, fit_note = fit_to_device(spec, model_given=bool(model))  # settles recompute=auto on CUDA
             check_layout(spec)
         except (SpecError, PlanError, ValueError, KeyError) as e:
-            fail(str(e).strip("'\""))
+            fail(error_text(e))
         if config:
             spec.extra["config_file"] = str(config)
         spec.extra["argv"] = list(sys.argv)  # the record's provenance names the command as typed
         if fit_note:
             spec.extra["notes"] = [*spec.extra.get("notes", []), fit_note]
         start = time.perf_counter()
-        try:
-            if as_json or under_torchrun():
-                folder = launch(spec)
-            else:
-                folder = _launch_with_progress(spec, launch)
-        except RunFailed as e:  # one line: which rank failed first and how, or which signal stopped the run
-            fail(str(e), e.exit_code)
-        except FileExistsError as e:
-            fail(str(e))
+        # the launcher's own writes (the record's config.json, its lock) on a full disk: one line, exit 1
+        with writing(spec.out or "the record folder"):
+            try:
+                if as_json or under_torchrun():
+                    folder = launch(spec)
+                else:
+                    folder = _launch_with_progress(spec, launch)
+            except LaunchError as e:  # one line: which rank failed first and how, or which signal stopped it
+                fail(str(e), e.exit_code)
+            except FileExistsError as e:
+                fail(str(e))
         wall = time.perf_counter() - start
         if under_torchrun() and int(os.environ["RANK"]) != 0:
             return  # under torchrun only rank 0 reports
@@ -277,6 +296,8 @@ def register(app: typer.Typer) -> None:
 
         if not 1 <= nproc <= MAX_GPUS:
             fail(f"nproc must be a positive integer, at most {MAX_GPUS:,}; got {nproc:,}")
+        if not 0 <= step <= MAX_PLAN_STEP:
+            fail(f"step must be an integer from 0 to {MAX_PLAN_STEP:,}; got {step:,}")
         try:
             spec = get_model(model)
             parallel = ParallelSpec(world_size=nproc, cp_kind=cp_kind, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
@@ -295,7 +316,7 @@ def register(app: typer.Typer) -> None:
             parallel = resolved.parallel
             p = get_planner(system).plan(spec, parallel, batches[0])
         except (SpecError, PlanError, ValueError, KeyError) as e:
-            fail(str(e).strip("'\""))
+            fail(error_text(e))
         if as_json:
             print(p.to_json())
             return
@@ -310,7 +331,7 @@ def register(app: typer.Typer) -> None:
                                                                 encoder_chunk_tokens=chunk,
                                                                 mixed_precision=parallel.mixed_precision))
         except ValueError as e:
-            fail(str(e).strip("'\""))
+            fail(error_text(e))
         worst = max(res.ranks, key=lambda r: r.memory_bytes)
         chunked = f", encoder chunks of {chunk} tokens" if chunk else ""
         how = " (auto: the cheapest that fits an H100)" if resolved.chosen and resolved.fits else ""
@@ -323,13 +344,17 @@ def register(app: typer.Typer) -> None:
 
 
 def _check_out(out: str) -> None:
-    """--out names the record folder a run creates: refuse a file in the way or a parent this
-    process cannot write in, before any work (records.start refuses a folder that exists or is in use)."""
-    from omnibench.runtime.records import new_run_dir
+    """--out names the record folder a run creates: refuse a file, a folder or a symbolic link that
+    leads nowhere in the way, or a parent this process cannot write in, before any work (records.start
+    refuses a folder that is in use or left from an unfinished run)."""
+    from omnibench.runtime.records import new_run_dir, out_taken
 
     final = Path(new_run_dir(out, "x", "y")) if out else Path("results/runs")
     if out and final.exists() and not final.is_dir():
         fail(f"out: {out} is a file; --out names the record folder the run creates")
+    taken = out_taken(str(final)) if out else None
+    if taken:
+        fail(taken)
     writable_folder(final.parent if out else final)
 
 

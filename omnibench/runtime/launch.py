@@ -20,6 +20,7 @@ a rank: it runs its share and rank 0 completes the record folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -50,7 +51,13 @@ HANG_S = 30.0  # a rank whose heartbeat is this old has stopped making progress 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class RunFailed(RuntimeError):
+class LaunchError(RuntimeError):
+    """A run that could not go on, in one line (the command's error); exit status `exit_code`."""
+
+    exit_code = 1
+
+
+class RunFailed(LaunchError):
     """A run that ended unfinished (its record folder keeps the `.incomplete` suffix), in one line: the
     rank that failed first, how it ended, and its traceback file if it wrote one."""
 
@@ -67,7 +74,8 @@ class RunInterrupted(RunFailed):
 
     def __init__(self, signum: int, work: str):
         reason = f"interrupted by {signal.Signals(signum).name}"
-        RuntimeError.__init__(self, f"{reason}; the partial record is in {work}")
+        where = f"the partial record is in {work}" if work else "no rank had started, and nothing is kept"
+        RuntimeError.__init__(self, f"{reason}; {where}")
         self.rank, self.reason, self.work, self.report = None, reason, work, ""
         self.signum = signum
         self.exit_code = 128 + signum  # what a shell reports for a process this signal ended
@@ -87,9 +95,41 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ.get("OMNIBENCH_LAUNCHER") != "1"
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_torchrun_env() -> None:
+    """Under torchrun, what it set for this rank, read before anything waits on it: a rank number that is
+    not one, or not below WORLD_SIZE, would otherwise surface as a traceback or a wait of --timeout for a
+    rank 0 that never comes."""
+    from omnibench.specs.model import SpecError
+
+    env = os.environ
+    shown = ", ".join(TORCHRUN_ENV)
+
+    def number(name: str, low: int, high: int | None = None) -> int:
+        text = env.get(name, "")
+        ok = text.strip().isdigit() and int(text) >= low and (high is None or int(text) <= high)
+        if not ok:
+            bound = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise SpecError(f"environment: {name} must be an integer {bound} (torchrun sets {shown} for each "
+                            f"rank); got {text!r}")
+        return int(text)
+
+    world = number("WORLD_SIZE", 1)
+    number("RANK", 0, world - 1)
+    if "LOCAL_RANK" in env:
+        number("LOCAL_RANK", 0)
+    if not env.get("MASTER_ADDR", "").strip():
+        raise SpecError(f"environment: MASTER_ADDR is not set (torchrun sets {shown} for each rank)")
+    number("MASTER_PORT", 1, 65535)
+
+
 def resolve(spec: RunSpec) -> RunSpec:
     """Fill every 0/auto default for this machine (see RunSpec) and validate."""
     spec.validate()
+    if under_torchrun():
+        check_torchrun_env()
     gpus = _cuda_count() if spec.device in ("auto", "cuda") else 0
     if spec.device == "cuda" and not gpus:
         from omnibench.specs.model import SpecError
@@ -239,9 +279,21 @@ def _launch(specs: list[RunSpec], finals: list[str], on_progress=None) -> list[s
         for final in finals:
             works.append(records.start(final))
         return _launch_ranks(specs, works, on_progress)
+    except BaseException:
+        if not _ranks_started(works):  # nothing ran: no partial record worth keeping, nor a folder in the way
+            for work in works:
+                records.discard(work)
+        raise
     finally:
         for work in works:
             records.release(work)  # a run that ended unfinished leaves a stale folder, never one in use
+
+
+_started: set[str] = set()  # work folders whose ranks were started by this process
+
+
+def _ranks_started(works: list[str]) -> bool:
+    return any(w in _started for w in works)
 
 
 def _launch_ranks(specs: list[RunSpec], works: list[str], on_progress) -> list[str]:
@@ -251,24 +303,31 @@ def _launch_ranks(specs: list[RunSpec], works: list[str], on_progress) -> list[s
     from omnibench.specs.presets import get_model
 
     spec, work = specs[0], works[0]  # the first run's folder holds the ranks' heartbeats
-    for s, w in zip(specs, works, strict=True):
-        records.begin(w, s, get_model(s.model), f"{s.extra.get('device', 'cpu')} x{s.nproc} ranks")
-    store = _rendezvous_store(spec)  # lives as long as this call: the ranks' rendezvous
-    env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "OMNIBENCH_LAUNCHER_PID": str(os.getpid()),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-           "WORLD_SIZE": str(spec.nproc), "OMP_NUM_THREADS": str(spec.extra.get("threads", 1)),
-           "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH", "")]))}
-    if len(specs) == 1:
-        argv = [json.dumps(spec.to_dict()), work]
+    # From the first file written on: a signal during the set-up (provenance runs git, which can take a
+    # while) stops the run in order too, not with a traceback from wherever it landed.
+    with _stop_signals_recorded() as received:
+        for s, w in zip(specs, works, strict=True):
+            records.begin(w, s, get_model(s.model), f"{s.extra.get('device', 'cpu')} x{s.nproc} ranks")
+        store = _rendezvous_store(spec)  # lives as long as this call: the ranks' rendezvous
+        # Reports a rank cannot write into its record folder (a full disk) come down this pipe (worker._report).
+        report_r, report_w = os.pipe()
         cells = None
-    else:  # the runs' list in a file: a command line has a length limit
-        fd, cells = tempfile.mkstemp(prefix="omnibench-runs-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump([{"spec": s.to_dict(), "work": w} for s, w in zip(specs, works, strict=True)], f)
-        argv = ["--runs", cells]
-    ranks = _Ranks()
-    try:
-        with _stop_signals_recorded() as received:
+        try:
+            os.set_blocking(report_r, False)
+            os.set_blocking(report_w, False)  # a full pipe drops a late report; it never blocks a failing rank
+            env = {**os.environ, "OMNIBENCH_LAUNCHER": "1", "OMNIBENCH_LAUNCHER_PID": str(os.getpid()),
+                   records.REPORT_FD: str(report_w),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                   "WORLD_SIZE": str(spec.nproc), "OMP_NUM_THREADS": str(spec.extra.get("threads", 1)),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH", "")]))}
+            if len(specs) == 1:
+                argv = [json.dumps(spec.to_dict()), work]
+            else:  # the runs' list in a file: a command line has a length limit
+                fd, cells = tempfile.mkstemp(prefix="omnibench-runs-", suffix=".json")
+                with os.fdopen(fd, "w") as f:
+                    json.dump([{"spec": s.to_dict(), "work": w} for s, w in zip(specs, works, strict=True)], f)
+                argv = ["--runs", cells]
+            ranks = _Ranks()
             try:
                 for r in range(spec.nproc):
                     if received:
@@ -278,7 +337,9 @@ def _launch_ranks(specs: list[RunSpec], works: list[str], on_progress) -> list[s
                     ranks.procs.append(subprocess.Popen(
                         [sys.executable, "-m", "omnibench.runtime.worker", *argv],
                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True,
+                        pass_fds=(report_w,),
                     ))
+                    _started.update(works)
                 seen, failed, stalled = 0, False, None
                 while not received and not failed:
                     seen = _report_progress(work, seen, on_progress)
@@ -292,14 +353,17 @@ def _launch_ranks(specs: list[RunSpec], works: list[str], on_progress) -> list[s
                     time.sleep(POLL_S)
             finally:
                 ranks.stop()  # whatever ended the watch, even an exception of our own
-    finally:
-        if cells is not None:
-            os.unlink(cells)
+            piped = _piped_reports(report_r)
+        finally:
+            os.close(report_r)
+            os.close(report_w)
+            if cells is not None:
+                os.unlink(cells)
     if stalled is not None:
         raise RunFailed(stalled[0], stalled[1], work)
     if failed:
-        raise _first_failure(works, ranks)
-    raise RunInterrupted(received[0], work)
+        raise _first_failure(works, ranks, piped)
+    raise RunInterrupted(received[0], work if _ranks_started(works) else "")
 
 
 def _repo_root() -> str:
@@ -417,14 +481,38 @@ def _heartbeat_age(work: str, rank: int, now: float) -> float | None:
         return None
 
 
-def _first_failure(works: list[str], ranks: _Ranks) -> RunFailed:
+def _piped_reports(fd: int) -> dict[int, tuple[float, bool, str, str]]:
+    """Reports that came down the launcher's pipe (worker._report), as _error_reports gives them (no file)."""
+    data = b""
+    with contextlib.suppress(BlockingIOError, OSError):
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    out = {}
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            head = json.loads(line)
+            out[int(head["rank"])] = (float(head["time"]), bool(head["lost_peer"]), _report_error(head), "")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short: the rank counts as one that ended without a report
+    return out
+
+
+def _report_error(head: dict) -> str:
+    """A report's error in words: a full disk named as such, with the file that could not be written."""
+    if head.get("errno") == errno.ENOSPC:
+        return f"writing {head.get('filename') or 'its record'}: no space left on the device"
+    return head["error"]
+
+
+def _first_failure(works: list[str], ranks: _Ranks, piped: dict | None = None) -> RunFailed:
     """The rank whose failure came first, not one that failed because of it: a rank that reports a
     lost peer or a timed-out wait (worker.py marks those) only counts when no rank failed on its own;
-    a rank killed by a signal (not ours) or exiting without a report counts from when it was seen gone."""
-    reports: dict[int, tuple[float, bool, str, str]] = {}
+    a rank killed by a signal (not ours) or exiting without a report counts from when it was seen gone.
+    `piped`: reports that came down the launcher's pipe, for ranks that could not write theirs."""
+    reports: dict[int, tuple[float, bool, str, str]] = dict(piped or {})
     for w in works:  # launch_many: a rank reports into the folder of the run it failed in
         for r, rep in _error_reports(w).items():
-            if r not in reports or rep[0] < reports[r][0]:
+            if r not in reports or rep[0] < reports[r][0] or not reports[r][3]:
                 reports[r] = rep
     work = works[0]
     found = []  # (secondary, time, rank, reason, report path)
@@ -450,11 +538,14 @@ def _error_reports(work: str) -> dict[int, tuple[float, bool, str, str]]:
     out = {}
     if os.path.isdir(folder):
         for name in os.listdir(folder):
-            if name.startswith("rank") and name.endswith(".txt"):
+            if name.startswith("rank") and name.endswith(".txt") and name[4:-4].isdigit():
                 path = os.path.join(folder, name)
-                with open(path) as f:
-                    head = json.loads(f.readline())
-                out[int(name[4:-4])] = (head["time"], head["lost_peer"], head["error"], path)
+                try:
+                    with open(path) as f:
+                        head = json.loads(f.readline())
+                    out[int(name[4:-4])] = (float(head["time"]), bool(head["lost_peer"]), _report_error(head), path)
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # unreadable: the rank counts as one that ended without a report
     return out
 
 
@@ -480,7 +571,8 @@ def _as_torchrun_rank(spec: RunSpec, final: str) -> str:
         deadline = time.monotonic() + spec.timeout_s
         while not os.path.isdir(work):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank 0 did not create {work} within --timeout {spec.timeout_s:g} s")
+                raise LaunchError(f"rank {os.environ['RANK']}: rank 0 did not create {work} within --timeout "
+                                  f"{spec.timeout_s:g} s (is rank 0 running, with the same --out?)")
             time.sleep(POLL_S)
     run_rank(spec, get_model(spec.model), work)
     if int(os.environ["RANK"]) == 0:

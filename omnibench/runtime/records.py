@@ -21,6 +21,8 @@ as a bare NaN or Infinity, which JSON does not have.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -37,6 +39,8 @@ LOCK = ".lock"  # inside a folder being written: flock-held by the process writi
 _held: dict[str, int] = {}  # work folder -> fd of the lock this process holds on it
 HEARTBEATS = ".heartbeat"  # inside a folder being written: one file per rank, touched while it lives
 HEARTBEAT_S = 1.0  # how often a rank touches its heartbeat (launch.py reads how old it is)
+# The environment variable naming the launcher's pipe for error reports a rank cannot write into its folder
+REPORT_FD = "OMNIBENCH_REPORT_FD"
 
 
 def heartbeat_path(work: str, rank: int) -> str:
@@ -93,13 +97,31 @@ def torchrun_run_dir(parent: str, system: str, workload: str, timeout_s: float) 
     return os.path.join(parent, name)
 
 
+def out_taken(final_dir: str) -> str | None:
+    """Why a run cannot create its record folder `final_dir` (one line naming --out), or None. A
+    symbolic link there that leads nowhere (dangling, or a loop) is taken too: the finished record
+    could never be renamed onto it, and the run would find that out only after its last step."""
+    if os.path.islink(final_dir) and not os.path.exists(final_dir):
+        try:
+            os.stat(final_dir)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"out: {final_dir} is a symbolic link that loops; give another --out"
+        return (f"out: {final_dir} is a symbolic link to {os.readlink(final_dir)}, which does not exist; give "
+                "another --out (or the link's target itself)")
+    if os.path.lexists(final_dir):
+        return f"out: {final_dir} already exists; --out names a new record folder"
+    return None
+
+
 def start(final_dir: str) -> str:
     """Claim `final_dir` for a new run: make `<final_dir>.incomplete` (mkdir is atomic: of two runs
     started at once into one --out only one gets it) and hold its lock until `complete` or
     `release`. Never reuses a folder: a finished record, a live run's folder or a stale `.incomplete`
     (an interrupted run's, with its error reports) is refused with FileExistsError in one line."""
-    if os.path.exists(final_dir):
-        raise FileExistsError(f"out: {final_dir} already exists")
+    taken = out_taken(final_dir)
+    if taken:
+        raise FileExistsError(taken)
     work = final_dir + INCOMPLETE
     os.makedirs(os.path.dirname(work) or ".", exist_ok=True)
     try:
@@ -111,10 +133,15 @@ def start(final_dir: str) -> str:
                                   "wait for it or give another --out") from None
         raise FileExistsError(f"out: {work} is left from an unfinished run (its partial record and error "
                               "reports); remove it or give another --out") from None
-    fd = os.open(os.path.join(work, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can hold it: the folder is new
-    os.write(fd, str(os.getpid()).encode())
-    _held[work] = fd
+    try:
+        fd = os.open(os.path.join(work, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can hold it: the folder is new
+        _held[work] = fd
+        with _writing(os.path.join(work, LOCK)):
+            os.write(fd, str(os.getpid()).encode())
+    except BaseException:
+        discard(work)  # a folder without its lock would read as a stale run's
+        raise
     return work
 
 
@@ -144,6 +171,13 @@ def release(work: str) -> None:
         os.close(fd)
 
 
+def discard(work: str) -> None:
+    """Remove `work` whole: a run that failed before any rank started has nothing worth keeping, and its
+    folder left behind would only block the next run into the same --out."""
+    release(work)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def begin(work_dir: str, spec, model, device_text: str) -> None:
     """config.json at the start of a run, so an interrupted run's folder says what ran and how."""
     _write(os.path.join(work_dir, "config.json"), {
@@ -158,16 +192,53 @@ def progress(work_dir: str, step: int, steps: int, loss: float, step_time: float
     step without its Plan: it may leave a Plan whose step's figures never came."""
     line = {"step": step, "steps": steps, "loss": loss, "step_time_s": step_time, **(record or {})}
     if plan is not None:
-        with open(os.path.join(work_dir, "plans.jsonl"), "a") as f:
-            f.write(plan.to_json(indent=None) + "\n")
-    with open(os.path.join(work_dir, "progress.jsonl"), "a") as f:
-        f.write(dumps(line) + "\n")
+        _append(os.path.join(work_dir, "plans.jsonl"), plan.to_json(indent=None) + "\n")
+    _append(os.path.join(work_dir, "progress.jsonl"), dumps(line) + "\n")
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+    """An OSError inside names `path`: a write() or close() that fails (a full disk) carries no file
+    name, and one on the temporary file beside it names that; the run's one-line error must say which
+    record file could not be written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename != path:
+            raise OSError(e.errno, e.strerror or str(e), path) from e
+        raise
+
+
+def _append(path: str, text: str) -> None:
+    """Append `text` whole or not at all: a write cut short (a full disk) is cut back off, so a reader
+    of the file never meets half a line."""
+    with _writing(path), open(path, "a") as f:
+        size = f.tell()
+        try:
+            f.write(text)
+            f.flush()
+        except OSError:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise
+
+
+def write_whole(path: str, text: str) -> None:
+    """Write `path` whole or not at all (a temporary file renamed over it): a failed write leaves no
+    truncated file, nor the temporary one."""
+    tmp = path + ".tmp"
+    try:
+        with _writing(path), open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _write(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(dumps(obj, indent=1))
-    os.replace(path + ".tmp", path)
+    write_whole(path, dumps(obj, indent=1))
 
 
 def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtype) -> None:
@@ -184,11 +255,16 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     steps = [step_metrics(s, spans, world, peak) for s in gathered[0]["steps"]]
     for s in steps:
         s["peak_memory_bytes"] = max(g["steps"][s["step"]]["peak_memory_bytes"] for g in gathered)
-    with open(os.path.join(work_dir, "steps.jsonl"), "w") as f:
-        for s in steps:
-            f.write(dumps(s) + "\n")
+    write_whole(os.path.join(work_dir, "steps.jsonl"), "".join(dumps(s) + "\n" for s in steps))
     flat = [flat_step(s) for s in steps]
-    write_csv(os.path.join(work_dir, "steps.csv"), flat, list(dict.fromkeys(k for s in flat for k in s)))
+    csv_path = os.path.join(work_dir, "steps.csv")
+    try:
+        with _writing(csv_path):
+            write_csv(csv_path, flat, list(dict.fromkeys(k for s in flat for k in s)))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(csv_path + ".tmp")  # write_csv's own, left when a write fails
+        raise
     timed = steps[1:] or steps  # the first step pays one-time costs (allocations, warm-up)
     summary = {
         "system": spec.system, "workload": spec.workload, "model": model.name, "world_size": world,
@@ -217,16 +293,14 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
     if diverged:
         summary["notes"].append(f"the loss is not a finite number from step {diverged[0]} on (written as null)")
     _write(os.path.join(work_dir, "summary.json"), summary)
+    write_whole(os.path.join(work_dir, "plan_step0.json"), plans[0].to_json())
+    write_whole(os.path.join(work_dir, "plans.jsonl"), "".join(p.to_json(indent=None) + "\n" for p in plans))
+    _write(os.path.join(work_dir, "trace.json"), chrome_trace(spans))
+    # Last: "finished": true only once every other file is whole (a full disk stops short of it)
     device_text = f"{summary['device_name']} ({device})" if device.type == "cuda" else f"cpu x{world} ranks"
     _write(os.path.join(work_dir, "config.json"), {
         "run": spec.to_dict(), "model": asdict(model), "finished": True,
         "provenance": provenance(device_text, spec.extra.get("argv"), cuda=device.type == "cuda")})
-    with open(os.path.join(work_dir, "plan_step0.json"), "w") as f:
-        f.write(plans[0].to_json())
-    with open(os.path.join(work_dir, "plans.jsonl"), "w") as f:
-        for p in plans:
-            f.write(p.to_json(indent=None) + "\n")
-    _write(os.path.join(work_dir, "trace.json"), chrome_trace(spans))
 
 
 def flat_step(step: dict) -> dict:

@@ -7,6 +7,7 @@ loses its `.incomplete` suffix once everything is written (records.py).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import json
 import os
@@ -161,7 +162,9 @@ def _heartbeat(run_dir: str, rank: int) -> None:
 
     def beat() -> None:
         while True:
-            with open(path, "a"):
+            # A beat that fails (a full disk: no room for the file) is skipped; a thread ended by it would
+            # leave a live rank that the launcher soon names as frozen.
+            with contextlib.suppress(OSError), open(path, "a"):
                 os.utime(path)
             time.sleep(records.HEARTBEAT_S)
 
@@ -178,10 +181,10 @@ def main(runs: list[tuple[RunSpec, str]]) -> None:
     # out of every later collection (the automatic ones during a step, _forget_meshes's between runs).
     gc.freeze()
     rank = int(os.environ.get("RANK", 0))
-    if os.environ.get("OMNIBENCH_LAUNCHER") == "1":
-        _heartbeat(runs[0][1], rank)
     run_dir = runs[0][1]
     try:
+        if os.environ.get("OMNIBENCH_LAUNCHER") == "1":
+            _heartbeat(run_dir, rank)
         from omnibench.specs.presets import get_model
 
         if len(runs) == 1:
@@ -194,15 +197,13 @@ def main(runs: list[tuple[RunSpec, str]]) -> None:
                 run_rank(spec, get_model(spec.model), run_dir, store=dist.PrefixStore(f"run{i}", base))
                 _forget_meshes()
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher once
-        os.makedirs(os.path.join(run_dir, "errors"), exist_ok=True)
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         first_line = (str(e).strip().splitlines() or [""])[0]
         head = {"time": time.time(), "lost_peer": lost_peer(e),
                 "error": f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__}
-        path = os.path.join(run_dir, "errors", f"rank{rank}.txt")
-        with open(path + ".tmp", "w") as f:
-            f.write(json.dumps(head) + "\n" + text)
-        os.replace(path + ".tmp", path)
+        if isinstance(e, OSError) and e.errno is not None:
+            head.update(errno=e.errno, filename=None if e.filename is None else str(e.filename))
+        _report(run_dir, rank, head, text)
         if os.environ.get("OMNIBENCH_LAUNCHER") != "1":
             print(f"[rank {rank}] {text}", file=sys.stderr)
         sys.stderr.flush()
@@ -211,6 +212,27 @@ def main(runs: list[tuple[RunSpec, str]]) -> None:
     sys.stderr.flush()
     # gloo threads can outlive interpreter shutdown and abort it (REFERENCE.md): leave now.
     os._exit(0)
+
+
+def _report(run_dir: str, rank: int, head: dict, text: str) -> None:
+    """errors/rank<r>.txt: the JSON `head` line, then the traceback. Where that cannot be written (a full
+    disk, the folder gone) `head` goes down the launcher's report pipe instead: a pipe needs no disk, and
+    one short line is written whole. Never raises: the rank is failing already."""
+    path = os.path.join(run_dir, "errors", f"rank{rank}.txt")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        records.write_whole(path, json.dumps(head) + "\n" + text)
+        return
+    except OSError:
+        pass
+    fd = os.environ.get(records.REPORT_FD, "")
+    if fd.isdigit():
+        line = json.dumps({"rank": rank, **head})
+        if len(line) >= 4000:  # under PIPE_BUF (4096 on Linux): the write is atomic, never interleaved
+            line = json.dumps({"rank": rank, **head, "error": head["error"][:1000],
+                               "filename": (head.get("filename") or "")[:2000]})
+        with contextlib.suppress(OSError):
+            os.write(int(fd), (line + "\n").encode())
 
 
 def _forget_meshes() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass, field
 
 from omnibench.specs.model import SpecError
@@ -10,6 +12,11 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 MIXED_PRECISION = ("autocast", "master")  # omnibench/runtime/master.py (no torch import here)
 OPTIMIZERS = ("adamw", "sgd")
+# rank 0 keeps every step's Plan in memory for the record (plans.jsonl): a benchmark run, not a training job
+MAX_STEPS = 100_000
+# --timeout bounds every wait (rendezvous, collectives, loaders): under a second no rendezvous completes,
+# and past a day a rank that never answers is as good as never noticed (inf and nan are no bound at all)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 86_400.0
 
 
 @dataclass
@@ -65,6 +72,15 @@ class RunSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise SpecError(f"{name} must be a positive integer, got {v!r}")
+        if self.steps > MAX_STEPS:
+            raise SpecError(f"steps must be at most {MAX_STEPS:,} (rank 0 keeps every step's Plan for the record), "
+                            f"got {self.steps:,}")
+        timeout = self.timeout_s
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+                or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
+            raise SpecError(f"timeout must be a finite number of seconds from {MIN_TIMEOUT_S:g} to "
+                            f"{MAX_TIMEOUT_S:,.0f} (a day): how long any wait (rendezvous, collective, loader) may "
+                            f"take; got {timeout!r}")
         for name in ("tp", "pp", "cp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -98,12 +114,10 @@ class RunSpec:
             raise SpecError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {self.mixed_precision!r}")
         if self.optimizer not in OPTIMIZERS:
             raise SpecError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
-        if self.lr <= 0:
-            raise SpecError(f"lr must be > 0, got {self.lr}")
-        if self.timeout_s <= 0:
-            raise SpecError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.inject_failure and len(self.inject_failure.split(":")) != 2:
-            raise SpecError(f"inject_failure must be 'rank:step', got {self.inject_failure!r}")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise SpecError(f"lr must be a finite number > 0, got {self.lr}")
+        if self.inject_failure and not re.fullmatch(r"\d+:\d+", self.inject_failure):
+            raise SpecError(f"inject_failure must be 'rank:step' (two integers >= 0), got {self.inject_failure!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
