@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -48,6 +49,64 @@ def default_workers() -> int:
 def check_workers(workers: int | None) -> None:
     if workers is not None and workers < 1:
         raise SweepError(f"workers must be >= 1 (or omitted for all {default_workers()} cores), got {workers}")
+
+
+RAY_USAGE = "ray must be auto, local, ray://host:port (Ray Client) or host:port (a cluster's head)"
+RAY_CONNECT_S = 5.0  # a Ray address that does not answer a TCP connection in this long is unreachable
+
+
+def _ray_endpoint(address: str) -> tuple[str, int]:
+    """(host, port) of `ray://host:port` or `host:port`; a SweepError naming --ray otherwise."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SweepError(f"{RAY_USAGE}; got {address!r}")
+    return host, int(port)
+
+
+def check_ray(address: str | None) -> None:
+    """Before any work: Ray importable, `address` well formed and, for a remote cluster, answering on
+    its port within RAY_CONNECT_S (Ray itself retries an address that does not answer for minutes)."""
+    if address is None:
+        return
+    if address not in ("auto", "local"):
+        host, port = _ray_endpoint(address)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise SweepError(f"ray: --ray {address} needs Ray, which is not installed here: "
+                         "pip install 'omnibench[ray]'") from None
+    if address.startswith("ray://"):
+        try:
+            from ray._private.utils import get_ray_client_dependency_error
+        except ImportError:  # another Ray version: its own error, at connection time
+            get_ray_client_dependency_error = None
+        if get_ray_client_dependency_error is not None and get_ray_client_dependency_error() is not None:
+            raise SweepError(f"ray: --ray {address} connects through Ray Client, which is not installed here: "
+                             "pip install 'ray[client]' (or give the head's host:port without ray://)")
+    if address == "local":
+        return
+    if address == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+        except ImportError:  # another Ray version: its own error, at connection time
+            return
+        try:
+            found = canonicalize_bootstrap_address("auto")
+        except (ConnectionError, ValueError) as e:
+            raise SweepError(f"ray: --ray auto found no running Ray cluster on this machine or in RAY_ADDRESS "
+                             f"({str(e).splitlines()[0]}); start one (ray start --head) or give --ray local") from None
+        if not found:
+            return
+        host, port = _ray_endpoint(found)
+    try:
+        with socket.create_connection((host, port), timeout=RAY_CONNECT_S):
+            pass
+    except OSError as e:
+        why = "no answer" if isinstance(e, socket.timeout) else (e.strerror or str(e))
+        raise SweepError(f"ray: cannot reach the Ray cluster at --ray {address} ({why}); start it (ray start "
+                         "--head) or give --ray local") from None
 
 
 def resolve_workers(workers: int | None, n_items: int) -> int:
@@ -89,6 +148,7 @@ class Sweep:
 
     # -- lifetime
     def __enter__(self) -> Sweep:
+        check_ray(self.ray_address)
         if not self.ray_address and resolve_workers(self.workers, 2) > 1:
             self._start_pool()
         return self
@@ -111,6 +171,7 @@ class Sweep:
             self._bar.stop()
             self._bar = None
         if self._pool is not None:
+            manager = getattr(self._pool, "_executor_manager_thread", None)
             if abort:
                 # the executor has no terminate(); its worker processes are stopped directly, else a
                 # stopped command would wait for simulations nobody will read
@@ -123,6 +184,8 @@ class Sweep:
                     call_queue.cancel_join_thread()
             self._pool.shutdown(wait=not abort, cancel_futures=True)
             self._pool = None
+            if abort and manager is not None:
+                _retire_manager(manager)
         if self._ray_started:
             self._ray.shutdown()
             self._ray_started = False
@@ -200,11 +263,15 @@ class Sweep:
                 raise SweepError("--ray needs Ray: pip install 'omnibench[ray]'") from None
             self._ray = ray
             if not ray.is_initialized():
-                if self.ray_address == "local":
-                    ray.init(num_cpus=self.workers or default_workers(), include_dashboard=False,
-                             log_to_driver=False)
-                else:
-                    ray.init(address=self.ray_address, log_to_driver=False)
+                try:
+                    if self.ray_address == "local":
+                        ray.init(num_cpus=self.workers or default_workers(), include_dashboard=False,
+                                 log_to_driver=False)
+                    else:
+                        ray.init(address=self.ray_address, log_to_driver=False)
+                except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
+                    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise SweepError(f"ray: cannot connect to --ray {self.ray_address} ({text})") from None
                 self._ray_started = True
         ray = self._ray
         remote = self._remote.get(fn)
@@ -217,6 +284,23 @@ class Sweep:
             done, pending = ray.wait(pending, num_returns=1)
             self._advance()
         return ray.get(refs)
+
+
+MANAGER_JOIN_S = 10.0  # how long a stopped pool's manager thread is given to notice its workers are gone
+
+
+def _retire_manager(thread: threading.Thread) -> None:
+    """Wait (bounded) for an aborted pool's manager thread to end. Left running, it closes its wake-up
+    pipe while concurrent.futures' exit hook writes to it, and the interpreter prints "Exception
+    ignored in _python_exit ... Bad file descriptor" after the command's own last line. Once the
+    thread is over, the hook finds the pipe marked closed and does nothing. A thread that does not
+    end in time (a signal landed while it held a lock) is taken off the hook's list, so at least the
+    hook does not write to its pipe (the SIGTERM path leaves through os._exit instead)."""
+    from concurrent.futures import process
+
+    thread.join(MANAGER_JOIN_S)
+    if thread.is_alive():
+        process._threads_wakeups.pop(thread, None)
 
 
 def map_ordered(fn: Callable[[Any], Any], items: Sequence, *, workers: int | None = 1,

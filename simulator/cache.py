@@ -14,8 +14,10 @@ kernel profile given as a path outside the repository is hashed by its bytes.
 
 Values: the step's metrics and its `SimResult` without spans (what `tune` and a step's row need,
 tens of kB), or, for a job that asks for its trace (`keep="full"`), the whole result under a key
-of its own (compressed). A damaged entry reads as a miss and is rewritten; an entry never holds
-half a write.
+of its own (compressed). Each entry holds its own key beside the value and is trusted only under
+that key: a file copied, renamed or swapped onto another key's path reads as a miss (and is
+rewritten), never as another step's outcome. A damaged entry reads as a miss and is rewritten; an
+entry never holds half a write.
 
 Where: `$OMNIBENCH_CACHE` or `~/.cache/omnibench/sims`; `OMNIBENCH_NO_CACHE=1` (or `--no-cache`
 on the commands that simulate) bypasses it.
@@ -40,7 +42,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 CODE = ("simulator", "systems", "workloads", "omnibench/specs", "omnibench/plan.py", "omnibench/process_groups.py",
         "omnibench/__init__.py")
 _SUFFIXES = (".py", ".json", ".toml", ".yaml", ".yml")
-FORMAT = 1  # bump when StepOutcome changes shape
+FORMAT = 2  # bump when StepOutcome or an entry (key, value) changes shape
 
 
 def code_files() -> list[Path]:
@@ -203,9 +205,12 @@ class SimCache:
     def get(self, k: str):
         p = self._path(k)
         try:
-            got = pickle.loads(zlib.decompress(p.read_bytes()))
+            stored, got = pickle.loads(zlib.decompress(p.read_bytes()))
         except (OSError, zlib.error, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError,
                 TypeError, IndexError):
+            self.misses += 1
+            return None
+        if stored != k:  # another key's entry at this path: a miss, so the step is simulated and put again
             self.misses += 1
             return None
         self.hits += 1
@@ -216,7 +221,7 @@ class SimCache:
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1))
+            tmp.write_bytes(zlib.compress(pickle.dumps((k, value), protocol=pickle.HIGHEST_PROTOCOL), 1))
             tmp.replace(p)  # atomic: a reader never sees half an entry, two writers both succeed
         except OSError:
             pass  # a read-only or full disk costs the cache, never the simulation

@@ -17,6 +17,7 @@ too: its rows are converted to the new schema (GPT blocks, Megatron stack, bf16,
 from __future__ import annotations
 
 import csv
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -159,7 +160,7 @@ def _parse_row(raw: dict, where: str) -> PublishedRun:
             out = float(v)
         except ValueError:
             raise PublishedError(f"{where}: {col} must be a positive number, got {v!r}") from None
-        if out <= 0:
+        if not math.isfinite(out) or out <= 0:
             raise PublishedError(f"{where}: {col} must be a positive number, got {v!r}")
         return out
 
@@ -224,8 +225,18 @@ def load_published(path: str | Path) -> list[PublishedRun]:
     p = Path(path)
     if not p.is_file():
         raise PublishedError(f"published: no such file {str(path)!r}")
-    with p.open(newline="") as fh:
-        lines = [ln for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+    try:
+        with p.open(newline="") as fh:
+            lines = [ln for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+    except UnicodeDecodeError as e:
+        raise PublishedError(f"published: {p} is not a text CSV file (byte {e.start} is not UTF-8)") from None
+    except OSError as e:
+        raise PublishedError(f"published: cannot read {p} ({e.strerror or e})") from None
+    try:
+        for _ in csv.reader(lines):  # the parser's own refusals (a NUL byte, an open quote) first, as one line
+            pass
+    except csv.Error as e:
+        raise PublishedError(f"published: {p} is not a CSV file ({e})") from None
     reader = csv.DictReader(lines)
     names = tuple(reader.fieldnames or ())
     legacy = "model_kind" not in names

@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import sys
+from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -31,11 +32,13 @@ from omnibench.cli.common import (
     RECOMPUTE_TEXT,
     TP_HELP,
     DpShard,
+    atomic_write,
     batch_error,
     console,
     fail,
     writable_file,
     writable_folder,
+    writing,
 )
 from omnibench.provenance import provenance, publish, write_csv
 from omnibench.stopping import exit_on_sigterm, raise_if_stopped
@@ -295,13 +298,40 @@ def read_seeds(paths: list[Path], model: str) -> list:
 
 
 def read_tune_cache(path: Path | None) -> dict:
-    if path is None or not path.is_file():
+    """The tune cache at `path` ({} when there is none yet). A file that is not one (truncated JSON, a
+    list, another tool's file) is refused before any work: the command would otherwise write its
+    answers over it."""
+    if path is None:
+        return {}
+    if path.is_dir():
+        fail(f"tune-cache: {path} is a folder; give a JSON file (made if missing)")
+    if not path.is_file():
         return {}
     try:
         got = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         fail(f"tune-cache: cannot read {path} ({type(e).__name__}: {e}); delete it to tune again")
-    return got if isinstance(got, dict) else {}
+    if not isinstance(got, dict):
+        fail(f"tune-cache: {path} is not a tune cache (a JSON object of tuned layouts, one per key), but a JSON "
+             f"{type(got).__name__}; give another file or delete it")
+    return got
+
+
+def _cached_candidate(entry, system: str):
+    """The layout of `system` a tune cache entry holds, or None when the entry is damaged (edited by hand,
+    written by another version, another system's layout): such an entry is tuned again and replaced,
+    never trusted."""
+    from omnibench.tune import Candidate
+
+    if not isinstance(entry, dict) or not isinstance(entry.get("candidate"), dict):
+        return None
+    try:
+        c = Candidate(**entry["candidate"])
+        c.label()
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+    ok = c.system == system and isinstance(entry.get("tuned_at_steps"), list) and entry["tuned_at_steps"]
+    return c if ok else None
 
 
 def _search(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str, *,
@@ -346,7 +376,7 @@ def _tune_all(systems: list[str], tune_inputs, cache: dict, spec, batches, clust
     found: dict = {}
     for s in systems:
         key, kw = tune_inputs(s)
-        if key in cache or key in found:
+        if (key in cache and _cached_candidate(cache[key], s) is not None) or key in found:
             continue
         found[key] = Future()
         start(found[key], _search, dict(system=s, spec=spec, batches=batches, cluster=cluster, profile=profile,
@@ -371,10 +401,9 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
     this very search already started (`_tune_all`), whose result (or error) is taken instead."""
     from dataclasses import asdict
 
-    from omnibench.tune import Candidate
-
-    if key in cache:
-        return Candidate(**cache[key]["candidate"]), {**cache[key], "tune_seconds": 0.0}
+    kept = _cached_candidate(cache[key], system) if key in cache else None
+    if kept is not None:
+        return kept, {**cache[key], "tune_seconds": 0.0}
     if found is not None:  # the same search, run beside the other systems' (`_tune_all`)
         res = found.result()
     else:
@@ -524,16 +553,23 @@ def _validate_published(path: Path, kernels: str | None, stack: str | None = Non
     from simulator.published import groups, load_published, to_json
     from simulator.published import markdown as to_markdown
 
+    if workers is None or workers < 1:
+        fail(f"workers must be a positive integer (published rows simulated at once), got {workers}")
+    try:
+        pattern = re.compile(rows) if rows else None
+    except re.error as e:
+        fail(f"rows: {rows!r} is not a regular expression ({e})")
+    if markdown is not None:
+        writable_file(markdown, "markdown")  # before the simulations, whose table it would lose
     try:
         table_rows = load_published(path)
-        if rows:
-            pattern = re.compile(rows)
+        if pattern is not None:
             table_rows = [r for r in table_rows if pattern.search(r.name)]
             if not table_rows:
                 fail(f"rows: no row name matches {rows!r}")
         done = map_ordered(partial(_check_published, kernels=kernels, stack=stack), table_rows, workers=workers,
                            label="published rows")
-    except (ValueError, re.error) as e:
+    except ValueError as e:
         fail(str(e))
     failed = [d for d in done if isinstance(d, tuple)]
     checks = [d for d in done if not isinstance(d, tuple)]
@@ -545,7 +581,8 @@ def _validate_published(path: Path, kernels: str | None, stack: str | None = Non
             command += f" --stack {stack}"
         if kernels:
             command += f" --kernels {kernels}"
-        markdown.write_text(to_markdown(checks, command, [(r.name, e) for r, e in failed]))
+        with writing(markdown):
+            atomic_write(markdown, to_markdown(checks, command, [(r.name, e) for r, e in failed]))
     if as_json:
         out = to_json(checks)
         out["failed"] = [{"name": r.name, "error": e} for r, e in failed]
@@ -677,13 +714,17 @@ def register(app: typer.Typer) -> None:
         from systems import SYSTEMS, available_systems
         from systems.omni.options import options_from_flags
 
-        sizes = _ints(gpus, "gpus")
-        writable_folder(out)
+        # Every input is checked before anything is made (the --out folder, a record, the tune cache):
+        # a refused command leaves the disk as it found it.
+        sizes = list(dict.fromkeys(_ints(gpus, "gpus")))  # a size given twice is simulated once
         try:
             options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
                                          no_llm_long_short)
+            from systems.omni.options import OmniOptions
+
+            OmniOptions.parse(options)  # an unknown key or value is refused whichever systems run
         except ValueError as e:
-            fail(str(e))
+            fail(f"option: {e}")
         if steps < 1:
             fail(f"steps must be a positive integer, got {steps}")
         if step_stride < 1:
@@ -700,6 +741,12 @@ def register(app: typer.Typer) -> None:
         cache = read_tune_cache(tune_cache) if tuned else {}
         if seed_from and not tuned:
             fail("seed-from: seeds start a tune; give --tuned too")
+        from omnibench.sweep import SweepError, check_ray
+
+        try:
+            check_ray(ray)
+        except SweepError as e:
+            fail(str(e))
         dp_fields = _dp_fields(dp_mode, dp_shard)
         check_mixed_precision(mixed_precision, stack)
         dp_fields["mixed_precision"] = mixed_precision
@@ -719,17 +766,21 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             fail(f"{e} (or auto)")
         registered = available_systems()
-        if system == "all":
+        if system.strip() == "all":
             systems = registered
             missing = [s for s in SYSTEMS if s not in registered]
+            if not systems:
+                fail("system: no systems are registered yet")
         else:
-            systems = [s.strip() for s in system.split(",") if s.strip()]
+            # each system once, in the order given: a repeated name would be simulated and reported twice
+            systems = list(dict.fromkeys(s.strip() for s in system.split(",") if s.strip()))
             missing = []
+            if not systems:
+                fail(f"system must be one of {', '.join(registered) or '(none registered)'}, a comma list of "
+                     f"them, or all; got {system!r}")
             for s in systems:
                 if s not in registered:
                     fail(f"system must be one of {', '.join(registered) or '(none registered)'} or all; got {s!r}")
-        if not systems:
-            fail("system: no systems are registered yet")
         try:
             spec = get_model(model)
             profile = Profile.load(calibration) if calibration else None
@@ -737,9 +788,33 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             fail(str(e))
         seeds = read_seeds(seed_from, spec.name) if seed_from else []
+        # each size's sample stream and layout, checked here (a workload that does not load, a layout the
+        # model refuses, a batch the stream cannot form) rather than inside the sweep
+        prepared: dict[int, tuple] = {}
+        for n in sizes:
+            gbt = global_batch_tokens or 8192 * n
+            try:
+                stream = _stream(workload, seed, gbt)
+                parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
+                                        tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
+                                        virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
+                                        **dp_fields)
+                parallel.validate(spec)
+            except ValueError as e:
+                fail(str(e))
+            try:
+                stream.batch(step_indices(steps, step_stride)[0])
+            except ValueError as e:
+                fail(batch_error(e, n, global_batch_tokens))
+            prepared[n] = (gbt, stream, parallel)
+        if tuned and tune_cache is not None:
+            writable_file(tune_cache, "tune-cache")  # before the tune, whose answers it would lose
+        made_out = not out.exists()
+        writable_folder(out)
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         # the systems in the name: two simulations of one workload started in the same second differ by it
-        name = f"{stamp}-{Path(workload).stem}-{system.replace(',', '+')}-{spec.name}-{Path(hardware).stem}"
+        chosen = "all" if system.strip() == "all" else "+".join(systems)
+        name = f"{stamp}-{Path(workload).stem}-{chosen}-{spec.name}-{Path(hardware).stem}"
         off = sorted(k for k, v in options.items() if v is False)
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
@@ -756,20 +831,7 @@ def register(app: typer.Typer) -> None:
                     todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
                     priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
                     for n in sizes:
-                        gbt = global_batch_tokens or 8192 * n
-                        try:
-                            stream = _stream(workload, seed, gbt)
-                            parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
-                                                    tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
-                                                    virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
-                                                    **dp_fields)
-                            parallel.validate(spec)
-                        except ValueError as e:
-                            fail(str(e))
-                        try:
-                            stream.batch(step_indices(steps, step_stride)[0])
-                        except ValueError as e:
-                            fail(batch_error(e, n, global_batch_tokens))
+                        gbt, stream, parallel = prepared.pop(n)
                         window, packed = None, {}
                         if tuned:
                             from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
@@ -831,7 +893,8 @@ def register(app: typer.Typer) -> None:
 
                                         priors[s] = Prior.from_row(entry["prior"])
                                     if tune_cache is not None:
-                                        write_json_atomic(tune_cache, cache)
+                                        with writing(tune_cache):  # whole or not at all, as open() makes files
+                                            atomic_write(tune_cache, json.dumps(cache, indent=1))
                                     sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
                                     if dp_mode is not None:
                                         sys_parallel = replace(sys_parallel, **dp_fields)
@@ -915,11 +978,13 @@ def register(app: typer.Typer) -> None:
                     rows.append(row)
                     if "error" in row or not row["fits"]:
                         continue  # no trace: a timeline of a step that cannot run would mislead
-                    write_json_atomic(tmp / f"trace_{s}_{n}.json",
-                                      perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
+                    with writing(tmp / f"trace_{s}_{n}.json"):
+                        write_json_atomic(tmp / f"trace_{s}_{n}.json",
+                                          perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
                     if n <= SAVE_PLANS_UP_TO:
                         for p in plans:
-                            (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
+                            with writing(tmp / f"plan_{s}_{n}_step{p.step}.json"):
+                                (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
                 for n in sizes:
                     group = [r for r in rows if r["gpus"] == n and "error" not in r and r["fits"]]
                     best = max((r["tokens_per_s"] for r in group if r["system"] in BASELINES), default=0.0)
@@ -952,16 +1017,27 @@ def register(app: typer.Typer) -> None:
                 fitting = fitting or [r for r in rows if any(m["fits"] for m in r.get("per_step", []))]
                 raise_if_stopped()  # a SIGTERM whose exit a finalizer dropped: nothing is published
                 if fitting:
-                    write_json_atomic(tmp / "config.json", config)
-                    write_json_atomic(tmp / "results.json", rows)
-                    write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
-                    write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
-                    publish(tmp)
-                    os.replace(tmp, final)
+                    # a full disk here ends the command with one line; the handler below removes the
+                    # unfinished folder, so no record is left that looks complete
+                    with writing(tmp):
+                        write_json_atomic(tmp / "config.json", config)
+                        write_json_atomic(tmp / "results.json", rows)
+                        write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
+                        write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
+                        publish(tmp)
+                        os.replace(tmp, final)
                 else:  # nothing to plot or compare: no record, and a non-zero exit below
                     shutil.rmtree(tmp)
+                    if made_out:
+                        with suppress(OSError):
+                            out.rmdir()
             except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)
+                if made_out:  # the --out folder this command made, left empty: as if never asked
+                    with suppress(OSError):
+                        out.rmdir()
+                if isinstance(e, SweepError):  # Ray lost or refusing meanwhile
+                    fail(str(e))
                 if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
                     # stopped (the sweep's workers are already ended): leave now. The interpreter's exit
                     # would join the process pool's manager thread, which a signal landing inside
@@ -1056,10 +1132,11 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
                                                *(["--hardware", hardware] if hardware else [])])
-        prof.save(out)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(out, 0o666 & ~umask)  # like every record file (saved through a temp file: 0600)
+        with writing(out):
+            prof.save(out)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(out, 0o666 & ~umask)  # like every record file (saved through a temp file: 0600)
         table = Table(title="calibration")
         table.add_column("model")
         table.add_column("fit", justify="left")
@@ -1111,6 +1188,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Simulate each run's own Plan and compare with the measured step time (or, with --published,
         each row of a table of published large-scale results)."""
+        given = [f for f, v in (("markdown", markdown), ("rows", rows), ("kernels", kernels)) if v]
+        if published is None and given:
+            fail(f"{given[0]}: applies to --published only (a table of published results); give --published FILE")
         if published is not None:
             if stack is not None and stack not in ("eager", "fused"):
                 fail(f"stack must be one of eager, fused; got {stack!r}")
@@ -1170,7 +1250,11 @@ def register(app: typer.Typer) -> None:
                 t = Table(title=f"{Path(v.run).name}: seconds per step, summed over ranks")
                 for col in ("action", "module", "measured wall", "measured CPU", "simulated"):
                     t.add_column(col, justify="left" if col in ("action", "module") else "right")
-                for r in action_breakdown(v.run, prof, hardware):
+                try:
+                    parts = action_breakdown(v.run, prof, hardware)
+                except ValueError as e:
+                    fail(str(e))
+                for r in parts:
                     t.add_row(r.kind, r.module, f"{r.measured_s:.4f}",
                               "-" if r.measured_cpu_s is None else f"{r.measured_cpu_s:.4f}", f"{r.simulated_s:.4f}")
                 console.print(t)
