@@ -206,6 +206,9 @@ with FakeTensorMode(allow_non_fake_inputs=True):
             tracker.reset_mod_stats()
             return enc(*a)
 
+        def set_requires_gradient_sync(self, flag):
+            enc.set_requires_gradient_sync(flag)
+
     calls = Calls()
     ex.modules["vision"] = calls
 
@@ -218,7 +221,7 @@ with FakeTensorMode(allow_non_fake_inputs=True):
         del x
         grad = torch.randn(out.shape, dtype=out.dtype)
         if chunks is not None:
-            chunks.backward("vision", 0, grad, calls)
+            chunks.backward("vision", 0, grad, calls, True)
         else:
             out.backward(grad)
 
