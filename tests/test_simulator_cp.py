@@ -18,10 +18,10 @@ from workloads.sample import Batch, Sample, Segment
 MODEL = get_model("qwen2-7b@4L")
 
 
-def step(tokens: int, cp: int, kind: str) -> float:
-    par = ParallelSpec(world_size=4 * cp, tp=4, cp=cp, cp_kind=kind, microbatches=1)
+def step(tokens: int, cp: int, kind: str, tp: int = 4) -> float:
+    par = ParallelSpec(world_size=tp * cp, tp=tp, cp=cp, cp_kind=kind, microbatches=1)
     plan = get_planner("homogeneous").plan(MODEL, par, Batch(0, [Sample(0, "text", (Segment("text", tokens),))]))
-    return simulate(plan, MODEL, load_cluster("h100", 4 * cp), options=SimOptions(check_memory=False)).step_time
+    return simulate(plan, MODEL, load_cluster("h100", tp * cp), options=SimOptions(check_memory=False)).step_time
 
 
 def test_ulysses_gives_each_rank_a_cp_th_of_the_attention():
@@ -32,9 +32,12 @@ def test_ulysses_gives_each_rank_a_cp_th_of_the_attention():
 
 
 def test_ring_and_ulysses_cost_alike_and_ring_scales_past_the_heads():
-    ulysses, ring = step(131072, 4, "ulysses"), step(131072, 4, "ring")
+    # Ulysses splits the 4 kv heads over cp: at tp 1 up to cp 4; ring attention keeps every head
+    ulysses, ring = step(131072, 4, "ulysses", tp=1), step(131072, 4, "ring", tp=1)
     assert ring == pytest.approx(ulysses, rel=0.10)
-    assert step(131072, 8, "ring") < 0.65 * ring
+    with pytest.raises(SpecError, match="cp=4 with cp_kind=ulysses must divide"):
+        step(131072, 4, "ulysses")
+    assert step(131072, 8, "ring") < 0.65 * step(131072, 4, "ring")
 
 
 def test_the_runtime_refuses_ring_attention_in_one_line():
