@@ -287,7 +287,7 @@ def _compute_points(runs: list[RunRecord], hardware: str | None, profile: Profil
             not_fitted = op.exposed + again  # what the engine charges beside this curve
             lay = plan.layouts[sp.module]
             if (not profile.inline_overlap and sp.kind == BACKWARD and lay.fsdp
-                    and sp.microbatch == eng._last_backward(sp.rank, sp.module)):
+                    and eng._reduces_in(sp.rank, sp.module, sp.microbatch)):
                 not_fitted += eng.grad_sync_cost(sp.module, sp.rank, stage)
             lock = eng._lock_group(sp.module, sp.rank)
             base = (sp.step, sp.kind, sp.module, stage, lock if lock is not None else (sp.rank,))
@@ -538,7 +538,7 @@ def _inline_points(runs: list[RunRecord], hardware: str | None, inline_overlap: 
             steps = eng_a._compute_op(last.rank, a, _Identity()).exposed
             moved = eng_b._compute_op(last.rank, a, _Identity()).exposed
             if (not inline_overlap and kind == BACKWARD and plan.layouts[module].fsdp
-                    and last.microbatch == eng_a._last_backward(last.rank, module)):
+                    and eng_a._reduces_in(last.rank, module, last.microbatch)):
                 steps += eng_a.grad_sync_cost(module, last.rank, stage)
                 moved += eng_b.grad_sync_cost(module, last.rank, stage)
             if gap > 0 and steps > 0:

@@ -609,14 +609,12 @@ class MemoryMixin:
 
     def _defers_reduce(self, module: str) -> bool:
         """Whether FSDP reduce-scatters only in a stage's last backward microbatch, accumulating whole
-        gradients until then: this project's runtime always does (`set_requires_gradient_sync`),
-        torchtitan under pipelining (torch.distributed.pipelining's `backward_maybe_with_nosync`);
-        torchtitan's gradient accumulation without pipelining, Composer and Megatron reduce-scatter
-        every microbatch into the sharded gradient."""
+        (unsharded) fp32 gradients until then: torchtitan under pipelining does
+        (torch.distributed.pipelining's `backward_maybe_with_nosync`). FSDP2's default, which this
+        project's runtime keeps, torchtitan's gradient accumulation without pipelining, Composer and
+        Megatron reduce-scatter every microbatch into the sharded gradient."""
         if getattr(self.options, "fsdp_reduce_every_microbatch", False):
             return False
-        if self.memory_stack == "eager":
-            return True
         return self.memory_stack.startswith("torchtitan") and self.plan.layouts[module].pp > 1
 
     def _compute_memory(self, rank: int, a, work: Work) -> tuple[float, float]:

@@ -159,10 +159,15 @@ class ProgramMixin:
                 exposed += t
                 n_calls += calls
             if (not self.coll.inline_overlap and a.kind == BACKWARD and lay.fsdp and len(shard) > 1
-                    and a.microbatch == self._last_backward(rank, module)):
-                n_calls += max(1, work.layers) + 1  # the reduce-scatters (the grad_sync op holds their wait)
+                    and self._reduces_in(rank, module, a.microbatch)):
+                n_calls += max(1, work.layers) + 1  # the reduce-scatters (the grad_sync op holds the last one's wait)
                 if lay.hsdp:
                     n_calls += max(1, work.layers) + 1  # HSDP: each followed by the replicas' all-reduce
+                if a.microbatch != self._last_backward(rank, module):
+                    # an earlier microbatch's reductions block this one-thread rank in line
+                    t = self.grad_sync_cost(module, rank, self._stage(module, rank, a))
+                    comm += t
+                    exposed += t
             # HSDP gathers inside the shard group only (the FSDP group itself without HSDP).
             shard = self._shard_group(module, rank) if lay.hsdp else shard
             if lay.fsdp and len(shard) > 1 and self._gathers(rank, module, a):
@@ -185,10 +190,11 @@ class ProgramMixin:
                     reps += 1  # DeepSpeed ZeRO-3 releases a layer after its recomputed forward, gathers again
                 comm += reps * calls * g
                 n_calls += reps * calls
-                # FSDP without no_sync (SimOptions.fsdp_reduce_every_microbatch) also reduce-scatters each
-                # layer's gradients in every backward; grad_sync holds the last microbatch's
+                # FSDP without no_sync (FSDP2's default: this project's runtime, torchtitan without pipelining)
+                # also reduce-scatters each layer's gradients in every backward; grad_sync holds the last
+                # microbatch's
                 r = 0.0
-                if (a.kind == BACKWARD and self.options.fsdp_reduce_every_microbatch and self.coll.inline_overlap
+                if (a.kind == BACKWARD and self.coll.inline_overlap and not self._defers_reduce(module)
                         and a.microbatch != self._last_backward(rank, module)):
                     r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
                                        self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
@@ -231,6 +237,11 @@ class ProgramMixin:
         if module == "vision":
             return work.tokens * k / (enc.merge * enc.merge) * (enc.out_hidden or self.model.llm.hidden) * 2
         return work.tokens * k * enc.hidden * 2
+
+    def _reduces_in(self, rank: int, module: str, microbatch: int) -> bool:
+        """Whether this microbatch's backward reduce-scatters FSDP gradients: every one's, unless the stack
+        accumulates whole gradients until the stage's last (`MemoryMixin._defers_reduce`)."""
+        return not self._defers_reduce(module) or microbatch == self._last_backward(rank, module)
 
     def _last_backward(self, rank: int, module: str) -> int:
         key = ("last_bwd", rank, module)

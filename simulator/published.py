@@ -508,7 +508,7 @@ def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None,
             plans[row.dp_mode] = plan
     res = simulate(plan, model, cluster, calibration=calibration, options=replace(options_of(row, stack), **(sim or {})))
     return PublishedCheck(row=row, measured_s=measured(row, cluster.gpu.peak_tflops), simulated_s=res.step_time,
-                          fits=res.fits, fit_message=res.fit_message, peak_memory_gib=res.peak_memory / 2**30,
+                          fits=res.fits, fit_message=res.fit_message, peak_memory_gib=res.peak_reported / 2**30,
                           mfu=res.mfu, hfu_tflops=res.hardware_tflops_per_gpu,
                           breakdown={"bubble": res.bubble, "exposed_comm": res.exposed_comm},
                           compute_model=res.compute_model, sim_seconds=res.sim_seconds)

@@ -110,12 +110,30 @@ def _fsdp_engine(memory_stack: str, pp: int = 1) -> Engine:
                   options=SimOptions(check_memory=False, memory_stack=memory_stack, stack="fused"))
 
 
-def test_this_runtime_accumulates_whole_fsdp_gradients_until_the_last_microbatch():
+def test_this_runtime_reduce_scatters_fsdp_gradients_in_every_microbatch():
+    # FSDP2's default: each backward adds its gradient into the rank's fp32 shard, so no whole
+    # (unsharded) gradient is ever held across microbatches
     e = _fsdp_engine("eager")
     acts = [a for a in e.plan.actions[0] if a.kind == "backward"]
     lp = e._layer_on_rank("llm")
-    assert e._backward_grads(0, acts[0])[0] == pytest.approx(4 * lp)  # whole fp32, unsharded
-    assert e._backward_grads(0, acts[-1])[0] == pytest.approx(-4 * lp + 4 * lp / 4)  # reduced to the shard
+    assert not e._defers_reduce("llm")
+    assert e._backward_grads(0, acts[0])[0] == pytest.approx(4 * lp / 4)  # the shard, created once
+    assert all(e._backward_grads(0, a)[0] == 0.0 for a in acts[1:])
+
+
+def test_fsdp_gradient_accumulation_needs_no_unsharded_gradient_copy():
+    # a 72B LLM FSDP-sharded over 128 H100s: four microbatches of a quarter of the batch each need
+    # less than one microbatch of all of it, never a whole fp32 copy of the model's gradients (288 GiB)
+    spec = get_model("llm-72b")
+    batch = Batch(0, [Sample(i, "t", (Segment("text", 2048),)) for i in range(512)])
+    peaks = {}
+    for m in (1, 4):
+        parallel = ParallelSpec(world_size=128, cp=4, cp_kind="allgather", fsdp=True, microbatches=m,
+                                recompute="full")
+        plan = get_planner("temporal").plan(spec, parallel, batch)
+        engine = Engine(plan, spec, load_cluster("h100", 128), options=SimOptions(recompute="full"))
+        peaks[m] = engine.peak_needed(float("inf"))[0]
+    assert peaks[4] <= peaks[1] * 1.05, {m: p / 2**30 for m, p in peaks.items()}
 
 
 def test_torchtitan_reduces_every_microbatch_without_pipelining_and_defers_with_it():

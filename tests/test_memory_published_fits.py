@@ -120,7 +120,8 @@ def test_an_unpublished_dp_mode_that_does_not_fit_becomes_the_distributed_optimi
 
 @pytest.mark.timeout(300)
 def test_runs_whose_reserve_exceeds_the_gpu_but_whose_need_under_pressure_does_not_fit_as_they_ran():
-    # allocated 70.6 and 77.0 GiB: reserved 83.9 and 91.5 when unpressured, needed 71.9 and 78.4 of 80
+    # allocated 70.6 and 77.0 GiB: reserved 83.9 and 91.5 when unpressured, needed 71.9 and 78.4 of 80;
+    # under pressure the allocator hands its cache back, so the peak they report is within the GPU
     for name in ("tt-a100-llama2-13b-noac", "megatron-18.4b-256gpu"):
         c = check_row(_rows()[name])
-        assert c.fits and not c.filled and c.peak_memory_gib > 80, name
+        assert c.fits and not c.filled and 71 < c.peak_memory_gib <= 79.15 + 1e-9, name  # the A100 80GB preset

@@ -206,9 +206,6 @@ with FakeTensorMode(allow_non_fake_inputs=True):
             tracker.reset_mod_stats()
             return enc(*a)
 
-        def set_requires_gradient_sync(self, flag):
-            enc.set_requires_gradient_sync(flag)
-
     calls = Calls()
     ex.modules["vision"] = calls
 
@@ -221,7 +218,7 @@ with FakeTensorMode(allow_non_fake_inputs=True):
         del x
         grad = torch.randn(out.shape, dtype=out.dtype)
         if chunks is not None:
-            chunks.backward("vision", 0, grad, calls, True)
+            chunks.backward("vision", 0, grad, calls)
         else:
             out.backward(grad)
 

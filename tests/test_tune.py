@@ -137,7 +137,7 @@ def test_regime_batches_span_the_calmest_to_the_burstiest():
 def test_a_layout_tuned_across_regimes_survives_the_burst_one_tuned_on_step_0_does_not(tmp_path):
     def run(k, *extra):
         r = _simulate(["--workload", "bursty_mix", "--seed", "14", "--steps", "16", "--system", "homogeneous",
-                       "--gpus", "16", "--global-batch-tokens", "131072", "--tuned", "--tune-steps", str(k),
+                       "--gpus", "16", "--global-batch-tokens", "114688", "--tuned", "--tune-steps", str(k),
                        "--tune-budget", "6", "--out", str(tmp_path / f"{k}{''.join(extra)}"), "--json", *extra])
         assert r.exit_code == 0, r.output
         return json.loads(r.output)["results"][0]

@@ -71,10 +71,7 @@ class EncoderActionsMixin:
                 dist.broadcast(grad, src=ranks[0], group=g)
         else:
             grad = torch.zeros_like(out)  # dummy forward: zero gradient, collectives still run
-        sync = a.microbatch == self.last_backward[module] if self.fsdp.get(module) else None
         if self.enc_chunks is not None and self.enc_chunks.holds(module, a.microbatch):
-            self.enc_chunks.backward(module, a.microbatch, grad, enc, sync)
+            self.enc_chunks.backward(module, a.microbatch, grad, enc)
             return
-        if sync is not None:
-            enc.set_requires_gradient_sync(sync)
         torch.autograd.backward(out, grad)

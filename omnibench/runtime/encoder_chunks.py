@@ -152,15 +152,13 @@ class EncoderChunks:
     def holds(self, module: str, microbatch: int) -> bool:
         return (module, microbatch) in self.held
 
-    def backward(self, module: str, microbatch: int, grad: torch.Tensor, enc, sync: bool | None) -> None:
+    def backward(self, module: str, microbatch: int, grad: torch.Tensor, enc) -> None:
         """Chunk by chunk, last first: the chunk's forward again (under the forward's autocast), then its
-        backward, so one chunk's activations exist at a time. `sync` (FSDP only): whether this
-        microbatch reduces gradients; when it does, every chunk's call reduce-scatters into the
-        sharded gradient (one reduction at the end would hold the unsharded gradient across chunks)."""
+        backward, so one chunk's activations exist at a time. Under FSDP every chunk's call reduce-scatters
+        into the sharded gradient (one reduction at the end would hold the unsharded gradient across
+        chunks)."""
         chunks, sizes, (autocast, dtype) = self.held.pop((module, microbatch))
         grads = list(torch.split(grad, sizes))
-        if sync is not None:
-            enc.set_requires_gradient_sync(sync)
         for x_c, lens, real in reversed(chunks):
             with torch.autocast(x_c.device.type, dtype=dtype, enabled=autocast):
                 out = enc(x_c, lens)

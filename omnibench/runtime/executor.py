@@ -150,11 +150,6 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             k = cfg.get("llm_data_ranks", len(cfg["groups"]["llm"][0]))
             global_loss_tokens -= (k - 1) * sum(loss_token_count(plan.sample(i)) for i in leaders)
         self.global_loss_tokens = global_loss_tokens
-        # FSDP reduces gradients in the last backward of each module on this rank.
-        self.last_backward: dict[str, int] = {}
-        for a in plan.actions.get(self.rank, []):
-            if a.kind == BACKWARD:
-                self.last_backward[a.module] = max(self.last_backward.get(a.module, -1), a.microbatch)
         cuda = self.device.type == "cuda"
         events = []  # CUDA: (action, host start, host cpu, start event, end event), read once per step
         for a in plan.actions.get(self.rank, []):

@@ -140,8 +140,6 @@ class LLMActionsMixin:
         mb = a.microbatch
         stage = self.modules["llm"]
         out = self.state.act_out.pop(mb)
-        if self.fsdp.get("llm"):
-            stage.set_requires_gradient_sync(mb == self.last_backward["llm"])
         if stage.last:
             out.backward()
         else:
