@@ -3,6 +3,8 @@ refuses is refused by every command, before any work or any record."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -76,3 +78,17 @@ def test_an_encoder_no_sample_feeds_constrains_no_layout():
         get_planner("temporal").plan(get_model("omni-7b"), parallel, batch)
     plan = get_planner("temporal").plan(get_model("omni-7b@no-audio"), parallel, batch)
     assert set(plan.layouts) == {"llm", "vision"}
+
+
+def test_simulate_runs_the_model_less_the_encoders_the_workload_never_feeds(tmp_path):
+    import json
+
+    r = invoke("simulate", "--system", "temporal", "--workload", "long_video", "--gpus", "64", "--tp", "1",
+               "--cp", "8", "--cp-kind", "allgather", "--out", str(tmp_path / "out"), "--json")
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.output)["record"]
+    config = json.loads((Path(record) / "config.json").read_text())
+    assert config["model"] == "omni-7b@no-audio" and "feeds no audio encoder" in config["model_note"]
+    row = json.loads(r.output)["results"][0]
+    assert row["fits"] and "imbalance" in row
+    assert row["peak_memory_gib"] <= row["memory_capacity_gib"]

@@ -299,6 +299,10 @@ def register(app: typer.Typer) -> None:
         if not 0 <= step <= MAX_PLAN_STEP:
             fail(f"step must be an integer from 0 to {MAX_PLAN_STEP:,}; got {step:,}")
         try:
+            from omnibench.resolve import model_for_workload
+            from workloads.registry import get_workload
+
+            model, model_note = model_for_workload(model, get_workload(workload))
             spec = get_model(model)
             parallel = ParallelSpec(world_size=nproc, cp_kind=cp_kind, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
                                                                        encoder_ranks, dp_shard),
@@ -320,6 +324,8 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(p.to_json())
             return
+        if model_note:
+            console.print(model_note, highlight=False, soft_wrap=True)
         console.print(f"[bold]layout[/]: tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp} ({resolved.layout_note})",
                       highlight=False, soft_wrap=True)
         print_plan(p)

@@ -50,7 +50,8 @@ INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a ru
 # results.csv: results.json's rows, flat (per-step metrics stay in results.json's "per_step").
 RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
-                  "peak_memory_gib", "peak_memory_needed_gib", "memory_capacity_gib", "speedup_over_best_baseline",
+                  "imbalance", "peak_memory_gib", "peak_memory_needed_gib", "peak_memory_unpressured_gib",
+                  "memory_capacity_gib", "speedup_over_best_baseline",
                   "distinct_ranks", "sim_seconds", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space",
                   "tune_moved", "tune_converged", "tune_seeds", "tune_over_seeds", "tune_ruled_out", "steps_failed"]
 # steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
@@ -486,6 +487,8 @@ def _summary(results, metrics) -> dict:
     each step's `SimResult.metrics()` taken with them). A plan that does not fit in memory still gets
     its step time and throughput, with `fits: false` and why beside them (the simulator times the
     step as if memory were no object; the record keeps no trace of it)."""
+    from simulator.result import FITS_RULE
+
     fits = all(r.fits for r in results)
     t = sum(r.step_time for r in results)
     tokens = sum(r.tokens for r in results)
@@ -504,11 +507,14 @@ def _summary(results, metrics) -> dict:
         "flop_formula": first.flop_formula,
         "bubble": sum(r.bubble * r.step_time for r in results) / t if t else 0.0,
         "exposed_comm": sum(r.exposed_comm * r.step_time for r in results) / t if t else 0.0,
-        # the unpressured reserve (what published max_reserved readings are) and the need under memory
-        # pressure, which decides what fits (simulator/memory.py STRANDED)
-        "peak_memory_gib": max(r.peak_memory for r in results) / 2**30,
+        "imbalance": sum(r.imbalance * r.step_time for r in results) / t if t else 0.0,
+        # the peak a run would reserve (paired with fits: SimResult.peak_reported), the need under memory
+        # pressure, which decides what fits (simulator/memory.py STRANDED), and the unpressured reserve
+        "peak_memory_gib": max(r.peak_reported for r in results) / 2**30,
         "peak_memory_needed_gib": max(r.peak_needed for r in results) / 2**30,
+        "peak_memory_unpressured_gib": max(r.peak_memory for r in results) / 2**30,
         "memory_capacity_gib": first.memory_capacity / 2**30,
+        "fits_rule": FITS_RULE,
         "distinct_ranks": max(r.classes for r in results),
         "sim_seconds": sum(r.sim_seconds for r in results),
         "breakdown_s": _mean_breakdown(results),
@@ -782,6 +788,11 @@ def register(app: typer.Typer) -> None:
                 if s not in registered:
                     fail(f"system must be one of {', '.join(registered) or '(none registered)'} or all; got {s!r}")
         try:
+            from omnibench.resolve import model_for_workload
+            from workloads.registry import get_workload
+
+            # every system trains the model less the encoders the workload never feeds
+            model, model_note = model_for_workload(model, get_workload(workload))
             spec = get_model(model)
             profile = Profile.load(calibration) if calibration else None
             clusters = {n: load_cluster(hardware, n) for n in sizes}
@@ -993,7 +1004,8 @@ def register(app: typer.Typer) -> None:
                 config = {
                     "command": "simulate", "workload": workload, "systems": systems, "systems_missing": missing,
                     "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
-                    "model": spec.name, "steps": steps, "calibration": calibration,
+                    "model": spec.name, **({"model_note": model_note} if model_note else {}),
+                    "steps": steps, "calibration": calibration,
                     # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
                     **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
                     "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
@@ -1054,11 +1066,11 @@ def register(app: typer.Typer) -> None:
             return
         table = Table(title=f"{spec.name} on {hardware}, workload {workload}, {steps} step(s)")
         for col in ("GPUs", "system", "tokens/s", "tok/s/GPU", "TFLOPS/GPU", "MFU", "bubble", "exposed comm",
-                    "mem need / reserve GiB", "speedup"):
+                    "imbalance", "mem need / peak GiB", "speedup"):
             table.add_column(col, justify="right" if col not in ("system",) else "left")
         for r in rows:
             if "error" in r:
-                table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 7)
+                table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 8)
             else:
                 sp = r.get("speedup_over_best_baseline")
                 need = f"{r['peak_memory_needed_gib']:.1f}"
@@ -1067,7 +1079,7 @@ def register(app: typer.Typer) -> None:
                 table.add_row(
                     str(r["gpus"]), r["system"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                     f"{r['tflops_per_gpu']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}", f"{r['exposed_comm']:.1%}",
-                    mem, (f"{sp:.2f}x" if sp else "-") if r["fits"] else "[red]does not fit[/]",
+                    f"{r.get('imbalance', 0.0):.1%}", mem, (f"{sp:.2f}x" if sp else "-") if r["fits"] else "[red]does not fit[/]",
                 )
         console.print(table)
         for r in rows:
@@ -1105,6 +1117,8 @@ def register(app: typer.Typer) -> None:
                 console.print(f"{r['gpus']} GPUs, {r['system']}: " + "; ".join(said), highlight=False, soft_wrap=True)
         if missing:
             console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
+        if model_note:
+            console.print(model_note, highlight=False, soft_wrap=True)
         formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
         if formula:
             console.print(f"MFU = {formula} / (step time x GPUs x peak)", highlight=False)

@@ -66,13 +66,14 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
     each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
     from omnibench import tune as tune_mod
-    from omnibench.resolve import resolve_layout
+    from omnibench.resolve import model_for_workload, resolve_layout
     from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
     from simulator.calibrate import Profile
     from simulator.hardware import load_cluster
+    from workloads.registry import get_workload
 
-    spec = get_model(model)
+    spec = get_model(model_for_workload(model, get_workload(workload))[0])
     cluster = load_cluster(hardware, n)
     profile = Profile.load(calibration) if calibration else None
     batches = _batches(workload, seed, global_batch_tokens or 8192 * n, steps, start_step, window)

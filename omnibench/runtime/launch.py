@@ -140,6 +140,13 @@ def resolve(spec: RunSpec) -> RunSpec:
 
     model = spec.model or (CPU_DEFAULT_MODEL if not cuda else _cuda_default(list_models()))
     extra = dict(spec.extra)
+    if not spec.batches_file:  # batches read from a file may feed any encoder
+        from omnibench.resolve import model_for_workload
+        from workloads.registry import get_workload
+
+        model, model_note = model_for_workload(model, get_workload(spec.workload))
+        if model_note:
+            extra["notes"] = [*extra.get("notes", []), model_note]
     extra.update(
         device="cuda" if cuda else "cpu",
         backend="nccl" if cuda else "gloo",
