@@ -19,7 +19,7 @@ def test_on_cpu_the_runtime_steps_run_and_the_record_says_pressure_was_not_measu
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads((tmp_path / "gpu_allocator.json").read_text())
     (case,) = out["cases"]
-    assert case["model"] == "tiny-omni" and case["recompute"] == "vision=full,audio=full"
+    assert case["model"] == "tiny-omni@no-audio" and case["recompute"] == "vision=full,audio=full"
     assert case["uncapped"]["ok"] is True and "not measured" in case["pressure"]
     assert "stranded_share" not in case  # nothing claimed where nothing was measured
     assert out["provenance"]["command"].startswith("python benchmarks/gpu_allocator.py")

@@ -60,7 +60,7 @@ def test_run_refuses_a_model_too_large_for_the_host_before_any_rank_starts(tmp_p
     )
     assert done.returncode == 2
     lines = [x for x in done.stderr.strip().splitlines() if x.strip()]
-    assert len(lines) == 1 and "omni-72b with recompute=none needs an estimated" in lines[0], done.stderr
+    assert len(lines) == 1 and "omni-72b@no-audio with recompute=none needs an estimated" in lines[0], done.stderr
     assert not out.exists() and not (tmp_path / "run.incomplete").exists()
 
 

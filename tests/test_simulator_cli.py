@@ -75,9 +75,9 @@ def test_a_row_that_does_not_fit_keeps_its_step_time_and_throughput_with_fits_fa
     from types import SimpleNamespace
 
     res = SimpleNamespace(fits=False, fit_message="does not fit: rank 3 needs 90.0 GiB of 80.0 GiB",
-                          peak_memory=90 * 2**30, peak_needed=81 * 2**30, memory_capacity=80 * 2**30, classes=4, sim_seconds=0.1,
+                          peak_memory=90 * 2**30, peak_reported=90 * 2**30, peak_needed=81 * 2**30, memory_capacity=80 * 2**30, classes=4, sim_seconds=0.1,
                           step_time=2.0, tokens=1000, model_flops=1e15, world_size=8, peak_flops=1e15, bubble=0.1,
-                          exposed_comm=0.05, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0})
+                          exposed_comm=0.05, imbalance=0.0, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0})
     row = sim_cli._summary([res], [res.metrics()])
     assert row["fits"] is False and row["fit_message"] == res.fit_message and row["peak_memory_gib"] == 90 and row["peak_memory_needed_gib"] == 81
     assert row["step_time_s"] == 2.0 and row["tokens_per_s"] == 500 and row["tokens_per_s_per_gpu"] == 62.5

@@ -136,7 +136,7 @@ def _simulate(args):
 
 def test_simulate_seeds_each_search_from_a_tune_cache_and_records_the_seeds(tmp_path):
     seeds = tmp_path / "seeds.json"
-    seeds.write_text(json.dumps({"seeds": [{**Seed(WON, 1024, "mixed_video 1,024 h100").row(), "model": "omni-7b"},
+    seeds.write_text(json.dumps({"seeds": [{**Seed(WON, 1024, "mixed_video 1,024 h100").row(), "model": "omni-7b@no-audio"},
                                            {**Seed(replace(WON, tp=2), 64, "another model").row(),
                                             "model": "omni-moe-30b"}]}))
     cache = tmp_path / "tuned.json"
@@ -160,7 +160,7 @@ def test_simulate_seeds_each_search_from_a_tune_cache_and_records_the_seeds(tmp_
     # a tune cache is itself a seeds file: each entry's answer
     from omnibench.cli.simulate import read_seeds
 
-    assert {sd.candidate for sd in read_seeds([cache], "omni-7b")} == \
+    assert {sd.candidate for sd in read_seeds([cache], "omni-7b@no-audio")} == \
         {Candidate(**e["candidate"]) for e in json.loads(cache.read_text()).values()}
 
 
