@@ -609,14 +609,13 @@ class MemoryMixin:
 
     def _defers_reduce(self, module: str) -> bool:
         """Whether FSDP reduce-scatters only in a stage's last backward microbatch, accumulating whole
-        (unsharded) fp32 gradients until then: a pipeline schedule over FSDP stages does, reducing once a
-        step (torch.distributed.pipelining's `backward_maybe_with_nosync`, as torchtitan runs it).
-        Without pipelining FSDP2's default reduce-scatters every microbatch into the sharded gradient
-        (torchtitan's gradient accumulation, Composer, Megatron); this project's runtime does so with
-        pipelining too."""
+        (unsharded) fp32 gradients until then: torchtitan under pipelining does
+        (torch.distributed.pipelining's `backward_maybe_with_nosync`). FSDP2's default, which this
+        project's runtime keeps with or without pipelining, torchtitan's gradient accumulation without
+        pipelining, Composer and Megatron reduce-scatter every microbatch into the sharded gradient."""
         if getattr(self.options, "fsdp_reduce_every_microbatch", False) or self.memory_stack == "eager":
             return False
-        return self.plan.layouts[module].pp > 1
+        return self.memory_stack.startswith("torchtitan") and self.plan.layouts[module].pp > 1
 
     def _compute_memory(self, rank: int, a, work: Work) -> tuple[float, float]:
         """(high point over what was live before, bytes left after) of one forward or backward of a

@@ -190,12 +190,14 @@ class ProgramMixin:
                     reps += 1  # DeepSpeed ZeRO-3 releases a layer after its recomputed forward, gathers again
                 comm += reps * calls * g
                 n_calls += reps * calls
-                # FSDP without no_sync (FSDP2's default: this project's runtime, torchtitan without pipelining)
-                # also reduce-scatters each layer's gradients in every backward; grad_sync holds the last
-                # microbatch's
+                # FSDP without no_sync also reduce-scatters each layer's gradients in every backward; grad_sync
+                # holds the last microbatch's. Charged for this project's runtime and where a stack's options
+                # say so (Composer); the other stacks' published step times are taken to hide those
+                # reductions behind the backward, as their memory is counted without a whole-gradient copy
                 r = 0.0
-                if (a.kind == BACKWARD and self.coll.inline_overlap and not self._defers_reduce(module)
-                        and a.microbatch != self._last_backward(rank, module)):
+                if (a.kind == BACKWARD and self.coll.inline_overlap and a.microbatch != self._last_backward(rank, module)
+                        and (self.options.fsdp_reduce_every_microbatch
+                             or (self.memory_stack == "eager" and not self._defers_reduce(module)))):
                     r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
                                        self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
                     comm += n * r
