@@ -4,6 +4,7 @@ make the figure raise PlotInputError saying what is missing (never an empty figu
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,28 +65,77 @@ def _systems_text(df: pd.DataFrame) -> str:
     return ", ".join(style.order_systems(df.system.unique())) or "none"
 
 
-def setup_text(sims, workload: str | None = None) -> str:
+def setup_lines(sims, workload: str | None = None) -> list[str]:
     """What a simulated figure's title must state: model and hardware, layout, and whether the batch
-    grows with the cluster (weak scaling: tokens per GPU fixed) or not (strong scaling)."""
-    parts = []
+    grows with the cluster (weak scaling: tokens per GPU fixed) or not (strong scaling). One line per
+    set of conditions: what every record shares first, then per set of workloads what differs."""
+    conds: dict[tuple, list[str]] = {}
     for r in sims:
         if workload is not None and r.workload != workload:
             continue
         c = r.config
         gbt = c.get("global_batch_tokens") or 0
         batch = f"strong scaling, {gbt:,} tokens/step" if gbt else "weak scaling, 8,192 tokens/GPU"
+        where = (str(c.get("model")), f"on {c.get('hardware')}")  # apart: records differ in model, not machine
         if c.get("tuned"):
-            text = f"{c.get('model')} on {c.get('hardware')}, {tuned_text(c)}, {batch}"
+            parts = (*where, tuned_text(c), batch)
         elif c.get("default_layouts"):
-            text = (f"{c.get('model')} on {c.get('hardware')}, each system's default layout, "
-                    f"{recompute_text(c)}, {batch}")
+            parts = (*where, "each system's default layout", recompute_text(c), batch)
         else:
             layout = f"tp {c.get('tp', 1)} / pp {c.get('pp', 1)}" + "".join(
                 f" / {k} {c[k]}" for k in ("cp", "ep") if c.get(k, 1) > 1)
-            text = f"{c.get('model')} on {c.get('hardware')}, {layout}, {recompute_text(c)}, {batch}"
-        if text not in parts:
-            parts.append(text)
-    return "; ".join(parts)
+            parts = (*where, layout, recompute_text(c), batch)
+        wls = conds.setdefault(parts, [])
+        if r.workload not in wls:
+            wls.append(r.workload)
+    if len(conds) <= 1:
+        return [_joined(p) for p in conds]
+    # Said once: a part every set of conditions shares (a title that repeats it buries what differs).
+    common = [p for p in next(iter(conds)) if all(p in c for c in conds)]
+    lines = [_joined(common)] if common else []
+    for parts, wls in conds.items():
+        rest = _joined([p for p in parts if p not in common])
+        lines.append(f"{', '.join(wls)}: {rest}" if workload is None else rest)
+    return lines
+
+
+def _joined(parts) -> str:
+    """Parts of a setup line as a sentence reads them: "omni-7b on h100, tp 4 / pp 1, ..."."""
+    return "".join(p if i == 0 else (" " if p.startswith("on ") else ", ") + p for i, p in enumerate(parts))
+
+
+def titled(head: str, lines: list[str], width_in: float, fontsize: float) -> str:
+    """A title over `lines` (setup_lines), each wrapped to `width_in` at `fontsize`: a line wider than
+    the figure makes a tight save widen the image around it, squeezing the plot to a strip."""
+    chars = max(30, int(width_in * 72 / (0.6 * fontsize)))  # 0.6 em: a wide average glyph, digits and commas
+    return "\n".join([head, *(_wrap(x, chars) for x in lines if x)])
+
+
+def _wrap(line: str, chars: int) -> str:
+    """`line` in rows of at most `chars`, broken after a ", " outside parentheses where it can be (a
+    phrase such as "tuned layouts (tune budget 8, at step 0)" stays whole), else between words."""
+    pieces, depth, start = [], 0, 0
+    for i, ch in enumerate(line):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0 and line[i + 1:i + 2] == " ":
+            pieces.append(line[start:i + 1])
+            start = i + 2
+    pieces.append(line[start:])
+    rows = [pieces[0]]
+    for p in pieces[1:]:
+        if len(rows[-1]) + 1 + len(p) > chars:
+            rows.append(p)
+        else:
+            rows[-1] += " " + p
+    out = [w for r in rows for w in textwrap.wrap(r, chars, break_on_hyphens=False)]
+    return "\n".join(out[:1] + ["  " + w for w in out[1:]])
+
+
+def _grow_for_title(fig: plt.Figure, title: str, fontsize: float, room: int = 2) -> None:
+    """A taller figure for a title of more than `room` lines, so the axes keep their height."""
+    extra = title.count("\n") + 1 - room
+    if extra > 0:
+        fig.set_figheight(fig.get_figheight() + extra * 1.25 * fontsize / 72)
 
 
 def recompute_text(config: dict) -> str:
@@ -175,8 +225,11 @@ def throughput(recs: Records, source: str = "auto", gpus: int | None = None, har
     if src == "measured":
         src = f"measured on {', '.join(sorted(_devices(recs, df)))}"
     size = "" if many_sizes else f", {int(table.gpus.iloc[0]):,} {'ranks' if (df.source == 'run').all() else 'GPUs'}"
-    setup = "" if src != "simulated" else setup_text(recs.sims)
-    ax.set_title(f"Training throughput per system ({src}{size})" + (f"\n{setup}" if setup else ""))
+    setup = [] if src != "simulated" else setup_lines(recs.sims)
+    fs = plt.rcParams["axes.titlesize"]
+    title = titled(f"Training throughput per system ({src}{size})", setup, fig.get_figwidth(), fs)
+    _grow_for_title(fig, title, fs)
+    ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     fig.tight_layout()
     caption = (f"{src[0].upper() + src[1:]} training throughput (tokens/s), normalised per group to the best baseline "
@@ -238,10 +291,18 @@ def scaling(recs: Records, workload: str | None = None) -> Drawn:
                   tflops_per_gpu=("tflops_per_gpu", "mean"), bubble=("bubble", "mean")))
     style.apply_theme()
     fig, axes = plt.subplots(1, 2, figsize=(style.DOUBLE_IN, 2.3))
+    handles = []
     for s in style.order_systems(table.system.unique()):
         g = table[table.system == s].sort_values("gpus")
-        kw = dict(color=style.system_color(s), marker="o", markersize=3.5, linewidth=1.3, label=s)
-        axes[0].plot(g.gpus, g.tokens_per_s_per_gpu, **kw)
+        i = style.SYSTEM_ORDER.index(s) if s in style.SYSTEM_ORDER else len(style.SYSTEM_ORDER)
+        if not (np.isfinite(g.tokens_per_s_per_gpu.astype(float)).any() or np.isfinite(g.mfu.astype(float)).any()):
+            continue
+        # Systems within a hair of each other draw one line over another: a marker of its own, and the
+        # later (upper) lines dashed and thinner, let the one underneath show through.
+        kw = dict(color=style.system_color(s), marker=SCALING_MARKERS[i % len(SCALING_MARKERS)],
+                  markersize=5.0 - 0.3 * i, linewidth=1.8 - 0.15 * i, linestyle=SCALING_DASHES[i % len(SCALING_DASHES)],
+                  label=s)
+        handles += axes[0].plot(g.gpus, g.tokens_per_s_per_gpu, **kw)
         axes[1].plot(g.gpus, g.mfu * 100, **kw)
     for ax in axes:
         ax.set_xscale("log", base=2)
@@ -256,15 +317,46 @@ def scaling(recs: Records, workload: str | None = None) -> Drawn:
     axes[1].set_ylabel("MFU (%)")
     axes[0].set_title("(a) per-GPU throughput")
     axes[1].set_title("(b) model FLOPs utilisation")
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
+    axes[1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, title="system")
     hw = ", ".join(sorted({f"{r.config.get('model')} on {r.config.get('hardware')}" for r in recs.sims
                            if r.workload == wl}))
-    fig.suptitle(f"Scaling on {wl}, {sizes[0]:,} to {sizes[-1]:,} GPUs (simulated)\n{setup_text(recs.sims, wl)}",
-                 fontsize=9)
-    fig.tight_layout()
+    title = titled(f"Scaling on {wl}, {sizes[0]:,} to {sizes[-1]:,} GPUs (simulated)", setup_lines(recs.sims, wl),
+                   fig.get_figwidth(), 9)
+    _grow_for_title(fig, title, 9)
+    fig.suptitle(title, fontsize=9)
+    missing = _not_drawn(recs.sims, wl, {h.get_label() for h in handles})
+    if missing:
+        fig.text(0.01, 0.01, "Not drawn: " + "; ".join(missing), fontsize=6, color="0.3", ha="left", va="bottom",
+                 wrap=True)
+        fig.set_figheight(fig.get_figheight() + 0.15 * len(missing))
+        fig.tight_layout(rect=(0, 0.1 * len(missing) / fig.get_figheight() + 0.04, 1, 1))
+    else:
+        fig.tight_layout()
     caption = (f"Simulated weak scaling on {wl} ({hw}): tokens/s/GPU and MFU (model FLOPs of the step, exact "
-               "per-module formula, over step time x GPUs x peak) against cluster size.")
+               "per-module formula, over step time x GPUs x peak) against cluster size."
+               + (" Not drawn: " + "; ".join(missing) + "." if missing else ""))
     return Drawn("scaling", fig, table, caption + _left_out(full))
+
+
+SCALING_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+SCALING_DASHES = ("-", (0, (5, 1.5)), (0, (3, 1.5)), (0, (1.5, 1.5)), (0, (5, 1.5, 1.5, 1.5)))
+
+
+def _not_drawn(sims: list, workload: str, drawn: set[str]) -> list[str]:
+    """'system: why' for each system the records of `workload` hold that no line shows."""
+    rows: dict[str, list[dict]] = {}
+    for rec in sims:
+        if rec.workload == workload:
+            for row in rec.rows:
+                rows.setdefault(row["system"], []).append(row)
+    out = []
+    for s in style.order_systems(set(rows) - drawn):
+        errors = [r for r in rows[s] if "error" in r]
+        why = ("does not fit at any size" if not errors
+               else f"no plan at any size ({errors[0]['error']})" if len(errors) == len(rows[s])
+               else "does not fit or has no plan at any size")
+        out.append(f"{s}: {why}")
+    return out
 
 
 # -- 3. dynamic ------------------------------------------------------------------------------------
@@ -390,8 +482,10 @@ def dynamic(recs: Records, workload: str | None = None, gpus: int | None = None)
     axm.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="modality")
     kind = "measured" if src == "run" else "simulated"
     tuned = [r.config for r in recs.sims if r.workload == wl and r.config.get("tuned")] if src == "sim" else []
-    how = f"\n{recs.sims and setup_text([r for r in recs.sims if str(r.path) in set(g.record)], wl)}" if src == "sim" else ""
-    fig.suptitle(f"Throughput under a changing mix: {wl} ({kind})" + how, fontsize=8.5)
+    how = setup_lines([r for r in recs.sims if str(r.path) in set(g.record)], wl) if src == "sim" else []
+    title = titled(f"Throughput under a changing mix: {wl} ({kind})", how, fig.get_figwidth(), 8.5)
+    _grow_for_title(fig, title, 8.5)
+    fig.suptitle(title, fontsize=8.5)
     fig.tight_layout()
     table = dynamic_summary(g)
     kept = (" Each system's layout was tuned once on step 0's batch and kept for every step (a static deployment)."
@@ -460,8 +554,9 @@ def speedup(recs: Records, hardware: str | None = None) -> Drawn:
         raise PlotInputError("speedup needs omni and at least one baseline on the same workload and cluster size; got "
                              f"{_systems_text(df) if not df.empty else 'nothing that ran'}" + _left_out(full))
     table = pd.DataFrame(rows)
-    wls = list(dict.fromkeys(table.workload))
-    sizes = sorted(table.gpus.unique())
+    ran = _cells_simulated(sims)
+    wls = list(dict.fromkeys([*table.workload, *(w for w, _ in ran)]))
+    sizes = sorted({*table.gpus, *(n for _, n in ran)})
     grid = np.full((len(wls), len(sizes)), np.nan)
     for r in table.itertuples():
         grid[wls.index(r.workload), sizes.index(r.gpus)] = r.speedup
@@ -477,27 +572,65 @@ def speedup(recs: Records, hardware: str | None = None) -> Drawn:
         dark = abs(norm(r.speedup) - 0.5) > 0.35
         ax.text(j, i, f"{r.speedup:.2f}x\nvs {r.best_baseline}", ha="center", va="center", fontsize=6,
                 color="white" if dark else "0.1")
+    from matplotlib.patches import Rectangle
+
+    for i, j in zip(*np.nonzero(np.isnan(grid)), strict=True):
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="none", edgecolor="0.8", hatch="////",
+                               linewidth=0))
+        ax.text(j, i, f"n/a\n{_no_speedup_why(ran.get((wls[i], sizes[j])))}", ha="center", va="center",
+                fontsize=5.5, color="0.25", bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none"))
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels([f"{n:,} GPUs" for n in sizes])
     ax.set_yticks(range(len(wls)))
     ax.set_yticklabels(wls)
     ax.grid(False)
     fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03).set_label("omni / best baseline", fontsize=7)
-    ax.set_title(f"omni speedup over the best baseline (simulated, {hw})\n{setup_text(sims)}", fontsize=8)
+    title = titled(f"omni speedup over the best baseline (simulated, {hw})", setup_lines(sims), fig.get_figwidth(), 8)
+    _grow_for_title(fig, title, 8)
+    ax.set_title(title, fontsize=8)
     fig.tight_layout()
     multi = sorted({r.workload for r in table.itertuples() if r.steps > 1})
     caption = (f"Simulated throughput of omni divided by that of the fastest baseline ({', '.join(BASELINES)}) per "
                f"workload and cluster size on {hw}; each system at the layout its record holds (with --tuned: its own, "
-               "tuned once and kept). A blank cell was not simulated."
+               "tuned once and kept). A hatched cell (n/a) has no speedup and says why: not simulated, or omni "
+               "or every baseline did not fit (or had no plan)."
                + (f" Over several steps ({', '.join(multi)}): total tokens over total time, and only systems whose "
                   "kept layout ran every step compete." if multi else "")
                + _left_out(full))
     return Drawn("speedup", fig, table, caption)
 
 
+def _cells_simulated(sims: list) -> dict[tuple[str, int], dict[str, bool]]:
+    """Per (workload, cluster size) the records simulated: whether each system fitted there."""
+    out: dict[tuple[str, int], dict[str, bool]] = {}
+    for rec in sims:
+        for row in rec.rows:
+            cell = out.setdefault((rec.workload, int(row["gpus"])), {})
+            cell[row["system"]] = cell.get(row["system"], False) or ("error" not in row and bool(row.get("fits")))
+    return out
+
+
+def _no_speedup_why(cell: dict[str, bool] | None) -> str:
+    """Why a (workload, cluster size) cell has no speedup of omni over a baseline, in a few words."""
+    if not cell:
+        return "not simulated"
+    base = [s for s in cell if s in BASELINES]
+    if "omni" not in cell:
+        return "omni not simulated"
+    if not base:
+        return "no baseline\nsimulated"
+    if not cell["omni"]:
+        return "omni does\nnot fit"
+    if not any(cell[s] for s in base):
+        return "no fitting\nbaseline"
+    return "not\ncompared"  # e.g. only ablated omni records
+
+
 # -- 3b. where the step goes -------------------------------------------------------------------------
 BREAKDOWN_PARTS = (("encoder", "encoder compute"), ("llm", "LLM compute"), ("optimizer", "optimizer step"),
-                   ("exposed_comm", "exposed communication"), ("idle", "idle (bubbles, waiting on peers)"))
+                   ("exposed_comm", "exposed communication"),
+                   ("imbalance", "imbalance (waiting on a slower data-parallel peer)"),
+                   ("idle", "idle (bubbles, other waits)"))
 
 
 def _best_rows(sims: list) -> pd.DataFrame:
@@ -509,7 +642,8 @@ def _best_rows(sims: list) -> pd.DataFrame:
                 continue
             rows.append({"workload": rec.workload, "gpus": int(row["gpus"]), "system": row["system"],
                          "tokens_per_s": row["tokens_per_s"], "step_time_s": row["step_time_s"],
-                         "layout": row.get("layout", ""), **row["breakdown_s"]})
+                         # records written before imbalance was its own part counted it in idle
+                         "layout": row.get("layout", ""), "imbalance": 0.0, **row["breakdown_s"]})
     if not rows:
         return pd.DataFrame()
     df = pd.DataFrame(rows)
@@ -518,8 +652,8 @@ def _best_rows(sims: list) -> pd.DataFrame:
 
 def breakdown(recs: Records, gpus: int | None = None, hardware: str | None = None) -> Drawn:
     """Where each system's step goes at one cluster size on one hardware, one panel per workload: mean
-    seconds per rank of encoder compute, LLM compute, optimizer, exposed communication and idle time,
-    stacked; a tick marks the idlest rank's idle time (imbalance apart from bubbles)."""
+    seconds per rank of encoder compute, LLM compute, optimizer, exposed communication, imbalance and idle,
+    stacked; a tick marks the idlest rank's idle time (how unevenly ranks idle)."""
     from workloads.conditions import parse_cell
 
     if not nominal(recs.sims):
@@ -543,7 +677,7 @@ def breakdown(recs: Records, gpus: int | None = None, hardware: str | None = Non
     rows_n = -(-len(wls) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(style.DOUBLE_IN, 0.4 + 1.45 * rows_n), squeeze=False)
     colors = dict(zip([k for k, _ in BREAKDOWN_PARTS], [style.MODULE_COLORS["vision"], style.MODULE_COLORS["llm"],
-                                                         "0.55", "0.3", "0.85"], strict=True))
+                                                         "0.55", "0.3", style.IMBALANCE_COLOR, "0.85"], strict=True))
     for ax, wl in zip(axes.flat, wls, strict=False):
         g = df[df.workload == wl].set_index("system")
         order = [s for s in style.order_systems(g.index)]
@@ -562,15 +696,19 @@ def breakdown(recs: Records, gpus: int | None = None, hardware: str | None = Non
     for ax in list(axes.flat)[len(wls):]:
         ax.set_visible(False)
     fig.legend(handles=[Patch(color=colors[k], label=lab) for k, lab in BREAKDOWN_PARTS], loc="lower center",
-               ncol=len(BREAKDOWN_PARTS), fontsize=6, frameon=False)
-    fig.suptitle(f"Where the step goes, {n:,} GPUs (simulated, {hw})\n{setup_text(sims)}", fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+               ncol=3, fontsize=6, frameon=False)
+    title = titled(f"Where the step goes, {n:,} GPUs (simulated, {hw})", setup_lines(sims), fig.get_figwidth(), 8)
+    _grow_for_title(fig, title, 8)
+    fig.set_figheight(fig.get_figheight() + 0.12)  # the legend's second row
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))
     table = df[["workload", "system", "layout", "step_time_s", *[k for k, _ in BREAKDOWN_PARTS], "idle_max",
                 "idle_min"]].reset_index(drop=True)
     caption = (f"Simulated step at {n:,} GPUs on {hw}, each system's fastest record per workload (over several "
                "steps: the mean step): per rank, the mean seconds "
                "of its own encoder and LLM compute, the optimizer step, communication its compute stream waited "
-               "for, and idle time (pipeline bubbles, waiting on slower peers or on the encoder->LLM boundary); the "
+               "for, imbalance (waiting at a collective for a slower data-parallel peer; 0 in records that predate "
+               "it) and idle time (pipeline bubbles, waiting on the encoder->LLM boundary); the "
                "tick marks where the idlest rank's idle time would end. The parts add up to the step time.")
     return Drawn("breakdown", fig, table, caption)
 
@@ -628,7 +766,9 @@ def conditions(recs: Records) -> Drawn:
         ax.set_xlabel("encoder share of model FLOPs (%)", fontsize=7)
     axes[0][0].set_ylabel("omni / best baseline", fontsize=7)
     axes[0][-1].legend(fontsize=6, frameon=False)
-    fig.suptitle(f"Where decoupling pays: the condition grid (simulated)\n{setup_text(sims)}", fontsize=8)
+    title = titled("Where decoupling pays: the condition grid (simulated)", setup_lines(sims), fig.get_figwidth(), 8)
+    _grow_for_title(fig, title, 8)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     caption = ("Simulated throughput of omni over the fastest baseline on synthetic workloads that move one "
                "condition at a time (workloads/conditions.py): the share of video samples (text-only SFT samples "
@@ -697,16 +837,30 @@ def memory_sensitivity(recs: Records) -> Drawn:
     for i, ((hw, wl, n), g) in enumerate(lines):
         ax.plot(100 * g.memory_error, g.speedup, marker="o", markersize=4, color=palette[i],
                 label=f"{wl}, {n:,} GPUs" + (f" ({hw})" if table.hardware.nunique() > 1 else ""))
-        for r in g.itertuples():
-            ax.annotate(f"{r.speedup:.2f}x\nvs {r.best_baseline}", (100 * r.memory_error, r.speedup), fontsize=5,
-                        textcoords="offset points", xytext=(0, 5), ha="center", color=palette[i])
+    # Lines close together put their labels on one another: per error, the upper half of the lines'
+    # labels stack above the highest point (the highest line's nearest), the lower half below the lowest.
+    colour = {key: palette[i] for i, (key, _) in enumerate(lines)}
+    stacked = 1
+    for e, at in table.groupby("memory_error"):
+        at = at.sort_values("speedup", ascending=False)
+        up = -(-len(at) // 2)
+        stacked = max(stacked, up)
+        top, bottom = at.speedup.max(), at.speedup.min()
+        for k, r in enumerate(at.itertuples()):
+            above = k < up
+            ax.annotate(f"{r.speedup:.2f}x\nvs {r.best_baseline}", (100 * e, top if above else bottom), fontsize=5,
+                        textcoords="offset points", ha="center", va="bottom" if above else "top",
+                        xytext=(0, 5 + 15 * k if above else -6 - 15 * (len(at) - 1 - k)),
+                        color=colour[(r.hardware, r.workload, r.gpus)])
     ax.axhline(1.0, color="0.4", linewidth=0.7)
     errs = sorted(table.memory_error.unique())
+    span = 100 * max(max(errs) - min(errs), 0.1)
+    ax.set_xlim(100 * min(errs) - 0.25 * span, 100 * max(errs) + 0.25 * span)  # the end labels inside the axes
     ax.set_xticks([100 * e for e in errs])
     ax.set_xticklabels([f"{100 * e:+.0f}%" if e else "0 (as estimated)" for e in errs])
     ax.set_xlabel("memory estimate assumed off by (+: each rank needs more)", fontsize=7)
     ax.set_ylabel("omni / best baseline", fontsize=7)
-    ax.set_ylim(0, max(1.2, table.speedup.max() * 1.3))
+    ax.set_ylim(0, max(1.2, table.speedup.max() * (1.3 + 0.12 * (stacked - 1))))
     ax.legend(fontsize=6, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     hw = ", ".join(sorted(table.hardware.unique()))
     ax.set_title(f"How the verdict moves when memory is mispredicted (simulated, {hw})", fontsize=7.5)

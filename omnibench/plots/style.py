@@ -26,6 +26,8 @@ SYSTEM_COLORS = {
 MODULE_COLORS = {"vision": _CB[0], "audio": _CB[2], "llm": _CB[1], "all": _CB[7]}
 # Modalities get the palette entries no system uses, so a modality is never read as a system.
 MODALITY_COLORS = {"text": _CB[5], "image": _CB[1], "video": _CB[6], "audio": _CB[8]}
+# Waiting on a slower data-parallel peer: a hue apart from the modules' and the greys of the other parts.
+IMBALANCE_COLOR = _CB[8]
 
 COLUMN_IN = 3.3
 DOUBLE_IN = 6.9
