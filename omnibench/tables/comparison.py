@@ -16,7 +16,7 @@ FIGURES = "results/figures"
 REPRODUCE = "python -m omnibench reproduce --out results --workers 2"
 DYNAMIC = ("bursty_mix", "drifting_video")
 BREAKDOWN_PARTS = (("encoder", "encoder"), ("llm", "LLM"), ("optimizer", "optimizer"),
-                   ("exposed_comm", "exposed comm"), ("idle", "idle"))
+                   ("exposed_comm", "exposed comm"), ("imbalance", "imbalance"), ("idle", "idle"))
 
 
 def _rows(path: str) -> list[dict]:
@@ -95,7 +95,7 @@ def tuned_breakdown() -> str:
         if r["system"] not in ("omni", best.get((r["workload"], n))):
             continue
         step = float(r["step_time_s"])
-        parts = " | ".join(f"{float(r[k]) / step:.0%}" for k, _ in BREAKDOWN_PARTS)
+        parts = " | ".join(f"{float(r.get(k) or 0.0) / step:.0%}" for k, _ in BREAKDOWN_PARTS)
         lines.append(f"| {r['workload']} | {r['system']} | {_layout(r['layout'])} | {step:.2f} | {parts} |")
     lines += ["", f"Share of the step per rank (mean over ranks), {n:,} H100s, omni and the best baseline of each "
               "workload (results/figures/breakdown.csv; every system is in the figure)."]
