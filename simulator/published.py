@@ -221,10 +221,23 @@ def _legacy_row(raw: dict, where: str) -> PublishedRun:
     return replace(row, split="")
 
 
+# The published tables this checkout holds: `--published NAME` reads NAME.csv here from any folder
+SHIPPED = Path(__file__).resolve().parents[1] / "results" / "validation"
+
+
+def shipped_tables() -> list[str]:
+    return sorted(p.stem for p in SHIPPED.glob("*.csv") if p.stem in ("megatron_a100", "published_runs"))
+
+
 def load_published(path: str | Path) -> list[PublishedRun]:
+    """Rows of a published-results CSV: a path, or the name of a table this checkout ships
+    (`shipped_tables()`: megatron_a100, published_runs)."""
     p = Path(path)
+    if not p.is_file() and str(path) in shipped_tables():
+        p = SHIPPED / f"{path}.csv"
     if not p.is_file():
-        raise PublishedError(f"published: no such file {str(path)!r}")
+        names = ", ".join(shipped_tables())
+        raise PublishedError(f"published: no such file {str(path)!r}; give a CSV path or a shipped table: {names}")
     try:
         with p.open(newline="") as fh:
             lines = [ln for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import stat
 import subprocess
 import sys
@@ -43,15 +42,14 @@ def test_the_readme_names_every_small_form_the_tour_test_uses():
 
 @pytest.fixture
 def scratch(tmp_path):
-    """An empty folder with `omnibench` on PATH (this checkout) and the shipped validation table."""
+    """An empty folder with `omnibench` on PATH (this checkout): nothing is copied in."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "omnibench"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m omnibench "$@"\n')
     shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
     work = tmp_path / "work"
-    (work / "results").mkdir(parents=True)
-    shutil.copytree(REPO / "results" / "validation", work / "results" / "validation")
+    work.mkdir()
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
     env.pop("COLUMNS", None)  # output to a pipe, as in CI logs: nothing may be cut
 

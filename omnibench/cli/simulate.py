@@ -1186,8 +1186,9 @@ def register(app: typer.Typer) -> None:
         hardware: str = typer.Option(None, "--hardware"),
         by_action: bool = typer.Option(False, "--by-action", help="Also break each run down by action kind: "
                                        "measured wall and CPU seconds vs simulated, per step."),
-        published: Path = typer.Option(None, "--published", help="CSV of published training results "
-                                       "(results/validation/*.csv): simulate each row, print the error."),
+        published: Path = typer.Option(None, "--published", help="CSV of published training results, or a "
+                                       "shipped table's name (megatron_a100, published_runs): simulate each "
+                                       "row, print the error."),
         kernels: str = typer.Option(None, "--kernels", help="With --published: kernel profile for every row "
                                     "(name or .json); 'none' = the datasheet roofline fallback."),
         stack: str = typer.Option(None, "--stack", help="With --published: cost every row's blocks with this "
