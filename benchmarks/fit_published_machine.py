@@ -1,5 +1,5 @@
 """Fit the simulator's machine-level constant on the calibration rows of the published set, and nothing
-else (issue 24 item 3: never a constant per row or per source).
+else (never a constant per row or per source).
 
     python benchmarks/fit_published_machine.py [--workers N]
 

@@ -420,7 +420,7 @@ def _driver() -> str | None:
 
 def _commit_state() -> dict:
     """{"commit", "dirty"}: the project's own answer where this copy holds omnibench/provenance.py (it
-    reads OMNIBENCH_GIT_MANIFEST: a lent machine's copy carries a .git of an older commit under
+    reads OMNIBENCH_GIT_MANIFEST: a machine's copy may carry a .git of an older commit under
     changes, and the manifest names the commit the tree really is), loaded by path so that the script
     still runs alone; else git's."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "omnibench", "provenance.py")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lease of a GPU machine: every GPU measurement issues 23 and 24 ask for, most needed first, each
+# One call on a GPU machine: every GPU measurement the records need, most needed first, each
 # part under its own time limit, everything it wrote packed into $OUT/gpu_session.tar.gz after each
 # part (a call cut off keeps what the finished parts measured) and its log in $OUT/session.log.
 #
@@ -20,7 +20,7 @@ OUT=${OUT:-/tmp/gpu-session-out}
 W=/tmp/gpu-session
 rm -rf "$W"; mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=200
-# the lent machine's copy carries a .git of the session's first commit under uncommitted changes:
+# a machine given a copy of the tree may carry a .git of an older commit under uncommitted changes:
 # the manifest, where every file matches it, names the commit the tree really is
 if [ -f .prov/manifest.txt ]; then
   export OMNIBENCH_GIT_MANIFEST=$PWD/.prov/manifest.txt
@@ -39,12 +39,11 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there 
   tar -czf "$OUT/gpu_session.tar.gz" -C "$W" . 2>/dev/null
 }
 
-# PARTS (space separated, in order) picks what one call runs; the default is what the records still
-# lack (session 10: the NCCL communicators' memory as a committed script, the chunked step again after
-# its host synchronisations were removed, the compiled LLM stack). Earlier sessions' parts stay callable.
-# Session 14: the all-gather-KV attention kernels, the LLM-only whole step under --mixed-precision master
-# against the plain stack's whole step, the same pair on mixed_video; then what session 10 left.
-# Session 27 (the first H200, 2026-11-29): the machine model's held-out check, made while the H200 was
+# PARTS (space separated, in order) picks what one call runs. Every part stays callable: the NCCL
+# communicators' memory as a committed script, the chunked step again after its host synchronisations
+# were removed, the compiled LLM stack; the all-gather-KV attention kernels, the LLM-only whole step under
+# --mixed-precision master against the plain stack's whole step, the same pair on mixed_video.
+# The default is the H200's (2026-11-29): the machine model's held-out check, made while the H200 was
 # simulated as the H100's measured kernels with memory-bound kernels 1.43x faster (since then it reads the
 # sweep of this part `kernels`: simulator/data/hardware/h200.toml); the CUDA attention tests, the H100's own
 # commands again (the same Plans), the kernel sweep, then the default run at the depth 141 GB holds.

@@ -5,7 +5,7 @@
 Runs `omnibench validate` (simulator.calibrate.validate, kernel profile h100-measured) once per
 variant of the machine model and prints the mean |error| and each run's error. Variants change one
 choice each against the full model:
-- before issue-12 step 2: the fused (Megatron-style) memory-bound kernels for the LLM and the
+- before: the fused (Megatron-style) memory-bound kernels for the LLM and the
   datasheet curve for the encoders (what `validate --hardware h100` gave before);
 - fused stack: every module costed with fused kernels instead of this project's eager modules;
 - logits loss: the loss head costed as full logits with its gradients in the backward, not the

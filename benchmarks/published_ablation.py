@@ -6,7 +6,7 @@ Simulates every row of the table once per variant of the machine model and print
 |error| per variant (error = simulated / published step time - 1), plus the memory check: each row
 must fit as published, and the same layout without recomputation must not fit on the large models.
 Variants change one choice each against the full model (kernel profile a100-published):
-- datasheet: no kernel profile, the datasheet roofline curve (the simulator before issue 12);
+- datasheet: no kernel profile, the datasheet roofline curve (the simulator before it had kernel profiles);
 - flash attention: the profile's FlashAttention-2 rows instead of the unfused kernels the runs used
   (the attention kernel is the row's stack's: simulator/published.py::options_of);
 - no memory-bound work: norms, dropout, residual adds, activations, loss at zero cost;

@@ -1,4 +1,4 @@
-"""Rewrite the committed validation table over every published row (issue 24, item 4).
+"""Rewrite the committed validation table over every published row.
 
     python benchmarks/published_validation.py [--workers N]
 

@@ -1,4 +1,4 @@
-"""What planning and simulating one step cost in instructions, this tree against another (issue 21).
+"""What planning and simulating one step cost in instructions, this tree against another.
 
     python benchmarks/sim_instructions.py --against /tmp/wt-base                     # omni mixed_video, 1,024 GPUs
     python benchmarks/sim_instructions.py --gpus 4096 --against /tmp/wt-base

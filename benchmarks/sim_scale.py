@@ -1,16 +1,16 @@
-"""The simulator's own cost against cluster size, side by side in one run (issue 21's targets).
+"""The simulator's own cost against cluster size, side by side in one run.
 
     python benchmarks/sim_scale.py [--gpus 1024,16384,131072] [--limit-s 600]
     python benchmarks/sim_scale.py --gpus 16384 --profile 30     # where the time goes (cProfile: layout, plan, sim)
     python benchmarks/sim_scale.py --reference --gpus 1024,4096  # the simpy loop (SimpyEngine)
     python benchmarks/sim_scale.py --recompute auto --gpus 1024,16384  # the command as typed: recompute settled
 
-One omni `mixed_video` step with full recomputation (the issue's reference case) per size, each in
+One omni `mixed_video` step with full recomputation (the reference case) per size, each in
 a fresh process so its peak memory (max RSS) is its own, and then all five systems at 1,024 GPUs
 (each at its default layout, full recomputation) in one process. Per size: workload generation
 ("batch"), the layout (`resolve_layout` as `simulate --recompute full` calls it: the default
 layout, checked by planning the step), planning (the check's plan handed over, `systems.offer_plan`;
-`--plan-twice` plans again, as before), simulation (`sim`: the issue's
+`--plan-twice` plans again, as before), simulation (`sim`:
 `sim_seconds`; under `--recompute auto` the step's programs are built in the layout phase's memory
 check, which `sim_seconds` counts and the `sim` column does not), their total, max RSS, and the total's ratio to the 1,024-GPU total (wall / CPU). Every phase is
 given in wall seconds and in CPU seconds of the process: on a shared host the wall clock also

@@ -1,4 +1,4 @@
-"""What searching the context-parallel kind adds to each system's tuned step (issue 20's fairness check).
+"""What searching the context-parallel kind adds to each system's tuned step (a fairness check).
 
     python benchmarks/tune_cp_kinds.py [--workload long_video] [--gpus 1024] [--systems all] [--budget 8]
         [--out results/tune-cp-kinds-long_video-1024.txt]

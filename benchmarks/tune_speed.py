@@ -1,4 +1,4 @@
-"""A seeded tune's own cost, this tree against another one side by side (issue 21: `reproduce` is its tunes).
+"""A seeded tune's own cost, this tree against another one side by side (`reproduce` is its tunes).
 
     python benchmarks/tune_speed.py --against /tmp/wt-base            # both cases, 2 rounds, alternating
     python benchmarks/tune_speed.py --case image_sft-8192 --rounds 1   # one case, this tree only

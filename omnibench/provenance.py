@@ -45,7 +45,7 @@ def git_state(root: Path = REPO_ROOT) -> dict:
     """{"commit": sha or None, "dirty": bool or None}: None where the code is not a git checkout.
 
     A copy of a checkout can say which commit it is without its own .git, or with a .git of an older
-    commit under uncommitted changes, as a lent GPU machine's copy of the working tree has:
+    commit under uncommitted changes, as a GPU machine's copy of the working tree may have:
     `OMNIBENCH_GIT_MANIFEST` names a file written at the source by `write_manifest` (the commit, then
     every file of its tree with its blob). Where it is given and valid, the commit is the manifest's,
     and `dirty` says whether any file it lists differs here (`changed_files` names them); the local
@@ -152,7 +152,7 @@ def provenance(device: str, argv: list[str] | None = None, cuda: bool = False) -
     return out
 
 
-# What a GPU record must carry before a table quotes its figures (issue 23 item 3).
+# What a GPU record must carry before a table quotes its figures.
 GPU_FIELDS = ("commit", "dirty", "torch", "cuda", "driver", "gpu_name", "gpu_memory_bytes", "command")
 
 

@@ -336,7 +336,7 @@ def recompute_modes(model: MultimodalSpec) -> list[str]:
     """The activation-recomputation choices searched, per module (costs.recompute_policy): the three
     uniform modes, the encoders fully recomputed under an LLM at none or selective, the LLM alone at
     full. Encoder activations are most of a video step's memory and the LLM most of its time, so the
-    mixed modes are often the fastest that fit (issue 20)."""
+    mixed modes are often the fastest that fit."""
     modes = list(RECOMPUTE_ORDER)
     if model.encoders:
         enc = ",".join(f"{m}=full" for m in model.encoders)

@@ -1,5 +1,5 @@
 """Bad input gets exit status 2 and one line naming the field (and the file or folder), never a
-traceback, and never a result built on it: one test per row of issue 22's table that needs no
+traceback, and never a result built on it: one test per kind of bad input that needs no
 running ranks (the faults of running runs are in test_runtime_cli.py)."""
 
 from __future__ import annotations

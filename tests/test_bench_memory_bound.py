@@ -43,7 +43,7 @@ def test_memory_bound_refuses_bad_input_in_one_line_naming_the_flag(args, flag):
 
 
 def test_memory_bound_takes_a_microbatch_count():
-    # m == pp: every microbatch in flight (where omni's bound reads over its need: NOTES session 31)
+    # m == pp: every microbatch in flight (where omni's bound reads over its need)
     lines = _run("--systems", "omni", "--workloads", "image_sft", "--gpus", "64", "--tp", "2", "--pp", "4",
                  "--microbatches", "4")
     assert "4 microbatches" in lines[0]

@@ -1,5 +1,5 @@
 """Where the step goes (SimResult.breakdown, `plot breakdown`) and the condition grid that shows where
-decoupling pays (workloads/conditions.py, `plot conditions`): issue 20 item 4."""
+decoupling pays (workloads/conditions.py, `plot conditions`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The all-gather-KV attention check (benchmarks/gpu_allgather_attention.py) plays every member of a
 context-parallel group in one process; on CPU it runs the same layouts through the per-sequence
-backends in fp32, so the script and the member layout it checks cannot rot between GPU sessions, and
+backends in fp32, so the script and the member layout it checks cannot rot between GPU runs, and
 a wrong layout (a member's keys cut at the wrong row) is caught."""
 
 import importlib.util

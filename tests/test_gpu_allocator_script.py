@@ -57,7 +57,7 @@ def test_a_step_that_never_runs_gives_no_share_rather_than_a_guess():
 
 
 def test_the_gpu_session_script_parses_and_names_every_benchmark_it_runs():
-    """A broken session script would spend a GPU lease on a syntax error: bash must parse it, and each
+    """A broken GPU script would spend GPU time on a syntax error: bash must parse it, and each
     benchmark it calls must exist."""
     import re
 

@@ -1,5 +1,5 @@
 """GPU records: what they say about where they came from, the H100 profile fitted on them, and the
-memory estimate against the peaks they measured (issue 23 items 3-5, from committed records, on CPU).
+memory estimate against the peaks they measured (from committed records, on CPU).
 
 The committed GPU records (results/gpu/) are 12 runs on one H100 and hold only 5 distinct Plans: on
 one GPU every system runs the same single-rank Plan, so the four systems' runs of a workload are one
@@ -35,7 +35,7 @@ ALL_RUNS = sorted(p.parent for p in GPU.glob("runs*/*/config.json"))
 # the H100's records (the profile and its tests are the H100's); the first H200's are tested apart
 H200_RUNS = [r for r in ALL_RUNS if gpu_of(json.loads((r / "summary.json").read_text())) == "H200"]
 RUNS = [r for r in ALL_RUNS if r not in H200_RUNS]
-# written before records carried provenance (sessions of 2026-11-23); those after carry all of it
+# written before records carried provenance (the runs of 2026-11-23); those after carry all of it
 OLD_RUNS = [r for r in RUNS if r.parent.name in ("runs", "runs-session2")]
 NEW_RUNS = [r for r in RUNS if r not in OLD_RUNS]
 EAGER = [r for r in RUNS if not json.loads((r / "summary.json").read_text()).get("compile")]
@@ -95,9 +95,9 @@ def test_a_copy_without_git_names_its_commit_from_the_manifest_and_finds_changed
 
 
 def test_a_copy_whose_git_is_an_older_commit_under_changes_names_the_manifests_commit(tmp_path, monkeypatch):
-    """What a lent GPU machine's copy is: the session's first commit, the later ones as uncommitted
-    changes. Its git says "first commit, dirty"; the manifest, whose every file matches, says which
-    commit the tree is."""
+    """A copy of the tree whose .git is an older commit, the later ones as uncommitted changes (as a
+    machine given a copy rather than a clone may hold). Its git says "first commit, dirty"; the
+    manifest, whose every file matches, says which commit the tree is."""
     import subprocess
 
     from omnibench.provenance import write_manifest
@@ -142,8 +142,8 @@ def test_the_standalone_kernel_sweep_records_the_same_fields_without_importing_t
 
 
 def test_the_kernel_sweep_names_the_commit_a_manifest_gives(tmp_path, monkeypatch):
-    """The first H200's sweep named the lent copy's .git (an older commit under changes), not the tree's
-    commit: the script now answers as the project does, reading OMNIBENCH_GIT_MANIFEST."""
+    """A kernel sweep on a copy whose .git is an older commit under changes must name the tree's
+    commit, not the .git's: the script answers as the project does, reading OMNIBENCH_GIT_MANIFEST."""
     mod = _kernel_sweep_script()
     manifest = tmp_path / "m.txt"
     manifest.write_text("ab" * 20 + "\n")  # a commit, and no file listed: nothing can differ

@@ -1,4 +1,4 @@
-"""omni's long LLM samples where Ulysses cannot split the heads (issue 20): the long-sample group
+"""omni's long LLM samples where Ulysses cannot split the heads: the long-sample group
 all-gathers K/V instead (systems/omni/llm_long_short.py, omnibench/runtime/parallelize.py
 AllGatherKVAttention). Loss parity on gloo is in tests/test_omni_parity.py (`cp2-allgather`)."""
 

@@ -1,6 +1,6 @@
 """`--memory-error E` (SimOptions.memory_error): what fits is decided as if every memory estimate were
 off by E, in the simulator's verdict, in `tune`'s bound and in `simulate --tuned`'s cache key; the
-step's time and reported peak never move, so a step simulated once answers every error (issue 20 item 4)."""
+step's time and reported peak never move, so a step simulated once answers every error."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runs that ran on their GPUs are predicted to fit (issue 24 item 3): the memory terms the published
+"""Runs that ran on their GPUs are predicted to fit: the memory terms the published
 runs exposed as wrong (DeepSpeed ZeRO-3's gradient buckets and gathered parameters, MoE experts'
 state under parallel folding) and the reader's rule for an unpublished recomputation."""
 

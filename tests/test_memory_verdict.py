@@ -145,7 +145,7 @@ def test_a_cpu_process_adds_a_hosts_figures_not_the_gpus():
 
 def test_tunes_bound_on_a_cpu_cluster_stays_under_the_simulated_need():
     """The search prunes on a lower bound: on cpu-gloo it must add the host's figures, as the
-    simulator does, or it throws away layouts that fit (found in review: tp2 pp2 on 4 ranks)."""
+    simulator does, or it throws away layouts that fit (tp2 pp2 on 4 ranks, for one)."""
     from omnibench.tune import Candidate, memory_estimate
 
     model = get_model("llm-7b@4L")

@@ -1,4 +1,4 @@
-"""omni's space contains the baselines' schemes (issue 20 item 1): at each of homogeneous's, temporal's
+"""omni's space contains the baselines' schemes: at each of homogeneous's, temporal's
 and colocated's best tuned layouts, omni's planner (its defaults: ZeRO-2 encoders, the encoder SP
 scheme and group size chosen per batch, reorder, reshard, the joint pipeline, the LLM long-short
 split) yields a plan the simulator times no slower than the baseline's, within 1%, and that fits

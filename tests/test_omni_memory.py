@@ -1,7 +1,7 @@
-"""omni's memory at full strength (issue 20, "done when"): with its encoders' training state sharded
+"""omni's memory at full strength: with its encoders' training state sharded
 (ZeRO-2 over their data ranks) omni fits image_sft at 1,024 H100s, tp 1 / cp 4 / 2 microbatches /
 no recomputation, with a peak no higher than the highest of the baselines that fit there, +5%.
-(Before: 99.2 GiB with replicated encoders, against colocated's 79.6.)
+(With replicated encoders: 99.2 GiB, against colocated's 79.6.)
 
 Since the memory model was checked against this runtime's own peaks at full depth (FakeTensorMode,
 the H100 records), no system fits that layout in 80 GB: the eager runtime's activations without

@@ -1,5 +1,5 @@
-"""Symmetric accounting (issue 20 item 2): the same operation costs the same in every system, and
-tune's estimates use each system's own balancing and memory rules. One test per asymmetry fixed."""
+"""Symmetric accounting: the same operation costs the same in every system, and
+tune's estimates use each system's own balancing and memory rules. One test per kind of asymmetry."""
 
 from __future__ import annotations
 

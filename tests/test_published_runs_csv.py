@@ -1,4 +1,4 @@
-"""Shape of the published validation set `results/validation/published_runs.csv` (issue 24, item 3).
+"""Shape of the published validation set `results/validation/published_runs.csv`.
 
 The file is data transcribed from publications; these checks catch a broken or incomplete edit:
 a missing column, a value outside the agreed vocabulary, a row with no or two measured figures, a row

@@ -77,7 +77,7 @@ def test_time_left_comes_from_the_measured_stages_and_each_kind_keeps_its_own_pa
 
 def test_the_committed_stage_times_name_every_stage_of_the_default_plan(tmp_path):
     """The progress line's estimates are the committed reproduce's times: a stage added or renamed
-    without a measured time would fall back to a formula that was 2x off (session 25)."""
+    without a measured time would fall back to a formula that was 2x off."""
     stages = report._stages(tmp_path / "runs", tmp_path / "sims", SYSTEMS, quick=False)
     measured = report._stage_seconds(report.STAGE_TIMES)
     missing = [st.key for st in stages if st.key not in measured]
@@ -286,7 +286,7 @@ def test_an_ablation_whose_kept_layout_stops_fitting_is_an_answer_not_a_failure(
 
 
 def test_extended_adds_every_cell_the_default_plan_leaves_out_after_it_and_repeats_none():
-    """`reproduce --extended` (issue 20 item 4): the static workloads at 4,096 and 8,192 H100s and every
+    """`reproduce --extended`: the static workloads at 4,096 and 8,192 H100s and every
     workload on 1,024 H200s, after every default stage (so a `--resume` after a default reproduce runs only
     them, seeded by all of it), each cell once over both plans."""
     from pathlib import Path as P

@@ -1,4 +1,4 @@
-"""Records a user can load and trust, and a run config file (issue 15, items 5 and 6): a flat
+"""Records a user can load and trust, and a run config file: a flat
 steps.csv beside steps.jsonl, provenance in config.json, the user's permissions, a unique folder
 per torchrun run; `omnibench run --config run.toml` with command-line flags overriding the file."""
 

@@ -362,7 +362,7 @@ def test_calibrate_warns_about_weak_curves_unfitted_actions_and_terms_fixed_at_z
     prof = Profile(hardware="cpu-gloo")
     prof.fit = {
         "compute.forward": {"points": 40, "r2": 0.99, "mape": 0.03},  # good: no warning
-        "compute.backward": {"points": 30, "r2": 0.04, "mape": 0.46},  # the weak fit
+        "compute.backward": {"points": 30, "r2": 0.04, "mape": 0.46},  # weak: warned
         "compute.forward.audio": {"points": 3, "not_fitted": "3 traced actions, fewer than 7"},
         "optimizer": {"points": 8, "r2": 0.9, "mape": 0.02, "fixed_at_zero": ["per sharded layer"]},
         "collectives.intra": {"points": 20, "r2": -0.01, "mape": 0.02},  # flat data, small error: fine

@@ -43,6 +43,6 @@ def test_ring_and_ulysses_cost_alike_and_ring_scales_past_the_heads():
 def test_the_runtime_refuses_ring_attention_in_one_line():
     with pytest.raises(SpecError, match="cp_kind=ring: the runtime runs Ulysses and all-gather-KV context parallelism"):
         ParallelSpec(world_size=8, tp=4, cp=2, cp_kind="ring").check_runtime()
-    ParallelSpec(world_size=8, tp=4, cp=2, cp_kind="allgather").check_runtime()  # runs since session 12
+    ParallelSpec(world_size=8, tp=4, cp=2, cp_kind="allgather").check_runtime()
     with pytest.raises(SpecError, match="cp_kind must be one of ulysses, ring"):
         ParallelSpec(world_size=8, cp=2, cp_kind="zigzag").validate(MODEL)

@@ -2,9 +2,8 @@
 
 `Engine` plays a step on one heap of time-ordered wake-ups and works collective and message times
 out as soon as they are known; `SimpyEngine` (simulator/engine_simpy.py) is the simpy loop it
-replaced, kept as the reference. On small clusters the two must agree: step time within 0.5% (the
-issue's bound; they agree to the last bit), the same peak memory, the same per-rank statistics and
-the same spans.
+replaced, kept as the reference. On small clusters the two must agree: step time within 0.5% (they
+agree to the last bit), the same peak memory, the same per-rank statistics and the same spans.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The tables of README.md and results/BENCHMARKS.md are what `python -m omnibench.tables` writes from
-the committed records today (issue 24 item 4), and the writer only ever touches what lies between
+the committed records today, and the writer only ever touches what lies between
 its markers."""
 
 import pytest

@@ -61,7 +61,7 @@ def test_search_space_respects_the_layout_rules(system):
     assert all((tp, cp, "allgather") in cps for tp, cp, kind in cps if kind == "ulysses"), cps
     if system != "temporal":  # temporal's audio (20 heads) caps its cp at 4
         assert (1, 8, "allgather") in cps and (1, 8, "ulysses") not in cps  # omni-7b: 4 kv heads
-    # every microbatch count, 1 included (issue 20: omni's tune never simulated 1), for every system
+    # every microbatch count, 1 included, for every system
     for pp in {c.pp for c in space}:
         counts = {c.microbatches for c in space if c.pp == pp}
         assert counts >= ({1, 2, 4} if pp == 1 else {pp, 2 * pp, 4 * pp}), (pp, counts)

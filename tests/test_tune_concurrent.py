@@ -1,4 +1,4 @@
-"""What makes `reproduce` cheaper must leave every answer as it was (issue 21): a tune under a memory error
+"""What makes `reproduce` cheaper must leave every answer as it was: a tune under a memory error
 reuses the steps simulated at the nominal estimate and finds what it finds from nothing; the analytic
 estimates a search settles its space with, answered once per candidate and batch, are the ones computed
 afresh; and `simulate --tuned` running every system's search at once (`_tune_all`) keeps each answer,

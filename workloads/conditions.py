@@ -1,5 +1,5 @@
 """A grid of synthetic workloads that moves one condition at a time, to find where decoupling the
-encoders from the LLM pays (issue 20 item 4):
+encoders from the LLM pays:
 
 - encoder share: the share of samples that carry a video (the rest are text-only SFT samples), which
   sets how much of a step is encoder work;

@@ -82,7 +82,7 @@ CONDITION_GPUS, CONDITION_GPUS_QUICK = (256,), (64,)
 # default plan; `simulate --model omni-moe-30b --workload <cell>.toml --tuned ...` makes it.
 CONDITION_MODELS, CONDITION_MODELS_QUICK = ("omni-7b",), ("omni-7b",)
 CONDITION_BUDGET = 4
-# `reproduce --extended`: the cells the default plan leaves out for time (issue 20 item 4: every workload at
+# `reproduce --extended`: the cells the default plan leaves out for time (every workload at
 # 1,024, 4,096 and 8,192 GPUs, H100 and H200), after every default stage and seeded by the same workload's
 # answers before it. The static workloads at these H100 sizes (a cell the default plan has, mixed_video at
 # 8,192, is not repeated), and every workload on 1,024 H200s. Still out, for time: the dynamic workloads

@@ -1,4 +1,4 @@
-"""Encoder work in chunks of a token budget, recomputed chunk by chunk in the backward (issue #11 item 4).
+"""Encoder work in chunks of a token budget, recomputed chunk by chunk in the backward.
 
 One encoder microbatch (a long video, several images, audio segments) is cut into chunks of whole
 attention units, each at most `budget` encoder tokens (patches, audio positions; a unit over the

@@ -1,5 +1,5 @@
 """Tables of README.md and results/BENCHMARKS.md written from committed records, so that no figure
-there can go stale (issue 24 item 4).
+there can go stale.
 
 A document holds a table between two markers, on lines of their own (a block: a markdown table
 and its caption) or inside one line (a figure quoted in a sentence or a table cell):

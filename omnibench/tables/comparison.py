@@ -1,4 +1,4 @@
-"""Tables of the tuned comparison `omnibench reproduce --out results` wrote (issue 20 items 4-5): omni
+"""Tables of the tuned comparison `omnibench reproduce --out results` wrote: omni
 against the best tuned baseline per workload x cluster size x hardware, where each system's step goes,
 the condition grid, the memory sensitivity, omni's ablation, the tunes' convergence and what each stage
 of the reproduce took. Every figure is read from the CSVs that command commits beside its figures

@@ -22,7 +22,7 @@ KERNELS = "results/calibration/h100-kernels.json"
 KERNEL_SWEEPS = (KERNELS, "results/calibration/h200-kernels.json")
 HARDWARE = "h100"
 # The runs the kernel profile's model of this project's eager stack (simulator/kernels.py::Stack)
-# was written against (issue 12); the second pass's runs came after it.
+# was written against; the runs in the other `runs*/` folders came after it.
 STACK_MODEL_SEEN = "results/gpu/runs/"
 UNVERIFIABLE = "unverifiable (no provenance)"
 GiB = 2**30
@@ -41,8 +41,8 @@ def _read(path: Path) -> dict | list:
 
 
 def gpu_of(summary: dict) -> str:
-    """Which GPU a record ran on: "H200" where its device says so, else "H100" (every GPU lent before
-    2026-11-29 was an H100 80GB; the first records name no device)."""
+    """Which GPU a record ran on: "H200" where its device says so, else "H100" (every GPU run before
+    2026-11-29 was on an H100 80GB; the first records name no device)."""
     return "H200" if "H200" in str(summary.get("device_name") or "") else "H100"
 
 
@@ -58,7 +58,7 @@ def all_runs() -> tuple[dict, ...]:
 
 
 def rerun_records() -> tuple[dict, ...]:
-    """Run records a lease keeps under its session folder (session-*/runs/*/: commands rerun at a later
+    """Run records kept under a dated GPU folder (session-*/runs/*/: commands rerun at a later
     commit), out of the `runs*/` folders the tables above read."""
     return tuple(run_record(c.parent) for c in sorted((REPO_ROOT / GPU_DIR).glob("session-*/runs/*/config.json")))
 
@@ -536,7 +536,7 @@ def h100_allocator() -> str:
     from simulator.memory import oom_figures
 
     for c in d["cases"]:
-        # from each failure's message: the session's file read memory_allocated() after unwinding
+        # from each failure's message: the record's file read memory_allocated() after unwinding
         got = [oom_figures(f["message"]) for f in c["at_failure"]]
         fails = [g["stranded"] / g["allocated"] for g in got if g]
         lines.append(f"| {c['workload']}, {c['model']}, recompute {c['recompute']} | "
@@ -656,7 +656,7 @@ def h100_outside_allocator() -> str:
 @table("h100-chunk-profile")
 def h100_chunk_profile() -> str:
     """One profiled step of encoder chunking against block recomputation (gpu_chunk_profile.py), before
-    (2026-11-27) and after (2026-11-28) session 10 took the chunks' host synchronisations out."""
+    (2026-11-27) and after (2026-11-28) the chunks' host synchronisations were taken out."""
     lines = ["| session | variant | step wall s (profiled) | GPU busy s | GPU idle s | kernels | host synchronisations | "
              "host CPU s (profiler's self CPU total) | vision forward s | vision backward s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -680,7 +680,7 @@ def h100_chunk_profile() -> str:
 
 @table("h100-whole-step")
 def h100_whole_step() -> str:
-    """Issue 23 item 1: the LLM-only whole training step (AdamW included) of the harness under both ways of
+    """The LLM-only whole training step (AdamW included) of the harness under both ways of
     holding one rank's weights, against a plain bf16 stack's whole step measured in the same command."""
     return whole_step(SESSION_C)
 

@@ -31,8 +31,8 @@ from omnibench.tables.gpu import (
 )
 
 SESSION = "results/gpu/session-2026-11-29-h200"
-# session 29's lease: three of the first lease's commands again, at a later commit (a regression check of
-# the CUDA path; kept out of `runs*/` so the tables above read the first lease alone)
+# three of the first H200 runs' commands again, at a later commit (a regression check of the CUDA path;
+# kept out of `runs*/` so the tables above read the first runs alone)
 RERUNS = "results/gpu/session-2026-11-29-h200-b/runs"
 H200_KERNELS = "results/calibration/h200-kernels.json"
 HARDWARE = "h200"
@@ -219,7 +219,7 @@ def h200_summary() -> str:
 
 @table("h200-rerun")
 def h200_rerun() -> str:
-    """The first H200 lease's commands run again at a later commit: the CUDA path's regression check."""
+    """The first H200 runs' commands run again at a later commit: the CUDA path's regression check."""
     from simulator.calibrate import validate
 
     first = {r["name"]: r for r in h200_runs()}
@@ -229,7 +229,7 @@ def h200_rerun() -> str:
         raise TableError(f"{RERUNS}: {', '.join(unmatched)} repeat(s) no run of the first lease (a rerun is named as "
                          "the record whose command it repeats)")
     pairs = [(first[r["name"]], r) for r in again]
-    checked = _checks(before=False)  # the first lease's runs, as the held-out table reads them
+    checked = _checks(before=False)  # the first H200 runs, as the held-out table reads them
     got = dict(zip((r["path"] for r in again), validate([str(REPO_ROOT / r["path"]) for r in again], None, HARDWARE),
                    strict=True))
     lines = ["| Plan | first lease: step s (commit) | again: step s (commit) | again / first | peak GiB, first / again "
