@@ -12,25 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from cli_errors import invoke, one_error_line
 
-from omnibench.cli import app
 from omnibench.runtime import records
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[1]
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args))
-
-
-def one_error_line(r, needle: str) -> str:
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output, r.output
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and needle in lines[0], r.output
-    return lines[0]
 
 
 # -- model, hardware and workload files: numbers that are not finite or not in range ------------------

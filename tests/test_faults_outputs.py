@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_errors import invoke, one_error_line
 from test_runtime_cli import alive
-from typer.testing import CliRunner
 
-from omnibench.cli import app
 from omnibench.cli import report as report_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,16 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; uses prctl")
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def one_error_line(r, needle: str, code: int = 2) -> str:
-    assert r.exit_code == code, r.output
-    assert "Traceback" not in r.output, r.output
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and needle in lines[0], r.output
-    return lines[0]
 
 
 def write_sim(root: Path, name: str = "sim", rows: list | None = None, **config) -> Path:

@@ -9,9 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from omnibench.cli import app
+from cli_errors import invoke, one_error_line
 
 pytestmark = pytest.mark.timeout(180)
 SIM = ("simulate", "--system", "homogeneous", "--gpus", "8", "--workload", "text_only")
@@ -30,18 +28,6 @@ weights = {{ chat = 1.0 }}
 """
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args))
-
-
-def one_error_line(r, *needles: str) -> str:
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output, r.output
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, r.output
-    for needle in needles:
-        assert needle in lines[0], r.output
-    return lines[0]
 
 
 def write(path: Path, data: str | bytes) -> Path:

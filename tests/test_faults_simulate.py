@@ -13,9 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from omnibench.cli import app
+from cli_errors import invoke, one_error_line
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[1]
@@ -24,16 +22,6 @@ PUBLISHED = REPO / "results" / "validation" / "megatron_a100.csv"
 SMALL = ["-w", "mixed_video", "-s", "homogeneous", "--gpus", "8", "--workers", "1"]
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def one_error_line(r, needle: str, code: int = 2) -> str:
-    assert r.exit_code == code, r.output
-    assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit), r.output
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and needle in lines[0], r.output
-    return lines[0]
 
 
 def leftovers(folder: Path) -> list[str]:

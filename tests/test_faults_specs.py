@@ -8,25 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from omnibench.cli import app
+from cli_errors import invoke, one_error_line
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[1]
 LLM = 'name = "x"\nlayers = {layers}\nhidden = 64\nheads = 4\nkv_heads = 4\nffn = 128\nvocab = 100\n'
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args))
-
-
-def one_error_line(r, needle: str) -> str:
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output, r.output
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and needle in lines[0], r.output
-    return lines[0]
 
 
 def llm_file(tmp_path: Path, layers: str, extra: str = "") -> Path:

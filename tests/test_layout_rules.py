@@ -6,18 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from cli_errors import invoke
 
-from omnibench.cli import app
 from omnibench.specs.model import SpecError
 from omnibench.specs.parallel import ParallelSpec
 from omnibench.specs.presets import get_model
 
 pytestmark = pytest.mark.timeout(180)
 
-
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args))
 
 
 def test_ulysses_cp_must_divide_the_heads_per_tp_rank():
