@@ -173,42 +173,9 @@ def test_a_torchrun_rank_whose_rank_0_never_comes_ends_in_one_line(tmp_path, mon
 
 
 # -- a full disk -------------------------------------------------------------------------------------
-def test_a_full_disk_when_the_launcher_writes_the_record_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    import builtins
-    import errno
-
-    real_open = builtins.open
-
-    class Full:
-        def __init__(self, f):
-            self._f = f
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self._f.close()
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-    def full_open(file, mode="r", *a, **k):
-        f = real_open(file, mode, *a, **k)
-        return Full(f) if "w" in mode and os.path.basename(str(file)).startswith("config.json") else f
-
-    monkeypatch.setattr(builtins, "open", full_open)
-    out = tmp_path / "run"
-    line = error_line(invoke(*RUN, "--out", str(out)), "no space left on the device", code=1)
-    assert line == f"error: writing {out}{records.INCOMPLETE}/config.json: no space left on the device"
-    nothing_made(out)  # nothing ran: the folder would only block the next run into this --out
-
-
-# Loaded into every process of the run (the launcher and its ranks) through PYTHONPATH: the files whose
-# names start with one of OMNIBENCH_TEST_DISK_FULL's fail to write as on a full disk, like write(2) does.
-DISK_FULL = '''
+# An open() under which the files whose names start with one of OMNIBENCH_TEST_DISK_FULL's fail to write
+# as on a full disk, like write(2) does.
+FULL_OPEN = '''
 import builtins, errno, os
 
 _names = tuple(n for n in os.environ.get("OMNIBENCH_TEST_DISK_FULL", "").split(",") if n)
@@ -237,10 +204,23 @@ def _full_open(file, mode="r", *a, **k):
     if _names and "w" in mode and os.path.basename(str(file)).startswith(_names):
         return _Full(f)
     return f
-
-
-builtins.open = _full_open
 '''
+# Loaded into every process of the run (the launcher and its ranks) through PYTHONPATH: that open() in
+# place of the builtin one.
+DISK_FULL = FULL_OPEN + "\nbuiltins.open = _full_open\n"
+
+
+def test_a_full_disk_when_the_launcher_writes_the_record_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import builtins
+
+    monkeypatch.setenv("OMNIBENCH_TEST_DISK_FULL", "config.json")
+    full = {}
+    exec(FULL_OPEN, full)  # the ranks' full-disk open, in this process only
+    monkeypatch.setattr(builtins, "open", full["_full_open"])
+    out = tmp_path / "run"
+    line = error_line(invoke(*RUN, "--out", str(out)), "no space left on the device", code=1)
+    assert line == f"error: writing {out}{records.INCOMPLETE}/config.json: no space left on the device"
+    nothing_made(out)  # nothing ran: the folder would only block the next run into this --out
 
 
 def test_a_full_disk_in_a_rank_is_one_line_naming_the_file_and_leaves_no_finished_record(tmp_path):
