@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omnibench.plan import BACKWARD, FORWARD  # noqa: E402
 from simulator.engine import Engine  # noqa: E402
 from simulator.hardware import load_cluster  # noqa: E402
-from simulator.published import fixed_text_workload, load_published, model_of, options_of, parallel_of  # noqa: E402
+from simulator.published import load_published, model_of, options_of, parallel_of  # noqa: E402
 from systems import get_planner  # noqa: E402
+from workloads.registry import get_workload  # noqa: E402
 from workloads.stream import WorkloadStream  # noqa: E402
 
 ROW = "llama3-405b-8192gpu-cp1"
@@ -50,7 +51,7 @@ def main() -> None:
         r = replace(row, vpp=v)
         cluster = load_cluster(r.hardware, r.gpus)
         model, parallel = model_of(r), parallel_of(r, cluster.gpus_per_node)
-        stream = WorkloadStream(fixed_text_workload(r.seq), seed=0, global_batch_tokens=r.global_batch * r.seq)
+        stream = WorkloadStream(get_workload(f"pretrain_{r.seq}"), seed=0, global_batch_tokens=r.global_batch * r.seq)
         plan = get_planner("homogeneous").plan(model, parallel, stream.batch(0))
         res = Engine(plan, model, cluster, options=options_of(r)).run()
         live = peak = 0

@@ -117,18 +117,20 @@ def default_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
 
 
 def peak_memory(system: str, model: MultimodalSpec, parallel: ParallelSpec, batches: Sequence[Batch], cluster,
-                encoder_chunk_tokens: int = 0, over: float = math.inf, stack: str = "eager") -> tuple[float, int]:
+                encoder_chunk_tokens: int = 0, over: float = math.inf, stack: str = "eager",
+                software: dict | None = None) -> tuple[float, int]:
     """(bytes, rank): the most loaded rank's peak over `batches`, as the simulator counts it for
     `parallel` (its recompute mode) on `cluster` under the software `stack` (`Engine.peak_needed`: the
     step's programs, not its play). `over`: where some rank needs more, that rank's need (the layout does
-    not fit `over`; the rest is not looked at)."""
+    not fit `over`; the rest is not looked at). `software`: SimOptions fields of a named software stack
+    (simulator/stacks.py), over `stack`."""
     from simulator.engine import Engine, SimOptions, drop_spare_engine, offer_engine
     from systems import get_planner, offer_plan
 
     drop_spare_engine()  # an engine offered for an earlier check is not held while this one builds its own
     planner = get_planner(system)
     options = SimOptions(recompute=parallel.recompute, check_memory=False, encoder_chunk_tokens=encoder_chunk_tokens,
-                         mixed_precision=parallel.mixed_precision, stack=stack)
+                         mixed_precision=parallel.mixed_precision, **{"stack": stack, **(software or {})})
     tops: dict[int, tuple[float, int]] = {}
     # the first batch last: its plan (and the programs built for it) is then offered to the caller,
     # which plans and simulates that step next
@@ -154,7 +156,7 @@ def resolve_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
                    *, tp: int = 0, pp: int = 0, cp: int = 0, recompute: str | None = None,
                    budget_bytes: float | None = None, encoder_chunk_tokens: int = 0,
                    chunk_options: Callable[[str], Sequence[int]] | None = None, check: Callable | None = None,
-                   estimate: bool | None = None, stack: str = "eager") -> Resolved:
+                   estimate: bool | None = None, stack: str = "eager", software: dict | None = None) -> Resolved:
     """The layout `system` runs with (module docstring). `parallel` carries every other field;
     `batches` are the first batches of the run (the first ESTIMATE_STEPS are estimated); `cluster`
     is what the memory is estimated on, `budget_bytes` what must hold (default: its GPU's memory).
@@ -190,7 +192,7 @@ def resolve_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
         trial = replace(laid, recompute=m)
         trial.validate(model)
         peak, rank = peak_memory(system, model, trial, first, cluster, chunk, math.inf if i == reported else budget,
-                                 stack)
+                                 stack, software)
         got = Resolved(trial, note, chunk, peak, rank, budget, peak <= budget, chosen=mode == AUTO)
         if got.fits:
             return got

@@ -200,51 +200,10 @@ MEMORY_STACKS = {
     "nemo": ("nemo", "megatron"),
     # Megatron-LM with --grad-reduce-in-bf16 (bf16 main gradients)
     "megatron-bf16-grads": ("megatron-bf16-grads", "megatron"),
-    # MosaicML Composer / llm-foundry: PyTorch FSDP with fp32 shards; MPT's blocks keep Korthikanti's
+    # MosaicML Composer / LLM Foundry: PyTorch FSDP with fp32 shards; MPT's blocks keep Korthikanti's
     # set (low-precision LayerNorm, fused qkv, flash attention, GELU MLP), as Megatron's do
     "composer": ("torchtitan", "megatron"),
 }
-
-
-# Megatron-LM before flash attention: the 2019-22 papers' runs (and DeepSpeed inside that codebase)
-UNFUSED_ATTENTION_SOURCES = ("shoeybi2019", "narayanan2021", "korthikanti2022")
-# NeMo 24.07's performance runs came from the NeMo(-Megatron) launcher, whose performance example scripts
-# reduce gradients in bf16 (`+training.model.optim.grad_sync_dtype=bf16`, NVIDIA/NeMo-Framework-Launcher
-# examples/training/llama/h100/*.sh): Megatron-LM's bf16 main gradients (--grad-reduce-in-bf16). Megatron-Bridge's performance
-# recipes start from bf16_mixed (grad_reduce_in_fp32) and, in FP8, keep FP8 weights (fp8_param_gather;
-# its scripts/performance/utils/helpers.py at da5a1bee8).
-BF16_GRAD_SOURCES = ("nemo-perf",)
-_STACK_COLUMN = {"torchtitan": "torchtitan", "fsdp": "composer", "megatron": "megatron", "nemo": "nemo",
-                 "deepspeed": "megatron", "other": "megatron"}
-
-
-def published_memory_stack(row) -> str:
-    """The memory conventions (MEMORY_STACKS) of a published run (simulator/published.py PublishedRun),
-    as its source dates its software, one rule per stack:
-
-    - torchtitan: with torch.compile where the row says so (its notes or table), the loss compiled too
-      in the 2025 runs (components/loss.py `build_cross_entropy_loss` from May 2025), its Triton
-      RMSNorm in the April 2024 A100 table (the Llama 2 13B and Llama 3 8B configs of 1ea476e9f, the
-      commit that published it; the 70B ones used the eager norm);
-    - llm-foundry ("fsdp"): Composer;
-    - Megatron-LM, DeepSpeed, MegaScale, Meta's Llama 3 stack: Megatron-LM's (fp32 main gradients
-      under DDP and the distributed optimizer), unfused attention for the 2019-22 papers' runs;
-    - NeMo 24.07 (launcher): Megatron-LM with bf16 main gradients; Megatron-Bridge: fp32 main
-      gradients, FP8 weights in FP8;
-    - "+fp8" where Transformer Engine's FP8 linears ran (Megatron and NeMo rows in fp8)."""
-    stack = _STACK_COLUMN.get(row.stack, "megatron")
-    if stack == "megatron" and row.source in UNFUSED_ATTENTION_SOURCES:
-        stack = "megatron-2021"
-    if stack == "nemo" and row.source in BF16_GRAD_SOURCES:
-        stack = "megatron-bf16-grads"
-    where = f"{row.notes} {row.table}"
-    if stack == "torchtitan" and "compile" in where:
-        stack = "torchtitan-compile-loss" if "2025" in row.table else "torchtitan-compile"
-    elif stack == "torchtitan" and "docs/performance.md" in row.table and row.hidden in (4096, 5120):
-        stack = "torchtitan-fused-norm"
-    if row.precision == "fp8" and stack in ("megatron", "nemo", "megatron-bf16-grads"):
-        stack += "+fp8"
-    return stack
 
 
 class MemoryMixin:

@@ -23,10 +23,10 @@ class SimOptions:
     encoder_chunk_tokens: int = 0
     # whose memory conventions to charge (simulator/memory.py MEMORY_STACKS): "" follows `stack`
     # (eager: this project's runtime, fused: Megatron-LM); "torchtitan", "torchtitan-compile",
-    # "torchtitan-compile-loss", "megatron", "composer" describe other stacks' published runs
+    # "torchtitan-compile-loss", "megatron", "composer", ... describe other frameworks
     memory_stack: str = ""
-    # What else the software stack does (defaults: this project's runtime). `validate --published` sets
-    # them from each row's stack (simulator/published.py::options_of).
+    # What else the software stack does (defaults: this project's runtime). `simulate --stack NAME` and its
+    # mechanism flags set them (simulator/stacks.py), for a published run's software too.
     attention: str = ""  # "" the kernel profile's own | "flash" | "unfused" (s x s scores through HBM)
     gemm_dtype: str = "bf16"  # "fp8": the blocks' linear layers on FP8 tensor cores (Transformer Engine, Float8)
     sequence_parallel: bool = False  # Megatron SP: norms, dropout and residual adds over 1/tp of the tokens

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import math
 import re
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
 COLUMNS = ("name", "source", "table", "url", "split", "hardware", "gpus", "model_kind", "layers", "hidden", "heads",
            "kv_heads", "ffn", "glu", "vocab", "experts", "top_k", "expert_ffn", "seq", "tp", "pp", "vpp", "cp",
            "cp_kind", "ep", "dp_mode", "global_batch", "micro_batch", "recompute", "precision", "stack",
-           "tflops_per_gpu", "mfu", "step_time_s", "tokens_per_s_per_gpu", "flop_formula", "peak_memory_gib",
+           "software", "tflops_per_gpu", "mfu", "step_time_s", "tokens_per_s_per_gpu", "flop_formula", "peak_memory_gib",
            "verified", "notes")
 LEGACY_COLUMNS = ("name", "source", "layers", "hidden", "heads", "vocab", "seq", "gpus", "tp", "pp", "vpp",
                   "global_batch", "micro_batch", "data_parallel", "recompute", "tflops_per_gpu", "step_time_s",
@@ -84,7 +85,9 @@ class PublishedRun:
     micro_batch: int
     recompute: str
     precision: str
-    stack: str
+    stack: str  # the framework family, for grouping (STACKS)
+    # what it ran, as `omnibench simulate` flags (simulator/stacks.py): --stack NAME and mechanism flags
+    software: str = "--stack megatron-2021"
     experts: int = 0
     top_k: int = 0
     expert_ffn: int = 0
@@ -124,9 +127,12 @@ class PublishedRun:
         return tuple(c.strip() for c in m.group(1).split(",") if c.strip()) if m else ()
 
     @property
-    def compiled(self) -> bool:
-        """torch.compile ran the model (torchtitan's rows say so in their notes)."""
-        return "torch.compile" in self.notes
+    def software_spec(self):
+        """The row's Software (simulator/stacks.py): its software column, FP8 linears where it ran in fp8."""
+        from simulator.stacks import parse_flags
+
+        flags = self.software.split() + (["--fp8"] if self.precision == "fp8" else [])
+        return parse_flags(flags)
 
 
 def _parse_row(raw: dict, where: str) -> PublishedRun:
@@ -178,6 +184,7 @@ def _parse_row(raw: dict, where: str) -> PublishedRun:
         dp_mode=text("dp_mode", DP_MODE_NAMES), global_batch=integer("global_batch"),
         micro_batch=integer("micro_batch", 1), recompute=text("recompute", RECOMPUTES, "none"),
         precision=text("precision", PRECISIONS, "bf16"), stack=text("stack", STACKS),
+        software=text("software"),
         tflops_per_gpu=number("tflops_per_gpu"), mfu=number("mfu"), step_time_s=number("step_time_s"),
         tokens_per_s_per_gpu=number("tokens_per_s_per_gpu"),
         flop_formula=text("flop_formula", tuple(FLOP_FORMULAS), ""),
@@ -200,6 +207,12 @@ def _check(row: PublishedRun, where: str) -> PublishedRun:
     if row.heads % row.kv_heads or (not row.head_dim and row.hidden % row.heads):
         raise PublishedError(f"{where}: heads {row.heads} must divide hidden {row.hidden} (or notes give head_dim) "
                              f"and be a multiple of kv_heads {row.kv_heads}")
+    from simulator.stacks import StackError
+
+    try:
+        row.software_spec.check(row.hardware)
+    except StackError as e:
+        raise PublishedError(f"{where}: software: {e}") from None
     return row
 
 
@@ -212,7 +225,7 @@ def _legacy_row(raw: dict, where: str) -> PublishedRun:
     hidden = int(h) if h.isdigit() else 0
     new = {**raw, "split": raw.get("split") or "heldout", "model_kind": "gpt", "kv_heads": heads,
            "ffn": str(4 * hidden) if hidden else "", "glu": "no", "cp": "1", "ep": "1", "dp_mode": data_parallel,
-           "precision": "bf16", "stack": "megatron", "hardware": (raw.get("hardware") or "").strip() or "a100-80g",
+           "precision": "bf16", "stack": "megatron", "software": "--stack megatron-2021", "hardware": (raw.get("hardware") or "").strip() or "a100-80g",
            "flop_formula": (raw.get("flop_formula") or "").strip() if (raw.get("tflops_per_gpu") or "").strip()
            else ""}
     if (raw.get("tflops_per_gpu") or "").strip() and not new["flop_formula"]:
@@ -300,101 +313,141 @@ def model_of(row: PublishedRun) -> MultimodalSpec:
 
 def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
     """The row's layout: dp = gpus / (tp pp cp), its data-parallel mode as `--dp-mode` names it
-    (fsdp: one shard group over the whole data-parallel group, as the stacks ran it). Megatron-Core
-    stacks cut a pipeline whose virtual stages do not divide the layers with the embedding and the
-    loss counted as a layer each (the recipes' account_for_embedding/loss_in_pipeline_split). MoE rows
-    with tp > 1 keep their experts whole (expert tensor parallelism 1: the MoE model zoo's ETP column
-    for every H100 row; for Megatron-Bridge's TP 2 x EP 32 on 256 GPUs the only ETP the layout
-    allows), ep drawn from the dp*cp*tp ranks (Megatron's MoE parallel folding)."""
-    stages = row.pp * row.vpp
-    split = (row.stack in ("megatron", "nemo") and row.pp > 1 and row.layers % stages != 0
-             and (row.layers + 2) % stages == 0)
+    (fsdp: one shard group over the whole data-parallel group, as the stacks ran it). A stack that cuts
+    the pipeline with the embedding and the loss counted as layers (simulator/stacks.py) does so where
+    the layers alone do not divide. MoE rows with tp > 1 keep their experts whole (expert tensor
+    parallelism 1: the MoE model zoo's ETP column for every H100 row; for Megatron-Bridge's TP 2 x EP 32
+    on 256 GPUs the only ETP the layout allows), ep drawn from the dp*cp*tp ranks (Megatron's MoE
+    parallel folding)."""
+    from simulator.stacks import splits_embedding_loss
+
+    split = splits_embedding_loss(row.software_spec, row.layers, row.pp, row.vpp)
     return ParallelSpec(world_size=row.gpus, gpus_per_node=gpus_per_node, dp=row.dp, tp=row.tp, pp=row.pp,
                         cp=row.cp, cp_kind=CP_KINDS[row.cp_kind], ep=row.ep, virtual_stages=row.vpp,
                         microbatches=row.microbatches, recompute=row.recompute, embedding_loss_stages=split,
-                        expert_tp=1 if row.model_kind == "moe" and row.tp > 1 else 0, **dp_mode_fields(row.dp_mode))
+                        expert_tp=expert_tp_of(row), **dp_mode_fields(row.dp_mode))
 
 
-HOPPER = ("h100", "h200", "h800")
-# Blackwell presets (b200.toml, gb200.toml): FP8 tensor cores at 2x the dense BF16 rate as on Hopper, and
-# the same Megatron-Core / Transformer Engine era of the stacks; every rule below that says "on H100"
-# holds for them too
-BLACKWELL = ("b200", "gb200")
+def expert_tp_of(row: PublishedRun) -> int:
+    """`--expert-tp` of the row: 1 (experts whole) for MoE rows with tp > 1, else 0 (the default)."""
+    return 1 if row.model_kind == "moe" and row.tp > 1 else 0
 
 
 def options_of(row: PublishedRun, stack: str | None = None):
-    """What the row's software runs, as simulation options (`simulator/options.py`), by one rule per
-    stack read off its code and documents at the row's date (README, "What each stack runs"):
-
-    - megatron on V100/A100 (Megatron-LM 2019-2023, Narayanan et al., MegaScale's baseline): fused
-      kernels, unfused attention (s x s scores through HBM), DP all-reduce after the backward;
-      on H100 (Megatron-Core 2025, the MoE model zoo): Transformer Engine kernels and fused
-      attention, sequence parallelism, distributed optimizer with overlapped gradient reduction and
-      parameter gather;
-    - nemo (NeMo 2 / Megatron-Bridge recipes): the same H100 Megatron-Core stack, plus TP
-      communication overlap (userbuffers) wherever tp > 1;
-    - torchtitan: PyTorch eager blocks (fp32 norm and RoPE math) unless the notes say torch.compile,
-      SDPA flash attention, FSDP2 (per-layer gathers prefetched, reduce-scatters behind the
-      backward), TP with sequence parallelism, AsyncTP where the notes say so, Float8 linears at fp8;
-      its selective checkpointing recomputes half of each block's forward (every other matmul and
-      the element-wise ops, or every other block: torchtitan's `selective_ac_option` "op" / "2");
-    - fsdp (MosaicML Composer + llm-foundry MPT): FSDP with flash attention and low-precision
-      LayerNorm, fused-kernel costs; Composer runs no no_sync under FSDP, so gradients are
-      reduce-scattered in every microbatch's backward;
-    - deepspeed (ZeRO-3 rows of Narayanan et al.: Megatron's GPT model under DeepSpeed): as megatron,
-      parameters gathered in prefetch buckets of 5e7 and gradients reduced in buckets of 5e8 (the
-      ZeRO-3 config defaults), and gathered again for the recomputed forward (ZeRO-3 releases a
-      layer's parameters after every forward);
-    - other (MegaScale, Meta's Llama 3 stack): fused kernels and flash attention; what the notes
-      say the publication overlaps ("overlap") is overlapped.
-    MoE rows whose notes name the DeepEP dispatcher ("dispatcher DeepEP") send each token to a remote
-    node once and forward it over NVLink (`CollectiveModel.expert_all_to_all`); the others all-to-all.
-    `stack` ("eager" | "fused") replaces the row's kernel stack (everything else stays the row's)."""
+    """What the row's software runs, as simulation options: its software column through the same
+    function `omnibench simulate --stack ...` uses (simulator/stacks.py). `stack` ("eager" | "fused")
+    replaces the row's kernel stack (everything else stays the row's)."""
     from simulator.engine import SimOptions
-    from simulator.memory import published_memory_stack
 
-    hopper = row.hardware.startswith(HOPPER + BLACKWELL)  # Hopper or later: FP8 GEMMs, fused attention
-    tp = row.tp > 1
-    notes = row.notes.lower()
-    kernels, attention, selective = "fused", "flash", "attention"
-    sp = overlap_grad = overlap_params = tp_overlap = reduce_every = False
-    gather_bucket = reduce_bucket = 0.0
-    if row.stack == "deepspeed":
-        # ZeRO-3's stage3_prefetch_bucket_size and reduce_bucket_size defaults (DeepSpeed config docs)
-        gather_bucket, reduce_bucket = 5e7, 5e8
-    regather = row.stack == "deepspeed"
-    prefetch_unshard = False
-    if row.stack in ("megatron", "deepspeed") and not hopper:
-        attention = "unfused"
-    elif row.stack in ("megatron", "nemo"):
-        sp, overlap_grad, overlap_params = tp, True, True
-        tp_overlap = row.stack == "nemo" and tp
-    elif row.stack == "torchtitan":
-        kernels = "fused" if row.compiled else "eager"
-        sp, tp_overlap, selective = tp, "asynctp" in notes, "half"
-        prefetch_unshard = True  # torch.distributed.pipelining unshards the next stages ahead
-    elif row.stack == "fsdp":
-        reduce_every = True
-    elif row.stack == "other":
-        overlap = "overlap" in notes
-        sp, overlap_grad, overlap_params, tp_overlap = tp, overlap, overlap, overlap and tp
-    return SimOptions(recompute=row.recompute, stack=stack or kernels, attention=attention,
-                      gemm_dtype="fp8" if row.precision == "fp8" and hopper else "bf16", sequence_parallel=sp,
-                      overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_params, tp_overlap=tp_overlap,
-                      selective=selective, fsdp_reduce_every_microbatch=reduce_every,
-                      fsdp_gather_bucket=gather_bucket, fsdp_reduce_bucket=reduce_bucket, gather_for_recompute=regather,
-                      p2p_scatter_gather=True, memory_stack=published_memory_stack(row),
-                      pp_prefetch_unshard=prefetch_unshard,
-                      ep_dispatcher="deepep" if "dispatcher deepep" in notes else "alltoall")
+    fields = row.software_spec.sim_fields()
+    if stack:
+        fields["stack"] = stack
+    return SimOptions(recompute=row.recompute, **fields)
 
 
-def fixed_text_workload(seq: int):
-    """`pretrain_2048` at another fixed sequence length."""
-    from workloads.spec import spec_from_dict
+# -- the user's path: each row as the `omnibench simulate` command that simulates it --------------------------
 
-    return spec_from_dict({"name": f"pretrain_{seq}", "description": f"Text pretraining at a fixed {seq}-token length.",
-                           "total_steps": 1000, "sources": {"text": {"text_tokens": seq}},
-                           "schedule": {"kind": "constant", "weights": {"text": 1.0}}}, origin="published")
+# One TOML model file per architecture in the tables (`--model` takes it); written by `write_model_files`
+MODELS = SHIPPED / "models"
+
+
+def model_slug(row: PublishedRun) -> str:
+    """The row's architecture as a file name: rows of one model share one file."""
+    slug = f"{row.model_kind}-{row.layers}L-{row.hidden}h-{row.heads}a-{row.kv_heads}kv-{row.ffn}f-{row.vocab}v"
+    if row.head_dim:
+        slug += f"-{row.head_dim}d"
+    if row.model_kind == "moe":
+        slug += f"-{row.experts}x{row.top_k}e-{row.expert_ffn}ef"
+    return slug + ("" if row.glu or row.model_kind != "llama" else "-gelu")
+
+
+def model_file(row: PublishedRun) -> Path:
+    return MODELS / f"{model_slug(row)}.toml"
+
+
+def model_toml(row: PublishedRun) -> str:
+    """The TOML file of the row's model (`model_of`), as `--model FILE` reads it back."""
+    llm = model_of(row).llm
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return f'"{v}"' if isinstance(v, str) else repr(v)
+
+    lines = [f"# {row.model_kind} model of the published runs table (simulator/published.py model_of)",
+             f'name = "{model_slug(row)}"', "", "[llm]"]
+    lines += [f"{k} = {value(v)}" for k, v in vars(llm).items() if k not in ("moe", "name")]
+    lines.insert(4, f'name = "{model_slug(row)}"')
+    if llm.moe is not None:
+        lines += ["", "[llm.moe]"] + [f"{k} = {value(v)}" for k, v in vars(llm.moe).items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_model_files(rows: list[PublishedRun]) -> list[Path]:
+    """Every row's model file, written where missing or different; the paths written."""
+    written = []
+    for row in rows:
+        path, text = model_file(row), model_toml(row)
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            written.append(path)
+    return written
+
+
+def command_of(row: PublishedRun, dp_mode: str | None = None, recompute: str | None = None) -> list[str]:
+    """The `omnibench simulate` arguments that simulate `row` (with `dp_mode` / `recompute` in place of the
+    row's: what the fill rule chose), from the repository root: the homogeneous system (one layout for
+    every module: what a text-only run is) at the row's layout, batch and software."""
+    repo = SHIPPED.parents[1]
+    argv = ["simulate", "--workload", f"pretrain_{row.seq}", "--system", "homogeneous", "--gpus", str(row.gpus),
+            "--hardware", row.hardware, "--model", str(model_file(row).relative_to(repo)),
+            "--tp", str(row.tp), "--pp", str(row.pp), "--cp", str(row.cp), "--dp", str(row.dp),
+            "--dp-mode", dp_mode or row.dp_mode, "--microbatches", str(row.microbatches),
+            "--global-batch-tokens", str(row.global_batch * row.seq), "--recompute", recompute or row.recompute]
+    if row.vpp > 1:
+        argv += ["--virtual-stages", str(row.vpp)]
+    if row.cp > 1:
+        argv += ["--cp-kind", CP_KINDS[row.cp_kind]]
+    if row.ep > 1:
+        argv += ["--ep", str(row.ep)]
+    if expert_tp_of(row):
+        argv += ["--expert-tp", str(expert_tp_of(row))]
+    return argv + row.software_spec.flags()
+
+
+def run_command(argv: list[str]) -> dict:
+    """`omnibench <argv> --json` run in this process, into a record folder that is then removed: the
+    simulate command's one result row. PublishedError with the command's own one-line error when it
+    refuses the input."""
+    import contextlib
+    import io
+    import json
+    import tempfile
+
+    import click
+    import typer
+
+    from omnibench.cli import app
+
+    repo = SHIPPED.parents[1]
+    args = [str(repo / a) if a.startswith("results/validation/models/") else a for a in argv]
+    out, err = io.StringIO(), io.StringIO()
+    with tempfile.TemporaryDirectory(prefix="published-") as tmp:
+        args += ["--json", "--workers", "1", "--out", tmp]
+        code = 0
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = typer.main.get_command(app).main(args=args, prog_name="omnibench", standalone_mode=False)
+            except SystemExit as e:
+                code = e.code
+            except click.ClickException as e:
+                raise PublishedError(f"omnibench {' '.join(argv)}: {e.format_message()}") from None
+    text = out.getvalue()
+    if code not in (0, 1, None) or not text.strip():
+        why = (err.getvalue().strip().splitlines() or ["no output"])[-1]
+        raise PublishedError(f"omnibench {' '.join(argv)}: {why}")
+    return json.loads(text)["results"][0]
 
 
 # -- the measured side ----------------------------------------------------------------------------------------
@@ -442,6 +495,8 @@ class PublishedCheck:
     sim_seconds: float = 0.0
     # an unpublished field the check chose so that the run fits (`check_row`), e.g. "recompute selective"
     filled: str = ""
+    # the `omnibench simulate` arguments that gave these figures (empty for a study's override: `check_row`)
+    command: list = field(default_factory=list)
 
     @property
     def error(self) -> float:
@@ -457,10 +512,12 @@ class PublishedCheck:
 
 def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, stack: str | None = None,
               gpu: dict | None = None, sim: dict | None = None) -> PublishedCheck:
-    """Simulate one row. `kernels`: a kernel profile for the row's hardware instead of its preset's
-    ("none": the datasheet roofline fallback); `stack`: eager|fused for every row instead of the
-    row's own stack; `gpu`: GPUSpec fields to change on the preset (what the machine fit varies);
-    `sim`: SimOptions fields to change on the row's stack rule (sensitivity studies).
+    """Simulate one row through `omnibench simulate` (`command_of`, `run_command`): the command a user
+    types. The studies' overrides, which no user command takes, simulate the row's own Plan directly
+    instead (no `command` then): `calibration`, a fitted profile; `kernels`, a kernel profile for the
+    row's hardware instead of its preset's ("none": the datasheet roofline fallback); `stack`,
+    eager|fused kernels for every row; `gpu`, GPUSpec fields to change on the preset (what the machine
+    fit varies); `sim`, SimOptions fields to change on the row's software (sensitivity studies).
 
     A run that ran but does not fit with the fill rule's choices of its unpublished fields is
     simulated with what a user of the stack would have run instead: among the unpublished DP mode
@@ -496,8 +553,11 @@ def check_row(row: PublishedRun, calibration=None, kernels: str | None = None, s
 
 def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None,
                plans: dict | None = None) -> PublishedCheck:
-    """One simulation of `row` as given. `plans`: the Plans of this row already made, by DP mode (the
-    fill tries several recompute modes of one row, and the Plan does not depend on them)."""
+    """One simulation of `row` as given: its command, or (a study's override) its Plan simulated here.
+    `plans`: the Plans of this row already made, by DP mode (the fill tries several recompute modes of
+    one row, and the Plan does not depend on them)."""
+    if calibration is None and kernels is None and stack is None and not gpu and not sim:
+        return _check_command(row)
     from simulator.engine import simulate
     from simulator.hardware import load_cluster
     from systems import get_planner
@@ -512,7 +572,7 @@ def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None,
     model = model_of(row)
     parallel = parallel_of(row, cluster.gpus_per_node)
     parallel.validate(model)
-    spec = get_workload("pretrain_2048") if row.seq == 2048 else fixed_text_workload(row.seq)
+    spec = get_workload(f"pretrain_{row.seq}")
     stream = WorkloadStream(spec, seed=0, global_batch_tokens=row.global_batch * row.seq)
     plan = (plans or {}).get(row.dp_mode)
     if plan is None:
@@ -525,6 +585,22 @@ def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None,
                           mfu=res.mfu, hfu_tflops=res.hardware_tflops_per_gpu,
                           breakdown={"bubble": res.bubble, "exposed_comm": res.exposed_comm},
                           compute_model=res.compute_model, sim_seconds=res.sim_seconds)
+
+
+def _check_command(row: PublishedRun) -> PublishedCheck:
+    """`row` simulated by its `omnibench simulate` command."""
+    from simulator.hardware import load_cluster
+
+    argv = command_of(row)
+    got = run_command(argv)
+    if "error" in got:
+        raise PublishedError(f"{row.name}: {got['error']}")
+    peak = load_cluster(row.hardware, row.gpus).gpu.peak_tflops
+    breakdown = {"bubble": got["bubble"], "exposed_comm": got["exposed_comm"]}
+    return PublishedCheck(row=row, measured_s=measured(row, peak), simulated_s=got["step_time_s"], fits=got["fits"],
+                          fit_message=got["fit_message"], peak_memory_gib=got["peak_memory_gib"], mfu=got["mfu"],
+                          hfu_tflops=got["hardware_tflops_per_gpu"], breakdown=breakdown,
+                          compute_model=got["compute_model"], sim_seconds=got["sim_seconds"], command=argv)
 
 
 # -- statistics and the committed table ----------------------------------------------------------------------
@@ -632,7 +708,9 @@ def to_json(checks: list[PublishedCheck]) -> dict:
                   "measured_s": c.measured_s, "simulated_s": c.simulated_s, "error": c.error, "fits": c.fits,
                   "fit_message": c.fit_message, "filled": c.filled or None, "peak_memory_gib": c.peak_memory_gib,
                   "published_memory_gib": c.row.peak_memory_gib, "memory_error": c.memory_error, "mfu": c.mfu,
-                  "hfu_tflops": c.hfu_tflops, **c.breakdown} for c in checks],
+                  "hfu_tflops": c.hfu_tflops, **c.breakdown,
+                  # the whole command line that gave these figures, from the repository root
+                  "command": shlex.join(["omnibench", *c.command]) if c.command else None} for c in checks],
         "split": {k: v.to_dict() for k, v in g["split"].items() if v},
         "source": {f"{s}/{sp}": v.to_dict() for (s, sp), v in g["source"].items() if v},
         "memory": {k: v.to_dict() for k, v in g["memory"].items() if v},

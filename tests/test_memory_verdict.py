@@ -28,9 +28,8 @@ from simulator.memory import (
     communicators,
     memory_needed,
     oom_figures,
-    published_memory_stack,
 )
-from simulator.published import load_published
+from simulator.published import load_published, options_of
 from systems import get_planner
 from workloads.sample import Batch, Sample, Segment
 
@@ -184,13 +183,16 @@ def test_megatron_in_bf16_keeps_fp32_main_gradients_and_the_distributed_optimize
 
 
 def test_the_published_rows_that_reduced_gradients_in_bf16_keep_bf16_gradients_the_others_fp32():
+    """--grad-reduce-dtype bf16 (the NeMo launcher's grad_sync_dtype=bf16) is a flag of the row's software,
+    not a rule keyed by who published it: those rows keep bf16 main gradients, the other Megatron-family
+    rows fp32."""
     rows = load_published(RUNS_CSV)
-    nemo_perf = [r for r in rows if r.source == "nemo-perf"]
-    megatron = [r for r in rows if r.stack == "megatron" and r.source not in ("shoeybi2019", "narayanan2021",
-                                                                              "korthikanti2022")]
-    assert nemo_perf and megatron
-    assert {published_memory_stack(r).removesuffix("+fp8") for r in nemo_perf} == {"megatron-bf16-grads"}
-    assert {published_memory_stack(r).removesuffix("+fp8") for r in megatron} == {"megatron"}
+    bf16 = [r for r in rows if "--grad-reduce-dtype bf16" in r.software]
+    fp32 = [r for r in rows if r.software_spec.stack in ("nemo", "megatron-core", "megatron-flash")
+            and "--grad-reduce-dtype" not in r.software]
+    assert bf16 and fp32
+    assert {options_of(r).memory_stack for r in bf16} == {"megatron-bf16-grads"}
+    assert {options_of(r).memory_stack for r in fp32} <= {"megatron", "nemo"}
 
 
 def test_a_rank_holds_a_communicator_per_group_it_is_in_omnis_step_groups_included():

@@ -58,12 +58,14 @@ def test_inert_without_pipelining():
 
 
 def test_published_rows_get_it_from_their_stack():
-    def row(stack: str) -> PublishedRun:
+    def row(software: str) -> PublishedRun:
         return PublishedRun(name="r", source="s", split="heldout", hardware="h100", gpus=64, model_kind="llama",
                             layers=8, hidden=8192, heads=64, kv_heads=8, ffn=28672, glu=True, vocab=8, seq=4096,
                             tp=8, pp=4, vpp=1, cp=1, cp_kind="", ep=1, dp_mode="fsdp", global_batch=16,
-                            micro_batch=1, recompute="none", precision="bf16", stack=stack, step_time_s=1.0)
+                            micro_batch=1, recompute="none", precision="bf16", stack="other", software=f"--stack {software}",
+                            step_time_s=1.0)
 
     assert options_of(row("torchtitan")).pp_prefetch_unshard
-    assert not options_of(row("megatron")).pp_prefetch_unshard
-    assert not options_of(row("other")).pp_prefetch_unshard
+    assert options_of(row("torchtitan-compile")).pp_prefetch_unshard
+    assert not options_of(row("megatron-core")).pp_prefetch_unshard
+    assert not options_of(row("megatron-flash")).pp_prefetch_unshard

@@ -58,13 +58,13 @@ def test_every_row_loads_gets_a_layout_and_has_a_hardware_preset(rows):
 
 
 def test_a_rows_plan_holds_its_global_batch(rows):
-    from simulator.published import fixed_text_workload
     from systems import get_planner
+    from workloads.registry import get_workload
     from workloads.stream import WorkloadStream
 
     for name in ("tt-8b-fsdp8", "megatron-1.7b-32gpu", "nemo-llama2-13b-16gpu"):
         r = rows[name]
-        stream = WorkloadStream(fixed_text_workload(r.seq), seed=0, global_batch_tokens=r.global_batch * r.seq)
+        stream = WorkloadStream(get_workload(f"pretrain_{r.seq}"), seed=0, global_batch_tokens=r.global_batch * r.seq)
         plan = get_planner("homogeneous").plan(model_of(r), parallel_of(r, 8), stream.batch(0))
         assert len(plan.samples) == r.global_batch
         assert all(len(mb) == r.micro_batch for mbs in plan.assignment["llm"].values() for mb in mbs), name

@@ -16,7 +16,7 @@ import pytest
 CSV = Path(__file__).resolve().parents[1] / "results" / "validation" / "published_runs.csv"
 COLUMNS = ("name, source, table, url, split, hardware, gpus, model_kind, layers, hidden, heads, kv_heads, ffn, "
            "glu, vocab, experts, top_k, expert_ffn, seq, tp, pp, vpp, cp, cp_kind, ep, dp_mode, global_batch, "
-           "micro_batch, recompute, precision, stack, tflops_per_gpu, mfu, step_time_s, tokens_per_s_per_gpu, "
+           "micro_batch, recompute, precision, stack, software, tflops_per_gpu, mfu, step_time_s, tokens_per_s_per_gpu, "
            "flop_formula, peak_memory_gib, verified, notes").split(", ")
 MEASURED = ("tflops_per_gpu", "mfu", "step_time_s", "tokens_per_s_per_gpu")
 ALLOWED = {
@@ -40,7 +40,7 @@ INTEGERS = ("gpus", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "se
 def rows() -> list[dict]:
     with CSV.open(newline="") as fh:
         reader = csv.DictReader(fh)
-        assert tuple(reader.fieldnames or ()) == tuple(COLUMNS), "columns differ from INTERFACES.md"
+        assert tuple(reader.fieldnames or ()) == tuple(COLUMNS), "columns differ from results/validation/README.md"
         return list(reader)
 
 

@@ -7,6 +7,7 @@ trace.py builds one from a trace, and this module picks which reader a path need
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from workloads.spec import (
@@ -42,6 +43,18 @@ def workload_names() -> list[str]:
     return sorted(p.stem for p in SPEC_DIR.glob("*.toml"))
 
 
+# `pretrain_<N>`: text pretraining at a fixed N-token length, for any N up to this (pretrain_2048 is a file)
+PRETRAIN = re.compile(r"pretrain_(\d+)")
+MAX_PRETRAIN_TOKENS = 1 << 20
+
+
+def pretrain_workload(seq: int) -> WorkloadSpec:
+    """Every sample one fixed `seq`-token text sequence: what the published dense-LLM runs trained on."""
+    return spec_from_dict({"name": f"pretrain_{seq}", "description": f"Text pretraining at a fixed {seq}-token length.",
+                           "total_steps": 1000, "sources": {"text": {"text_tokens": seq}},
+                           "schedule": {"kind": "constant", "weights": {"text": 1.0}}}, origin="builtin")
+
+
 def get_workload(name_or_path: str | Path | WorkloadSpec) -> WorkloadSpec:
     """A named workload, or one read from a TOML/YAML/JSON spec or a JSONL trace file."""
     if isinstance(name_or_path, WorkloadSpec):
@@ -59,6 +72,10 @@ def get_workload(name_or_path: str | Path | WorkloadSpec) -> WorkloadSpec:
         )
         _REGISTRY[s] = spec
         return spec
+    fixed = PRETRAIN.fullmatch(s)
+    if fixed and 1 <= int(fixed[1]) <= MAX_PRETRAIN_TOKENS:
+        _REGISTRY[s] = pretrain_workload(int(fixed[1]))
+        return _REGISTRY[s]
     p = Path(s)
     if p.suffix.lower() in FILE_SUFFIXES:
         if p.is_dir():
@@ -69,6 +86,7 @@ def get_workload(name_or_path: str | Path | WorkloadSpec) -> WorkloadSpec:
             raise WorkloadError(f"workload: file {s} does not exist")
         return load_spec_file(p)
     raise WorkloadError(
-        f"workload: unknown name {s!r}; allowed: {', '.join(workload_names())} "
+        f"workload: unknown name {s!r}; allowed: {', '.join(workload_names())}, pretrain_<N> (N <= "
+        f"{MAX_PRETRAIN_TOKENS:,} tokens) "
         f"or a path to a {'/'.join(x[1:] for x in FILE_SUFFIXES)} file"
     )

@@ -143,6 +143,8 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
 # One line each (`simulate --help` keeps every option to one line); the command's description says more.
 HARDWARE_HELP = "Preset (h100, h200, b200, ...) or a file."
 STACK_HELP = "eager (this runtime) | fused (Megatron)."
+SOFTWARE_STACK_HELP = ("Software stack: eager (this runtime), fused, megatron-2021, megatron-core, nemo, megatron-flash, "
+                       "torchtitan[-compile|-compile-loss|-fused-norm], composer, deepspeed-zero3.")
 DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
 CP_KIND_HELP = "ulysses | ring | allgather."
@@ -184,6 +186,17 @@ def _dp_fields(dp_mode: str | None, dp_shard: int) -> dict:
     return fields
 
 
+def software_from_flags(stack: str, hardware: str, **flags):
+    """The Software (simulator/stacks.py) of `--stack` and its mechanism flags; one line naming the flag
+    and its allowed values otherwise."""
+    from simulator.stacks import StackError, software_of
+
+    try:
+        return software_of(stack, hardware=hardware, **flags)
+    except StackError as e:
+        fail(str(e))
+
+
 def _check_stack(stack: str) -> None:
     from simulator.kernels import STACK_KINDS
 
@@ -203,10 +216,11 @@ def with_micro_batch(parallel, batch, micro_batch: int):
 
 def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
                chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None, stack: str = "eager",
-               memory_error: float = 0.0):
+               memory_error: float = 0.0, software: dict | None = None):
     """The steps to simulate of `system` at one fixed layout (`parallel`, `recompute`): the batches
     `step_indices(steps, stride)`, the layout never revisited between steps. The first keeps its
-    spans (the record's trace). `packed`: the stream's batches packed so far, shared by the systems."""
+    spans (the record's trace). `packed`: the stream's batches packed so far, shared by the systems.
+    `software`: SimOptions fields of `--stack` and its mechanism flags (simulator/stacks.py), over `stack`."""
     from dataclasses import replace
 
     from simulator.cache import StepJob, pack
@@ -214,8 +228,8 @@ def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompu
 
     if hardware and profile is None:
         parallel = replace(parallel, options=planner_options(system, parallel.options, hardware))
-    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, stack=stack,
-                             memory_error=memory_error, mixed_precision=parallel.mixed_precision)
+    sim_options = SimOptions(recompute=recompute, encoder_chunk_tokens=chunk_tokens, memory_error=memory_error,
+                             mixed_precision=parallel.mixed_precision, **{"stack": stack, **(software or {})})
     packed = {} if packed is None else packed
     for s in step_indices(steps, stride):
         if s not in packed:
@@ -451,7 +465,8 @@ def _one_gc_pause(on: bool):
 
 def _resolved(row: dict, system: str, model, parallel, stream, steps: int, stride: int, cluster, tp: int, pp: int,
               cp: int, recompute: str, options: dict, hardware: str, profile, chunk_tokens: int,
-              packed: dict | None = None, memory_error: float = 0.0, stack: str = "eager"):
+              packed: dict | None = None, memory_error: float = 0.0, stack: str = "eager",
+              software: dict | None = None):
     """The layout and recompute mode `system` is simulated with (omnibench/resolve.py: the flags, else
     its default layout; `auto`: the cheapest recompute that the simulator's memory estimate of the
     first simulated batches fits); what was settled goes into `row`. `packed`: the stream's batches
@@ -472,7 +487,8 @@ def _resolved(row: dict, system: str, model, parallel, stream, steps: int, strid
         batches.append(packed[i].get())
     res = resolve_layout(system, model, parallel, batches, cluster, tp=tp, pp=pp, cp=cp, recompute=recompute,
                          encoder_chunk_tokens=chunk_tokens,
-                         budget_bytes=cluster.gpu.memory_bytes / (1.0 + memory_error), stack=stack)
+                         budget_bytes=cluster.gpu.memory_bytes / (1.0 + memory_error), stack=stack,
+                         software=software)
     if (tp, pp, cp) == (0, 0, 0):
         row["layout"] = f"tp{res.parallel.tp} pp{res.parallel.pp} cp{res.parallel.cp}"
         row["layout_note"] = res.layout_note
@@ -504,7 +520,10 @@ def _summary(results, metrics) -> dict:
         "tokens_per_s_per_gpu": tokens / t / n if t else 0.0,
         "tflops_per_gpu": flops / t / n / 1e12 if t else 0.0,
         "mfu": flops / t / n / first.peak_flops if t else 0.0,
+        # counting the recomputed forward too: what the GPUs execute
+        "hardware_tflops_per_gpu": sum(r.hardware_tflops_per_gpu * r.step_time for r in results) / t if t else 0.0,
         "flop_formula": first.flop_formula,
+        "compute_model": first.compute_model,
         "bubble": sum(r.bubble * r.step_time for r in results) / t if t else 0.0,
         "exposed_comm": sum(r.exposed_comm * r.step_time for r in results) / t if t else 0.0,
         "imbalance": sum(r.imbalance * r.step_time for r in results) / t if t else 0.0,
@@ -646,7 +665,7 @@ SIMULATE_HELP = "\n\n".join([
     "again, up to 3 times, while it moves more than 2%).",
     "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
     "NVLink at 200 GB/s, h200, b200, gb200: one 72-GPU NVLink domain, a100-80g, a100-40g, v100-32g, cpu-gloo) "
-    "or a file; --stack costs this runtime's eager kernels or Megatron's fused ones; --dp-mode says how data parallelism holds the training state (an "
+    "or a file; --stack names the software (eager: this runtime; fused: Megatron's kernels; megatron-2021, megatron-core, nemo, megatron-flash, torchtitan[-compile...], composer, deepspeed-zero3: the stacks of published runs, simulator/stacks.py), and --sequence-parallel, --overlap-grad-reduce, --overlap-param-gather, --tp-overlap, --attention, --grad-reduce-dtype, --fp8 and --ep-dispatcher change one mechanism of it (Megatron-LM's names); --dp-mode says how data parallelism holds the training state (an "
     "explicit fsdp never shards within nodes; hsdp shards within 8 nodes, or --dp-shard ranks); --cp-kind allgather "
     "(Llama 3's all-gathered K/V) runs in `run` too; ring is simulated only.",
     "Sweeps: every simulation runs in a pool (--workers, default every core) or on Ray (--ray), each step cached on "
@@ -665,7 +684,22 @@ def register(app: typer.Typer) -> None:
         gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
         hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
-        stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
+        stack: str = typer.Option("eager", "--stack", help=SOFTWARE_STACK_HELP),
+        sequence_parallel: bool = typer.Option(None, "--sequence-parallel/--no-sequence-parallel",
+                                               help="Norms and residuals over 1/tp of the tokens; default: the stack's."),
+        overlap_grad_reduce: bool = typer.Option(None, "--overlap-grad-reduce/--no-overlap-grad-reduce",
+                                                 help="DP gradient reduction behind the backward; default: the stack's."),
+        overlap_param_gather: bool = typer.Option(None, "--overlap-param-gather/--no-overlap-param-gather",
+                                                  help="ZeRO's parameter gather behind the forward; default: the stack's."),
+        tp_overlap: bool = typer.Option(None, "--tp-overlap/--no-tp-overlap",
+                                        help="TP collectives overlapped with GEMMs (TE userbuffers, AsyncTP)."),
+        attention: str = typer.Option("", "--attention", help="flash | unfused (s x s scores in HBM); default: the "
+                                      "stack's."),
+        grad_reduce_dtype: str = typer.Option("", "--grad-reduce-dtype", help="fp32 | bf16 main gradients "
+                                              "(Megatron stacks); default: fp32."),
+        fp8: bool = typer.Option(False, "--fp8", help="Linear layers on FP8 tensor cores (Hopper or later)."),
+        ep_dispatcher: str = typer.Option("alltoall", "--ep-dispatcher", help="alltoall | deepep (MoE token "
+                                          "dispatch)."),
         dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
         mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
         micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
@@ -677,6 +711,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(0, "--cp", help=CP_HELP),
         cp_kind: str = typer.Option("ulysses", "--cp-kind", help=CP_KIND_HELP),
         ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models)."),
+        expert_tp: int = typer.Option(0, "--expert-tp", help="0: experts split over tp | 1: experts whole."),
         dp: int = typer.Option(0, "--dp", help="Data-parallel degree; 0: what is left."),
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
@@ -716,6 +751,7 @@ def register(app: typer.Typer) -> None:
         from simulator.cache import pack, run_step
         from simulator.calibrate import Profile
         from simulator.hardware import load_cluster
+        from simulator.stacks import splits_embedding_loss
         from simulator.traces import perfetto_events, write_json_atomic
         from systems import SYSTEMS, available_systems
         from systems.omni.options import options_from_flags
@@ -756,7 +792,17 @@ def register(app: typer.Typer) -> None:
         dp_fields = _dp_fields(dp_mode, dp_shard)
         check_mixed_precision(mixed_precision, stack)
         dp_fields["mixed_precision"] = mixed_precision
-        _check_stack(stack)
+        software = software_from_flags(stack, hardware, attention=attention, grad_reduce_dtype=grad_reduce_dtype, fp8=fp8,
+                                       ep_dispatcher=ep_dispatcher, sequence_parallel=sequence_parallel,
+                                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                                       tp_overlap=tp_overlap)
+        if tuned and software.flags() not in (["--stack", "eager"], ["--stack", "fused"]):
+            fail(f"tuned: --tuned searches with --stack eager or fused and no mechanism flags; got "
+                 f"{' '.join(software.flags())}")
+        if expert_tp not in (0, 1):
+            fail(f"expert-tp must be 0 (experts split over tp) or 1 (experts whole, ep over dp*cp*tp); got {expert_tp}")
+        sim_software = software.sim_fields()
+        stack = software.preset.kernels  # what the tune and the layout checks cost the blocks with
         if micro_batch < 0 or (micro_batch and microbatches):
             fail(f"micro-batch must be a positive number of samples (or 0: --microbatches decides), and not given "
                  f"with --microbatches; got --micro-batch {micro_batch} --microbatches {microbatches}")
@@ -809,6 +855,9 @@ def register(app: typer.Typer) -> None:
                 parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
                                         tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
                                         virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
+                                        expert_tp=expert_tp,
+                                        embedding_loss_stages=splits_embedding_loss(software, spec.llm.layers,
+                                                                                    pp or 1, virtual_stages),
                                         **dp_fields)
                 parallel.validate(spec)
             except ValueError as e:
@@ -930,14 +979,16 @@ def register(app: typer.Typer) -> None:
                                     sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
                                                                             step_stride, clusters[n], tp, pp, cp, recompute,
                                                                             options, hardware, profile, encoder_chunk_tokens,
-                                                                            packed, memory_error, stack)
+                                                                            packed, memory_error, stack,
+                                                                            sim_software)
                                 if micro_batch and not tuned:
                                     sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
                                 row.setdefault("recompute", sys_recompute)
                                 jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
                                                   hardware, step_stride, encoder_chunk_tokens,
                                                   want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
-                                                  packed=packed, stack=stack, memory_error=memory_error)
+                                                  packed=packed, stack=stack, memory_error=memory_error,
+                                                  software=sim_software)
                             except ValueError as e:
                                 if len(systems) == 1:
                                     fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
@@ -1009,7 +1060,8 @@ def register(app: typer.Typer) -> None:
                     # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
                     **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
                     "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
-                    "micro_batch": micro_batch, "stack": stack, "mixed_precision": mixed_precision, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
+                    "micro_batch": micro_batch, "stack": software.stack,
+                    "software": " ".join(software.flags()), "mixed_precision": mixed_precision, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
                     "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
                     "memory_error": memory_error,
                     "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),

@@ -1,0 +1,245 @@
+"""Named software stacks: what a training framework runs, as simulation options.
+
+`omnibench simulate --stack NAME` picks one; the mechanism flags (`--sequence-parallel`,
+`--overlap-grad-reduce`, `--overlap-param-gather`, `--tp-overlap`, `--attention`,
+`--grad-reduce-dtype`, `--fp8`, `--ep-dispatcher`) change one thing on top of it, under the names
+Megatron-LM gives them. A published run is simulated through exactly this: its software column holds
+these flags (simulator/published.py), never a rule keyed by who published it.
+
+Each stack is read off its framework's code and documents (README, "What each stack runs"):
+
+- eager: this project's runtime (omnibench/runtime): PyTorch modules op by op under autocast.
+- fused: the same runtime's layouts costed with Megatron-LM's fused kernels (`simulator/kernels.py`).
+- megatron-2021: Megatron-LM of 2019-22 (Shoeybi et al., Narayanan et al., Korthikanti et al.): fused
+  kernels, attention through s x s score matrices in HBM (no flash attention), DP all-reduce after the
+  backward, pipeline sends scattered over the tp ranks (Narayanan et al. SC'21 sec. 4.1).
+- megatron-core: Megatron-Core with Transformer Engine (2024-25): flash attention, sequence parallelism,
+  the distributed optimizer's gradient reduce-scatter and parameter all-gather overlapped.
+- nemo: NeMo 2 / Megatron-Bridge recipes: megatron-core plus TP communication overlap (userbuffers),
+  FP8 weights kept in FP8 in FP8 recipes (fp8_param_gather).
+- megatron-flash: a Megatron-derived stack with sequence parallelism and flash attention, nothing
+  overlapped unless the flags say so (MegaScale's and Meta's Llama 3 stacks as their papers describe them).
+- torchtitan: PyTorch eager blocks (fp32 norm and RoPE math), SDPA flash attention, FSDP2, TP with
+  sequence-parallel norms; selective checkpointing recomputes half of each block's forward
+  (`selective_ac_option` "op" or "2"); torch.distributed.pipelining unshards the next stages ahead.
+  torchtitan-compile: the blocks under torch.compile; torchtitan-compile-loss: the loss compiled too
+  (components/loss.py from May 2025); torchtitan-fused-norm: eager blocks with its Triton RMSNorm.
+- composer: MosaicML Composer + LLM Foundry: PyTorch FSDP with flash attention and low-precision
+  LayerNorm, gradients reduce-scattered in every microbatch's backward (no no_sync under FSDP).
+- deepspeed-zero3: Megatron's GPT model under DeepSpeed ZeRO-3 (Narayanan et al.'s comparison):
+  megatron-2021's kernels, parameters gathered in prefetch buckets of 5e7 and gradients reduced in
+  buckets of 5e8 (the ZeRO-3 config defaults), gathered again for a recomputed forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+# Hopper or later: FP8 tensor cores (hardware presets whose names start so)
+FP8_HARDWARE = ("h100", "h200", "h800", "b200", "gb200")
+
+
+@dataclass(frozen=True)
+class SoftwareStack:
+    """One framework's choices, as SimOptions fields (simulator/options.py)."""
+
+    summary: str
+    kernels: str  # simulator/kernels.py Stack: "eager" | "fused"
+    memory: str = ""  # simulator/memory.py MEMORY_STACKS; "" follows the kernels (eager | megatron)
+    attention: str = ""  # "" the kernel profile's own | "flash" | "unfused"
+    sequence_parallel: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    tp_overlap: bool = False
+    selective: str = "attention"
+    fsdp_reduce_every_microbatch: bool = False
+    fsdp_gather_bucket: float = 0.0
+    fsdp_reduce_bucket: float = 0.0
+    gather_for_recompute: bool = False
+    p2p_scatter_gather: bool = False
+    pp_prefetch_unshard: bool = False
+    # Megatron-Core cuts a pipeline whose stages do not divide the layers with the embedding and the
+    # loss counted as a layer each (account_for_embedding/loss_in_pipeline_split)
+    split_counts_embedding_loss: bool = False
+
+
+_MEGATRON_CORE = dict(kernels="fused", memory="megatron", attention="flash", sequence_parallel=True,
+                      overlap_grad_reduce=True, overlap_param_gather=True, p2p_scatter_gather=True,
+                      split_counts_embedding_loss=True)
+_TORCHTITAN = dict(kernels="eager", memory="torchtitan", attention="flash", sequence_parallel=True, selective="half",
+                   p2p_scatter_gather=True, pp_prefetch_unshard=True)
+
+SOFTWARE_STACKS: dict[str, SoftwareStack] = {
+    "eager": SoftwareStack("this project's runtime: PyTorch ops under autocast", "eager"),
+    "fused": SoftwareStack("this runtime's layouts with Megatron-LM's fused kernels", "fused"),
+    "megatron-2021": SoftwareStack("Megatron-LM 2019-22: unfused attention, nothing overlapped", "fused",
+                                   memory="megatron-2021", attention="unfused", p2p_scatter_gather=True,
+                                   split_counts_embedding_loss=True),
+    "megatron-core": SoftwareStack("Megatron-Core + Transformer Engine: SP, overlapped distributed optimizer",
+                                   **_MEGATRON_CORE),
+    "nemo": SoftwareStack("NeMo 2 / Megatron-Bridge: megatron-core plus TP comm overlap",
+                          **{**_MEGATRON_CORE, "memory": "nemo", "tp_overlap": True}),
+    "megatron-flash": SoftwareStack("Megatron-derived with SP and flash attention, nothing overlapped", "fused",
+                                    memory="megatron", attention="flash", sequence_parallel=True,
+                                    p2p_scatter_gather=True),
+    "torchtitan": SoftwareStack("torchtitan eager: FSDP2, SDPA, half-forward selective AC", **_TORCHTITAN),
+    "torchtitan-compile": SoftwareStack("torchtitan with torch.compile'd blocks",
+                                        **{**_TORCHTITAN, "kernels": "fused", "memory": "torchtitan-compile"}),
+    "torchtitan-compile-loss": SoftwareStack("torchtitan with compiled blocks and loss",
+                                             **{**_TORCHTITAN, "kernels": "fused",
+                                                "memory": "torchtitan-compile-loss"}),
+    "torchtitan-fused-norm": SoftwareStack("torchtitan eager with its Triton RMSNorm",
+                                           **{**_TORCHTITAN, "memory": "torchtitan-fused-norm"}),
+    "composer": SoftwareStack("Composer/LLM Foundry: FSDP reducing every microbatch", "fused", memory="composer",
+                              attention="flash", fsdp_reduce_every_microbatch=True, p2p_scatter_gather=True),
+    "deepspeed-zero3": SoftwareStack("DeepSpeed ZeRO-3 over Megatron's GPT (2021)", "fused", memory="megatron-2021",
+                                     attention="unfused", fsdp_gather_bucket=5e7, fsdp_reduce_bucket=5e8,
+                                     gather_for_recompute=True, p2p_scatter_gather=True),
+}
+
+ATTENTIONS = ("flash", "unfused")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+EP_DISPATCHERS = ("alltoall", "deepep")
+# the mechanism flags: SimOptions fields a user turns on or off over the stack's choice
+SWITCHES = ("sequence_parallel", "overlap_grad_reduce", "overlap_param_gather", "tp_overlap")
+
+
+class StackError(ValueError):
+    """A stack name or mechanism flag that does not apply; the message names the flag and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Software:
+    """A stack with the user's mechanism flags: what `simulate --stack ... [flags]` runs."""
+
+    stack: str = "eager"
+    attention: str = ""  # "": the stack's
+    grad_reduce_dtype: str = ""  # "": the stack's (fp32 main gradients everywhere but where a flag says)
+    fp8: bool = False
+    ep_dispatcher: str = "alltoall"
+    switches: tuple[tuple[str, bool], ...] = ()  # (SWITCHES name, on) the user set
+
+    def check(self, hardware: str = "") -> Software:
+        """This software, or StackError naming the flag at fault."""
+        if self.stack not in SOFTWARE_STACKS:
+            raise StackError(f"stack must be one of {', '.join(SOFTWARE_STACKS)}; got {self.stack!r}")
+        if self.attention not in ("", *ATTENTIONS):
+            raise StackError(f"attention must be one of {', '.join(ATTENTIONS)}; got {self.attention!r}")
+        if self.grad_reduce_dtype not in ("", *GRAD_REDUCE_DTYPES):
+            raise StackError(f"grad-reduce-dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}; "
+                             f"got {self.grad_reduce_dtype!r}")
+        if self.grad_reduce_dtype == "bf16" and replace(self, grad_reduce_dtype="").memory_base() not in ("megatron",
+                                                                                                    "nemo"):
+            raise StackError(f"grad-reduce-dtype bf16 is Megatron's --grad-reduce-in-bf16: give --stack megatron-core, "
+                             f"nemo, megatron-flash or megatron-2021; got --stack {self.stack}")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise StackError(f"ep-dispatcher must be one of {', '.join(EP_DISPATCHERS)}; got {self.ep_dispatcher!r}")
+        if self.fp8 and hardware and not _is_file(hardware) and not hardware.startswith(FP8_HARDWARE):
+            raise StackError(f"fp8: FP8 tensor cores need Hopper or later ({', '.join(FP8_HARDWARE)}); "
+                             f"got --hardware {hardware}")
+        if self.fp8 and self.stack == "eager":
+            raise StackError("fp8: this runtime (--stack eager) trains in bf16; give a stack that runs FP8 linears "
+                             "(fused, megatron-core, nemo, torchtitan-compile, ...)")
+        return self
+
+    @property
+    def preset(self) -> SoftwareStack:
+        return SOFTWARE_STACKS[self.stack]
+
+    def memory_base(self) -> str:
+        p = self.preset
+        base = p.memory or ("megatron" if p.kernels == "fused" else "eager")
+        if (self.attention or p.attention) == "unfused" and base == "megatron":
+            base = "megatron-2021"  # the s x s scores, softmax and dropout outputs of unfused attention
+        if self.grad_reduce_dtype == "bf16" and base in ("megatron", "nemo"):
+            base = "megatron-bf16-grads"
+        return base
+
+    def sim_fields(self) -> dict:
+        """SimOptions fields (simulator/options.py) of this software."""
+        p = self.preset
+        out = {f.name: getattr(p, f.name) for f in fields(SoftwareStack)
+               if f.name not in ("summary", "kernels", "memory", "split_counts_embedding_loss")}
+        out.update(dict(self.switches))
+        out["stack"] = p.kernels
+        if self.attention:
+            out["attention"] = self.attention
+        # "" keeps the kernels' own conventions (eager, or Megatron's, scores and all under an unfused
+        # attention profile): what `--stack eager|fused` has always charged
+        out["memory_stack"] = self.memory_base() if (p.memory or self.attention or self.grad_reduce_dtype) else ""
+        out["gemm_dtype"] = "fp8" if self.fp8 else "bf16"
+        out["ep_dispatcher"] = self.ep_dispatcher
+        return out
+
+    def flags(self) -> list[str]:
+        """The `simulate` arguments that select this software."""
+        out = ["--stack", self.stack]
+        for name, on in self.switches:
+            out.append(f"--{'' if on else 'no-'}{name.replace('_', '-')}")
+        if self.attention:
+            out += ["--attention", self.attention]
+        if self.grad_reduce_dtype:
+            out += ["--grad-reduce-dtype", self.grad_reduce_dtype]
+        if self.fp8:
+            out.append("--fp8")
+        if self.ep_dispatcher != "alltoall":
+            out += ["--ep-dispatcher", self.ep_dispatcher]
+        return out
+
+    def with_switch(self, name: str, on: bool) -> Software:
+        if name not in SWITCHES:
+            raise StackError(f"switch must be one of {', '.join(SWITCHES)}; got {name!r}")
+        kept = tuple((n, v) for n, v in self.switches if n != name)
+        return replace(self, switches=kept + ((name, on),))
+
+
+def software_of(stack: str = "eager", *, attention: str = "", grad_reduce_dtype: str = "", fp8: bool = False,
+                ep_dispatcher: str = "alltoall", hardware: str = "", **switches: bool | None) -> Software:
+    """The Software of `simulate`'s flags (a switch None: the stack's choice), checked."""
+    sw = Software(stack=stack, attention=attention or "", grad_reduce_dtype=grad_reduce_dtype or "", fp8=fp8,
+                  ep_dispatcher=ep_dispatcher or "alltoall")
+    for name, on in switches.items():
+        if on is not None:
+            sw = sw.with_switch(name, on)
+    return sw.check(hardware)
+
+
+def parse_flags(argv: list[str]) -> Software:
+    """The Software of a list of `simulate` flags (`Software.flags`' inverse; a published row's software column)."""
+    kw: dict = {}
+    switches: dict = {}
+    it = iter(argv)
+    for tok in it:
+        name = tok.removeprefix("--")
+        if name in ("stack", "attention", "grad-reduce-dtype", "ep-dispatcher"):
+            value = next(it, None)
+            if value is None:
+                raise StackError(f"{tok} needs a value")
+            kw[name.replace("-", "_")] = value
+        elif name == "fp8":
+            kw["fp8"] = True
+        elif name.replace("-", "_") in SWITCHES:
+            switches[name.replace("-", "_")] = True
+        elif name.startswith("no-") and name[3:].replace("-", "_") in SWITCHES:
+            switches[name[3:].replace("-", "_")] = False
+        else:
+            raise StackError(f"software flag {tok!r} is not one of --stack, --attention, --grad-reduce-dtype, --fp8, "
+                             f"--ep-dispatcher, --[no-]{', --[no-]'.join(s.replace('_', '-') for s in SWITCHES)}")
+    return software_of(**kw, **switches)
+
+
+def _is_file(hardware: str) -> bool:
+    return hardware.endswith((".toml", ".yaml", ".yml", ".json"))
+
+
+def stacks_help() -> str:
+    return "; ".join(f"{name}: {s.summary}" for name, s in SOFTWARE_STACKS.items())
+
+
+def splits_embedding_loss(software: Software, layers: int, pp: int, virtual_stages: int = 1) -> bool:
+    """ParallelSpec.embedding_loss_stages under `software`: a Megatron-Core stack cuts a pipeline whose
+    pp x virtual stages do not divide the layers with the embedding and the loss as a layer each, where
+    that divides (the recipes' account_for_embedding/loss_in_pipeline_split)."""
+    stages = pp * virtual_stages
+    return (software.preset.split_counts_embedding_loss and pp > 1 and layers % stages != 0
+            and (layers + 2) % stages == 0)
