@@ -214,6 +214,21 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in DATA_DIR.glob("*.toml"))
 
 
+FITTED_PREFIX = "fitted:"  # a field's value read from simulator/fitted.py, by name
+
+
+def _fitted_value(where: str, value):
+    """`value`, or the fitted constant it names (`"fitted:NAME"`: simulator/fitted.py)."""
+    if isinstance(value, str) and value.startswith(FITTED_PREFIX):
+        from simulator.fitted import FITTED
+
+        name = value.removeprefix(FITTED_PREFIX)
+        if name not in FITTED:
+            raise HardwareError(f"{where} = {value!r} names no fitted constant; known: {', '.join(FITTED)}")
+        return FITTED[name].value
+    return value
+
+
 def _build(data: dict, where: str) -> ClusterSpec:
     if not isinstance(data, dict):
         raise HardwareError(f"{where}: expected a table of cluster fields")
@@ -234,6 +249,7 @@ def _build(data: dict, where: str) -> ClusterSpec:
                 raise HardwareError(f"{where}: unknown field {sec}.{key}; allowed: {', '.join(sorted(names))}")
         if sec == "gpu" and "name" not in body:
             body = {**body, "name": str(data.get("name", "gpu"))}
+        body = {key: _fitted_value(f"{where}: {sec}.{key}", v) for key, v in body.items()}
         try:
             parts[sec] = cls(**body)
         except TypeError as e:  # a required field is missing

@@ -35,6 +35,7 @@ from omnibench.plan import (
     BACKWARD,
 )
 from omnibench.specs import costs
+from simulator.fitted import fitted
 from simulator.flops import (
     Work,
 )
@@ -133,14 +134,11 @@ RESERVED_BYTES = PUBLISHED_ALLOCATOR.outside
 STRANDED = PUBLISHED_ALLOCATOR.stranded
 # The caching allocator reserves more than its live tensors hold (blocks split and cached between
 # differently sized requests): reserved = FRAGMENTATION x allocated at the peak, one factor for every
-# stack and GPU. Fitted (`python benchmarks/published_memory.py` prints it) on the 6 calibration rows
-# of results/validation/published_runs.csv that publish a peak: torchtitan's max_reserved readings
-# (tt-8b-fsdp8, tt-8b-fsdp8-cp1-32k, tt-8b-fsdp1-cp8-256k, tt-8b-fsdp128-compile-fp8,
-# tt-405b-fsdp8-tp8-pp8-1f1b, tt-405b-fsdp4-cp2-64k) over this model's allocated peak, geometric
-# mean 1.175. The allocated model itself is checked against torch's FSDPMemTracker running
-# torchtitan's Llama 3 8B at full depth (0.98-0.99 of this estimate), so the factor is the allocator's.
-# (This runtime's own steps on one H100 read 1.210 and 1.081: benchmarks/gpu_allocator.py.)
-FRAGMENTATION = 1.175
+# stack and GPU, fitted on the published peaks of the calibration rows (simulator/fitted.py says which
+# and its error). The allocated model itself is checked against torch's FSDPMemTracker running Llama 3
+# 8B at full depth (0.98-0.99 of this estimate), so the factor is the allocator's. (This runtime's own
+# steps on one H100 read 1.210 and 1.081: benchmarks/gpu_allocator.py.)
+FRAGMENTATION = fitted("fragmentation")
 ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatron-LM's DDP bucket)
 # DeepSpeed ZeRO-3's stage3_max_live_parameters default (deepspeed/runtime/zero/constants.py at v0.3.14,
 # April 2021, the release Narayanan et al.'s ZeRO-3 comparison could use): it prefetches no further
