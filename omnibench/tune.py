@@ -923,7 +923,11 @@ class _Search:
         word). What a wave decides uses only what earlier waves learned."""
         wave: list[Candidate] = []
         for c in cands:
-            c = self._skip_to(c)
+            try:
+                c = self._skip_to(c)
+                self.bound(c)
+            except (SpecError, PlanError, ValueError):
+                continue  # a layout its system's rules refuse (noncolocated's encoder split): no trial
             if c not in self.done and c not in wave:
                 wave.append(c)
         retries = []
@@ -931,7 +935,10 @@ class _Search:
             self._record(c, tr)
             if self.log:
                 self.log(tr)
-            nxt = self.next_recompute(c)
+            try:
+                nxt = self.next_recompute(c)
+            except (SpecError, PlanError, ValueError):
+                nxt = None
             if tr.simulated and not tr.fits and nxt is not None:
                 retries.append(nxt)
         return retries
@@ -1056,6 +1063,7 @@ class _Search:
                     continue
                 try:
                     var.parallel(self.world, self.gpn).validate(self.model)
+                    self.bound(var)  # its system's own rules (noncolocated: encoder tp divides its ranks)
                 except ValueError as e:
                     notes.append(f"{var.label()}: {str(e).splitlines()[0]}")
                     continue
