@@ -30,6 +30,7 @@ from systems.common import (
     make_routes,
     resolve_common,
     step_tail,
+    weigh_of,
     with_dp_shard,
 )
 from workloads.sample import Batch
@@ -46,7 +47,8 @@ class ColocatedPlanner:
         if world % enc_tp:
             raise PlanError(f"encoder_tp={enc_tp} does not divide world_size={world}")
         llm = llm_layout(parallel, range(world), interleaved=True)
-        llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp)
+        weigh = weigh_of(model, parallel)
+        llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp, weigh)
         m = len(llm_mbs[0])
         layouts = {"llm": llm}
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
@@ -54,7 +56,7 @@ class ColocatedPlanner:
         for module in model.encoders:
             enc = with_dp_shard(encoder_layout(module, range(world), tp=enc_tp, fsdp=parallel.fsdp, zero=parallel.zero), parallel)
             layouts[module] = enc
-            work = list(encoder_costs_of(batch, module).items())
+            work = list(encoder_costs_of(batch, module, weigh).items())
             # One encoder microbatch per rank: the whole batch's encoder work in one forward.
             parts = balance(work, enc.dp)
             assignment[module] = {r: [tuple(parts[k])] for k, r in enumerate(data_ranks(enc))}

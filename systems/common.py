@@ -232,6 +232,53 @@ def by_identity(objects: int, size: int = 64):
     return decorate
 
 
+# How a planner weighs a batch's samples when it splits them over ranks (`--option balancer=NAME`, read by
+# every system from ParallelSpec.options):
+# - tokens: LLM tokens, and an encoder's positions plus its attention term (what the baselines' anchors
+#   balance by: Megatron-LM and VeOmni pack and split by token counts);
+# - analytic: each sample's exact training FLOPs (omnibench/specs/costs.py) at one nominal rate per
+#   module (CostModel.analytic): what any planner can know before a step runs;
+# - simulator: the simulator's own compute model of the hardware (CostModel.from_simulator): the step the
+#   plan will be judged on, an oracle no real system has.
+BALANCERS = ("tokens", "analytic", "simulator")
+
+
+# every system's default: the same information for every planner (the harness's full-strength comparison);
+# `--option balancer=tokens` gives the baselines as their anchors deploy them
+DEFAULT_BALANCER = "analytic"
+
+
+def weigh_of(model: MultimodalSpec, parallel: ParallelSpec, with_encoders: bool = False,
+             default: str = DEFAULT_BALANCER) -> tuple:
+    """The hashable description of how `parallel`'s planner weighs samples (`_weights`): the balancer,
+    the model, whether a sample's encoder work runs on its LLM data ranks (homogeneous, temporal) and
+    counts toward their balance, and the hardware the simulator balancer prices on."""
+    opts = parallel.options or {}
+    name = str(opts.get("balancer") or default)
+    if name not in BALANCERS:
+        raise PlanError(f"options.balancer must be one of {', '.join(BALANCERS)}; got {name!r}")
+    if name == "tokens":
+        return ("tokens",)
+    return (name, model, with_encoders, str(opts.get("hardware") or "h100") if name == "simulator" else "")
+
+
+@functools.lru_cache(maxsize=16)
+def _cost_model(name: str, model: MultimodalSpec, hardware: str):
+    from omnibench.specs.cost_model import CostModel
+
+    return CostModel.analytic(model) if name == "analytic" else CostModel.from_simulator(model, hardware)
+
+
+@by_identity(1, size=16)
+def _weights(batch: Batch, weigh: tuple) -> dict[int, float]:
+    """sample id -> what the LLM's data split balances (`weigh_of`), in the batch's order."""
+    if weigh[0] == "tokens":
+        return llm_tokens_of(batch)
+    name, model, with_encoders, hardware = weigh
+    cm = _cost_model(name, model, hardware)
+    return {s.sample_id: cm.llm(s) + (cm.encoders(s) if with_encoders else 0.0) for s in batch.samples}
+
+
 @by_identity(1, size=8)
 def llm_tokens_of(batch: Batch) -> dict[int, int]:
     """sample id -> its LLM tokens, in the batch's order (read only: shared by the batch's plans)."""
@@ -239,27 +286,33 @@ def llm_tokens_of(batch: Batch) -> dict[int, int]:
 
 
 @by_identity(1, size=16)
-def encoder_costs_of(batch: Batch, module: str) -> dict[int, float]:
-    """sample id -> `encoder_cost` of each sample with work for `module`, in the batch's order (read
-    only: shared by the batch's plans)."""
-    return {s.sample_id: encoder_cost(s, module) for s in batch.samples if s.encoder_seq_lens(module)}
+def encoder_costs_of(batch: Batch, module: str, weigh: tuple = ("tokens",)) -> dict[int, float]:
+    """sample id -> the cost `weigh` (`weigh_of`) gives `module`'s work on each sample with work for it
+    (`encoder_cost` under tokens), in the batch's order (read only: shared by the batch's plans)."""
+    if weigh[0] == "tokens":
+        return {s.sample_id: encoder_cost(s, module) for s in batch.samples if s.encoder_seq_lens(module)}
+    cm = _cost_model(weigh[0], weigh[1], weigh[3])
+    return {s.sample_id: cm.encoder(s, module) for s in batch.samples if s.encoder_seq_lens(module)}
 
 
-def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1) -> list[list[tuple[int, ...]]]:
-    """Split the global batch over `dp` data groups (balanced by LLM tokens), then each group's
-    samples into microbatches (balanced again). Every group gets the same number of microbatches,
-    at most its sample count, so data-parallel collectives stay in step."""
+def assign_llm(batch: Batch, dp: int, microbatches: int, pp: int = 1,
+               weigh: tuple = ("tokens",)) -> list[list[tuple[int, ...]]]:
+    """Split the global batch over `dp` data groups (balanced by `weigh`: LLM tokens unless the plan's
+    balancer says otherwise), then each group's samples into microbatches (balanced again). Every group
+    gets the same number of microbatches, at most its sample count, so data-parallel collectives stay
+    in step."""
     # A tune weighs many layouts of one data-parallel size on the same batch (tp x cp splits, recompute
     # modes, encoder knobs): the split is worked out once per (batch, dp, microbatches, pp), and each
     # plan gets lists of its own (the microbatches are tuples)
-    return [list(group) for group in _assign_llm(batch, dp, microbatches, pp)]
+    return [list(group) for group in _assign_llm(batch, dp, microbatches, pp, weigh)]
 
 
 @by_identity(1, size=16)
-def _assign_llm(batch: Batch, dp: int, microbatches: int, pp: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def _assign_llm(batch: Batch, dp: int, microbatches: int, pp: int,
+                weigh: tuple = ("tokens",)) -> tuple[tuple[tuple[int, ...], ...], ...]:
     if len(batch.samples) < dp:
         raise PlanError(f"batch: {len(batch.samples)} samples cannot feed dp={dp} data-parallel ranks")
-    tokens = llm_tokens_of(batch)
+    tokens = _weights(batch, weigh)
     groups = balance(tokens.items(), dp)
     m = min(microbatches, min(len(g) for g in groups))
     if m < pp:
@@ -271,14 +324,19 @@ def _assign_llm(batch: Batch, dp: int, microbatches: int, pp: int) -> tuple[tupl
 
 
 @by_identity(1, size=16)
-def _encoders_split(batch: Batch, module: str, dp: int, microbatches: int, pp: int,
-                    split: int) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]:
+def _encoders_split(batch: Batch, module: str, dp: int, microbatches: int, pp: int, split: int,
+                    weigh: tuple = ("tokens",)) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]:
     """Per LLM data group, per LLM microbatch (`_assign_llm`'s), its samples with work for `module`
     balanced over `split` encoder data ranks: what `plan_encoders_in_stage0` gives each, once per batch
     and split for every layout a tune weighs with it."""
-    cost = encoder_costs_of(batch, module)
+    cost = encoder_costs_of(batch, module, _encoder_weigh(weigh))
     return tuple(tuple(tuple(tuple(part) for part in balance(((i, cost[i]) for i in mb if i in cost), split))
-                       for mb in mbs) for mbs in _assign_llm(batch, dp, microbatches, pp))
+                       for mb in mbs) for mbs in _assign_llm(batch, dp, microbatches, pp, weigh))
+
+
+def _encoder_weigh(weigh: tuple) -> tuple:
+    """`weigh` for one encoder's own split (its LLM side's encoders-included flag has no meaning there)."""
+    return weigh if weigh[0] == "tokens" else (weigh[0], weigh[1], False, weigh[3])
 
 
 def encoder_cost(sample: Sample, module: str) -> float:
@@ -601,7 +659,9 @@ def plan_encoders_in_stage0(
     llm = llm_layout(parallel, range(world), interleaved=True)
     if llm.tp % encoder_tp:
         raise PlanError(f"encoder_tp={encoder_tp} must divide the LLM's tp={llm.tp} when encoders share its ranks")
-    llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp)
+    # the encoders run on the data group's own stage-0 ranks before its LLM work: both count in its balance
+    weigh = weigh_of(model, parallel, with_encoders=True)
+    llm_mbs = assign_llm(batch, llm.dp, default_microbatches(parallel), llm.pp, weigh)
     m = len(llm_mbs[0])
     if encoder_sp > 1:
         if encoder_sp != llm.cp or encoder_tp != 1:
@@ -627,7 +687,7 @@ def plan_encoders_in_stage0(
                                             zero=parallel.zero), parallel)
         layouts[module] = enc
         enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
-        by_group = _encoders_split(batch, module, llm.dp, default_microbatches(parallel), llm.pp, split)
+        by_group = _encoders_split(batch, module, llm.dp, default_microbatches(parallel), llm.pp, split, weigh)
         for d, mbs in enumerate(by_group):
             for parts in mbs:
                 for k in range(split):

@@ -33,6 +33,7 @@ from systems.common import (
     one_f_one_b,
     resolve_common,
     step_tail,
+    weigh_of,
     with_dp_shard,
 )
 from workloads.sample import Batch
@@ -100,7 +101,8 @@ class NoncolocatedPlanner:
         enc_tp = parallel.encoder_tp or 1
         llm = llm_layout(parallel, range(n_enc, world))
         # The encoders are a pipeline stage too: enough microbatches to overlap them with the LLM.
-        llm_mbs = assign_llm(batch, llm.dp, parallel.microbatches or 2 * (llm.pp + 1), llm.pp)
+        weigh = weigh_of(model, parallel)
+        llm_mbs = assign_llm(batch, llm.dp, parallel.microbatches or 2 * (llm.pp + 1), llm.pp, weigh)
         m = len(llm_mbs[0])
         layouts = {"llm": llm}
         assignment: dict = {"llm": dict(zip(data_ranks(llm), llm_mbs, strict=True))}
@@ -109,7 +111,7 @@ class NoncolocatedPlanner:
             enc = with_dp_shard(encoder_layout(module, range(n_enc), tp=enc_tp, fsdp=parallel.fsdp, zero=parallel.zero), parallel)
             layouts[module] = enc
             enc_mbs: dict[int, list[tuple[int, ...]]] = {r: [] for r in data_ranks(enc)}
-            cost = encoder_costs_of(batch, module)
+            cost = encoder_costs_of(batch, module, weigh)
             for j in range(m):
                 # Round j: microbatch j of every LLM data rank, balanced over the encoder ranks.
                 work = [(i, cost[i]) for mbs in llm_mbs for i in mbs[j] if i in cost]

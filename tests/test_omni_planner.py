@@ -257,7 +257,7 @@ def test_plan_survives_a_json_round_trip():
 
 
 def _omni7b_plan(world: int = 64, workload: str = "mixed_video", **kw) -> Plan:
-    options = {"hardware": "h100", **kw.pop("options", {})}
+    options = {"hardware": "h100", "balancer": "simulator", **kw.pop("options", {})}
     b = WorkloadStream(workload, seed=0, global_batch_tokens=8192 * world).batch(0)
     return get_planner("omni").plan(get_model("omni-7b"), ParallelSpec(world_size=world, options=options, **kw), b)
 

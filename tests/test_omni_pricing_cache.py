@@ -19,7 +19,8 @@ MODEL = get_model("omni-7b")
 
 
 def _plans(gpus: int = 64) -> list[str]:
-    opts = planner_options("omni", {}, "h100")  # hardware named: placements checked at the simulator's prices
+    # the simulator balancer on named hardware: placements checked at the simulator's prices
+    opts = planner_options("omni", {"balancer": "simulator"}, "h100")
     b = WorkloadStream("mixed_video", seed=0, global_batch_tokens=4096 * gpus).batch(0)
     return [get_planner("omni").plan(MODEL, ParallelSpec(world_size=gpus, gpus_per_node=8, tp=tp, pp=pp,
                                                          options=opts), b).to_json()

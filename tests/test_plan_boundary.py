@@ -24,7 +24,7 @@ def _batch() -> Batch:
 
 
 def _plan() -> Plan:
-    return get_planner("noncolocated").plan(get_model("tiny-vl"), ParallelSpec(world_size=4, encoder_ranks=2, microbatches=2), _batch())
+    return get_planner("noncolocated").plan(get_model("tiny-vl"), ParallelSpec(world_size=4, encoder_ranks=2, microbatches=2, options={"balancer": "tokens"}), _batch())
 
 
 def test_boundary_actions_round_trip_through_json():

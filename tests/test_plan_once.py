@@ -63,12 +63,12 @@ def test_auto_hands_the_chosen_modes_plan_of_the_first_batch_over():
     assert taken.to_json() == get_planner("omni").plan(model, res.parallel, batches[0]).to_json()
 
 
-def _priced(system: str, gpus: int) -> ParallelSpec:
-    """A layout's spec with the planner options `simulate --hardware h100` gives (omni prices its
-    encoder work with the run's recompute mode on that hardware)."""
+def _priced(system: str, gpus: int, balancer: str = "analytic") -> ParallelSpec:
+    """A layout's spec with the planner options `simulate --hardware h100 --option balancer=...` gives
+    (under the simulator balancer omni prices its encoder work with the run's recompute mode there)."""
     from omnibench.cli.simulate import planner_options
 
-    return ParallelSpec(world_size=gpus, options=planner_options(system, {}, "h100"))
+    return ParallelSpec(world_size=gpus, options=planner_options(system, {"balancer": balancer}, "h100"))
 
 
 @pytest.mark.parametrize("system", ["homogeneous", "temporal", "colocated", "noncolocated"])
@@ -97,7 +97,7 @@ def test_a_pipelined_baseline_plans_the_same_step_in_every_mode(system):
 def test_omni_reads_recompute():
     model, batch = get_model("omni-7b"), WorkloadStream("mixed_video", seed=0, global_batch_tokens=8192 * 32).batch(0)
     assert getattr(get_planner("omni"), "reads_recompute", True)
-    parallel, _ = with_default_layout("omni", model, _priced("omni", 32), batch)
+    parallel, _ = with_default_layout("omni", model, _priced("omni", 32, "simulator"), batch)
     none, full = (get_planner("omni").plan(model, replace(parallel, recompute=m), batch).to_json()
                   for m in ("none", "full"))
     assert none != full  # its prices hold the recomputed forward: a spare of another mode would be wrong

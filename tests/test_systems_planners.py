@@ -79,15 +79,44 @@ def test_every_plan_is_valid_and_its_messages_line_up(system, layout):
     assert Plan.from_json(plan.to_json()).to_dict() == plan.to_dict()
 
 
+def _split(system: str, batch, balancer: str) -> list[list[int]]:
+    plan = get_planner(system).plan(MODEL, ParallelSpec(world_size=4, options={"balancer": balancer}), batch)
+    return sorted(sorted(i for mb in mbs for i in mb) for mbs in plan.assignment["llm"].values())
+
+
 def test_systems_split_the_global_batch_identically_across_llm_data_ranks():
+    """By tokens (the baselines as deployed) every system splits alike; by the analytic cost (every
+    system's default) the systems whose encoders run on the LLM's data ranks weigh that work too."""
     batch = mixed_batch()
-    splits = []
-    for system in ("homogeneous", "temporal", "colocated"):
-        plan = get_planner(system).plan(MODEL, ParallelSpec(world_size=4), batch)
-        splits.append(sorted(sorted(i for mb in mbs for i in mb) for mbs in plan.assignment["llm"].values()))
-    assert splits[0] == splits[1] == splits[2]
-    tokens = [sum(plan.sample(i).llm_tokens for i in ids) for ids in splits[0]]
+    by_tokens = [_split(s, batch, "tokens") for s in ("homogeneous", "temporal", "colocated")]
+    assert by_tokens[0] == by_tokens[1] == by_tokens[2]
+    tokens = [sum(s.llm_tokens for s in batch.samples if s.sample_id in ids) for ids in by_tokens[0]]
     assert max(tokens) - min(tokens) <= max(s.llm_tokens for s in batch.samples)
+    assert _split("homogeneous", batch, "analytic") == _split("temporal", batch, "analytic")
+
+
+def test_the_analytic_balancer_evens_out_each_data_ranks_llm_and_encoder_flops():
+    from omnibench.specs.cost_model import CostModel
+
+    batch = mixed_batch()
+    cm = CostModel.analytic(MODEL)
+    by_id = {s.sample_id: s for s in batch.samples}
+
+    def spread(groups: list[list[int]]) -> float:
+        loads = [sum(cm.llm(by_id[i]) + cm.encoders(by_id[i]) for i in g) for g in groups]
+        return max(loads) - min(loads)
+
+    assert spread(_split("temporal", batch, "analytic")) <= spread(_split("temporal", batch, "tokens"))
+    assert spread(_split("temporal", batch, "analytic")) <= max(cm.llm(s) + cm.encoders(s) for s in batch.samples)
+
+
+def test_an_unknown_balancer_is_refused_and_omni_refuses_tokens():
+    from omnibench.plan import PlanError
+
+    with pytest.raises(PlanError, match="balancer must be one of tokens, analytic, simulator"):
+        _split("temporal", mixed_batch(), "flops")
+    with pytest.raises(PlanError, match="omni plans with per-sample costs"):
+        _split("omni", mixed_batch(), "tokens")
 
 
 def test_homogeneous_runs_encoders_only_on_stage0_before_each_llm_microbatch():

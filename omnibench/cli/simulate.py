@@ -129,8 +129,10 @@ def _stream(workload: str, seed: int, global_batch_tokens: int):
 
 
 def planner_options(system: str, options: dict, hardware: str) -> dict:
-    """omni decides with the simulator's cost model of the hardware it is simulated on."""
-    if system == "omni" and "hardware" not in options and "calibration" not in options:
+    """omni knows the hardware it is simulated on (its collectives' prices; with `--option balancer=simulator`
+    its compute costs too, as any system's under that oracle)."""
+    knows = system == "omni" or options.get("balancer") == "simulator"
+    if knows and "hardware" not in options and "calibration" not in options:
         return {**options, "hardware": hardware}
     return options
 

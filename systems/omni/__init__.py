@@ -163,10 +163,18 @@ class OmniPlanner:
     def cost_model(self, model: MultimodalSpec, opts: OmniOptions) -> CostModel:
         if self._cost_model is not None:
             return self._cost_model
-        key = (model, opts.calibration, opts.hardware)
+        if opts.balancer == "tokens":
+            raise PlanError("options.balancer: omni plans with per-sample costs in seconds (its long/short "
+                            "threshold and joint schedule compare them); give analytic or simulator")
+        # analytic: exact FLOPs at one nominal rate, what any planner knows before the step runs (the
+        # hardware still prices its collectives: systems/omni/long_short.py GroupCosts); a profile fitted
+        # from runs (`calibration`) is knowledge a real planner can have, and is used whenever given
+        hardware = "" if opts.balancer == "analytic" else opts.hardware
+        calibration = opts.calibration
+        key = (model, calibration, hardware)
         if key not in self._cache:
             try:
-                self._cache[key] = load_cost_model(model, opts.calibration or None, opts.hardware)
+                self._cache[key] = load_cost_model(model, calibration or None, hardware)
             except ValueError as e:
                 raise PlanError(f"options.hardware: {str(e).splitlines()[0]}") from None
         return self._cache[key]
@@ -291,7 +299,8 @@ class OmniPlanner:
             schemes[m] = ([("none", 1)] if wanted in ("auto", "none") or not sizes else []) + [
                 (x, k) for x in group_schemes if x != "none" for k in sizes]
         exchange = once("exchange", lambda: GroupCosts(model, cm, opts.hardware, recompute_policy(parallel.recompute),
-                                                              parallel.mixed_precision == "master"))
+                                                              parallel.mixed_precision == "master",
+                                                              measured=opts.balancer != "analytic"))
 
         # -- loading and reordering ---------------------------------------------------------------
         dp = llm.dp

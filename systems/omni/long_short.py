@@ -390,13 +390,15 @@ class GroupCosts:
     by the ratio of its compute speed to the preset's."""
 
     def __init__(self, model, cost_model, hardware: str = "", recompute: dict[str, str] | None = None,
-                 master: bool = False):
+                 master: bool = False, measured: bool | None = None):
         self.model = model
         self.master = master  # `--mixed-precision master`: every module's weights bf16 (no per-forward casts)
         self.recompute = recompute or {}  # per module, as costs.recompute_policy reads the run's
         self.hardware = hardware or "h100"
-        self.measured = bool(hardware)
-        self.scale = 1.0 if hardware else _speed_ratio(model, cost_model, self.hardware)
+        # `measured` False with a hardware given: the analytic balancer on known hardware (its collectives
+        # priced there, its compute seconds scaled to the preset's speed)
+        self.measured = bool(hardware) if measured is None else measured and bool(hardware)
+        self.scale = 1.0 if self.measured else _speed_ratio(model, cost_model, self.hardware)
         self._fixed: dict[tuple, float] = {}  # per (module, k)
         # A plan asks for these per sample and per candidate placement (hundreds of thousands of
         # times at 131,072 GPUs): each answer kept for the plan, the same values recomputed no more.

@@ -14,7 +14,10 @@ LLM_SPLIT_RULES = ("auto", "always")
 # The encoders' state modes: the data-parallel modes' ParallelSpec fields, and hzero2, ZeRO-2 sharded
 # within the automatic shard group of a few nodes and replicated across the groups (layout.py)
 ENCODER_STATE_MODES = {**DP_MODES, "hzero2": dict(fsdp=False, zero=2, dp_shard=0)}
-CHOICES = {"encoder_dp": tuple(ENCODER_STATE_MODES), "encoder_sp_scheme": SP_SCHEMES, "llm_split": LLM_SPLIT_RULES}
+# how every system weighs samples when it splits a batch (systems/common.py BALANCERS)
+BALANCERS = ("tokens", "analytic", "simulator")
+CHOICES = {"encoder_dp": tuple(ENCODER_STATE_MODES), "encoder_sp_scheme": SP_SCHEMES, "llm_split": LLM_SPLIT_RULES,
+           "balancer": BALANCERS}
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class OmniOptions:
     # step is shorter with it than without: systems/omni/__init__.py SPLIT_MARGIN), always (every sample
     # above the balanced share, whatever the estimate: tests at tiny sizes, where latency outweighs the work)
     llm_split: str = "auto"
+    # How samples are weighed when a batch is split (every system reads it; systems/common.py BALANCERS):
+    # analytic (every system's default) prices them by exact FLOPs at one nominal rate, scaled to the
+    # hardware's speed; simulator by the simulator's own compute model of the hardware (or `calibration`'s
+    # profile): an oracle; tokens (the baselines' anchors) is refused by omni, which compares seconds
+    balancer: str = "analytic"
     calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model
     # Without a profile: the simulator's compute model for this hardware preset, so omni decides with
     # the costs the simulator will charge (`simulate` and `tune` pass their --hardware); "": costs.py
