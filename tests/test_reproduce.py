@@ -161,8 +161,20 @@ def test_reproduce_tunes_each_system_once_per_workload_and_size_and_reuses_it_fo
 
     sims = P("/x/sims")
     stages = report._stages(P("/x/runs"), sims, SYSTEMS, quick=False)
-    tuned = [st for st in stages if st.key.startswith("tuned-")]
+    tuned = [st for st in stages if st.key.startswith("tuned-") and not st.key.endswith("-as-deployed")]
     cache = str(sims / "tuned-layouts.json")
+    # each tuned cell again with the baselines as deployed (split by tokens), at the same tuned layouts: the
+    # same command (its tune cache key, its seeds) but for the baselines' list, the balancer and the folder
+    deployed = {st.key.removesuffix("-as-deployed"): st for st in stages if st.key.endswith("-as-deployed")}
+    assert deployed and set(deployed) <= {st.key for st in tuned}
+    for key, st in deployed.items():
+        full = next(t for t in tuned if t.key == key).args
+        a = st.args
+        assert a[a.index("--system") + 1] == ",".join(s for s in SYSTEMS if s != "omni")
+        assert a[a.index("--out") + 1] == str(sims / "as-deployed") and a[-2:] == ["--option", "balancer=tokens"]
+        assert [x for i, x in enumerate(a[:-2]) if i not in (a.index("--system") + 1, a.index("--out") + 1)] == \
+            [x for i, x in enumerate(full) if i not in (full.index("--system") + 1, full.index("--out") + 1)]
+        assert stages.index(st) == stages.index(next(t for t in tuned if t.key == key)) + 1
     for st in tuned:
         a = st.args
         # the first tune and the ablations that read its answer at the full budget, every later one seeded

@@ -551,6 +551,9 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     def on(hw: str) -> list:
         return [r for r in main if str(r.config.get("hardware")) == hw]
 
+    # the baselines as deployed (split by tokens) at the layouts tuned at full strength
+    deployed = [r for r in main if (r.config.get("options") or {}).get("balancer") == "tokens"]
+    main = [r for r in main if r not in deployed]
     tuned = [r for r in on("h100") if r.config.get("tuned")]
     untuned = [r for r in on("h100") if not r.config.get("tuned")]
     ablated = [r for r in tuned if any(v is False for v in (r.config.get("options") or {}).values())]
@@ -564,6 +567,10 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     # One cluster size for every workload, so the bars compare like with like.
     make("throughput", figures.throughput, Records(sims=sweep), source="sim", gpus=sizes[0])
     make("speedup", figures.speedup, Records(sims=sweep))
+    if deployed:  # omni (its one way) against the baselines as their anchors deploy them
+        omni_only = [replace(r, rows=[x for x in r.rows if x["system"] == "omni"]) for r in sweep]
+        make("speedup_as_deployed", figures.speedup, Records(sims=[r for r in omni_only if r.rows] + deployed),
+             as_deployed=True)
     make(f"throughput_{SECOND_HARDWARE}", figures.throughput, Records(sims=second), source="sim", gpus=sizes[0])
     make(f"speedup_{SECOND_HARDWARE}", figures.speedup, Records(sims=second))
     make("breakdown", figures.breakdown, Records(sims=sweep), gpus=sizes[0])
@@ -935,29 +942,46 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
         return len(systems) * (k * tune_s[n] * tune_scale + n_steps * step_s[n])
 
     at = _sizes(gpus)
+    baselines = [s for s in systems if s != "omni"]
+
+    def as_deployed(key: str, wl: str, args: list[str], n_steps: int, prepare=None) -> None:
+        """The same cell with the baselines as their anchors deploy them (every batch split by token
+        counts: `--option balancer=tokens`) at the layouts the full-strength stage tuned (its tune cache
+        answers: the key holds no balancer), beside it."""
+        if not baselines:
+            return
+        where = args.index("--out") + 1
+        args = [*args[:where], str(sims_dir / "as-deployed"), *args[where + 1:]]
+        args[args.index("--system") + 1] = ",".join(baselines)
+        stages.append(Stage(f"{key}-as-deployed", f"the baselines on {wl} at {at} GPUs as deployed (balanced by "
+                            "tokens), at their tuned layouts", [*args, "--option", "balancer=tokens"],
+                            len(baselines) * sum(n_steps * step_s[n] for n in gpus), prepare=prepare))
+
     for i, wl in enumerate(workloads):
         if i == 0:  # the first tune: nothing won before it, so a full budget
+            args = ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus), *tuned_common]
             stages.append(Stage(f"tuned-{wl}-{tag}", f"tune every system on {wl} at {at} GPUs, simulate it there",
-                                ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
-                                 *tuned_common], sum(cost(wl, n) for n in gpus)))
+                                args, sum(cost(wl, n) for n in gpus)))
+            as_deployed(f"tuned-{wl}-{tag}", wl, args, 1)
             continue
         key = f"tuned-{wl}-{seeded_tag}"
         seed_args, prepare = seeded(key)
+        args = ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
+                *tuned(sims_dir, seeded_search), *seed_args]
         stages.append(Stage(key, f"tune every system on {wl} at {at} GPUs from the layouts that won before, "
-                            "simulate it there",
-                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
-                             *tuned(sims_dir, seeded_search), *seed_args],
-                            sum(cost(wl, n, SEEDED_SCALE) for n in gpus), prepare=prepare))
+                            "simulate it there", args, sum(cost(wl, n, SEEDED_SCALE) for n in gpus), prepare=prepare))
+        as_deployed(key, wl, args, 1, prepare)
     for wl, extra in dynamic_runs.items():
         n_steps = int(extra[extra.index("--steps") + 1])
         k = min(TUNE_STEPS_DYNAMIC, n_steps)
         key = f"tuned-{wl}-{seeded_tag}"
         seed_args, prepare = seeded(key)
+        args = ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
+                *dynamic_args(wl), *tuned(sims_dir, seeded_search), *seed_args]
         stages.append(Stage(key, f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} of them (calmest "
-                            "to burstiest) from the layouts that won before, and kept",
-                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
-                             *dynamic_args(wl), *tuned(sims_dir, seeded_search), *seed_args],
+                            "to burstiest) from the layouts that won before, and kept", args,
                             sum(cost(wl, n, SEEDED_SCALE) for n in gpus), prepare=prepare))
+        as_deployed(key, wl, args, n_steps, prepare)
     if "omni" in systems:  # the ablation at omni's own tuned layout (from the cache: no tune again)
         for tech in SIM_ABLATIONS[:1] if quick else SIM_ABLATIONS:
             stages.append(Stage(f"tuned-omni-no-{tech}-{tag}", f"simulate omni without {tech} at its tuned layout, "
