@@ -291,8 +291,10 @@ def _plan_and_simulate(job: StepJob, cache: SimCache | None) -> StepOutcome:
             if job.keep == "full":
                 store.put(full_key, got)
         else:
+            from systems.common import plan_summary
+
             light = dataclasses.replace(res, spans=[])
-            got = StepOutcome(batch.step, light, res.metrics())
+            got = StepOutcome(batch.step, light, {**res.metrics(), "plan": plan_summary(plan)})
             store.put(k, got)
             if job.keep == "full":
                 store.put(full_key, dataclasses.replace(got, result=res))

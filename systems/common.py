@@ -632,6 +632,37 @@ def notes_for(plan: Plan) -> dict:
     return {"llm_tokens_per_microbatch": per_rank}
 
 
+def plan_summary(plan: Plan) -> dict:
+    """What a plan decided, in a few numbers a results row can carry (the plan files are kept only for
+    small clusters): per encoder the sequence-parallel scheme omni chose, its group size and how many
+    samples ran in groups; how many LLM samples were split over a context-parallel group; how many
+    samples resharding moved off their loader; the joint pipeline's order; and for every system how its
+    batch was weighed (`options.balancer`, when a plan records it)."""
+    notes = plan.notes or {}
+    out: dict = {}
+    encoders = {}
+    for module, n in (notes.get("long_short") or {}).items():
+        if isinstance(n, dict) and "scheme" in n:
+            encoders[module] = {"scheme": n["scheme"], "sp_group_size": n.get("sp_group_size", 1),
+                                "samples_in_groups": len(n.get("long_samples") or []) + int(n.get("group_samples") or 0),
+                                "samples_alone": int(n.get("short_samples") or 0)}
+    if encoders:
+        out["encoders"] = encoders
+    llm = notes.get("llm_long_short") or {}
+    if isinstance(llm, dict) and llm.get("enabled"):
+        out["llm_split_samples"] = len(llm.get("long_samples") or [])
+        out["llm_split_group"] = llm.get("group_size", 1)
+    reshard = notes.get("reshard") or {}
+    if isinstance(reshard, dict) and reshard.get("enabled"):
+        out["resharded_samples"] = reshard.get("samples_moved_off_loader", 0)
+    schedule = notes.get("schedule") or {}
+    if isinstance(schedule, dict) and "order" in schedule:
+        out["encoder_order"] = schedule["order"] if schedule.get("joint_pipeline") else "before/after the LLM"
+    if "cost_model" in notes:
+        out["cost_model"] = notes["cost_model"]
+    return out
+
+
 # ------------------------------------------------------------------------ plan assembly
 
 

@@ -1023,6 +1023,8 @@ def register(app: typer.Typer) -> None:
                         rows.append(row)
                         continue
                     row.update(_summary(results, metrics))
+                    if metrics and metrics[0].get("plan"):
+                        row["plan"] = metrics[0]["plan"]  # what the first step's plan decided
                     # each step's own metrics (a step that did not fit says so: a figure shows which ran);
                     # "step" is the stream's batch index (with --step-stride, not the position)
                     row.setdefault("per_step", metrics)

@@ -532,7 +532,12 @@ def _omni_vs_best(df: pd.DataFrame, keys: list[str]) -> list[dict]:
                      "omni_tokens_per_s_per_gpu": o.tokens_per_s_per_gpu, "omni_layout": o.layout,
                      "best_baseline": b.system, "best_baseline_tokens_per_s_per_gpu": b.tokens_per_s_per_gpu,
                      "best_baseline_layout": b.layout, "speedup": o.tokens_per_s / b.tokens_per_s,
-                     "baselines_ran": int(len(base)), "steps": int(max(o.steps, b.steps))})
+                     "baselines_ran": int(len(base)), "steps": int(max(o.steps, b.steps)),
+                     # where each step goes (shares of its time) and what omni's plan decided: the
+                     # explanation the documents print comes from these, never from prose
+                     **{f"{who}_{part}": getattr(r, part) for who, r in (("omni", o), ("best_baseline", b))
+                        for part in ("bubble", "exposed_comm", "imbalance")},
+                     "omni_plan": o.plan})
     return rows
 
 

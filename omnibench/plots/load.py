@@ -347,6 +347,25 @@ THROUGHPUT_COLUMNS = ("source", "workload", "system", "variant", "gpus", "tokens
                       "tflops_per_gpu", "mfu", "step_time_s", "bubble", "exposed_comm", "record")
 
 
+def plan_words(summary: dict) -> str:
+    """A results row's `plan` (systems/common.py plan_summary) in a few words: which samples each encoder
+    ran sequence-parallel and in groups of how many, LLM samples split over a cp group, samples resharded."""
+    parts = []
+    for module, e in (summary.get("encoders") or {}).items():
+        scheme = {"all": "every sample", "long_short": "long samples only", "none": "no sample",
+                  "auto": "auto"}.get(e.get("scheme"), e.get("scheme"))
+        k = f" in SP groups of {e['sp_group_size']}" if e.get("scheme") != "none" else " sequence-parallel"
+        parts.append(f"{module}: {scheme}{k} ({e.get('samples_in_groups', 0)} in groups, "
+                     f"{e.get('samples_alone', 0)} alone)")
+    if summary.get("llm_split_samples"):
+        parts.append(f"LLM: {summary['llm_split_samples']} samples over cp groups of {summary.get('llm_split_group')}")
+    if "resharded_samples" in summary:
+        parts.append(f"{summary['resharded_samples']} samples resharded")
+    if "encoder_order" in summary:
+        parts.append(f"encoders {summary['encoder_order'].replace('_', ' ')}")
+    return "; ".join(parts)
+
+
 def throughput_table(recs: Records) -> pd.DataFrame:
     """One row per (record, system, cluster size) that ran (simulations that did not fit are left out
     and listed in `.attrs["left_out"]`)."""
@@ -380,8 +399,10 @@ def throughput_table(recs: Records) -> pd.DataFrame:
                 "exposed_comm": row.get("exposed_comm"), "record": str(rec.path), "options": technique_flags(opts),
                 "layout": row.get("layout", ""), "steps": int(row.get("steps", 1)),
                 "hardware": str(rec.config.get("hardware") or ""), "memory_error": memory_error(rec),
+                "imbalance": row.get("imbalance"), "plan": plan_words(row.get("plan") or {}),
             })
-    df = pd.DataFrame(rows, columns=[*THROUGHPUT_COLUMNS, "options", "layout", "steps", "hardware", "memory_error"])
+    df = pd.DataFrame(rows, columns=[*THROUGHPUT_COLUMNS, "options", "layout", "steps", "hardware", "memory_error",
+                                     "imbalance", "plan"])
     df.attrs["left_out"] = left_out
     return df
 

@@ -96,6 +96,30 @@ def _range(rows: list[dict]) -> str:
     return "; ".join(parts)
 
 
+@table("tuned-explanation")
+def tuned_explanation() -> str:
+    """Per full-strength cell, what omni's plan decided and where omni's and the best baseline's steps go:
+    the explanation of each cell, read from the simulations' own rows."""
+    lines = ["| workload | GPUs | omni / best | what omni's plan did | bubble omni / best | exposed comm omni / best "
+             "| imbalance omni / best |", "|---|---|---|---|---|---|---|"]
+
+    def pct(r: dict, key: str) -> str:
+        v = r.get(key)
+        return f"{100 * float(v):.1f}%" if v not in (None, "") else "-"
+
+    for r in _speedups():
+        if r["hardware"] != "h100" or "omni_plan" not in r:
+            continue
+        lines.append(f"| {r['workload']} | {int(r['gpus']):,} | {float(r['speedup']):.2f}x vs {r['best_baseline']} | "
+                     f"{r['omni_plan'] or '-'} | "
+                     + " | ".join(f"{pct(r, 'omni_' + p)} / {pct(r, 'best_baseline_' + p)}"
+                                  for p in ("bubble", "exposed_comm", "imbalance")) + " |")
+    lines += ["", "Shares of each system's step time (waiting for a slower peer is imbalance, not communication); "
+              "omni's plan as its first simulated step decided it (systems/common.py `plan_summary`). "
+              f"From `{REPRODUCE}` (results/figures/speedup.csv)."]
+    return "\n".join(lines)
+
+
 def _breakdown_size(best: dict, rows: list[dict]) -> int:
     """The cluster size of results/figures/breakdown.csv (its rows name no size): the smallest at which one of
     its workloads has a comparison. The figures at other sizes are breakdown_<gpus>.csv."""
