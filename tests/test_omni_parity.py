@@ -3,8 +3,8 @@ with each one switched off, on batches that exercise them: long videos and audio
 sequence-parallel path (Ulysses inside one attention sequence, or whole frame groups / windows per
 rank), and skewed loads that make resharding move samples.
 
-Every case runs in the default test run; all of them share one launch of ranks (tests/parity.py), and
-train with SGD (OPTIMIZER: a gradient off by a constant factor shows, where Adam's update would hide it)."""
+Every case runs in the default test run (but SLOW_CASES, which run what another case runs); they share
+one launch of ranks (tests/parity.py), and train with SGD (OPTIMIZER: a gradient off by a constant factor shows, where Adam's update would hide it)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,10 @@ CASES = [
     pytest.param({"encoder_sp_scheme": "all"}, {}, id="sp-for-all"),
     pytest.param({"encoder_sp_scheme": "all"}, {"cp": 2}, id="sp-for-all-cp2"),
     pytest.param({"encoder_sp_scheme": "auto"}, {"pp": 2}, id="sp-auto-pp2"),
-    pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline"),
+    # At pp 1 the joint pipeline has no bubbles to fill: without it omni plans steps 0 and 1 exactly as
+    # all-on does (the same layouts, assignment, routes and actions), and its step 2 is the all-ahead
+    # order that all-on's steps 0 and 1 and no-joint-pipeline-pp2 run: in the slow run only.
+    pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline", marks=pytest.mark.slow),
     pytest.param({"reorder": False}, {}, id="no-reorder"),
     pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups"),
     pytest.param({"reshard": False}, {}, id="no-reshard"),
@@ -97,10 +100,12 @@ CASES = [
     pytest.param({}, {"cp": 2, "pp": 2}, id="all-on-cp2-pp2"),
 ]
 LONG_SHORT_STEPS = 5
+SLOW_CASES = {p.id for p in CASES if p.marks}  # each in a launch of its own, in the slow run
 
 
 # The LLM long-short split under the layout's own cp and pp (test_llm_long_short_at_any_cp_and_pp_...):
-# (model, layout, cp kind the plan must choose); "kv4" is tiny-omni with 4 kv heads (KV4 below).
+# (model, layout, cp kind the plan must choose); "kv4" is tiny-omni with 4 kv heads (KV4 below). Over
+# the cases' STEPS batches: step 0 has no long LLM sample (no LLM group named), steps 1 and 2 one each.
 LLM_SPLIT_CELLS = [
     pytest.param("kv4", {"cp": 2}, "ulysses", id="cp2"),
     pytest.param("kv4", {"pp": 2}, "ulysses", id="pp2"),
@@ -118,31 +123,34 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def omni_runs(tmp_path_factory, models):
-    """Every case, omni against homogeneous over five steps, and the LLM split under cp and pp, in one
-    launch. The "all-on" case is the five-step omni run (the same options and layout; its first three
+    """Every case (but SLOW_CASES), omni against homogeneous over five steps, and the LLM split under cp
+    and pp, in one launch. The "all-on" case is the five-step omni run (the same options and layout; its first three
     batches are the other cases' three), checked against the single process over all five steps."""
     runs = [Run(c.id, "omni", "tiny-omni", long_batches(), {"options": {**LONG_SHORT, **c.values[0]}, **c.values[1]},
-                OPTIMIZER) for c in CASES if c.id != "all-on"]
+                OPTIMIZER) for c in CASES if c.id != "all-on" and c.id not in SLOW_CASES]
     five = long_batches(LONG_SHORT_STEPS)
     runs += [Run("long-short-omni", "omni", "tiny-omni", five, {"options": dict(LONG_SHORT)}, OPTIMIZER),
              Run("long-short-homogeneous", "homogeneous", "tiny-omni", five, {}, OPTIMIZER),  # its default: tp 2
              Run("temporal-cp2", "temporal", "tiny-omni", five, {"cp": 2}, OPTIMIZER)]
-    runs += [Run(f"llm-split-{c.id}", "omni", models[c.values[0]], five, {"options": LONG_SHORT, **c.values[1]},
-                 OPTIMIZER) for c in LLM_SPLIT_CELLS]
+    runs += [Run(f"llm-split-{c.id}", "omni", models[c.values[0]], long_batches(), {"options": LONG_SHORT,
+                                                                                    **c.values[1]}, OPTIMIZER)
+             for c in LLM_SPLIT_CELLS]
     return run_all(tmp_path_factory.mktemp("omni"), runs)
 
 
 @pytest.mark.timeout(1200)  # the first case's setup launches all of them
 @pytest.mark.xdist_group("parity-omni")
 @pytest.mark.parametrize("options,layout", CASES)
-def test_omni_matches_single_process(omni_runs, request, options, layout):
+def test_omni_matches_single_process(omni_runs, request, tmp_path, options, layout):
     case = request.node.callspec.id
     if case == "all-on":
         batches = long_batches(LONG_SHORT_STEPS)
         losses, params = omni_runs["long-short-omni"].get()
     else:
         batches = long_batches()
-        losses, params = omni_runs[case].get()
+        run = omni_runs[case] if case in omni_runs else run_all(tmp_path, [Run(
+            case, "omni", "tiny-omni", batches, {"options": {**LONG_SHORT, **options}, **layout}, OPTIMIZER)])[case]
+        losses, params = run.get()
     assert_parity(losses, params, *reference("tiny-omni", batches, OPTIMIZER))
 
 
@@ -239,7 +247,7 @@ def test_llm_long_short_at_any_cp_and_pp_matches_single_process(omni_runs, model
     row) and with pipeline stages (every stage's members of the group run the long microbatch;
     chunks travel stage to stage)."""
     model = models[model]
-    batches = long_batches(LONG_SHORT_STEPS)
+    batches = long_batches()
     plans = [get_planner("omni").plan(get_model(model), ParallelSpec(world_size=4, options=LONG_SHORT, **layout), b)
              for b in batches]
     assert sum(len(p.notes["llm_long_short"]["long_samples"]) for p in plans) >= 2
