@@ -13,7 +13,8 @@ Rows: `split == calibration` in results/validation/published_runs.csv, less thos
 no stated formula. Each is simulated twice (as the presets say, and with the scale at 0.8 of that) and
 its step time modelled as t0 + B (s0/s - 1), linear in the compute time; the fit minimises the mean
 |log(simulated / published)| of each generation's rows on a grid (steps of 0.005 of the preset's
-value) and prints the values to write in the presets' TOML files (simulator/data/hardware/). The
+value) and prints the values to write in the fitted-constants registry (simulator/fitted.py), which the
+presets name (`kernel_compute_scale = "fitted:..."`). The
 held-out rows are never looked at. The H100 at 700 W (and the H200/H800 with it) keeps 1.0: this
 project's own measured one-H100 steps disagree with its 3 calibration rows (simulator/data/hardware/h100.toml). (A second constant, a share of compute lost to communication
 running beside it, was fitted with this one on the same rows and came out at 0; it was dropped.)

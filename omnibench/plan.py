@@ -1,6 +1,6 @@
 """The Plan: what a system decided for one training step, as plain data.
 
-A system is a planner: `(model, cluster, parallel, batch) -> Plan`. The runtime executes a Plan
+A system is a planner: `plan(model, parallel, batch) -> Plan`. The runtime executes a Plan
 with real tensors; the simulator executes the same Plan with costs. Keep it printable, diffable
 and JSON-serialisable; no torch here.
 

@@ -1,5 +1,6 @@
 """The calibrated discrete-event simulator: hardware presets, NCCL-like collective costs, compute
-efficiency curves, a simpy engine that executes a Plan over distinct ranks only, and calibration
+efficiency curves, an event-heap engine (engine.py; engine_simpy.py, the simpy one it is checked against)
+that executes a Plan over distinct ranks only, and calibration
 and validation against run traces. Imports no torch (directly or transitively).
 """
 

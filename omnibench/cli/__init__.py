@@ -19,7 +19,8 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-# Order here is the order in `omnibench --help`.
+# Each module registers its command group; `omnibench --help` lists the commands in typer's own order
+# (the `workloads` and `models` sub-groups after the commands).
 _COMMAND_MODULES = [
     "omnibench.cli.workloads",
     "omnibench.cli.models",
