@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import pickle
+import time
 import zlib
 from functools import lru_cache
 from pathlib import Path
@@ -282,7 +283,9 @@ def _plan_and_simulate(job: StepJob, cache: SimCache | None) -> StepOutcome:
     if got is None:
         planner = get_planner(job.system)
         try:
+            began = time.process_time()
             plan = planner.plan(job.model, job.parallel, batch)
+            planning = time.process_time() - began
             res = simulate(plan, job.model, job.cluster, calibration=job.calibration,
                            options=job.options or SimOptions())
         except ValueError as e:  # a planner refusing the layout, a simulated deadlock: one line
@@ -294,7 +297,10 @@ def _plan_and_simulate(job: StepJob, cache: SimCache | None) -> StepOutcome:
             from systems.common import plan_summary
 
             light = dataclasses.replace(res, spans=[])
-            got = StepOutcome(batch.step, light, {**res.metrics(), "plan": plan_summary(plan)})
+            # the planner's CPU seconds for this step here (one host thread; not charged to the step: every
+            # rank of the runtime plans the step it is about to run, on its host)
+            got = StepOutcome(batch.step, light, {**res.metrics(), "plan": plan_summary(plan),
+                                                  "planning_cpu_s": planning})
             store.put(k, got)
             if job.keep == "full":
                 store.put(full_key, dataclasses.replace(got, result=res))

@@ -326,3 +326,15 @@ def test_the_checked_layouts_engine_is_played_in_process_and_dropped_before_step
     assert in_process is (workers == "1")
     assert spare == (1 if in_process else 0)  # offered for the step it plays, or let go before the pool's steps
     assert not sim_engine._spare_engine  # taken, or dropped
+
+
+def test_each_row_says_what_its_plan_decided_and_what_planning_cost(app, tmp_path):
+    """omni's row carries its plan's decisions (the encoder SP scheme, resharding) and every row the
+    planner's CPU seconds per step, which the step time does not include."""
+    r = CliRunner().invoke(app, ["simulate", "-w", "mixed_video", "-s", "omni,temporal", "--gpus", "32", "-m",
+                                 "omni-7b@4L", "--json", "--no-cache", "--workers", "1", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    rows = {x["system"]: x for x in json.loads(r.output)["results"]}
+    assert rows["omni"]["plan"]["encoders"]["vision"]["scheme"] in ("none", "long_short", "all")
+    assert "resharded_samples" in rows["omni"]["plan"] and "plan" not in rows["temporal"]
+    assert all(x["planning_cpu_s"] > 0 for x in rows.values())
