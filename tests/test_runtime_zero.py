@@ -32,10 +32,10 @@ def _data(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 5, generator=g)
 
 
-def _worker(rank: int, world: int, init: str, stage: int, out: str, shard: int = 0) -> None:
+def _train(rank: int, world: int, stage: int, out: str, shard: int = 0) -> None:
+    """Three sharded AdamW steps of the toy model as `rank` of the default group (of `world` ranks)."""
     from omnibench.runtime.zero import ShardedState
 
-    join_group(rank, world, init)
     model = _toy()
     group, replicate = dist.group.WORLD, None
     if shard:  # hybrid: shard groups of `shard` consecutive ranks, replicated across them
@@ -54,12 +54,42 @@ def _worker(rank: int, world: int, init: str, stage: int, out: str, shard: int =
         state.zero_grad()
     torch.save({"params": [p.detach() for p in model.parameters()], "grads_kept": sizes,
                 "master": state.master.numel()}, os.path.join(out, f"rank{rank}.pt"))
-    leave_group()
+
+
+# (id, stage, world, shard): each trains in a default process group of its own (its own rendezvous
+# file) of `world` ranks, one after the other in the same spawned processes (Python and torch started
+# once); the last one has every rank, and leave_group ends them.
+SHARDED = [("zero1", 1, 2, 0), ("zero2", 2, 2, 0), ("hybrid-zero2", 2, 4, 2)]
+
+
+def _worker(rank: int, out: str) -> None:
+    for i, (case, stage, world, shard) in enumerate(SHARDED):
+        if rank >= world:
+            continue
+        folder = os.path.join(out, case)
+        join_group(rank, world, f"file://{os.path.join(folder, 'store')}")
+        _train(rank, world, stage, folder, shard)
+        if i == len(SHARDED) - 1:
+            leave_group()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_runs():
+    """Every SHARDED case, in one spawn of as many ranks as the largest needs: each case's rank files."""
+    with tempfile.TemporaryDirectory() as out:
+        for case, *_ in SHARDED:
+            os.mkdir(os.path.join(out, case))
+        mp.spawn(_worker, args=(out,), nprocs=SHARDED[-1][2], join=True)
+        yield {case: [torch.load(os.path.join(out, case, f"rank{r}.pt")) for r in range(world)]
+               for case, _, world, _ in SHARDED}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage,world,shard", [(1, 2, 0), (2, 2, 0), (2, 4, 2)], ids=["zero1", "zero2", "hybrid-zero2"])
-def test_sharded_adamw_over_buckets_matches_one_process(stage, world, shard):
+@pytest.mark.xdist_group("sharded-adamw")  # one worker, so the one spawn (sharded_runs)
+@pytest.mark.parametrize("stage,world,shard", [c[1:] for c in SHARDED], ids=[c[0] for c in SHARDED])
+def test_sharded_adamw_over_buckets_matches_one_process(sharded_runs, request, stage, world, shard):
     """Two ranks, each with its own data: the ZeRO step equals AdamW over the summed gradients in
     one process; each rank's master holds half the (padded) parameters; ZeRO-2 drops the full
     gradients at the reduction, ZeRO-1 keeps them until the step ends. Hybrid (4 ranks, shard groups
@@ -70,10 +100,8 @@ def test_sharded_adamw_over_buckets_matches_one_process(stage, world, shard):
         sum(ref(_data(step, r)).pow(2).sum() for r in range(world)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    with tempfile.TemporaryDirectory() as out:
-        init = f"file://{os.path.join(out, 'store')}"
-        mp.spawn(_worker, args=(world, init, stage, out, shard), nprocs=world, join=True)
-        got = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+    got = sharded_runs[request.node.callspec.id]
+    assert len(got) == world
     n = shard or world
     for r in range(world):
         for p, q in zip(got[r]["params"], ref.parameters(), strict=True):

@@ -190,9 +190,9 @@ def test_the_simulator_costs_temporals_encoder_all_to_alls():
 # ------------------------------------------------------------------------------------- parity
 
 
-# temporal at cp 2 against homogeneous over five steps: tests/test_omni_parity.py
-# (test_temporal_with_ulysses_sp_2_trains_like_homogeneous_over_five_steps), in that module's launch,
-# whose homogeneous run on the same five batches it shares.
+# temporal at cp 2 against homogeneous over four steps: tests/test_omni_parity.py
+# (test_temporal_with_ulysses_sp_2_trains_like_homogeneous_over_four_steps), in that module's launch,
+# whose homogeneous run on the same four batches it shares.
 
 
 @pytest.mark.timeout(240)
