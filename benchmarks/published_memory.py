@@ -3,11 +3,9 @@
 Every row of the CSV ran, so none may be predicted not to fit; 20 rows (torchtitan's H100 and H200
 benchmarks) publish their peak memory, as the caching allocator's `max_reserved` (torchtitan's device
 memory monitor). Each row is read and simulated as `omnibench validate --published` does
-(simulator/published.py: its model, layout and per-stack options), with the memory conventions of its
-software (`simulator.memory.published_memory_stack`), planned by `homogeneous`. One fill differs, for
-memory: a torchtitan row with pipelining and an unpublished micro batch runs torchtitan's default of as
-many microbatches as pipeline stages (config_manager.py at 9dec370: `pipeline_parallel_microbatches`
-defaults to the pp degree), so micro batch = local batch / pp (the CSV fills 1).
+(simulator/published.py: its model, layout and its software column's options, memory conventions
+included: `options_of`), planned by `homogeneous`, exactly as the row's `omnibench simulate` command
+sets it (the CSV's micro batch, also where the source leaves it unpublished).
 
 Rows larger than `--max-gpus` are simulated at fewer data-parallel replicas with the same per-rank
 work: the same microbatches per rank and the same sharding degree of the training state (memory per
@@ -35,21 +33,13 @@ CSV = ROOT / "results" / "validation" / "published_runs.csv"
 GiB = 2**30
 
 
-def micro_batch(r) -> int:
-    if r.stack == "torchtitan" and r.pp > 1 and "micro_batch" in r.notes.split("unpublished:")[-1]:
-        return max(1, r.global_batch // r.dp // r.pp)
-    return r.micro_batch
-
-
 def simulate_row(r, max_gpus: int) -> dict:
-    from simulator import memory
     from simulator.engine import Engine
     from simulator.hardware import load_cluster
     from simulator.published import model_of, options_of, parallel_of
     from systems import get_planner
     from workloads.sample import Batch, Sample, Segment
 
-    r = replace(r, micro_batch=micro_batch(r))
     sim_dp = r.dp
     while sim_dp * r.tp * r.pp * r.cp > max_gpus and sim_dp % 2 == 0 and sim_dp > 2:
         sim_dp //= 2
@@ -61,8 +51,7 @@ def simulate_row(r, max_gpus: int) -> dict:
     parallel.validate(model)
     batch = Batch(0, [Sample(i, "t", (Segment("text", r.seq),)) for i in range(small.global_batch)])
     plan = get_planner("homogeneous").plan(model, parallel, batch)
-    stack = memory.published_memory_stack(r)
-    opts = replace(options_of(r), memory_stack=stack, communication=False, check_memory=False)
+    opts = replace(options_of(r), communication=False, check_memory=False)
 
     class RowEngine(Engine):
         def _dp_mode(self, module, rank):  # the row's sharding degree at fewer simulated replicas
@@ -74,7 +63,7 @@ def simulate_row(r, max_gpus: int) -> dict:
     cap = cluster.gpu.memory_bytes
     return {"peak_gib": worst.memory_bytes / GiB, "reserved_gib": worst.memory_reserved / GiB,
             "allocated_gib": worst.memory_allocated / GiB, "capacity_gib": cap / GiB,
-            "fits": worst.memory_bytes <= cap, "sim_gpus": small.gpus, "micro_batch": r.micro_batch, "stack": stack,
+            "fits": worst.memory_bytes <= cap, "sim_gpus": small.gpus, "micro_batch": r.micro_batch, "stack": opts.memory_stack,
             "peak_rank": worst.rank, "peak_at": worst.memory_peak_at, "static_gib": worst.memory_static / GiB}
 
 

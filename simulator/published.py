@@ -397,11 +397,10 @@ def write_model_files(rows: list[PublishedRun]) -> list[Path]:
 
 def command_of(row: PublishedRun, dp_mode: str | None = None, recompute: str | None = None) -> list[str]:
     """The `omnibench simulate` arguments that simulate `row` (with `dp_mode` / `recompute` in place of the
-    row's: what the fill rule chose), from the repository root: the homogeneous system (one layout for
+    row's: what the fill rule chose), from any folder: the homogeneous system (one layout for
     every module: what a text-only run is) at the row's layout, batch and software."""
-    repo = SHIPPED.parents[1]
     argv = ["simulate", "--workload", f"pretrain_{row.seq}", "--system", "homogeneous", "--gpus", str(row.gpus),
-            "--hardware", row.hardware, "--model", str(model_file(row).relative_to(repo)),
+            "--hardware", row.hardware, "--model", f"published/{model_slug(row)}",
             "--tp", str(row.tp), "--pp", str(row.pp), "--cp", str(row.cp), "--dp", str(row.dp),
             "--dp-mode", dp_mode or row.dp_mode, "--microbatches", str(row.microbatches),
             "--global-batch-tokens", str(row.global_batch * row.seq), "--recompute", recompute or row.recompute]
@@ -430,8 +429,7 @@ def run_command(argv: list[str]) -> dict:
 
     from omnibench.cli import app
 
-    repo = SHIPPED.parents[1]
-    args = [str(repo / a) if a.startswith("results/validation/models/") else a for a in argv]
+    args = list(argv)
     out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryDirectory(prefix="published-") as tmp:
         args += ["--json", "--workers", "1", "--out", tmp]

@@ -98,6 +98,8 @@ SOFTWARE_STACKS: dict[str, SoftwareStack] = {
 }
 
 ATTENTIONS = ("flash", "unfused")
+# stacks that keep Megatron-LM's main-gradient buffer (where --grad-reduce-in-bf16 means something)
+MEGATRON_FAMILY = ("fused", "megatron-2021", "megatron-core", "nemo", "megatron-flash")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 EP_DISPATCHERS = ("alltoall", "deepep")
 # the mechanism flags: SimOptions fields a user turns on or off over the stack's choice
@@ -128,13 +130,12 @@ class Software:
         if self.grad_reduce_dtype not in ("", *GRAD_REDUCE_DTYPES):
             raise StackError(f"grad-reduce-dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}; "
                              f"got {self.grad_reduce_dtype!r}")
-        if self.grad_reduce_dtype == "bf16" and replace(self, grad_reduce_dtype="").memory_base() not in ("megatron",
-                                                                                                    "nemo"):
-            raise StackError(f"grad-reduce-dtype bf16 is Megatron's --grad-reduce-in-bf16: give --stack megatron-core, "
-                             f"nemo, megatron-flash or megatron-2021; got --stack {self.stack}")
+        if self.grad_reduce_dtype == "bf16" and self.stack not in MEGATRON_FAMILY:
+            raise StackError(f"grad-reduce-dtype bf16 is Megatron's --grad-reduce-in-bf16: give --stack "
+                             f"{', '.join(MEGATRON_FAMILY)}; got --stack {self.stack}")
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise StackError(f"ep-dispatcher must be one of {', '.join(EP_DISPATCHERS)}; got {self.ep_dispatcher!r}")
-        if self.fp8 and hardware and not _is_file(hardware) and not hardware.startswith(FP8_HARDWARE):
+        if self.fp8 and hardware and not _is_file(hardware) and not fp8_capable(hardware):
             raise StackError(f"fp8: FP8 tensor cores need Hopper or later ({', '.join(FP8_HARDWARE)}); "
                              f"got --hardware {hardware}")
         if self.fp8 and self.stack == "eager":
@@ -165,8 +166,10 @@ class Software:
         if self.attention:
             out["attention"] = self.attention
         # "" keeps the kernels' own conventions (eager, or Megatron's, scores and all under an unfused
-        # attention profile): what `--stack eager|fused` has always charged
+        # attention profile): what `--stack eager|fused` charges unless a flag changes the memory
         out["memory_stack"] = self.memory_base() if (p.memory or self.attention or self.grad_reduce_dtype) else ""
+        if self.grad_reduce_dtype == "bf16":
+            out["grad_reduce_bytes"] = 2  # the reduction moves bf16 gradients too
         out["gemm_dtype"] = "fp8" if self.fp8 else "bf16"
         out["ep_dispatcher"] = self.ep_dispatcher
         return out
@@ -196,7 +199,9 @@ class Software:
 def software_of(stack: str = "eager", *, attention: str = "", grad_reduce_dtype: str = "", fp8: bool = False,
                 ep_dispatcher: str = "alltoall", hardware: str = "", **switches: bool | None) -> Software:
     """The Software of `simulate`'s flags (a switch None: the stack's choice), checked."""
-    sw = Software(stack=stack, attention=attention or "", grad_reduce_dtype=grad_reduce_dtype or "", fp8=fp8,
+    # fp32 main gradients are every stack's default: given explicitly they change nothing
+    grad = "" if grad_reduce_dtype == "fp32" else grad_reduce_dtype or ""
+    sw = Software(stack=stack, attention=attention or "", grad_reduce_dtype=grad, fp8=fp8,
                   ep_dispatcher=ep_dispatcher or "alltoall")
     for name, on in switches.items():
         if on is not None:
@@ -226,6 +231,12 @@ def parse_flags(argv: list[str]) -> Software:
             raise StackError(f"software flag {tok!r} is not one of --stack, --attention, --grad-reduce-dtype, --fp8, "
                              f"--ep-dispatcher, --[no-]{', --[no-]'.join(s.replace('_', '-') for s in SWITCHES)}")
     return software_of(**kw, **switches)
+
+
+def fp8_capable(gpu_name: str) -> bool:
+    """A hardware preset's or a GPU's name that says Hopper or later (FP8 tensor cores)."""
+    name = gpu_name.lower()
+    return name.startswith(FP8_HARDWARE) or any(g in name for g in FP8_HARDWARE)
 
 
 def _is_file(hardware: str) -> bool:

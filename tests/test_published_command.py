@@ -12,17 +12,16 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
 from omnibench.specs.presets import get_model
 from simulator.published import (
     check_row,
-    command_of,
     load_published,
     model_file,
     model_of,
-    options_of,
     to_json,
 )
 from simulator.stacks import SOFTWARE_STACKS, parse_flags
@@ -48,7 +47,20 @@ def test_every_rows_software_is_a_named_stack_and_flags_the_cli_takes(rows):
         sw = r.software_spec
         assert sw.stack in SOFTWARE_STACKS, r.name
         assert parse_flags(sw.flags()) == sw, r.name  # the flags printed select this very software
-        assert options_of(r).stack == SOFTWARE_STACKS[sw.stack].kernels, r.name
+        assert r.software.split()[:2] == ["--stack", sw.stack] and ("--fp8" in sw.flags()) == (r.precision == "fp8")
+
+
+def test_what_a_row_runs_reads_no_note_table_or_source_of_it():
+    """The row's model, layout, options and command come from its columns (the software column included),
+    never from its notes, table heading or source: a rule keyed on them is a rule for a row."""
+    import inspect
+
+    from simulator import published
+
+    for fn in (published.command_of, published.options_of, published.parallel_of, published.expert_tp_of,
+               published.model_of, published.run_command, published._check_command):
+        code = inspect.getsource(fn)
+        assert not re.search(r"\.(notes|table|source)\b", code), fn.__name__
 
 
 @pytest.mark.timeout(240)
@@ -69,13 +81,17 @@ def test_a_rows_printed_command_run_as_a_user_runs_it_gives_its_step_time_and_pe
     assert result["peak_memory_gib"] == pytest.approx(committed["peak_memory_gib"], rel=1e-9)
 
 
+@pytest.mark.timeout(240)
 def test_a_row_the_fill_rule_changed_prints_the_command_it_ran(rows):
-    """A run whose unpublished recompute does not fit is simulated as a user of its stack would run it; the
-    command says which."""
-    row = rows["megatron-1.7b-32gpu"]
-    argv = command_of(row, recompute="full")
-    assert argv[argv.index("--recompute") + 1] == "full"
-    assert argv[argv.index("--dp-mode") + 1] == row.dp_mode
+    """A run whose unpublished DP mode and recompute do not fit is simulated as a user of its stack would run
+    it (the fastest choice that fits); the printed command carries that choice, not the CSV's."""
+    row = rows["megascale-175b-megatron-256gpu"]
+    check = check_row(row)
+    assert check.filled and check.fits
+    printed = shlex.split(to_json([check])["rows"][0]["command"])
+    chosen = dict(part.split() for part in check.filled.split(", "))
+    assert printed[printed.index("--dp-mode") + 1] == chosen.get("dp_mode", row.dp_mode) != row.dp_mode
+    assert printed[printed.index("--recompute") + 1] == chosen.get("recompute", row.recompute)
 
 
 def test_no_rule_in_the_simulator_names_a_source_a_table_or_a_row(rows):
@@ -102,9 +118,10 @@ def test_the_stacks_are_in_simulates_help():
 
 @pytest.mark.parametrize("args, needles", [
     (["--stack", "megatron"], ["stack must be one of", "megatron-core"]),
-    (["--stack", "torchtitan", "--grad-reduce-dtype", "bf16"], ["grad-reduce-dtype bf16", "--stack torchtitan"]),
+    (["--stack", "torchtitan", "--grad-reduce-dtype", "bf16"], ["grad-reduce-dtype bf16", "got --stack torchtitan"]),
     (["--stack", "nemo", "--grad-reduce-dtype", "fp16"], ["grad-reduce-dtype must be one of fp32, bf16"]),
     (["--stack", "nemo", "--fp8", "--hardware", "a100-80g"], ["fp8", "Hopper or later"]),
+    (["--stack", "nemo", "--fp8", "--hardware", "simulator/data/hardware/a100-80g.toml"], ["fp8", "A100-SXM4-80GB"]),
     (["--stack", "megatron-core", "--attention", "sdpa"], ["attention must be one of flash, unfused"]),
     (["--stack", "megatron-core", "--ep-dispatcher", "nccl"], ["ep-dispatcher must be one of alltoall, deepep"]),
     (["--stack", "megatron-core", "--expert-tp", "2"], ["expert-tp must be 0", "got 2"]),
@@ -115,6 +132,36 @@ def test_a_stack_or_flag_that_does_not_apply_is_one_line(args, needles, tmp_path
                "--out", tmp_path / "out", *args)
     one_error_line(r, *needles)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_default_pipeline_layout_is_cut_as_the_stack_cuts_it(tmp_path):
+    """Megatron-Core's stacks count the embedding and the loss as layers where pp does not divide the layers:
+    the default layout (pp chosen by the system) gets the same cut as the layout given by hand."""
+    def step(*layout: str) -> float:
+        r = invoke("simulate", "-w", "pretrain_4096", "-s", "homogeneous", "--gpus", "128", "-m",
+                   "published/llama-126L-16384h-128a-8kv-53248f-128256v", "--stack", "nemo", "--recompute", "full",
+                   *layout, "--json", "--workers", "1", "--out", tmp_path)
+        assert r.exit_code in (0, 1), r.output
+        got = json.loads(r.output)["results"][0]
+        return got["step_time_s"], got.get("layout", "")
+
+    default, laid = step()
+    assert step("--tp", laid.split()[0][2:], "--pp", laid.split()[1][2:])[0] == default
+
+
+def test_explicit_defaults_change_nothing_and_bf16_gradients_halve_the_reduction(tmp_path):
+    def row(*flags: str) -> dict:
+        r = invoke("simulate", "-w", "pretrain_2048", "-s", "homogeneous", "--gpus", "16", "-m",
+                   "published/gpt-24L-2304h-24a-24kv-9216f-51200v", "--hardware", "a100-80g", "--tp", "2", "--dp-mode",
+                   "zero1", "--recompute", "full", *flags, "--json", "--workers", "1", "--out", tmp_path)
+        assert r.exit_code in (0, 1), r.output
+        return json.loads(r.output)["results"][0]
+
+    fused = row("--stack", "fused")
+    assert row("--stack", "fused", "--grad-reduce-dtype", "fp32") == {**fused, "sim_seconds": ANY, "planning_cpu_s": ANY}
+    core, half = row("--stack", "megatron-core"), row("--stack", "megatron-core", "--grad-reduce-dtype", "bf16")
+    assert half["peak_memory_gib"] < core["peak_memory_gib"]
+    assert half["breakdown_s"]["exposed_comm"] <= core["breakdown_s"]["exposed_comm"]
 
 
 def test_a_fixed_length_text_workload_is_named_by_its_length():

@@ -849,6 +849,12 @@ def register(app: typer.Typer) -> None:
             clusters = {n: load_cluster(hardware, n) for n in sizes}
         except ValueError as e:
             fail(str(e))
+        from simulator.stacks import fp8_capable
+
+        gpu_name = next(iter(clusters.values())).gpu.name
+        if software.fp8 and not fp8_capable(gpu_name):
+            fail(f"fp8: FP8 tensor cores need Hopper or later (h100, h200, h800, b200, gb200); --hardware {hardware}'s "
+                 f"GPU is {gpu_name}")
         seeds = read_seeds(seed_from, spec.name) if seed_from else []
         # each size's sample stream and layout, checked here (a workload that does not load, a layout the
         # model refuses, a batch the stream cannot form) rather than inside the sweep
@@ -988,6 +994,13 @@ def register(app: typer.Typer) -> None:
                                                                             sim_software)
                                 if micro_batch and not tuned:
                                     sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
+                                # a stack that cuts pipelines with the embedding and loss as layers does so on
+                                # the layout settled here (a default or tuned pp too)
+                                split = splits_embedding_loss(software, spec.llm.layers, sys_parallel.pp,
+                                                              sys_parallel.virtual_stages)
+                                if split != sys_parallel.embedding_loss_stages:
+                                    sys_parallel = replace(sys_parallel, embedding_loss_stages=split)
+                                    sys_parallel.validate(spec)
                                 row.setdefault("recompute", sys_recompute)
                                 jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
                                                   hardware, step_stride, encoder_chunk_tokens,

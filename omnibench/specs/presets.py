@@ -192,6 +192,10 @@ REDUCED_DEPTH = re.compile(r"^(?P<base>.+)@(?P<layers>\d+)L$")
 WITHOUT_ENCODER = re.compile(r"^(?P<base>.+)@no-(?P<module>vision|audio)$")
 
 
+PUBLISHED_PREFIX = "published/"
+PUBLISHED_MODELS = Path(__file__).resolve().parents[2] / "results" / "validation" / "models"
+
+
 def get_model(name_or_path: str | Path) -> MultimodalSpec:
     """A preset name, or a .toml/.yaml/.yml file with MultimodalSpec's fields (validated).
 
@@ -213,6 +217,16 @@ def get_model(name_or_path: str | Path) -> MultimodalSpec:
         if not 1 <= layers <= base.llm.layers:
             raise SpecError(f"model {text!r}: the LLM layer count must be in [1, {base.llm.layers}], got {layers}")
         return dataclasses.replace(base, name=text, llm=dataclasses.replace(base.llm, layers=layers))
+    if text.startswith(PUBLISHED_PREFIX):
+        # the published runs' models (results/validation/models/): `validate --published` prints them so,
+        # and the command runs from any folder
+        name = text.removeprefix(PUBLISHED_PREFIX)
+        path = PUBLISHED_MODELS / f"{name}.toml"
+        if "/" in name or not path.is_file():
+            known = sorted(p.stem for p in PUBLISHED_MODELS.glob("*.toml"))
+            raise SpecError(f"unknown model {text!r}; the published runs' models are {PUBLISHED_PREFIX}<name> for "
+                            f"<name> in {', '.join(known[:3])}, ... ({len(known)} in results/validation/models)")
+        return model_from_dict(_read_file(path), source=f"model {text}")
     if text in MODEL_PRESETS:
         return MODEL_PRESETS[text]
     if text in LLM_PRESETS:
