@@ -432,7 +432,8 @@ def run_command(argv: list[str]) -> dict:
     args = list(argv)
     out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryDirectory(prefix="published-") as tmp:
-        args += ["--json", "--workers", "1", "--out", tmp]
+        # what the command prints and where, not what it simulates: no timeline or plan files are written
+        args += ["--json", "--workers", "1", "--out", tmp, "--no-trace"]
         code = 0
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:

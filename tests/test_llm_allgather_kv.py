@@ -99,7 +99,8 @@ def test_the_split_is_weighed_per_batch_and_declined_where_it_would_slow_the_ste
     steps, plans = {}, {}
     for rule in ("auto", "always"):
         par = ParallelSpec(world_size=gpus, cp=4, microbatches=1, recompute=rc,
-                           options={"hardware": "h100", "encoder_dp": "hsdp", "llm_split": rule})
+                           options={"hardware": "h100", "encoder_dp": "hsdp", "llm_split": rule,
+                                    "balancer": "simulator"})  # the estimate at the simulator's prices
         plans[rule] = get_planner("omni").plan(model, par, batch)
         steps[rule] = simulate(plans[rule], model, cluster, options=SimOptions(recompute=rc)).step_time
     notes = plans["auto"].notes["llm_long_short"]
@@ -125,7 +126,7 @@ def test_the_way_kept_is_the_plan_of_that_way_alone_and_only_it_is_built(monkeyp
     calls = []
     real = omni.to_actions
     monkeypatch.setattr(omni, "to_actions", lambda *a, **k: calls.append(1) or real(*a, **k))
-    options = {"hardware": "h100"}
+    options = {"hardware": "h100", "balancer": "simulator"}  # both ways estimated at the simulator's prices
     weighed = get_planner("omni").plan(model, ParallelSpec(world_size=gpus, options=options, **layout), batch)
     assert len(calls) == 1
     notes = weighed.notes["llm_long_short"]

@@ -77,7 +77,8 @@ def test_a_row_that_does_not_fit_keeps_its_step_time_and_throughput_with_fits_fa
     res = SimpleNamespace(fits=False, fit_message="does not fit: rank 3 needs 90.0 GiB of 80.0 GiB",
                           peak_memory=90 * 2**30, peak_reported=90 * 2**30, peak_needed=81 * 2**30, memory_capacity=80 * 2**30, classes=4, sim_seconds=0.1,
                           step_time=2.0, tokens=1000, model_flops=1e15, world_size=8, peak_flops=1e15, bubble=0.1,
-                          exposed_comm=0.05, imbalance=0.0, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0})
+                          exposed_comm=0.05, imbalance=0.0, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0},
+                          hardware_tflops_per_gpu=150.0, compute_model="datasheet")
     row = sim_cli._summary([res], [res.metrics()])
     assert row["fits"] is False and row["fit_message"] == res.fit_message and row["peak_memory_gib"] == 90 and row["peak_memory_needed_gib"] == 81
     assert row["step_time_s"] == 2.0 and row["tokens_per_s"] == 500 and row["tokens_per_s_per_gpu"] == 62.5
@@ -116,7 +117,7 @@ def test_a_simulation_record_holds_a_flat_results_csv_provenance_and_the_users_p
         (["--gpus", "16", "--recompute", "some"], "recompute must be one of"),
         (["--gpus", "16", "--tp", "3"], "tp=3"),
         (["--gpus", "16", "--model", "nosuch-model"], "nosuch-model"),
-        (["--gpus", "16", "--stack", "turbo"], "stack must be one of fused, eager; got 'turbo'"),
+        (["--gpus", "16", "--stack", "turbo"], "stack must be one of eager, fused, megatron-2021"),
         (["--gpus", "16", "--dp-mode", "zero3"], "dp_mode must be one of ddp, zero1, zero2, fsdp, hsdp"),
         (["--gpus", "16", "--dp-mode", "zero1", "--dp-shard", "8"], "dp-shard=8 needs --dp-mode hsdp"),
         (["--gpus", "16", "--cp", "2", "--cp-kind", "tree"], "cp_kind must be one of ulysses, ring, allgather"),

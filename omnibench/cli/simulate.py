@@ -145,8 +145,7 @@ def step_indices(steps: int, stride: int = 1) -> list[int]:
 # One line each (`simulate --help` keeps every option to one line); the command's description says more.
 HARDWARE_HELP = "Preset (h100, h200, b200, ...) or a file."
 STACK_HELP = "eager (this runtime) | fused (Megatron)."
-SOFTWARE_STACK_HELP = ("Software stack: eager (this runtime), fused, megatron-2021, megatron-core, nemo, megatron-flash, "
-                       "torchtitan[-compile|-compile-loss|-fused-norm], composer, deepspeed-zero3.")
+SOFTWARE_STACK_HELP = "eager | fused | a framework's (above)."
 DP_MODE_HELP = "ddp | zero1 | zero2 | fsdp | hsdp."
 MICRO_BATCH_HELP = "Samples per LLM microbatch; 0: off."
 CP_KIND_HELP = "ulysses | ring | allgather."
@@ -218,7 +217,7 @@ def with_micro_batch(parallel, batch, micro_batch: int):
 
 def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompute, hardware="", stride=1,
                chunk_tokens=0, want_plans=False, use_cache=True, packed: dict | None = None, stack: str = "eager",
-               memory_error: float = 0.0, software: dict | None = None):
+               memory_error: float = 0.0, software: dict | None = None, spans: bool = True):
     """The steps to simulate of `system` at one fixed layout (`parallel`, `recompute`): the batches
     `step_indices(steps, stride)`, the layout never revisited between steps. The first keeps its
     spans (the record's trace). `packed`: the stream's batches packed so far, shared by the systems.
@@ -237,7 +236,7 @@ def _step_jobs(system, model, parallel, stream, steps, cluster, profile, recompu
         if s not in packed:
             packed[s] = pack(stream.batch(s))
     return [StepJob(system, model, parallel, packed[s], cluster, profile, sim_options,
-                    keep="full" if k == 0 else "summary", want_plan=want_plans, use_cache=use_cache)
+                    keep="full" if k == 0 and spans else "summary", want_plan=want_plans, use_cache=use_cache)
             for k, s in enumerate(step_indices(steps, stride))]
 
 
@@ -670,7 +669,7 @@ SIMULATE_HELP = "\n\n".join([
     "again, up to 3 times, while it moves more than 2%).",
     "Machine and software: --hardware names a preset (h100 at 700 W, h100-500w: 96 GB HBM2e at a 500 W cap, h800: "
     "NVLink at 200 GB/s, h200, b200, gb200: one 72-GPU NVLink domain, a100-80g, a100-40g, v100-32g, cpu-gloo) "
-    "or a file; --stack names the software (eager: this runtime; fused: Megatron's kernels; megatron-2021, megatron-core, nemo, megatron-flash, torchtitan[-compile...], composer, deepspeed-zero3: the stacks of published runs, simulator/stacks.py), and --sequence-parallel, --overlap-grad-reduce, --overlap-param-gather, --tp-overlap, --attention, --grad-reduce-dtype, --fp8 and --ep-dispatcher change one mechanism of it (Megatron-LM's names); --dp-mode says how data parallelism holds the training state (an "
+    "or a file; --stack names the software (eager: this runtime; fused: Megatron's kernels; megatron-2021, megatron-core, nemo, megatron-flash, torchtitan[-compile...], composer, deepspeed-zero3: the stacks of published runs, simulator/stacks.py), and --sequence-parallel, --overlap-grad-reduce, --overlap-param-gather, --tp-overlap, --attention, --grad-reduce-dtype, --fp8 and --ep-dispatcher change one mechanism of it (Megatron-LM's names: each turns one on over the stack's choice); --dp-mode says how data parallelism holds the training state (an "
     "explicit fsdp never shards within nodes; hsdp shards within 8 nodes, or --dp-shard ranks); --cp-kind allgather "
     "(Llama 3's all-gathered K/V) runs in `run` too; ring is simulated only.",
     "Sweeps: every simulation runs in a pool (--workers, default every core) or on Ray (--ray), each step cached on "
@@ -690,21 +689,14 @@ def register(app: typer.Typer) -> None:
         hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
         model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
         stack: str = typer.Option("eager", "--stack", help=SOFTWARE_STACK_HELP),
-        sequence_parallel: bool = typer.Option(None, "--sequence-parallel/--no-sequence-parallel",
-                                               help="Norms and residuals over 1/tp of the tokens; default: the stack's."),
-        overlap_grad_reduce: bool = typer.Option(None, "--overlap-grad-reduce/--no-overlap-grad-reduce",
-                                                 help="DP gradient reduction behind the backward; default: the stack's."),
-        overlap_param_gather: bool = typer.Option(None, "--overlap-param-gather/--no-overlap-param-gather",
-                                                  help="ZeRO's parameter gather behind the forward; default: the stack's."),
-        tp_overlap: bool = typer.Option(None, "--tp-overlap/--no-tp-overlap",
-                                        help="TP collectives overlapped with GEMMs (TE userbuffers, AsyncTP)."),
-        attention: str = typer.Option("", "--attention", help="flash | unfused (s x s scores in HBM); default: the "
-                                      "stack's."),
-        grad_reduce_dtype: str = typer.Option("", "--grad-reduce-dtype", help="fp32 | bf16 main gradients "
-                                              "(Megatron stacks); default: fp32."),
-        fp8: bool = typer.Option(False, "--fp8", help="Linear layers on FP8 tensor cores (Hopper or later)."),
-        ep_dispatcher: str = typer.Option("alltoall", "--ep-dispatcher", help="alltoall | deepep (MoE token "
-                                          "dispatch)."),
+        sequence_parallel: bool = typer.Option(None, "--sequence-parallel", help="Norms over 1/tp of the tokens."),
+        overlap_grad_reduce: bool = typer.Option(None, "--overlap-grad-reduce", help="DP reduction behind the backward."),
+        overlap_param_gather: bool = typer.Option(None, "--overlap-param-gather", help="ZeRO gathers behind the forward."),
+        tp_overlap: bool = typer.Option(None, "--tp-overlap", help="TP collectives behind the GEMMs."),
+        attention: str = typer.Option("", "--attention", help="flash | unfused; default: the stack's."),
+        grad_reduce_dtype: str = typer.Option("", "--grad-reduce-dtype", help="fp32 | bf16 (Megatron's main grads)."),
+        fp8: bool = typer.Option(False, "--fp8", help="FP8 linears (Hopper or later)."),
+        ep_dispatcher: str = typer.Option("alltoall", "--ep-dispatcher", help="alltoall | deepep (MoE dispatch)."),
         dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
         mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
         micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
@@ -716,7 +708,7 @@ def register(app: typer.Typer) -> None:
         cp: int = typer.Option(0, "--cp", help=CP_HELP),
         cp_kind: str = typer.Option("ulysses", "--cp-kind", help=CP_KIND_HELP),
         ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models)."),
-        expert_tp: int = typer.Option(0, "--expert-tp", help="0: experts split over tp | 1: experts whole."),
+        expert_tp: int = typer.Option(0, "--expert-tp", help="0: experts split over tp | 1: whole."),
         dp: int = typer.Option(0, "--dp", help="Data-parallel degree; 0: what is left."),
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
@@ -749,6 +741,7 @@ def register(app: typer.Typer) -> None:
                                              "cache or seeds file."),
         memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
         no_tune_guard: bool = typer.Option(False, "--no-tune-guard", help="With --tuned: no check that the layout runs every step."),
+        no_trace: bool = typer.Option(False, "--no-trace", help="The record without timelines or plans."),
     ) -> None:
         from omnibench.specs.parallel import ParallelSpec
         from omnibench.specs.presets import get_model
@@ -1004,9 +997,10 @@ def register(app: typer.Typer) -> None:
                                 row.setdefault("recompute", sys_recompute)
                                 jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
                                                   hardware, step_stride, encoder_chunk_tokens,
-                                                  want_plans=n <= SAVE_PLANS_UP_TO, use_cache=not no_cache,
+                                                  want_plans=n <= SAVE_PLANS_UP_TO and not no_trace,
+                                                  use_cache=not no_cache,
                                                   packed=packed, stack=stack, memory_error=memory_error,
-                                                  software=sim_software)
+                                                  software=sim_software, spans=not no_trace)
                             except ValueError as e:
                                 if len(systems) == 1:
                                     fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
@@ -1058,7 +1052,7 @@ def register(app: typer.Typer) -> None:
                         else:
                             row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
                     rows.append(row)
-                    if "error" in row or not row["fits"]:
+                    if "error" in row or not row["fits"] or no_trace:
                         continue  # no trace: a timeline of a step that cannot run would mislead
                     with writing(tmp / f"trace_{s}_{n}.json"):
                         write_json_atomic(tmp / f"trace_{s}_{n}.json",
