@@ -139,6 +139,7 @@ def _peak(model: str, recompute: str, kind: str, microbatches: int) -> dict:
     return got
 
 
+@pytest.mark.slow  # a minute of CPU together: with the real-size ViT checks, in `python -m pytest -m slow`
 def test_llm_only_step_at_full_depth_within_10_percent_of_the_runtime_tracked():
     """Two microbatches: FSDP2 reduce-scatters every microbatch's gradients in its backward (the
     runtime keeps FSDP2's default), so no whole fp32 gradient copy (28 GiB here) is ever held: the
@@ -148,6 +149,7 @@ def test_llm_only_step_at_full_depth_within_10_percent_of_the_runtime_tracked():
     assert 0.9 <= got["estimate"] / got["tracked"] <= 1.1
 
 
+@pytest.mark.slow
 def test_encoder_and_llm_step_at_full_depth_within_10_percent_of_the_runtime_tracked():
     got = _peak("omni-7b", "full", "image", 2)
     assert 0.9 <= got["estimate"] / got["tracked"] <= 1.1

@@ -163,11 +163,13 @@ def test_the_readme_says_exactly_what_ci_runs():
     assert 'pip install -e ".[dev]" && python -m pytest -n 2 -q' in README
     assert slow_marked() == sorted([
         "test_chunks_without_block_recompute_stay_within_15_percent_of_the_tracker",
+        "test_encoder_and_llm_step_at_full_depth_within_10_percent_of_the_runtime_tracked",
+        "test_llm_only_step_at_full_depth_within_10_percent_of_the_runtime_tracked",
         "test_encoder_chunking_lowers_the_tracked_vit_peak_and_the_estimate_follows",
         "test_committed_slow_tables_are_what_the_script_writes_from_the_records",
         "test_the_tours_reproduce_in_its_small_form_makes_the_figures_and_the_report",
         # parity cells whose plans equal another cell's on every batch (in parameter lists)
         "test_omni_parity.py:89", "test_system_layout_matches_single_process",
     ])
-    assert "but the four marked slow" in README and "`omnibench reproduce --quick`" in README
+    assert "but the six marked slow" in README and "`omnibench reproduce --quick`" in README
     assert "tests/test_memory_tracker.py" in README and "tests/test_tables.py" in README
