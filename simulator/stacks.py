@@ -2,11 +2,12 @@
 
 `omnibench simulate --stack NAME` picks one; the mechanism flags (`--sequence-parallel`,
 `--overlap-grad-reduce`, `--overlap-param-gather`, `--tp-overlap`, `--attention`,
-`--grad-reduce-dtype`, `--fp8`, `--ep-dispatcher`) change one thing on top of it, under the names
+`--grad-reduce-dtype`, `--fp8`, `--ep-dispatcher`) each set one mechanism over it, under the names
 Megatron-LM gives them. A published run is simulated through exactly this: its software column holds
 these flags (simulator/published.py), never a rule keyed by who published it.
 
-Each stack is read off its framework's code and documents (README, "What each stack runs"):
+Each stack is read off its framework's code and documents (results/validation/README.md, "How a row is
+modelled", the software table):
 
 - eager: this project's runtime (omnibench/runtime): PyTorch modules op by op under autocast.
 - fused: the same runtime's layouts costed with Megatron-LM's fused kernels (`simulator/kernels.py`).
@@ -18,7 +19,7 @@ Each stack is read off its framework's code and documents (README, "What each st
 - nemo: NeMo 2 / Megatron-Bridge recipes: megatron-core plus TP communication overlap (userbuffers),
   FP8 weights kept in FP8 in FP8 recipes (fp8_param_gather).
 - megatron-flash: a Megatron-derived stack with sequence parallelism and flash attention, nothing
-  overlapped unless the flags say so (MegaScale's and Meta's Llama 3 stacks as their papers describe them).
+  overlapped unless the flags say so (a Megatron-derived in-house stack whose overlaps its users state).
 - torchtitan: PyTorch eager blocks (fp32 norm and RoPE math), SDPA flash attention, FSDP2, TP with
   sequence-parallel norms; selective checkpointing recomputes half of each block's forward
   (`selective_ac_option` "op" or "2"); torch.distributed.pipelining unshards the next stages ahead.
@@ -33,7 +34,9 @@ Each stack is read off its framework's code and documents (README, "What each st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
+
+from simulator.options import SimOptions
 
 # Hopper or later: FP8 tensor cores (hardware presets whose names start so)
 FP8_HARDWARE = ("h100", "h200", "h800", "b200", "gb200")
@@ -41,60 +44,57 @@ FP8_HARDWARE = ("h100", "h200", "h800", "b200", "gb200")
 
 @dataclass(frozen=True)
 class SoftwareStack:
-    """One framework's choices, as SimOptions fields (simulator/options.py)."""
+    """One framework's choices: its kernels, its memory conventions, and the SimOptions fields
+    (simulator/options.py) it sets away from their defaults."""
 
     summary: str
     kernels: str  # simulator/kernels.py Stack: "eager" | "fused"
     memory: str = ""  # simulator/memory.py MEMORY_STACKS; "" follows the kernels (eager | megatron)
-    attention: str = ""  # "" the kernel profile's own | "flash" | "unfused"
-    sequence_parallel: bool = False
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    tp_overlap: bool = False
-    selective: str = "attention"
-    fsdp_reduce_every_microbatch: bool = False
-    fsdp_gather_bucket: float = 0.0
-    fsdp_reduce_bucket: float = 0.0
-    gather_for_recompute: bool = False
-    p2p_scatter_gather: bool = False
-    pp_prefetch_unshard: bool = False
     # Megatron-Core cuts a pipeline whose stages do not divide the layers with the embedding and the
     # loss counted as a layer each (account_for_embedding/loss_in_pipeline_split)
     split_counts_embedding_loss: bool = False
+    options: tuple[tuple[str, object], ...] = ()  # (SimOptions field, value)
+
+    @property
+    def attention(self) -> str:
+        return str(dict(self.options).get("attention", ""))
 
 
-_MEGATRON_CORE = dict(kernels="fused", memory="megatron", attention="flash", sequence_parallel=True,
-                      overlap_grad_reduce=True, overlap_param_gather=True, p2p_scatter_gather=True,
-                      split_counts_embedding_loss=True)
+def _stack(summary: str, kernels: str, memory: str = "", split: bool = False, **options) -> SoftwareStack:
+    unknown = sorted(set(options) - {f.name for f in fields(SimOptions)})
+    if unknown:
+        raise ValueError(f"software stack {summary!r}: {unknown[0]} is not a SimOptions field")
+    return SoftwareStack(summary, kernels, memory, split, tuple(options.items()))
+
+
+_MEGATRON_CORE = dict(kernels="fused", memory="megatron", split=True, attention="flash", sequence_parallel=True,
+                      overlap_grad_reduce=True, overlap_param_gather=True, p2p_scatter_gather=True)
 _TORCHTITAN = dict(kernels="eager", memory="torchtitan", attention="flash", sequence_parallel=True, selective="half",
                    p2p_scatter_gather=True, pp_prefetch_unshard=True)
 
 SOFTWARE_STACKS: dict[str, SoftwareStack] = {
-    "eager": SoftwareStack("this project's runtime: PyTorch ops under autocast", "eager"),
-    "fused": SoftwareStack("this runtime's layouts with Megatron-LM's fused kernels", "fused"),
-    "megatron-2021": SoftwareStack("Megatron-LM 2019-22: unfused attention, nothing overlapped", "fused",
-                                   memory="megatron-2021", attention="unfused", p2p_scatter_gather=True,
-                                   split_counts_embedding_loss=True),
-    "megatron-core": SoftwareStack("Megatron-Core + Transformer Engine: SP, overlapped distributed optimizer",
-                                   **_MEGATRON_CORE),
-    "nemo": SoftwareStack("NeMo 2 / Megatron-Bridge: megatron-core plus TP comm overlap",
-                          **{**_MEGATRON_CORE, "memory": "nemo", "tp_overlap": True}),
-    "megatron-flash": SoftwareStack("Megatron-derived with SP and flash attention, nothing overlapped", "fused",
-                                    memory="megatron", attention="flash", sequence_parallel=True,
-                                    p2p_scatter_gather=True),
-    "torchtitan": SoftwareStack("torchtitan eager: FSDP2, SDPA, half-forward selective AC", **_TORCHTITAN),
-    "torchtitan-compile": SoftwareStack("torchtitan with torch.compile'd blocks",
-                                        **{**_TORCHTITAN, "kernels": "fused", "memory": "torchtitan-compile"}),
-    "torchtitan-compile-loss": SoftwareStack("torchtitan with compiled blocks and loss",
-                                             **{**_TORCHTITAN, "kernels": "fused",
-                                                "memory": "torchtitan-compile-loss"}),
-    "torchtitan-fused-norm": SoftwareStack("torchtitan eager with its Triton RMSNorm",
-                                           **{**_TORCHTITAN, "memory": "torchtitan-fused-norm"}),
-    "composer": SoftwareStack("Composer/LLM Foundry: FSDP reducing every microbatch", "fused", memory="composer",
-                              attention="flash", fsdp_reduce_every_microbatch=True, p2p_scatter_gather=True),
-    "deepspeed-zero3": SoftwareStack("DeepSpeed ZeRO-3 over Megatron's GPT (2021)", "fused", memory="megatron-2021",
-                                     attention="unfused", fsdp_gather_bucket=5e7, fsdp_reduce_bucket=5e8,
-                                     gather_for_recompute=True, p2p_scatter_gather=True),
+    "eager": _stack("this project's runtime: PyTorch ops under autocast", "eager"),
+    "fused": _stack("this runtime's layouts with Megatron-LM's fused kernels", "fused"),
+    "megatron-2021": _stack("Megatron-LM 2019-22: unfused attention, nothing overlapped", "fused",
+                            memory="megatron-2021", split=True, attention="unfused", p2p_scatter_gather=True),
+    "megatron-core": _stack("Megatron-Core + Transformer Engine: SP, overlapped distributed optimizer",
+                            **_MEGATRON_CORE),
+    "nemo": _stack("NeMo 2 / Megatron-Bridge: megatron-core plus TP comm overlap",
+                   **{**_MEGATRON_CORE, "memory": "nemo", "tp_overlap": True}),
+    "megatron-flash": _stack("Megatron-derived with SP and flash attention, nothing overlapped", "fused",
+                             memory="megatron", attention="flash", sequence_parallel=True, p2p_scatter_gather=True),
+    "torchtitan": _stack("torchtitan eager: FSDP2, SDPA, half-forward selective AC", **_TORCHTITAN),
+    "torchtitan-compile": _stack("torchtitan with torch.compile'd blocks",
+                                 **{**_TORCHTITAN, "kernels": "fused", "memory": "torchtitan-compile"}),
+    "torchtitan-compile-loss": _stack("torchtitan with compiled blocks and loss",
+                                      **{**_TORCHTITAN, "kernels": "fused", "memory": "torchtitan-compile-loss"}),
+    "torchtitan-fused-norm": _stack("torchtitan eager with its Triton RMSNorm",
+                                    **{**_TORCHTITAN, "memory": "torchtitan-fused-norm"}),
+    "composer": _stack("Composer/LLM Foundry: FSDP reducing every microbatch", "fused", memory="composer",
+                       attention="flash", fsdp_reduce_every_microbatch=True, p2p_scatter_gather=True),
+    "deepspeed-zero3": _stack("DeepSpeed ZeRO-3 over Megatron's GPT (2021)", "fused", memory="megatron-2021",
+                              attention="unfused", fsdp_gather_bucket=5e7, fsdp_reduce_bucket=5e8,
+                              gather_for_recompute=True, p2p_scatter_gather=True),
 }
 
 ATTENTIONS = ("flash", "unfused")
@@ -102,7 +102,7 @@ ATTENTIONS = ("flash", "unfused")
 MEGATRON_FAMILY = ("fused", "megatron-2021", "megatron-core", "nemo", "megatron-flash")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 EP_DISPATCHERS = ("alltoall", "deepep")
-# the mechanism flags: SimOptions fields a user turns on or off over the stack's choice
+# the mechanism flags: SimOptions fields a user turns on over the stack's choice
 SWITCHES = ("sequence_parallel", "overlap_grad_reduce", "overlap_param_gather", "tp_overlap")
 
 
@@ -119,7 +119,7 @@ class Software:
     grad_reduce_dtype: str = ""  # "": the stack's (fp32 main gradients everywhere but where a flag says)
     fp8: bool = False
     ep_dispatcher: str = "alltoall"
-    switches: tuple[tuple[str, bool], ...] = ()  # (SWITCHES name, on) the user set
+    switches: tuple[str, ...] = ()  # the SWITCHES the user turned on
 
     def check(self, hardware: str = "") -> Software:
         """This software, or StackError naming the flag at fault."""
@@ -159,9 +159,8 @@ class Software:
     def sim_fields(self) -> dict:
         """SimOptions fields (simulator/options.py) of this software."""
         p = self.preset
-        out = {f.name: getattr(p, f.name) for f in fields(SoftwareStack)
-               if f.name not in ("summary", "kernels", "memory", "split_counts_embedding_loss")}
-        out.update(dict(self.switches))
+        out = dict(p.options)
+        out.update(dict.fromkeys(self.switches, True))
         out["stack"] = p.kernels
         if self.attention:
             out["attention"] = self.attention
@@ -177,8 +176,7 @@ class Software:
     def flags(self) -> list[str]:
         """The `simulate` arguments that select this software."""
         out = ["--stack", self.stack]
-        for name, on in self.switches:
-            out.append(f"--{'' if on else 'no-'}{name.replace('_', '-')}")
+        out += [f"--{name.replace('_', '-')}" for name in self.switches]
         if self.attention:
             out += ["--attention", self.attention]
         if self.grad_reduce_dtype:
@@ -189,24 +187,19 @@ class Software:
             out += ["--ep-dispatcher", self.ep_dispatcher]
         return out
 
-    def with_switch(self, name: str, on: bool) -> Software:
-        if name not in SWITCHES:
-            raise StackError(f"switch must be one of {', '.join(SWITCHES)}; got {name!r}")
-        kept = tuple((n, v) for n, v in self.switches if n != name)
-        return replace(self, switches=kept + ((name, on),))
 
 
 def software_of(stack: str = "eager", *, attention: str = "", grad_reduce_dtype: str = "", fp8: bool = False,
                 ep_dispatcher: str = "alltoall", hardware: str = "", **switches: bool | None) -> Software:
-    """The Software of `simulate`'s flags (a switch None: the stack's choice), checked."""
+    """The Software of `simulate`'s flags (a switch None or False: the stack's choice), checked."""
     # fp32 main gradients are every stack's default: given explicitly they change nothing
     grad = "" if grad_reduce_dtype == "fp32" else grad_reduce_dtype or ""
-    sw = Software(stack=stack, attention=attention or "", grad_reduce_dtype=grad, fp8=fp8,
-                  ep_dispatcher=ep_dispatcher or "alltoall")
-    for name, on in switches.items():
-        if on is not None:
-            sw = sw.with_switch(name, on)
-    return sw.check(hardware)
+    unknown = sorted(set(switches) - set(SWITCHES))
+    if unknown:
+        raise StackError(f"switch must be one of {', '.join(SWITCHES)}; got {unknown[0]!r}")
+    on = tuple(name for name in SWITCHES if switches.get(name))
+    return Software(stack=stack, attention=attention or "", grad_reduce_dtype=grad, fp8=fp8,
+                    ep_dispatcher=ep_dispatcher or "alltoall", switches=on).check(hardware)
 
 
 def parse_flags(argv: list[str]) -> Software:
@@ -225,11 +218,9 @@ def parse_flags(argv: list[str]) -> Software:
             kw["fp8"] = True
         elif name.replace("-", "_") in SWITCHES:
             switches[name.replace("-", "_")] = True
-        elif name.startswith("no-") and name[3:].replace("-", "_") in SWITCHES:
-            switches[name[3:].replace("-", "_")] = False
         else:
             raise StackError(f"software flag {tok!r} is not one of --stack, --attention, --grad-reduce-dtype, --fp8, "
-                             f"--ep-dispatcher, --[no-]{', --[no-]'.join(s.replace('_', '-') for s in SWITCHES)}")
+                             f"--ep-dispatcher, --{', --'.join(s.replace('_', '-') for s in SWITCHES)}")
     return software_of(**kw, **switches)
 
 
