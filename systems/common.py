@@ -264,9 +264,10 @@ def weigh_of(model: MultimodalSpec, parallel: ParallelSpec, with_encoders: bool 
 
 @functools.lru_cache(maxsize=16)
 def _cost_model(name: str, model: MultimodalSpec, hardware: str):
-    from omnibench.specs.cost_model import CostModel
+    from omnibench.specs.cost_model import load_cost_model
 
-    return CostModel.analytic(model) if name == "analytic" else CostModel.from_simulator(model, hardware)
+    # the one loader omni's planner uses too: analytic without a hardware, the simulator's model with one
+    return load_cost_model(model, None, hardware if name == "simulator" else "")
 
 
 @by_identity(1, size=16)

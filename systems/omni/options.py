@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from omnibench.plan import PlanError
 from omnibench.specs.parallel import DP_MODES
+from systems.common import BALANCERS, DEFAULT_BALANCER  # how every system weighs samples in a split
 
 BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp", "llm_long_short")
 SP_SCHEMES = ("auto", "long_short", "all", "none")
@@ -14,8 +15,6 @@ LLM_SPLIT_RULES = ("auto", "always")
 # The encoders' state modes: the data-parallel modes' ParallelSpec fields, and hzero2, ZeRO-2 sharded
 # within the automatic shard group of a few nodes and replicated across the groups (layout.py)
 ENCODER_STATE_MODES = {**DP_MODES, "hzero2": dict(fsdp=False, zero=2, dp_shard=0)}
-# how every system weighs samples when it splits a batch (systems/common.py BALANCERS)
-BALANCERS = ("tokens", "analytic", "simulator")
 CHOICES = {"encoder_dp": tuple(ENCODER_STATE_MODES), "encoder_sp_scheme": SP_SCHEMES, "llm_split": LLM_SPLIT_RULES,
            "balancer": BALANCERS}
 
@@ -48,7 +47,7 @@ class OmniOptions:
     # analytic (every system's default) prices them by exact FLOPs at one nominal rate, scaled to the
     # hardware's speed; simulator by the simulator's own compute model of the hardware (or `calibration`'s
     # profile): an oracle; tokens (the baselines' anchors) is refused by omni, which compares seconds
-    balancer: str = "analytic"
+    balancer: str = DEFAULT_BALANCER
     calibration: str = ""  # calibration profile (omnibench calibrate) for the cost model
     # Without a profile: the simulator's compute model for this hardware preset, so omni decides with
     # the costs the simulator will charge (`simulate` and `tune` pass their --hardware); "": costs.py
