@@ -77,11 +77,12 @@ def model_for_workload(model: str, workload) -> tuple[str, str]:
                   f"{'it is' if len(idle) == 1 else 'they are'} left out of {model})")
 
 
-def recompute_modes(model: MultimodalSpec, samples: Sequence = ()) -> list[str]:
+def recompute_modes(model: MultimodalSpec, samples: Sequence = (), frozen: Sequence[str] = ()) -> list[str]:
     """The recompute modes `auto` tries, cheapest first: each set of the model's modules recomputed in
     full (none, then e.g. audio, vision, both encoders, ..., all), ordered by the forward FLOPs the
     recomputation adds to `samples`; a module with no work in them is left out (recomputing it saves
-    nothing). Without samples: by how many modules, encoders first."""
+    nothing), and so is a `frozen` encoder (it runs no backward). Without samples: by how many
+    modules, encoders first."""
     from simulator.flops import model_train_flops
 
     present = [m for m in ("vision", "audio") if m in model.encoders] + ["llm"]
@@ -92,12 +93,14 @@ def recompute_modes(model: MultimodalSpec, samples: Sequence = ()) -> list[str]:
             return 0.0
         return model_train_flops(model, samples, ",".join(f"{m}=full" for m in subset)) - base
 
-    working = [m for m in present if not samples or added((m,)) > 0] or ["llm"]
+    working = [m for m in present if (m == "llm" or m not in frozen) and (not samples or added((m,)) > 0)] or ["llm"]
 
     def label(subset: tuple[str, ...]) -> str:
         if not subset:
             return "none"
-        return "full" if len(subset) == len(working) else ",".join(f"{m}=full" for m in subset)
+        # "full" would name a frozen encoder too, which has no backward to recompute for
+        whole = len(subset) == len(working) and not any(m in frozen for m in present if m != "llm")
+        return "full" if whole else ",".join(f"{m}=full" for m in subset)
 
     subsets = [s for k in range(len(working) + 1) for s in combinations(working, k)]
     return [label(s) for s in sorted(subsets, key=lambda s: (added(s), len(s), [present.index(m) for m in s]))]
@@ -181,7 +184,7 @@ def resolve_layout(system: str, model: MultimodalSpec, parallel: ParallelSpec, b
         return Resolved(replace(laid, recompute="none" if mode == AUTO else mode), note,
                         encoder_chunk_tokens=encoder_chunk_tokens)
     first = list(batches[:ESTIMATE_STEPS])
-    modes = recompute_modes(model, [x for b in first for x in b.samples]) if mode == AUTO else [mode]
+    modes = recompute_modes(model, [x for b in first for x in b.samples], laid.freeze) if mode == AUTO else [mode]
     trials = [(m, chunk) for m in modes for chunk in (chunk_options(m) if chunk_options else (encoder_chunk_tokens,))]
     # the one trial whose estimate is answered when none fits (auto: the last, the most recomputation;
     # a given mode: its first); every other one only has to be found over the budget, which its first

@@ -332,14 +332,16 @@ def microbatch_counts(system: str, pp: int) -> list[int]:
     return sorted({*base, default_microbatches(system, pp)})
 
 
-def recompute_modes(model: MultimodalSpec) -> list[str]:
+def recompute_modes(model: MultimodalSpec, frozen: tuple[str, ...] = ()) -> list[str]:
     """The activation-recomputation choices searched, per module (costs.recompute_policy): the three
     uniform modes, the encoders fully recomputed under an LLM at none or selective, the LLM alone at
     full. Encoder activations are most of a video step's memory and the LLM most of its time, so the
-    mixed modes are often the fastest that fit."""
+    mixed modes are often the fastest that fit. A `frozen` encoder runs no backward, so recomputing it
+    is no choice: the mixed modes name the encoders that train (none left: the uniform modes alone)."""
     modes = list(RECOMPUTE_ORDER)
-    if model.encoders:
-        enc = ",".join(f"{m}=full" for m in model.encoders)
+    trained = [m for m in model.encoders if m not in frozen]
+    if trained:
+        enc = ",".join(f"{m}=full" for m in trained)
         modes += [enc, f"llm=selective,{enc}", "llm=full"]
     return modes
 
@@ -446,10 +448,10 @@ _per_batch = by_identity(2)
 
 
 @_per_batch
-def _train_flops(model: MultimodalSpec, samples, recompute: str) -> float:
+def _train_flops(model: MultimodalSpec, samples, recompute: str, frozen: str = "") -> float:
     from simulator.flops import model_train_flops
 
-    return model_train_flops(model, samples, recompute)
+    return model_train_flops(model, samples, recompute, tuple(frozen.split(",")) if frozen else ())
 
 
 # ------------------------------------------------------------------------------ analytic pruning
@@ -590,12 +592,16 @@ def _rules(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c
                   system == "omni", system == "homogeneous", system == "noncolocated")
 
 
-def _state(params: float, lay, master: bool = False) -> costs.StateBytes:
+def _state(params: float, lay, master: bool = False, frozen: bool = False) -> costs.StateBytes:
     """Per rank: a module's training state under its layout's data-parallel mode (this project's
     runtime's dtypes, costs.STATE_DTYPES["eager"]): FSDP and ZeRO over its shard group (the whole
-    data-parallel group unless hybrid), nothing shared without peers."""
+    data-parallel group unless hybrid), nothing shared without peers; `frozen`: its bf16 weights alone
+    (costs.frozen_state_bytes)."""
     n = lay.shard_size
-    return _dp_state(params, lay.dp_mode if n > 1 else "ddp", max(1, n), master)
+    mode = lay.dp_mode if n > 1 else "ddp"
+    if frozen:
+        return costs.frozen_state_bytes(params, mode, max(1, n))
+    return _dp_state(params, mode, max(1, n), master)
 
 
 def _dp_state(params: float, mode: str, shard: int, master: bool) -> costs.StateBytes:
@@ -610,14 +616,16 @@ def _dp_state(params: float, mode: str, shard: int, master: bool) -> costs.State
 @_per_candidate
 def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate,
                     samples, options: dict | None = None, memory_stack: str = "eager", device: str = "",
-                    mixed_precision: str = "autocast") -> float:
+                    mixed_precision: str = "autocast", frozen: str = "") -> float:
     """Bytes per rank, a lower bound on the simulator's count (module docstring, step 2), under each
     system's own memory rules (`_rules`): its data-parallel mode per module (omni's encoders ZeRO-2 by
     default, the others' FSDP), how far the largest sample is split (temporal: over its Ulysses
     degree; omni: over its sequence-parallel group, its long LLM samples over their group), and
     which encoder outputs stay live through the LLM pass. `options`: the system's switches
     (ParallelSpec.options, e.g. omni's encoder_dp); `mixed_precision`: how replicated modules hold
-    their weights (ParallelSpec.mixed_precision). In the figure the simulator's fits check
+    their weights (ParallelSpec.mixed_precision); `frozen`: the modules that do not train, a comma list
+    (ParallelSpec.freeze: bf16 weights alone, costs.frozen_state_bytes; a frozen encoder keeps no
+    activations). In the figure the simulator's fits check
     compares with the device (simulator/memory.py memory_needed: the allocated bytes with the space
     the allocator cannot give back under pressure, and what lives outside it, as `memory_stack` has them)."""
     from omnibench.process_groups import fewest_groups
@@ -626,6 +634,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
 
     rules = _rules(system, model, world, gpus_per_node, c, options)
     mode = costs.recompute_policy(c.recompute)  # per module: "vision=full,audio=full" leaves the LLM's none
+    still = set(frozen.split(",")) if frozen else set()
     lay = rules.llm
     tokens, positions = _mean_loads(model, samples)
     big_tokens, big_positions = _largest(model, samples)
@@ -633,17 +642,20 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     mean_mb = max(1, int(tokens / lay.dp / m))
     per_mb = max(mean_mb, big_tokens // rules.llm_split)
     layers = stage_layers(model.llm.layers, c.pp, 0)
-    w = llm_work(model.llm, [per_mb], layers, True, c.pp == 1, c.tp, c.cp, c.ep, mode["llm"], c.cp_kind)
+    w = llm_work(model.llm, [per_mb], layers, True, c.pp == 1, c.tp, c.cp, c.ep, mode["llm"], c.cp_kind,
+                 frozen="llm" in still)
     dense = (w.params - w.expert_params) / c.tp
     expert = w.expert_params / c.tp / max(1, c.ep)
     # As the simulator's timeline holds them at the LLM's first backward: its training state, the
     # activations in flight less a recomputed layer (held only inside a backward); FSDP's gathered
     # bf16 layers and the step's imbalance are left out of this lower bound.
     master = mixed_precision == "master"
-    llm_state = _state(dense, lay, master)
+    llm_state = _state(dense, lay, master, "llm" in still)
     if expert:
-        e = _dp_state(expert, lay.dp_mode if lay.fsdp_size > 1 else "ddp",
-                      max(1, (lay.shard_size if lay.fsdp else lay.fsdp_size) // max(1, c.ep)), master)
+        e_mode = lay.dp_mode if lay.fsdp_size > 1 else "ddp"
+        e_shard = max(1, (lay.shard_size if lay.fsdp else lay.fsdp_size) // max(1, c.ep))
+        e = (costs.frozen_state_bytes(expert, e_mode, e_shard) if "llm" in still
+             else _dp_state(expert, e_mode, e_shard, master))
         llm_state = costs.StateBytes(llm_state.params + e.params, llm_state.grads + e.grads,
                                      llm_state.optimizer + e.optimizer)
     in_flight = min(c.pp, m)
@@ -656,7 +668,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
     llm_act = w.act_bytes - w.act_transient
     if in_flight > 1:
         mean = w if mean_mb == per_mb else llm_work(model.llm, [mean_mb], layers, True, c.pp == 1, c.tp, c.cp,
-                                                     c.ep, mode["llm"], c.cp_kind)
+                                                     c.ep, mode["llm"], c.cp_kind, frozen="llm" in still)
         llm_act = max(llm_act, m / math.ceil(m / in_flight) * (mean.act_bytes - mean.act_transient))
     llm_side = llm_state.params + llm_state.optimizer + llm_state.grads + llm_act  # allocated bytes
     enc_state = enc_grads = enc_act = 0.0
@@ -679,6 +691,9 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
             ew = vision_work(enc, [(1, 1, max(1, int(per_rank * sp)))], elay.tp, sp, mode[name])
         else:
             ew = audio_work(enc, [max(2, int(2 * per_rank * sp))], elay.tp, sp, mode[name])
+        if name in still:  # its weights alone; its forward keeps nothing (it runs no backward)
+            enc_state += _state(ew.params / elay.tp, elay, frozen=True).params
+            continue
         st = _state(ew.params / elay.tp, elay, master)
         enc_state += st.params + st.optimizer  # its gradients appear only at its own backward
         # whole until grad_sync under this runtime's ZeRO (simulator/memory.py _grad_timeline)
@@ -695,7 +710,7 @@ def memory_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_nod
 
 @_per_candidate
 def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node: int, c: Candidate, samples,
-                  cluster, options: dict | None = None) -> float:
+                  cluster, options: dict | None = None, frozen: str = "") -> float:
     """Seconds, for ordering candidates only: each module's compute at the datasheet's achievable
     matmul rate over the ranks the system runs it on, the 1F1B bubble, the largest sample's share of
     its data rank, tp all-reduces and cp all-to-alls over NVLink. Each system's own balancing:
@@ -703,7 +718,9 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
     their own beside it, temporal splits every sample over its Ulysses degree, omni puts encoder
     work in the pipeline's bubbles and splits its largest samples over their groups."""
     rules = _rules(system, model, world, gpus_per_node, c, options)
-    per_module = _batch_flops(model, samples, c.recompute)
+    still = set(frozen.split(",")) if frozen else set()
+    per_module = {m: costs.frozen_flops(f, m) if m in still else f
+                  for m, f in _batch_flops(model, samples, c.recompute).items()}
     gpu = cluster.gpu
     rate = gpu.peak_flops * gpu.matmul_efficiency
     llm_flops = per_module["llm"].total
@@ -715,7 +732,8 @@ def time_estimate(system: str, model: MultimodalSpec, world: int, gpus_per_node:
     # Under 1F1B every stage waits (pp - 1) microbatch slots, each at least that sample's.
     big_tokens, _ = _largest(model, samples)
     per_rank = llm_flops / n_llm / rate
-    big = costs.llm_flops(model.llm, [big_tokens], recompute=costs.recompute_policy(c.recompute)["llm"]).total
+    big = costs.llm_flops(model.llm, [big_tokens], recompute=costs.recompute_policy(c.recompute)["llm"])
+    big = (costs.frozen_flops(big, "llm") if "llm" in still else big).total
     big_s = big / (c.tp * c.cp * c.pp * rules.llm_split) / rate if big_tokens else 0.0
     slot = max(per_rank / (c.virtual_stages * m), big_s)
     extra = 1.0 + 0.02 * (m - 1) if c.pp == 1 else 1.0  # small microbatches run less efficiently
@@ -800,6 +818,7 @@ class _Search:
         self.system, self.model, self.batches, self.cluster = system, model, batches, cluster
         self.stack, self.dp_fields, self.memory_error = stack, dict(dp_fields or {}), memory_error
         self.mixed_precision = self.dp_fields.get("mixed_precision", "autocast")
+        self.frozen = tuple(self.dp_fields.get("freeze", ()))  # every layout tried trains the same modules
         self.profile, self.options, self.sweep, self.use_cache, self.log = profile, options, sweep, use_cache, log
         self.world, self.gpn = cluster.num_gpus, cluster.gpus_per_node
         # what an estimate may reach: with the estimates assumed `memory_error` off (SimOptions), the
@@ -807,7 +826,7 @@ class _Search:
         self.capacity = cluster.gpu.memory_bytes / (1.0 + memory_error)
         # the analytic estimates read the first batch (the batch's own list: their memos key by its identity)
         self.per_batch = batches[0].samples
-        self.modes = recompute_modes(model)
+        self.modes = recompute_modes(model, self.frozen)
         self.done: dict[Candidate, Trial] = {}
         # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
         # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
@@ -828,11 +847,12 @@ class _Search:
             self._bound[c] = memory_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
                                              options=self.options,
                                              memory_stack=MEMORY_OF_STACK.get(self.stack, "eager"),
-                                             device=self.cluster.gpu.name, mixed_precision=self.mixed_precision)
+                                             device=self.cluster.gpu.name, mixed_precision=self.mixed_precision,
+                                             frozen=",".join(self.frozen))
         return self._bound[c]
 
     def flops_rank(self, mode: str) -> float:
-        return _train_flops(self.model, self.per_batch, mode)
+        return _train_flops(self.model, self.per_batch, mode, ",".join(self.frozen))
 
     def settle(self, c: Candidate) -> tuple[Trial | None, str]:
         """The fastest recompute mode (least recomputed FLOPs) whose analytic memory fits; else None
@@ -851,7 +871,7 @@ class _Search:
     def time(self, c: Candidate) -> float:
         if c not in self._time:
             self._time[c] = time_estimate(self.system, self.model, self.world, self.gpn, c, self.per_batch,
-                                          self.cluster, options=self.options)
+                                          self.cluster, options=self.options, frozen=",".join(self.frozen))
         return self._time[c]
 
     def next_recompute(self, c: Candidate) -> Candidate | None:
@@ -1123,7 +1143,7 @@ class _Search:
         return None, ruled_out, worst, runs
 
 
-def _dp_fields(dp_mode: str | None, mixed_precision: str = "autocast") -> dict:
+def _dp_fields(dp_mode: str | None, mixed_precision: str = "autocast", freeze: tuple[str, ...] = ()) -> dict:
     """The ParallelSpec fields every simulated layout takes from the tune's arguments."""
     from omnibench.specs.parallel import dp_mode_fields
     from omnibench.specs.run import MIXED_PRECISION
@@ -1133,6 +1153,8 @@ def _dp_fields(dp_mode: str | None, mixed_precision: str = "autocast") -> dict:
     out = dp_mode_fields(dp_mode) if dp_mode is not None else {}
     if mixed_precision != "autocast":
         out["mixed_precision"] = mixed_precision
+    if freeze:
+        out["freeze"] = tuple(freeze)
     return out
 
 
@@ -1141,13 +1163,15 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
          sweep=None, use_cache: bool = True, known: dict | None = None, prior: Prior | None = None,
          stack: str = "eager", dp_mode: str | None = None, default: Candidate | None = None,
          memory_error: float = 0.0, seeds: list[Seed] | None = None, guard_batches: list | None = None,
-         mixed_precision: str = "autocast", cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED) -> TuneResult:
+         mixed_precision: str = "autocast", cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED,
+         freeze: tuple[str, ...] = ()) -> TuneResult:
     """Search `system`'s layouts on `batches` (a step's samples each) on `cluster`, starting from
     `default` (omnibench/resolve.py's layout; default: `default_candidate`); every layout simulated with
     the `stack`'s kernels (eager | fused) and, when given, the data-parallel mode `dp_mode` (and how
     replicated modules hold their weights, `mixed_precision`: autocast | master), context parallelism
     of the `cp_kinds` given (an ablation: `("ulysses",)` is the space before all-gathered K/V); what fits
-    decided with the memory estimates assumed `memory_error` off (SimOptions.memory_error).
+    decided with the memory estimates assumed `memory_error` off (SimOptions.memory_error); `freeze`: the
+    modules no layout trains (ParallelSpec.freeze), passed to every layout tried and its memory bound.
 
     `budget`: layouts simulated in the LLM phase (0: `fraction` of the pruned space); `sweep`: the
     `omnibench.sweep.Sweep` the simulations go through (default: this process); `known`: trials of
@@ -1162,7 +1186,7 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     kw = dict(profile=profile, budget=budget, fraction=fraction, options=options, encoder_search=encoder_search,
               log=log, sweep=sweep, use_cache=use_cache, known=known, prior=prior, stack=stack, dp_mode=dp_mode,
               default=default, memory_error=memory_error, seeds=seeds, mixed_precision=mixed_precision,
-              cp_kinds=tuple(cp_kinds))
+              cp_kinds=tuple(cp_kinds), freeze=tuple(freeze))
     if guard_batches:
         return _guarded(_tune_once, system, model, batches, cluster, guard_batches, kw)
     return _tune_once(system, model, batches, cluster, **kw)
@@ -1172,7 +1196,7 @@ def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, pr
                options: dict | None, encoder_search: bool, log, sweep, use_cache: bool, known: dict | None,
                prior: Prior | None, stack: str, dp_mode: str | None, default: Candidate | None, memory_error: float,
                seeds: list[Seed] | None, mixed_precision: str = "autocast",
-               cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED) -> TuneResult:
+               cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED, freeze: tuple[str, ...] = ()) -> TuneResult:
     """`tune` without a guard: the search on `batches` alone."""
     from omnibench.sweep import Sweep
     from systems import get_planner
@@ -1185,7 +1209,7 @@ def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, pr
     own = sweep is None
     sweep = sweep or Sweep(workers=1)
     try:
-        dp_fields = _dp_fields(dp_mode, mixed_precision)
+        dp_fields = _dp_fields(dp_mode, mixed_precision, freeze)
         search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known, prior,
                          stack, dp_fields, memory_error)
         world, gpn = search.world, search.gpn
@@ -1383,7 +1407,7 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                                  + ", ".join(f"{lab} at step {k}" for lab, k in guarded) + ")")
             survivor, out = res.best, []
             if survivor is not None and window:
-                dp_fields = _dp_fields(kw.get("dp_mode"), kw.get("mixed_precision", "autocast"))
+                dp_fields = _dp_fields(kw.get("dp_mode"), kw.get("mixed_precision", "autocast"), kw.get("freeze", ()))
                 check = _Search(system, model, window, cluster, kw.get("profile"), kw.get("options"), sweep,
                                 kw.get("use_cache", True), None, None, stack=kw.get("stack", "eager"),
                                 dp_fields=dp_fields, memory_error=kw.get("memory_error", 0.0))

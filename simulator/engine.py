@@ -466,7 +466,7 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
         step = max((s.finish for s in stats.values()), default=0.0)
         ranks = [stats[r] for r in reps]
         capacity = self.cluster.gpu.memory_bytes
-        tokens, model_flops, hardware_flops = _sample_totals(plan.samples, self.model, self.recompute)
+        tokens, model_flops, hardware_flops = _sample_totals(plan.samples, self.model, self.recompute, self.frozen)
         result = SimResult(
             system=plan.system,
             world_size=plan.world_size,
@@ -493,20 +493,21 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
 _TOTALS: dict = {}
 
 
-def _sample_totals(samples: list, model: MultimodalSpec, recompute: str) -> tuple[int, float, float]:
+def _sample_totals(samples: list, model: MultimodalSpec, recompute: str,
+                   frozen: frozenset = frozenset()) -> tuple[int, float, float]:
     """A step's LLM tokens and its model and hardware FLOPs. A tune simulates the same batch at every
     layout it weighs, so they are worked out once per (samples, model, recompute), the samples known by
     identity (the entry keeps them alive, so no id is reused while it lives); the samples are walked
     once for all three. Keyed by each sample's identity, not the list's (as systems.common.by_identity
     keys a batch): every Plan holds its own copy of the batch's list."""
-    key = (tuple(map(id, samples)), model, recompute)
+    key = (tuple(map(id, samples)), model, recompute, frozen)
     got = _TOTALS.get(key)
     if got is None:
         lens = costs.sample_lengths(samples)
         if len(_TOTALS) >= 8:  # the batches the other per-batch memos keep (cache.py, systems/common.py)
             _TOTALS.clear()
-        got = _TOTALS[key] = (list(samples), sum(lens["llm"]), lengths_train_flops(model, lens),
-                              lengths_train_flops(model, lens, recompute))
+        got = _TOTALS[key] = (list(samples), sum(lens["llm"]), lengths_train_flops(model, lens, frozen=frozen),
+                              lengths_train_flops(model, lens, recompute, frozen))
     return got[1], got[2], got[3]
 
 

@@ -109,10 +109,13 @@ def llm_expert_params(llm: LLMSpec, layers: range) -> float:
 
 def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last: bool,
              tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none", cp_kind: str = "ulysses",
-             expert_tp: int = 0, stack: str = "eager", kernel_stack=None, sequence_parallel: bool = False) -> Work:
+             expert_tp: int = 0, stack: str = "eager", kernel_stack=None, sequence_parallel: bool = False,
+             frozen: bool = False) -> Work:
     """`stack`: whose kernels keep the activations (costs.ACTIVATION_STACKS); `kernel_stack` and
     `sequence_parallel`: the shape's software stack (simulator.kernels.Stack; FUSED when None) and
-    whether tp runs sequence-parallel, as the kernel model costs it."""
+    whether tp runs sequence-parallel, as the kernel model costs it. `frozen`: the LLM's weights take no
+    gradient (`--freeze llm`): its backward computes input gradients only (costs.frozen_flops) and its
+    loss keeps no weight gradient (the kernel model reads the same from `kernel_stack.frozen`)."""
     st = _llm_stage(llm, layers, first, last, tp, cp, ep, recompute, cp_kind, expert_tp, stack, kernel_stack,
                     sequence_parallel)
     h, d = llm.hidden, llm.dim_head
@@ -123,7 +126,9 @@ def llm_work(llm: LLMSpec, seq_lens: list[int], layers: range, first: bool, last
     from simulator.kernels import BlockShape
 
     shape = BlockShape(**st.shape, seq_lens=tuple(seq_lens), tokens=max(1, per_rank_tokens) if cp > 1 else 0)
-    mem = _llm_memory(llm, per_rank_tokens, n, first, last, tp, recompute, stack, st.layer_memory)
+    if frozen:
+        f = costs.frozen_flops(f, "llm")
+    mem = _llm_memory(llm, per_rank_tokens, n, first, last, tp, recompute, stack, st.layer_memory, not frozen)
     ring, gather = st.ring, st.gather
     return Work(
         **_split(f, tp * cp),
@@ -210,7 +215,7 @@ def _llm_stage(llm: LLMSpec, layers: range, first: bool, last: bool, tp: int, cp
 
 
 def _llm_memory(llm: LLMSpec, tokens: int, n: int, first: bool, last: bool, tp: int, recompute: str,
-                stack: str, lm: costs.LayerMemory) -> dict:
+                stack: str, lm: costs.LayerMemory, weight_grad: bool = True) -> dict:
     """Work's memory fields of an LLM stage on one microbatch of `tokens` tokens per rank (tp splits
     the activations: sequence-parallel norms, column/row-parallel linears); `lm`: one block's bytes per
     token (costs.llm_layer_memory under `recompute` and `stack`)."""
@@ -229,7 +234,8 @@ def _llm_memory(llm: LLMSpec, tokens: int, n: int, first: bool, last: bool, tp: 
     held = n * layer
     if n and stack == "eager":
         held += tokens * 8 * llm.dim_head  # fp32 RoPE cos/sin, shared by all layers
-    loss = costs.loss_memory(llm, tokens, -(-llm.vocab // tp), stack, tp=tp) if last else costs.LossMemory(0, 0, 0)
+    loss = (costs.loss_memory(llm, tokens, -(-llm.vocab // tp), stack, tp=tp, weight_grad=weight_grad) if last
+            else costs.LossMemory(0, 0, 0))
     held += loss.held
     return dict(act_bytes=held + transient, act_transient=transient, act_layer=layer,
                 act_working=tokens * lm.working / tp if n else 0.0, loss_forward=loss.forward,
@@ -390,14 +396,15 @@ def input_elements(sample, model: MultimodalSpec) -> int:
     return n
 
 
-def model_train_flops(model: MultimodalSpec, samples, recompute: str = "none") -> float:
+def model_train_flops(model: MultimodalSpec, samples, recompute: str = "none", frozen=()) -> float:
     """FLOPs of one training step over a batch, each sample its own packed sequence
     (costs.batch_flops). recompute "none": forward + backward, the model FLOPs of MFU; else the
-    recomputed forward is added (what the GPU executes: hardware FLOPs, HFU)."""
-    return lengths_train_flops(model, costs.sample_lengths(samples), recompute)
+    recomputed forward is added (what the GPU executes: hardware FLOPs, HFU). `frozen`: modules whose
+    weights take no gradient, counted as the step runs them (costs.frozen_flops)."""
+    return lengths_train_flops(model, costs.sample_lengths(samples), recompute, frozen)
 
 
-def lengths_train_flops(model: MultimodalSpec, lens: dict[str, list], recompute: str = "none") -> float:
+def lengths_train_flops(model: MultimodalSpec, lens: dict[str, list], recompute: str = "none", frozen=()) -> float:
     """`model_train_flops` from the samples' `costs.sample_lengths`."""
     per = costs.lengths_flops(model, lens, recompute=recompute)
-    return sum(f.total for f in per.values())
+    return sum((costs.frozen_flops(f, m) if m in frozen else f).total for m, f in per.items())

@@ -286,6 +286,9 @@ class Stack:
     loss_chunk_tokens: int = 0  # chunked loss: tokens per chunk (omnibench.specs.costs.loss_chunk_tokens)
     attention: str = ""  # "" the profile's `attention_kernel`, else "flash" | "unfused"
     gemm: str = "bf16"  # "fp8": the blocks' linears on FP8 tensor cores with per-tensor scaling
+    # the module's weights take no gradient (`--freeze`): its backward computes input gradients only
+    # (no weight-gradient GEMMs, no bias or embedding gradients) and its loss no weight gradient
+    frozen: bool = False
 
 
 FUSED = Stack()
@@ -421,9 +424,11 @@ def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool, bk: tuple
     time = 0.0
     fp8 = s.stack.gemm == "fp8"
     if fp8 or min(min(fan) for fan in linears) <= 0:  # (an empty linear costs nothing in `gemm_time`)
+        frozen = s.stack.frozen
         for fan_out, fan_in in linears:
-            if bwd:
-                time += p.gemm_time(t, fan_in, fan_out, fp8=fp8) + p.gemm_time(fan_out, fan_in, t, fp8=fp8)  # dgrad, wgrad
+            if bwd:  # dgrad, wgrad
+                time += p.gemm_time(t, fan_in, fan_out, fp8=fp8) + (
+                    0.0 if frozen else p.gemm_time(fan_out, fan_in, t, fp8=fp8))
             else:
                 time += p.gemm_time(t, fan_out, fan_in, fp8=fp8)
     else:
@@ -433,8 +438,9 @@ def _block_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool, bk: tuple
         # GEMM then timed as `gemm_time` times it: the same bits
         rates = _linear_rates(p, linears, t, bwd, bk)
         if bwd:
+            frozen = s.stack.frozen
             for (fan_out, fan_in), (r_d, r_w) in zip(linears, rates, strict=True):
-                time += p.gemm_at(t, fan_in, fan_out, r_d) + p.gemm_at(fan_out, fan_in, t, r_w)
+                time += p.gemm_at(t, fan_in, fan_out, r_d) + (0.0 if frozen else p.gemm_at(fan_out, fan_in, t, r_w))
         else:
             for (fan_out, fan_in), r in zip(linears, rates, strict=True):
                 time += p.gemm_at(t, fan_out, fan_in, r)
@@ -468,14 +474,14 @@ def _outside_parts(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> tupl
     outside = []
     for m, n, k, dgrad in s.extra_gemms:
         if bwd:
-            outside.append(p.gemm_time(n, k, m) + (p.gemm_time(m, k, n) if dgrad else 0.0))
+            outside.append((0.0 if s.stack.frozen else p.gemm_time(n, k, m)) + (p.gemm_time(m, k, n) if dgrad else 0.0))
         else:
             outside.append(p.gemm_time(m, n, k))
     if s.extra_pointwise:
         outside.append(p.memory_time(s.extra_pointwise * (2 if bwd else 1), 4))
     if s.head:
         outside.append(_head(p, s, bwd))
-    if s.embed and s.stack.kind == "eager" and bwd:
+    if s.embed and s.stack.kind == "eager" and bwd and not s.stack.frozen:
         # dense fp32 embedding gradient: zero-filled [vocab, hidden], then one row added per token
         outside.append(p.memory_time(4.0 * s.vocab * s.hidden + 12.0 * t * s.hidden, 3))
     return tuple(outside)
@@ -515,7 +521,7 @@ def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
 
     def linear(m: float, fan_out: int, fan_in: int) -> float:
         if bwd:
-            return p.gemm_time(m, fan_in, fan_out) + p.gemm_time(fan_out, fan_in, m)
+            return p.gemm_time(m, fan_in, fan_out) + (0.0 if s.stack.frozen else p.gemm_time(fan_out, fan_in, m))
         return p.gemm_time(m, fan_out, fan_in)
 
     out += linear(t, s.moe_router, h)
@@ -527,7 +533,8 @@ def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
         # (read and write each, bf16) and a fused gated activation
         fp8 = s.stack.gemm == "fp8"
         for fan_out, fan_in in ((2 * f, h), (h, f)):
-            shapes = ((fan_in, fan_out, te), (fan_out, fan_in, te)) if bwd else ((te, fan_out, fan_in),)
+            shapes = ((fan_in, fan_out, te), (fan_out, fan_in, te))[:1 if s.stack.frozen else 2] if bwd \
+                else ((te, fan_out, fan_in),)
             for m, n, k in shapes:
                 if min(m, n, k) > 0:
                     out += max(s.moe_experts * 2.0 * m * n * k / (p.gemm_rate(m, n, k)
@@ -597,7 +604,8 @@ def _eager_block_bytes(s: BlockShape, bwd: bool) -> tuple[float, int]:
               + _EAGER[("rope", 0)][i] * rope_elems + _EAGER[(s.mlp, 0)][i] * s.ffn)
     kernels = 2 * 6 + (14 if s.rope else 0) + 2 + 3
     if bwd:
-        nbytes += 2.0 * s.biased  # bias gradients: a reduction over the tokens of each biased output
+        if not s.stack.frozen:
+            nbytes += 2.0 * s.biased  # bias gradients: a reduction over the tokens of each biased output
         if s.fused_qkv:
             nbytes += 4.0 * (s.heads + 2 * s.kv_heads) * d  # q, k, v gradients assembled into one
         kernels = 2 * kernels
@@ -609,7 +617,8 @@ def _head(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     t, h, v = s.ntokens, s.hidden, s.vocab
     st = s.stack
     if st.kind != "eager" or st.loss != "chunked":
-        out = (p.gemm_time(t, h, v) + p.gemm_time(v, h, t)) if bwd else p.gemm_time(t, v, h)
+        wgrad = 0.0 if st.frozen else p.gemm_time(v, h, t)
+        out = (p.gemm_time(t, h, v) + wgrad) if bwd else p.gemm_time(t, v, h)
         # cross-entropy over fp32 logits: fwd reads bf16 logits, writes fp32 softmax; bwd writes grads
         out += p.memory_time(t * v * 6, 4)
         return out + p.memory_time(t * h * 2 * 2, 1)  # final norm
@@ -618,16 +627,18 @@ def _head(p: KernelProfile, s: BlockShape, bwd: bool) -> float:
     # 28), subtract lse (8), exp (8), mask (8), back to bf16 (6); the fp32 weight gradient takes each
     # chunk's bf16 product, casts it (6) and adds it (12). The backward only scales the kept gradients.
     norm = _EAGER[(s.norm, st.residual_bytes)][1 if bwd else 0] * t * h
+    # a frozen head: no fp32 weight gradient to fill, cast and add per chunk, or to scale after
+    wgrad = 0.0 if st.frozen else 1.0
     if bwd:
-        return p.memory_time(8.0 * v * h + 4.0 * t * h + norm, 3)
+        return p.memory_time(wgrad * 8.0 * v * h + 4.0 * t * h + norm, 3)
     c = max(1, st.loss_chunk_tokens or int(t))
     full, rest = divmod(int(t), c)
     gemms = 0.0
     for m, n in ((c, full), (rest, 1 if rest else 0)):
         if n:
-            gemms += n * (p.gemm_time(m, v, h) + p.gemm_time(m, h, v) + p.gemm_time(v, h, m))
+            gemms += n * (p.gemm_time(m, v, h) + p.gemm_time(m, h, v) + wgrad * p.gemm_time(v, h, m))
     chunks = full + (1 if rest else 0)
-    nbytes = 64.0 * t * v + (18.0 * chunks + 4.0 + _cast_bytes(s)) * v * h + norm
+    nbytes = 64.0 * t * v + (wgrad * (18.0 * chunks + 4.0) + _cast_bytes(s)) * v * h + norm
     return gemms + p.memory_time(nbytes, 10 * chunks)
 
 

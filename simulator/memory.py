@@ -287,6 +287,8 @@ class MemoryMixin:
         return max(1, n // max(1, lay.ep))
 
     def _dtypes(self, module: str, rank: int) -> costs.StateDtypes:
+        if module in self.frozen:
+            return costs.FROZEN_DTYPES  # bf16 weights alone: no master, gradients or moments
         mode = self._dp_mode(module, rank)[0]
         d = costs.state_dtypes(self._state_stack, mode)
         if (mode == "ddp" and d.name == "eager" and d.weights == 4
@@ -382,6 +384,8 @@ class MemoryMixin:
         FSDP, everything it holds under DDP."""
         out = 0.0
         for m in self.plan.layouts:
+            if m in self.frozen:
+                continue  # the optimizer never sees it
             mode, n = self._dp_mode(m, rank)
             dense, expert = self._model_parallel_params(m, rank)
             out += dense + expert if mode == "ddp" else dense / n + expert / self._expert_shards(m, n)
@@ -526,7 +530,7 @@ class MemoryMixin:
     def _backward_grads_of(self, rank: int, module: str, stage: int, mode: str, n: int, first: bool, last: bool,
                            single: bool) -> tuple[float, float, float, float, float, float]:
         d = self._dtypes(module, rank)
-        if d.grads_static:
+        if d.grads_static or module in self.frozen:  # a frozen LLM's backward makes input gradients only
             return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         lay = self.plan.layouts[module]
         lp = self._layer_on_rank(module)
@@ -586,6 +590,8 @@ class MemoryMixin:
         last. Whichever point is highest sets the peak (the start when activations outweigh
         gradients, the end under full recomputation)."""
         module = a.module
+        if module in self.frozen and module != "llm":
+            return self._frozen_encoder_memory(module, work), 0.0
         copies = self._weight_copies(module, rank, a.stage)
         held = self._live_activation(work) + (0.0 if work.chunks else copies)
         residual = self._fp32_residual(module, rank, work)
@@ -628,6 +634,15 @@ class MemoryMixin:
         delta = g_start + g_end + n * g_layer - held
         return max(peak, delta + end_extra), delta
 
+    def _frozen_encoder_memory(self, module: str, work: Work) -> float:
+        """The high point of a frozen encoder's forward, which runs as under torch.no_grad (no backward
+        follows it: systems/common.py `drop_frozen`): each block's activations live only while the block
+        runs, whatever the recompute mode, and nothing stays for a backward (its output, at the LLM's
+        width, is the LLM's input, counted there)."""
+        enc = self.model.encoders[module]
+        per_token = costs.vision_layer_bytes(enc) if module == "vision" else costs.audio_layer_bytes(enc)
+        return work.tokens * per_token / self.plan.layouts[module].tp if work.layers else 0.0
+
     def _fp32_residual(self, module: str, rank: int, work: Work) -> float:
         """Per LLM layer, what this runtime's blocks keep beyond costs.llm_layer_bytes when autocast
         runs them over fp32 weights (one rank, DDP): the fp32 token embedding makes the residual
@@ -665,7 +680,7 @@ class MemoryMixin:
         gathered bf16 parameters. AdamW creates state only for parameters that get a gradient: a
         module the step never runs backward for on this rank (no audio in the batch) holds its
         weights alone."""
-        trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD}
+        trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD} - self.frozen
         # a function of each module's data-parallel mode, pipeline stage and whether the rank trains it:
         # worked out once per such case (asked for every class)
         index = self.index

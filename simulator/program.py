@@ -196,7 +196,7 @@ class ProgramMixin:
                 # reductions behind the backward, as their memory is counted without a whole-gradient copy
                 r = 0.0
                 if (a.kind == BACKWARD and self.coll.inline_overlap and a.microbatch != self._last_backward(rank, module)
-                        and (self.options.fsdp_reduce_every_microbatch
+                        and module not in self.frozen and (self.options.fsdp_reduce_every_microbatch
                              or (self.memory_stack == "eager" and not self._defers_reduce(module)))):
                     r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
                                        self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
@@ -242,7 +242,10 @@ class ProgramMixin:
 
     def _reduces_in(self, rank: int, module: str, microbatch: int) -> bool:
         """Whether this microbatch's backward reduce-scatters FSDP gradients: every one's, unless the stack
-        accumulates whole gradients until the stage's last (`MemoryMixin._defers_reduce`)."""
+        accumulates whole gradients until the stage's last (`MemoryMixin._defers_reduce`); never a frozen
+        module's (it has none)."""
+        if module in self.frozen:
+            return False
         return not self._defers_reduce(module) or microbatch == self._last_backward(rank, module)
 
     def _last_backward(self, rank: int, module: str) -> int:
@@ -499,7 +502,7 @@ class ProgramMixin:
         backward of), each module's root (embeddings, head, patch/conv stems) counted as one more:
         what an optimizer step walks (AdamW skips parameters that got no gradient)."""
         sharded = plain = 0.0
-        trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD}
+        trained = {a.module for a in self.plan.actions.get(rank, []) if a.kind == BACKWARD} - self.frozen
         for m, lay in self.plan.layouts.items():
             idx = self.index[m]
             if rank not in idx.coords or m not in trained:

@@ -79,8 +79,9 @@ class SimResult:
     fits: bool = True
     fit_message: str = ""
     fit_checked: bool = False  # whether `fits` was decided (engine.check_fit); else it says nothing
-    flop_formula: str = ("costs.batch_flops: exact forward + backward matmul FLOPs of every module, attention "
-                          "over the real packed lengths, no recomputation")
+    flop_formula: str = ("costs.batch_flops: exact forward + backward matmul FLOPs of every module (a frozen one's "
+                          "as the step runs it, costs.frozen_flops), attention over the real packed lengths, no "
+                          "recomputation")
     # The same counter with the run's recomputation added (what the GPU executes): the numerator
     # of hardware TFLOP/s (Megatron's "teraFLOP/s per GPU", Korthikanti et al.'s HFU).
     hardware_flops: float = 0.0

@@ -201,6 +201,7 @@ def _replan(config: dict, plan0: Plan, steps: list[int]) -> tuple[list[Plan], st
             cp=spec.get("cp", 1), ep=spec.get("ep", 1), microbatches=spec.get("microbatches", 0),
             encoder_tp=spec.get("encoder_tp", 0), encoder_ranks=spec.get("encoder_ranks", 0),
             fsdp=spec.get("fsdp", True), dp_shard=spec.get("dp_shard", 0), options=dict(spec.get("options") or {}),
+            freeze=tuple(spec.get("freeze") or ()),
         )
         if spec.get("batches_file"):
             raw = json.loads(Path(spec["batches_file"]).read_text())

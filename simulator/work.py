@@ -31,6 +31,12 @@ class WorkMixin:
     """The Engine's data lookups (needs `plan`, `model`, `policy`, `options`, `index` and caches)."""
 
     @functools.cached_property
+    def frozen(self) -> frozenset[str]:
+        """Modules whose weights take no gradient (`--freeze`), as the plan records them
+        (systems/common.py `drop_frozen`: a frozen encoder's plan holds no backward)."""
+        return frozenset(self.plan.options.get("freeze", ()))
+
+    @functools.cached_property
     def _samples_by_id(self) -> dict:
         """sample id -> Sample (what `Plan.sample` looks up, without its check per call)."""
         return {s.sample_id: s for s in self.plan.samples}
@@ -146,7 +152,7 @@ class WorkMixin:
                 # sp: omni's long LLM sample over a context-parallel group (systems/omni/llm_long_short.py)
                 got = llm_work(llm, list(sig), layers, stage == 0, stage == lay.stages - 1, lay.tp, sp or lay.cp,
                                lay.ep, self.policy["llm"], self._llm_cp_kind(bool(sp)), lay.expert_tp, self.activation_stack,
-                               stack, seq_parallel)
+                               stack, seq_parallel, frozen="llm" in self.frozen)
             elif module in ("vision", "audio"):
                 # omni's long inputs (sp) are split by their group, not chunked (as the runtime does)
                 chunk = self.options.encoder_chunk_tokens if not sp and lay.sp == 1 else 0
@@ -173,12 +179,13 @@ class WorkMixin:
 
             o = self.options
             stack = self._eager_stack(module, lay) if o.stack == "eager" else FUSED
-            stack = _replace(stack, attention=o.attention, gemm=o.gemm_dtype)
+            stack = _replace(stack, attention=o.attention, gemm=o.gemm_dtype, frozen=module in self.frozen)
             got = self._work_cache[key] = (stack, o.sequence_parallel and lay.tp > 1)
         return got
 
     def _eager_stack(self, module: str, lay):
-        stack = eager_stack(self.model, module, lay, getattr(self.options, "mixed_precision", "autocast") == "master")
+        stack = eager_stack(self.model, module, lay, getattr(self.options, "mixed_precision", "autocast") == "master",
+                            module in self.frozen)
         # one object per distinct stack: shapes holding equal stacks then hash and compare cheaply
         return self._work_cache.setdefault(("stack", stack), stack)
 
@@ -217,17 +224,18 @@ class WorkMixin:
         return w.tokens * enc.hidden * 2
 
 
-def eager_stack(model, module: str, lay, master: bool = False):
+def eager_stack(model, module: str, lay, master: bool = False, frozen: bool = False):
     """How this project's runtime runs a module (omnibench/runtime/executor.py): FSDP holds it when
     its data-parallel group has more than one rank, with bf16 parameters (MixedPrecisionPolicy); ZeRO
     (omnibench/runtime/zero.py) holds its replicated weights in bf16 too, and so does `--mixed-precision
-    master` (`master`: omnibench/runtime/master.py) every other module; otherwise (one rank, DDP) its
-    weights stay fp32 under autocast, cast per forward, and the LLM's fp32 token embedding makes the
-    residual stream fp32. Encoders start from an autocast linear / conv, so theirs is bf16."""
+    master` (`master`: omnibench/runtime/master.py) every other module, and a frozen one (`frozen`, cast
+    to bf16 once: omnibench/runtime/build.py); otherwise (one rank, DDP) its weights stay fp32 under
+    autocast, cast per forward, and the LLM's fp32 token embedding makes the residual stream fp32.
+    Encoders start from an autocast linear / conv, so theirs is bf16."""
     from simulator.kernels import Stack
 
     fsdp = lay.fsdp and lay.fsdp_size > 1  # the LLM's dp x cp, an encoder's dp x sp
-    bf16 = fsdp or master or (not lay.fsdp and getattr(lay, "zero", 0) > 0 and lay.fsdp_size > 1)
+    bf16 = fsdp or master or frozen or (not lay.fsdp and getattr(lay, "zero", 0) > 0 and lay.fsdp_size > 1)
     chunk = costs.loss_chunk_tokens(-(-model.llm.vocab // lay.tp)) if module == "llm" else 0
     return Stack(kind="eager", residual_bytes=4 if module == "llm" and not bf16 else 2,
                  weight_cast=not bf16, loss="chunked", loss_chunk_tokens=chunk)

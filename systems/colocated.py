@@ -93,4 +93,4 @@ class ColocatedPlanner:
             actions=actions,
             options={"microbatches": m, "encoder_tp": enc_tp, "encoder_microbatches": 1},
         )
-        return finish(plan)
+        return finish(plan, parallel)

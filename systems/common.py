@@ -45,7 +45,7 @@ from omnibench.plan import (
     check_message_order,
     p2p_messages,
 )
-from omnibench.specs.model import MultimodalSpec
+from omnibench.specs.model import FREEZABLE, MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
 from workloads.sample import ENCODER_OF, Batch, Sample
 
@@ -766,8 +766,40 @@ def plan_encoders_in_stage0(
     )
 
 
-def finish(plan: Plan, order: bool = False) -> Plan:
-    """The plan with its notes, validated (`order`: its messages' order per pair of ranks too)."""
+def drop_frozen(plan: Plan, freeze: Sequence[str]) -> None:
+    """`plan`'s actions as PyTorch runs modules whose parameters take no gradient (`ParallelSpec.freeze`),
+    the one rule for every system: a frozen module reduces no gradients, and a rank that holds no module
+    that trains steps no optimizer. A frozen encoder sits at the front of the model, so nothing upstream
+    needs its input gradient: it runs no backward at all (its forward runs as under torch.no_grad), and no
+    gradient crosses the boundary back to it or travels inside it. A frozen LLM still runs its backward
+    for the input gradients a training encoder needs (only the weight gradients go). Sends and receives
+    are dropped on both sides alike, so every message left keeps its match and its order."""
+    frozen = set(freeze)
+    if not frozen:
+        return
+    encoders = frozen - {"llm"}
+    members = {m: set(lay.ranks) for m, lay in plan.layouts.items() if m not in frozen}
+
+    def dropped(a: Action, trains: bool) -> bool:
+        kind = a.kind
+        if kind == OPTIMIZER_STEP:
+            return not trains
+        if a.module not in frozen:
+            return False
+        if kind == GRAD_SYNC:
+            return True
+        return a.module in encoders and (kind == BACKWARD or (kind in (SEND, RECV, BOUNDARY) and a.what == "grad"))
+
+    for rank, acts in plan.actions.items():
+        trains = any(rank in ranks for ranks in members.values())
+        plan.actions[rank] = [a for a in acts if not dropped(a, trains)]
+    plan.options["freeze"] = [m for m in FREEZABLE if m in frozen]
+
+
+def finish(plan: Plan, parallel: ParallelSpec, order: bool = False) -> Plan:
+    """The plan as `parallel` trains it (its frozen modules' work dropped, `drop_frozen`), with its notes,
+    validated (`order`: its messages' order per pair of ranks too). Every planner ends here."""
+    drop_frozen(plan, parallel.freeze)
     plan.notes = {**notes_for(plan), **plan.notes}
     plan.validate(order=order)
     return plan

@@ -23,4 +23,6 @@ class HomogeneousPlanner:
     reads_recompute = False  # its plans are the same for every recompute mode (systems.offer_plan)
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
-        return finish(plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=parallel.tp))
+        return finish(
+            plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=parallel.tp), parallel
+        )

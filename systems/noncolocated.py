@@ -158,4 +158,4 @@ class NoncolocatedPlanner:
             actions=actions,
             options={"microbatches": m, "encoder_tp": enc_tp, "encoder_ranks": n_enc},
         )
-        return finish(plan)
+        return finish(plan, parallel)

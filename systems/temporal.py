@@ -43,4 +43,5 @@ class TemporalPlanner:
         if parallel.encoder_tp > 1:
             raise PlanError(f"encoder_tp: temporal's encoders are FSDP-sharded with no tensor parallelism; "
                             f"got encoder_tp={parallel.encoder_tp}, allowed: 0 or 1")
-        return finish(plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=1, encoder_sp=parallel.cp))
+        return finish(plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=1, encoder_sp=parallel.cp),
+                      parallel)

@@ -81,22 +81,26 @@ _REFERENCES: dict = {}
 REFERENCES_ENV = "OMNIBENCH_TEST_REFERENCES"
 
 
-def _key(model_name: str, batches: list[Batch], optimizer: str) -> str:
-    return json.dumps([model_name, optimizer, [[s.to_dict() for s in b.samples] for b in batches]], sort_keys=True)
+def _key(model_name: str, batches: list[Batch], optimizer: str, freeze: tuple[str, ...] = ()) -> str:
+    # without frozen modules the key is what it always was
+    head = [model_name, optimizer, *([list(freeze)] if freeze else [])]
+    return json.dumps([*head, [[s.to_dict() for s in b.samples] for b in batches]], sort_keys=True)
 
 
-def reference(model_name: str, batches: list[Batch],
-              optimizer: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(model_name: str, batches: list[Batch], optimizer: str | None = None,
+              freeze: tuple[str, ...] = ()) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the same init and batches: the losses and final parameters every cell must match
     (computed once per model and batches in a test session). Training on batches also gives the
-    reference of each of their first n >= 2 (the same run stopped earlier), which is kept too."""
+    reference of each of their first n >= 2 (the same run stopped earlier), which is kept too.
+    `freeze`: modules whose parameters take no gradient (`--freeze`), as PyTorch freezes them."""
     optimizer = optimizer_for(model_name, optimizer)
-    key = _key(model_name, batches, optimizer)
+    freeze = tuple(freeze)
+    key = _key(model_name, batches, optimizer, freeze)
     if key in _REFERENCES:
         return _REFERENCES[key]
     folder = os.environ.get(REFERENCES_ENV)
     if not folder:
-        _train_reference(model_name, batches, None, optimizer)
+        _train_reference(model_name, batches, None, optimizer, freeze)
         return _REFERENCES[key]
     path = Path(folder) / (hashlib.sha256(key.encode()).hexdigest() + ".pt")
     with open(str(path) + ".lock", "w") as lock:
@@ -104,17 +108,21 @@ def reference(model_name: str, batches: list[Batch],
         if path.is_file():
             _REFERENCES[key] = torch.load(path)
         else:
-            _train_reference(model_name, batches, Path(folder), optimizer)
+            _train_reference(model_name, batches, Path(folder), optimizer, freeze)
     return _REFERENCES[key]
 
 
-def _train_reference(model_name: str, batches: list[Batch], folder: Path | None, optimizer: str) -> None:
+def _train_reference(model_name: str, batches: list[Batch], folder: Path | None, optimizer: str,
+                     freeze: tuple[str, ...] = ()) -> None:
     spec = get_model(model_name)
     model = build_model(spec, seed=0)
+    for name in freeze:
+        getattr(model, name).requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=LR_SGD, foreach=False)
+        opt = torch.optim.SGD(trained, lr=LR_SGD, foreach=False)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+        opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.0, foreach=False)
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     losses = []
     for step, b in enumerate(batches):
@@ -131,7 +139,7 @@ def _train_reference(model_name: str, batches: list[Batch], folder: Path | None,
             assert moved
         elif not moved or step == 0:
             continue
-        key = _key(model_name, batches[: step + 1], optimizer)
+        key = _key(model_name, batches[: step + 1], optimizer, freeze)
         _REFERENCES[key] = list(losses), final
         if folder is not None:
             path = folder / (hashlib.sha256(key.encode()).hexdigest() + ".pt")

@@ -82,6 +82,23 @@ PP_HELP = "LLM pipeline stages; 0: default layout."
 CP_HELP = "LLM context-parallel degree; 0: default layout."
 RECOMPUTE_HELP = "auto | none | selective | full | vision=full,..."
 
+# --freeze on run, plan, simulate and tune.
+FREEZE_HELP = "Modules that do not train (comma list): vision, audio, llm."
+
+
+def freeze_option(text: str, named=None, model=None) -> tuple[str, ...]:
+    """--freeze as ParallelSpec.freeze: the modules in their order, checked against `named` (the model the
+    user named) and kept to those of `model` (the one that runs, less the encoders the workload never
+    feeds) when given; a bad name, or every module frozen, ends the command in one line."""
+    from omnibench.specs.model import SpecError, freeze_for_model, parse_freeze
+
+    try:
+        frozen = parse_freeze(text)
+        return freeze_for_model(frozen, named, model) if named is not None else frozen
+    except SpecError as e:
+        fail(str(e))
+
+
 # --dp-shard on run, plan and simulate.
 DpShard = Annotated[int, typer.Option(
     "--dp-shard", help="HSDP shard group; 0: automatic, -1: plain FSDP.")]

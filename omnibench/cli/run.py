@@ -14,6 +14,7 @@ from rich.table import Table
 from omnibench.cli.common import (
     CP_HELP,
     DEFAULT_LAYOUT_TEXT,
+    FREEZE_HELP,
     MAX_GPUS,
     MAX_LOCAL_RANKS,
     OPTION_HELP,
@@ -25,6 +26,7 @@ from omnibench.cli.common import (
     console,
     err_console,
     fail,
+    freeze_option,
     writable_folder,
     writing,
 )
@@ -132,6 +134,7 @@ def register(app: typer.Typer) -> None:
                                     "sharded) | fsdp | hsdp; overrides --fsdp/--no-fsdp. omni's encoders keep their "
                                     "own (--option encoder_dp=..., default zero2)"),
         recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
+        freeze: str = typer.Option("", "--freeze", help=FREEZE_HELP),
         compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block"),
         encoder_chunk_tokens: str = typer.Option(
             "0", "--encoder-chunk-tokens",
@@ -184,6 +187,7 @@ def register(app: typer.Typer) -> None:
                                          no_llm_long_short)
         except (SpecError, PlanError) as e:
             fail(str(e))
+        frozen = freeze_option(freeze)  # the names here; against the model once resolve() knows it
         if nproc > MAX_LOCAL_RANKS:
             fail(f"nproc must be at most {MAX_LOCAL_RANKS:,} (the processes run starts on this machine; torchrun "
                  f"starts more), got {nproc:,}")
@@ -191,7 +195,7 @@ def register(app: typer.Typer) -> None:
                        global_batch_tokens=global_batch_tokens, length_scale=length_scale, device=device, dtype=dtype,
                        mixed_precision=mixed_precision, out=out,
                        batches_file=batches_file, timeout_s=timeout, inject_failure=inject_failure,
-                       dump_params=dump_params, fsdp=fsdp, recompute=recompute, compile=compile,
+                       dump_params=dump_params, fsdp=fsdp, recompute=recompute, freeze=frozen, compile=compile,
                        encoder_chunk_tokens=chunk, cp_kind=cp_kind,
                        options=options, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
                                                                   encoder_ranks, dp_shard))
@@ -278,6 +282,7 @@ def register(app: typer.Typer) -> None:
                                                help="omni: long LLM samples stay data-parallel (no context-parallel group)"),
         option: list[str] = typer.Option([], "--option", help=OPTION_HELP),
         recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
+        freeze: str = typer.Option("", "--freeze", help=FREEZE_HELP),
         encoder_chunk_tokens: str = typer.Option(
             "0", "--encoder-chunk-tokens", help="encoders in chunks (recomputed in the backward) of at most N tokens, for the memory "
                                                 "estimate; 0: off"),
@@ -298,16 +303,21 @@ def register(app: typer.Typer) -> None:
             fail(f"nproc must be a positive integer, at most {MAX_GPUS:,}; got {nproc:,}")
         if not 0 <= step <= MAX_PLAN_STEP:
             fail(f"step must be an integer from 0 to {MAX_PLAN_STEP:,}; got {step:,}")
+        frozen = freeze_option(freeze)
         try:
             from omnibench.resolve import model_for_workload
+            from omnibench.specs.model import freeze_for_model
             from workloads.registry import get_workload
 
+            named = get_model(model)
             model, model_note = model_for_workload(model, get_workload(workload))
             spec = get_model(model)
+            frozen = freeze_for_model(frozen, named, spec)
             parallel = ParallelSpec(world_size=nproc, cp_kind=cp_kind, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
                                                                        encoder_ranks, dp_shard),
                                     options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
-                                                               no_long_short_sp, option, no_llm_long_short))
+                                                               no_long_short_sp, option, no_llm_long_short),
+                                    freeze=frozen)
             stream = WorkloadStream(workload, seed=seed, global_batch_tokens=global_batch_tokens,
                                     length_scale=length_scale, max_sample_tokens=max_sample_tokens or None)
             if recompute != "auto":
@@ -328,6 +338,9 @@ def register(app: typer.Typer) -> None:
             console.print(model_note, highlight=False, soft_wrap=True)
         console.print(f"[bold]layout[/]: tp {parallel.tp}, pp {parallel.pp}, cp {parallel.cp} ({resolved.layout_note})",
                       highlight=False, soft_wrap=True)
+        if parallel.freeze:
+            console.print(f"[bold]frozen[/]: {', '.join(parallel.freeze)} (no gradients, optimizer state or gradient "
+                          "reduction; a frozen encoder runs no backward)", highlight=False, soft_wrap=True)
         print_plan(p)
         try:
             from simulator.engine import SimOptions, simulate
@@ -467,6 +480,7 @@ def _print_summary(s: dict, folder: str) -> None:
         ("bubble fraction", f"{s['bubble_fraction'] * 100:.1f}%"),
         ("exposed communication", f"{s['exposed_comm_fraction'] * 100:.1f}%"),
         ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
+        *([("frozen", ", ".join(s["freeze"]))] if s.get("freeze") else []),
         ("recompute", f"{s.get('recompute', 'none')}" + (", compiled blocks" if s.get("compile") else "")
          + (f", encoder chunks of {s['encoder_chunk_tokens']} tokens" if s.get("encoder_chunk_tokens") else "")),
         ("wall time", f"{s['wall_time_s']:.1f} s"),

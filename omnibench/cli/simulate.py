@@ -25,6 +25,7 @@ from rich.table import Table
 from omnibench.cli.common import (
     CP_HELP,
     DEFAULT_LAYOUT_TEXT,
+    FREEZE_HELP,
     MAX_GPUS,
     OPTION_HELP,
     PP_HELP,
@@ -36,6 +37,7 @@ from omnibench.cli.common import (
     batch_error,
     console,
     fail,
+    freeze_option,
     writable_file,
     writable_folder,
     writing,
@@ -263,7 +265,8 @@ TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "g
                    "calibration", "tune_steps", "converge", "prior", "memory_error")
 
 
-def _tune_key(seeds: list | None = None, guard: str = "", mixed_precision: str = "autocast", **fields) -> str:
+def _tune_key(seeds: list | None = None, guard: str = "", mixed_precision: str = "autocast", freeze: tuple = (),
+              **fields) -> str:
     """The tune cache's key: the inputs that decide the answer (a seeded search: its seeds too, as a
     digest, so that an unseeded answer is never taken for a seeded one; a guarded one: the steps its
     answer was checked on, so that an unguarded answer is never taken for a guarded one), and the
@@ -276,6 +279,8 @@ def _tune_key(seeds: list | None = None, guard: str = "", mixed_precision: str =
         key += f"|guard={guard}"
     if mixed_precision != "autocast":  # autocast's keys stay what they were before the option existed
         key += f"|mixed_precision={mixed_precision}"
+    if freeze:  # as are the keys of runs that train every module
+        key += f"|freeze={','.join(freeze)}"
     if seeds:
         import hashlib
 
@@ -353,7 +358,7 @@ def _cached_candidate(entry, system: str):
 def _search(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str, *,
             fraction: float | None = None, converge: bool = False, sweep=None, use_cache: bool = True, prior=None,
             stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
-            guard_batches: list | None = None, mixed_precision: str = "autocast"):
+            guard_batches: list | None = None, mixed_precision: str = "autocast", freeze: tuple = ()):
     """`tuned_layout`'s search: the `tune.TuneResult` of `system` (every omni technique on)."""
     from omnibench import tune as tune_mod
 
@@ -363,7 +368,7 @@ def _search(system: str, spec, batches, cluster, profile, budget: int, options: 
                   fraction=fraction or tune_mod.BUDGET_FRACTION,
                   options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
                   use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error,
-                  seeds=seeds, guard_batches=guard_batches, mixed_precision=mixed_precision)
+                  seeds=seeds, guard_batches=guard_batches, mixed_precision=mixed_precision, freeze=freeze)
 
 
 def _tune_all(systems: list[str], tune_inputs, cache: dict, spec, batches, cluster, profile, budget: int,
@@ -404,7 +409,8 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
                  cache: dict, key: str, *, fraction: float | None = None, converge: bool = False, sweep=None,
                  use_cache: bool = True, describe: dict | None = None, prior=None, stack: str = "eager",
                  dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
-                 guard_batches: list | None = None, found=None, mixed_precision: str = "autocast"):
+                 guard_batches: list | None = None, found=None, mixed_precision: str = "autocast",
+                 freeze: tuple = ()):
     """(Candidate, the tune cache's entry) for `system`: `omnibench tune` on `batches` (step 0's
     batch, or batches picked across the simulated window by regime), its answer checked to run every
     batch of `guard_batches` (the window it is kept for; the layouts ruled out in `entry["guarded"]`),
@@ -426,7 +432,7 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
         res = _search(system, spec, batches, cluster, profile, budget, options, hardware, fraction=fraction,
                       converge=converge, sweep=sweep, use_cache=use_cache, prior=prior, stack=stack,
                       dp_mode=dp_mode, memory_error=memory_error, seeds=seeds, guard_batches=guard_batches,
-                      mixed_precision=mixed_precision)
+                      mixed_precision=mixed_precision, freeze=freeze)
     if res.best is None:
         raise ValueError(f"tune: no layout of {system} fits {cluster.num_gpus} GPUs")
     entry = {**(describe or {}), "candidate": asdict(res.best.candidate), "label": res.best.candidate.label(),
@@ -716,6 +722,7 @@ def register(app: typer.Typer) -> None:
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
         recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
+        freeze: str = typer.Option("", "--freeze", help=FREEZE_HELP),
         encoder_chunk_tokens: int = typer.Option(
             0, "--encoder-chunk-tokens", help="Encoder chunks of at most N tokens; 0: off."),
         seed: int = typer.Option(0, "--seed", help="Seed of the workload's sample stream."),
@@ -815,6 +822,7 @@ def register(app: typer.Typer) -> None:
                 recompute_policy(recompute)
         except ValueError as e:
             fail(f"{e} (or auto)")
+        frozen = freeze_option(freeze)  # the names alone here; against the model once it is known
         registered = available_systems()
         if system.strip() == "all":
             systems = registered
@@ -836,12 +844,14 @@ def register(app: typer.Typer) -> None:
             from workloads.registry import get_workload
 
             # every system trains the model less the encoders the workload never feeds
+            named = get_model(model)
             model, model_note = model_for_workload(model, get_workload(workload))
             spec = get_model(model)
             profile = Profile.load(calibration) if calibration else None
             clusters = {n: load_cluster(hardware, n) for n in sizes}
         except ValueError as e:
             fail(str(e))
+        frozen = freeze_option(freeze, named, spec)
         from simulator.stacks import fp8_capable
 
         gpu_name = next(iter(clusters.values())).gpu.name
@@ -859,7 +869,7 @@ def register(app: typer.Typer) -> None:
                 parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
                                         tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
                                         virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
-                                        expert_tp=expert_tp,
+                                        expert_tp=expert_tp, freeze=frozen,
                                         embedding_loss_stages=splits_embedding_loss(software, spec.llm.layers,
                                                                                     pp or 1, virtual_stages),
                                         **dp_fields)
@@ -884,6 +894,8 @@ def register(app: typer.Typer) -> None:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
         if memory_error:
             name += f"-memerr{round(100 * memory_error):+d}"
+        if frozen:
+            name += "-freeze-" + "-".join(frozen)
         final = _claim(out, name)
         tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
         # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
@@ -916,15 +928,16 @@ def register(app: typer.Typer) -> None:
                                                 converge=MAX_DOUBLINGS if check_convergence else 0,
                                                 prior=prior.world if prior is not None else 0,
                                                 memory_error=memory_error, mixed_precision=mixed_precision,
-                                                guard=",".join(str(b.step) for b in guard))
+                                                guard=",".join(str(b.step) for b in guard), freeze=frozen)
                                 return key, dict(fraction=tune_fraction, converge=check_convergence, sweep=sweep,
                                                  use_cache=not no_cache, prior=prior, stack=stack, dp_mode=dp_mode,
                                                  memory_error=memory_error, seeds=mine, guard_batches=guard,
-                                                 mixed_precision=mixed_precision)
+                                                 mixed_precision=mixed_precision, freeze=frozen)
 
                         found: dict = {}  # tune cache key -> the future of its search, started beside the others
                         for s in systems:
-                            row = {"gpus": n, "system": s, "global_batch_tokens": gbt}
+                            row = {"gpus": n, "system": s, "global_batch_tokens": gbt,
+                                   **({"freeze": list(frozen)} if frozen else {})}
                             sys_parallel, sys_recompute = parallel, recompute
                             try:
                                 if tuned:
@@ -962,6 +975,7 @@ def register(app: typer.Typer) -> None:
                                     sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
                                     if dp_mode is not None:
                                         sys_parallel = replace(sys_parallel, **dp_fields)
+                                    sys_parallel = replace(sys_parallel, freeze=frozen)
                                     sys_recompute = c.recompute
                                     row["layout"] = c.label()
                                     row["tuned_at_step"] = entry["tuned_at_steps"][0]
@@ -1076,7 +1090,9 @@ def register(app: typer.Typer) -> None:
                     "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
                     "micro_batch": micro_batch, "stack": software.stack,
                     "software": " ".join(software.flags()), "mixed_precision": mixed_precision, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
-                    "recompute": recompute, "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options, "tuned": tuned,
+                    "recompute": recompute, "freeze": list(frozen),
+                    "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options,
+                    "tuned": tuned,
                     "memory_error": memory_error,
                     "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
                     # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
@@ -1130,7 +1146,8 @@ def register(app: typer.Typer) -> None:
             if not fitting:
                 raise typer.Exit(1)
             return
-        table = Table(title=f"{spec.name} on {hardware}, workload {workload}, {steps} step(s)")
+        table = Table(title=f"{spec.name} on {hardware}, workload {workload}, {steps} step(s)"
+                            + (f", frozen: {', '.join(frozen)}" if frozen else ""))
         for col in ("GPUs", "system", "tokens/s", "tok/s/GPU", "TFLOPS/GPU", "MFU", "bubble", "exposed comm",
                     "imbalance", "mem need / peak GiB", "speedup"):
             table.add_column(col, justify="right" if col not in ("system",) else "left")

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import MAX_GPUS, batch_error, console, fail
+from omnibench.cli.common import FREEZE_HELP, MAX_GPUS, batch_error, console, fail, freeze_option
 from omnibench.cli.simulate import (
     HARDWARE_HELP,
     MEMORY_ERROR_HELP,
@@ -61,12 +61,15 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
              seed: int, global_batch_tokens: int, budget: int, calibration: str | None, options: dict | None = None,
              log=None, *, fraction: float | None = None, window: int = 0, converge: bool = False, sweep=None,
              use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0,
-             seeds: list | None = None, mixed_precision: str = "autocast", cp_kinds: tuple[str, ...] | None = None):
+             seeds: list | None = None, mixed_precision: str = "autocast", cp_kinds: tuple[str, ...] | None = None,
+             freeze: tuple[str, ...] = ()):
     """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
     starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
-    each layout's recompute mode itself (the cheapest that fits), so there is no --recompute."""
+    each layout's recompute mode itself (the cheapest that fits), so there is no --recompute. `freeze`:
+    the modules that do not train (--freeze), checked against `model` and kept to what runs of it."""
     from omnibench import tune as tune_mod
     from omnibench.resolve import model_for_workload, resolve_layout
+    from omnibench.specs.model import freeze_for_model
     from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
     from simulator.calibrate import Profile
@@ -74,6 +77,7 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     from workloads.registry import get_workload
 
     spec = get_model(model_for_workload(model, get_workload(workload))[0])
+    freeze = freeze_for_model(tuple(freeze), get_model(model), spec)
     cluster = load_cluster(hardware, n)
     profile = Profile.load(calibration) if calibration else None
     batches = _batches(workload, seed, global_batch_tokens or 8192 * n, steps, start_step, window)
@@ -82,13 +86,15 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
 
         options = planner_options(system, options or {}, hardware)
     laid = resolve_layout(system, spec, ParallelSpec(world_size=n, gpus_per_node=cluster.gpus_per_node,
-                                                     options=dict(options or {})), batches, cluster, recompute="none")
+                                                     options=dict(options or {}), freeze=freeze),
+                          batches, cluster, recompute="none")
     start = tune_mod.Candidate(system, tp=laid.parallel.tp, pp=laid.parallel.pp, cp=laid.parallel.cp)
     search = tune_mod.tune_converged if converge else tune_mod.tune
     return search(system, spec, batches, cluster, profile=profile, budget=budget,
                   fraction=fraction or tune_mod.BUDGET_FRACTION, options=options, log=log, sweep=sweep,
                   use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start, memory_error=memory_error,
-                  seeds=seeds, mixed_precision=mixed_precision, cp_kinds=cp_kinds or tune_mod.CP_KINDS_SEARCHED)
+                  seeds=seeds, mixed_precision=mixed_precision, cp_kinds=cp_kinds or tune_mod.CP_KINDS_SEARCHED,
+                  freeze=freeze)
 
 
 def check_sweep_options(workers: int | None, fraction: float | None = None, budget: int = 0) -> None:
@@ -113,6 +119,7 @@ def register(app: typer.Typer) -> None:
         dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp for every layout; "
                                     "default: the system's."),
         mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
+        freeze: str = typer.Option("", "--freeze", help=FREEZE_HELP),
         cp_kinds: str = typer.Option("ulysses,allgather", "--cp-kinds", help="Context-parallel kinds searched "
                                      "(comma-separated): ulysses, allgather."),
         steps: int = typer.Option(1, "--steps", help="Batches each layout is simulated on (a layout fits only if "
@@ -148,6 +155,7 @@ def register(app: typer.Typer) -> None:
         _check_stack(stack)
         _dp_fields(dp_mode, 0)
         check_mixed_precision(mixed_precision, stack)
+        frozen = freeze_option(freeze)
         from omnibench.tune import CP_KINDS_SEARCHED
 
         kinds = tuple(k.strip() for k in cp_kinds.split(",") if k.strip())
@@ -177,14 +185,14 @@ def register(app: typer.Typer) -> None:
                                budget, calibration, log=log, fraction=fraction, window=window,
                                converge=check_convergence, sweep=sweep, use_cache=not no_cache, stack=stack,
                                dp_mode=dp_mode, memory_error=memory_error, seeds=seeds,
-                               mixed_precision=mixed_precision, cp_kinds=kinds)
+                               mixed_precision=mixed_precision, cp_kinds=kinds, freeze=frozen)
         except SweepError as e:
             fail(str(e))
         except ValueError as e:
             fail(batch_error(e, gpus, global_batch_tokens))
         conv = res.convergence
         if as_json:
-            print(json.dumps({"system": system, "gpus": gpus, "enumerated": res.enumerated,
+            print(json.dumps({"system": system, "gpus": gpus, "freeze": list(frozen), "enumerated": res.enumerated,
                               "pruned_memory": res.pruned_memory, "refused": res.refused, "space": res.space,
                               "budget": res.budget, "simulated": res.simulated, "steps": res.steps,
                               "seconds": res.seconds, "cp_kinds": list(kinds), "convergence": conv.row() if conv else None,
@@ -195,7 +203,8 @@ def register(app: typer.Typer) -> None:
                                          "fits": bool(tr and tr.fits)} for sd, tr in res.seeded]}, indent=1))
             return
         table = Table(title=f"{system}: {model} on {gpus} x {hardware}, workload {Path(workload).stem}, "
-                            f"step(s) {', '.join(map(str, res.steps))}")
+                            f"step(s) {', '.join(map(str, res.steps))}"
+                            + (f", frozen: {', '.join(frozen)}" if frozen else ""))
         for col in ("#", "layout", "step s", "tok/s/GPU", "MFU", "GiB (est.)", "vs default"):
             table.add_column(col, justify="left" if col == "layout" else "right")
         d = res.default

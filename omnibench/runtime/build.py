@@ -75,6 +75,7 @@ class BuildMixin:
         llm = split_stage(llm, self.stage, lay.pp)
         llm.to_empty(device=self.device)
         init_weights(llm, self.seed, prefix="llm.")
+        self._freeze(llm, "llm")
         dpcp = self.groups.get("llm", "dpcp")
         self.fsdp["llm"] = lay.fsdp and len(dpcp[1]) > 1
         dp_mesh = None
@@ -126,6 +127,7 @@ class BuildMixin:
     def _build_encoder(self, name: str, enc: nn.Module, lay: Layout, dev: str) -> None:
         enc.to_empty(device=self.device)
         init_weights(enc, self.seed, prefix=f"{name}.")
+        self._freeze(enc, name)
         dp = self.groups.get(name, "dp")
         self.fsdp[name] = lay.fsdp and len(dp[1]) > 1
         dp_mesh = None
@@ -159,6 +161,17 @@ class BuildMixin:
             apply_fsdp(enc, list(enc.layers.values()), dp_mesh, mp)
         self.modules[name] = enc
 
+    def _freeze(self, module: nn.Module, name: str) -> None:
+        """A frozen module (ParallelSpec.freeze), before TP and FSDP wrap it (they keep each parameter's
+        requires_grad): parameters that take no gradient, held in the compute dtype on a bf16 run (nothing
+        updates them, so no fp32 copy is kept: what the simulator charges, costs.FROZEN_DTYPES)."""
+        if name not in self.frozen:
+            return
+        if self.dtype != torch.float32:
+            module.to(self.dtype)
+        module.requires_grad_(False)
+        self.notes.append(f"{name}: frozen (no gradients, no optimizer state, no gradient reduction)")
+
     def _make_optimizers(self, optimizer: str, lr: float):
         """The rank's optimizers: a ZeRO-sharded state (zero.py) for every module whose layout asks
         for ZeRO-1/2 over a data-parallel group of more than one rank; under `--mixed-precision master`
@@ -174,6 +187,8 @@ class BuildMixin:
         if held is not None:
             states["llm" + EXPERTS_SUFFIX] = held
         for name, module in self.modules.items():
+            if name in self.frozen:
+                continue  # no gradient ever reaches it: no optimizer state, master copy or ZeRO bucket
             lay = self.layouts[name]
             group, ranks = self.groups.mine.get((name, "dpcp" if name == "llm" else "dp"), (None, ()))
             params = list(module.parameters())
@@ -215,7 +230,7 @@ class BuildMixin:
 
         params = list(getattr(self, "expert_params", []))
         lay = self.layouts.get("llm")
-        if not params or lay is None:
+        if not params or lay is None or "llm" in self.frozen:
             return None
         group, ranks = self.groups.get("llm", "edp")
         group = group if len(ranks) > 1 else None

@@ -62,7 +62,7 @@ class CommunicationMixin:
             buf = torch.empty(sum(r.tokens for r in routes), hidden, dtype=self.dtype, device=self.device)
             dist.recv(buf, a.peer)
             for r, piece in zip(routes, torch.split(buf, [r.tokens for r in routes]), strict=True):
-                self.state.emb[(a.module, r.sample_id)] = piece.detach().requires_grad_(True)
+                self.state.emb[(a.module, r.sample_id)] = piece.detach().requires_grad_(a.module not in self.frozen)
         elif a.direction == "send":
             t = torch.cat([self.state.emb[(a.module, r.sample_id)] for r in routes]).to(self.dtype).contiguous()
             self.state.pending.append((dist.isend(t, a.peer), t))

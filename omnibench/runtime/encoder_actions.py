@@ -36,7 +36,8 @@ class EncoderActionsMixin:
         samples = [self.plan.sample(i) for i in ids] or [dummy_sample(module)]
         packed = pack([synthesize(s, self.spec, device=self.device) for s in samples]).to(self.device)
         enc = self.modules[module]
-        if self.enc_chunks is not None and self.enc_chunks.applies(self, module):
+        # chunks bound what a backward recomputes; a frozen encoder has none
+        if self.enc_chunks is not None and module not in self.frozen and self.enc_chunks.applies(self, module):
             out = self.enc_chunks.forward(self, module, a.microbatch, samples, packed, dummy_sample(module))
         elif module == "vision":
             out = enc(packed.pixel_patches, packed.grid_thw)

@@ -102,6 +102,10 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
         self.device = device
         self.dtype = dtype
         self.layouts = first_plan.layouts
+        # modules whose parameters train not at all (ParallelSpec.freeze, as the planners record it)
+        self.frozen = frozenset(first_plan.options.get("freeze", ()))
+        for name in self.frozen - {"llm"}:
+            self.recompute[name] = "none"  # a frozen encoder runs no backward: nothing to recompute for
         self.groups = Groups(self.layouts, rank, timeout)
         # omni's long inputs: sequence-parallel groups of their own (omnibench/runtime/long_short.py).
         from omnibench.runtime.long_short import LongShortRuntime
@@ -204,7 +208,11 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
             self.spans.append(Span(step, str(a), a.kind, a.module, s, e, self.rank, a.microbatch, a.stage, a.what, cpu))
 
     def _do(self, a: Action) -> None:
-        if a.kind == FORWARD:
+        if a.kind == FORWARD and a.module in self.frozen and a.module != "llm":
+            # a frozen encoder has no backward (systems/common.py drop_frozen): it keeps nothing for one
+            with torch.no_grad():
+                self._enc_forward(a)
+        elif a.kind == FORWARD:
             (self._llm_forward if a.module == "llm" else self._enc_forward)(a)
         elif a.kind == BACKWARD:
             (self._llm_backward if a.module == "llm" else self._enc_backward)(a)

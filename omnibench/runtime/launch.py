@@ -139,6 +139,7 @@ def resolve(spec: RunSpec) -> RunSpec:
     from omnibench.specs.presets import list_models
 
     model = spec.model or (CPU_DEFAULT_MODEL if not cuda else _cuda_default(list_models()))
+    named = model
     extra = dict(spec.extra)
     if not spec.batches_file:  # batches read from a file may feed any encoder
         from omnibench.resolve import model_for_workload
@@ -147,6 +148,10 @@ def resolve(spec: RunSpec) -> RunSpec:
         model, model_note = model_for_workload(model, get_workload(spec.workload))
         if model_note:
             extra["notes"] = [*extra.get("notes", []), model_note]
+    from omnibench.specs.model import freeze_for_model
+    from omnibench.specs.presets import get_model
+
+    freeze = freeze_for_model(spec.freeze, get_model(named), get_model(model))
     extra.update(
         device="cuda" if cuda else "cpu",
         backend="nccl" if cuda else "gloo",
@@ -174,6 +179,7 @@ def resolve(spec: RunSpec) -> RunSpec:
     out = replace(
         spec,
         model=model,
+        freeze=freeze,
         nproc=nproc,
         # CPU: tiny samples so a step takes a fraction of a second; GPU: the workload as written.
         length_scale=spec.length_scale or (1.0 if cuda else 0.02),

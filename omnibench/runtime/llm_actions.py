@@ -128,8 +128,8 @@ class LLMActionsMixin:
         key = (module, sample_id)
         if key not in st.emb:
             # Produced on this rank: a detached leaf, so LLM backward stops at the boundary and
-            # the encoder's backward stays its own action.
-            st.emb[key] = st.emb.pop((module, sample_id, "local")).detach().requires_grad_(True)
+            # the encoder's backward stays its own action (a frozen encoder wants no gradient).
+            st.emb[key] = st.emb.pop((module, sample_id, "local")).detach().requires_grad_(module not in self.frozen)
         return st.emb[key]
 
     def _llm_backward(self, a: Action) -> None:
@@ -140,7 +140,10 @@ class LLMActionsMixin:
         mb = a.microbatch
         stage = self.modules["llm"]
         out = self.state.act_out.pop(mb)
-        if stage.last:
+        if not out.requires_grad:
+            # a frozen LLM on a microbatch with no training encoder's output: nothing wants a gradient
+            self.state.grad_in.pop(mb, None)
+        elif stage.last:
             out.backward()
         else:
             torch.autograd.backward(out, self.state.grad_in.pop(mb).to(out.dtype))
@@ -153,7 +156,7 @@ class LLMActionsMixin:
         lay = self.llm_layout
         packed, _ = self.state.packed[mb]
         keys = [(m, i) for m in ("vision", "audio") for i in packed.sample_ids
-                if m in self.layouts and self._has(i, m)]
+                if m in self.layouts and m not in self.frozen and self._has(i, m)]
         if not keys:
             return
         grads = [self.state.emb[k].grad if self.state.emb[k].grad is not None else torch.zeros_like(self.state.emb[k])

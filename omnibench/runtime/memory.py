@@ -193,7 +193,7 @@ def _would_fit(spec: RunSpec, model: str, budget: float, cap: float) -> str:
     from omnibench.runtime.run_inputs import batch_source
     from omnibench.specs.presets import get_model
 
-    modes = recompute_modes(get_model(model), batch_source(spec)(0).samples)
+    modes = recompute_modes(get_model(model), batch_source(spec)(0).samples, spec.freeze)
     tries = [dict(recompute=m) for m in modes if m != spec.recompute]
     if spec.encoder_chunk_tokens <= 0:
         mode = spec.recompute if spec.recompute != "auto" else "none"

@@ -34,9 +34,10 @@ def peak_memory(device: torch.device) -> int:
 
 
 def batch_figures(model: MultimodalSpec, plan: Plan) -> dict:
-    from omnibench.specs.costs import batch_flops
+    from omnibench.specs.costs import batch_flops, frozen_flops
 
-    flops = batch_flops(model, plan.samples)
+    frozen = set(plan.options.get("freeze", ()))  # counted as the step runs them (no weight gradients)
+    flops = {k: frozen_flops(f, k) if k in frozen else f for k, f in batch_flops(model, plan.samples).items()}
     return {
         "tokens": sum(s.llm_tokens for s in plan.samples),
         "samples": len(plan.samples),

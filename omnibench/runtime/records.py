@@ -278,6 +278,7 @@ def finish(work_dir: str, spec, model, plans, gathered: list[dict], device, dtyp
         "attention per real packed sequence",
         "notes": list(spec.extra.get("notes", [])) + sorted({n for g in gathered for n in g["notes"]}),
         "recompute": spec.recompute,
+        "freeze": list(spec.freeze),
         "compile": spec.compile,
         "encoder_chunk_tokens": max(0, spec.encoder_chunk_tokens),
         "timed_steps": "all but the first" if len(steps) > 1 else "all",

@@ -19,6 +19,7 @@ def parallel_spec(spec: RunSpec, world: int) -> ParallelSpec:
         microbatches=spec.microbatches, encoder_tp=spec.encoder_tp, encoder_ranks=spec.encoder_ranks, fsdp=spec.fsdp, zero=spec.zero,
         dp_shard=spec.dp_shard,
         recompute=spec.recompute, mixed_precision=spec.mixed_precision, options=dict(spec.options),
+        freeze=tuple(spec.freeze),
     )
 
 

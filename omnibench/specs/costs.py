@@ -71,6 +71,18 @@ class Flops:
 RECOMPUTED_MODULES = ("llm", "vision", "audio")
 
 
+def frozen_flops(f: Flops, module: str) -> Flops:
+    """What a step executes of a module whose weights take no gradient (`--freeze`): a frozen encoder
+    runs its forward alone (it sits at the front of the model: no input gradient is wanted and no
+    backward runs, so nothing is recomputed); a frozen LLM's backward computes the input gradients only,
+    each matmul's data gradient as many FLOPs as its forward (every LLM matmul's input needs a
+    gradient) and the attention core's backward whole (it has no weights)."""
+    if module != "llm":
+        return Flops(f.forward, 0.0, 0.0, dict(f.parts))
+    core = f.parts.get("attention_core", 0.0)
+    return Flops(f.forward, (f.forward - core) + 2 * core, f.recompute, dict(f.parts))
+
+
 def recompute_policy(text: str) -> dict[str, str]:
     """Activation checkpointing per module from `MODE` (every module) or `module=MODE,...` (modules
     not named: none), e.g. "vision=full,audio=full" recomputes the encoders and not the LLM."""
@@ -466,6 +478,18 @@ class StateDtypes:
     grads_static: bool = False
 
 
+# A module whose weights take no gradient (`--freeze`), under any stack and data-parallel mode: its bf16
+# weights alone (FSDP shards them as it shards trained ones; a replicated or ZeRO module keeps them whole),
+# no fp32 master, no gradients, no optimizer state: what the runtime holds for it on a bf16 run
+# (omnibench/runtime/build.py casts a frozen module to the compute dtype; the optimizer never sees it).
+FROZEN_DTYPES = StateDtypes("frozen", weights=2, master=0, grads=0, optimizer=0)
+
+
+def frozen_state_bytes(params: float, dp_mode: str = "ddp", shard: int = 1) -> StateBytes:
+    """Per rank: a frozen module's state (FROZEN_DTYPES) of `params` parameters under `dp_mode`."""
+    return state_bytes(FROZEN_DTYPES, params, dp_mode, shard)
+
+
 # Per stack, per how data parallelism holds the state: "replicated" (one rank, DDP), "zero" (ZeRO-1/2)
 # and "sharded" (FSDP/HSDP).
 STATE_DTYPES = {
@@ -722,7 +746,7 @@ class LossMemory:
 
 
 def loss_memory(llm: LLMSpec, tokens: int, vocab: int | None = None, stack: str = "eager", b: int = 2,
-                tp: int = 1) -> LossMemory:
+                tp: int = 1, weight_grad: bool = True) -> LossMemory:
     """- eager: the chunked loss (omnibench/models/loss.py): the hidden gradient and an fp32 weight
       gradient held from the forward (it computes both there), one chunk of fp32 logits and their
       gradient while it runs; its backward scales the weight gradient into a new fp32 tensor;
@@ -733,6 +757,9 @@ def loss_memory(llm: LLMSpec, tokens: int, vocab: int | None = None, stack: str 
     - megatron: the vocab-parallel cross-entropy keeps one fp32 softmax (computed in place from an fp32
       copy of the bf16 logits) and writes its gradient into it; bf16 logits and the bf16 gradient
       exist only while each pass runs.
+
+    `weight_grad` False (a frozen LLM): the chunked loss computes no weight gradient (its forward asks
+    autograd which inputs need one), so it holds, adds into and scales none.
     """
     v = llm.vocab if vocab is None else vocab
     h = llm.hidden
@@ -744,9 +771,10 @@ def loss_memory(llm: LLMSpec, tokens: int, vocab: int | None = None, stack: str 
         # scales that gradient into a new fp32 tensor (which becomes the weight's gradient)
         # while a chunk runs: its fp32 logits (made softmax - one-hot in place) and their bf16 copy, and
         # the bf16 product g.T @ h added into the fp32 weight gradient
-        return LossMemory(held=tokens * _rmsnorm_bytes(h, b) / tp + 4.0 * v * h,
-                          forward=float(min(tokens, loss_chunk_tokens(v)) * (4 + b) * v) + b * v * h,
-                          backward=4.0 * v * h)
+        w = 1.0 if weight_grad else 0.0
+        return LossMemory(held=tokens * _rmsnorm_bytes(h, b) / tp + w * 4.0 * v * h,
+                          forward=float(min(tokens, loss_chunk_tokens(v)) * (4 + b) * v) + w * b * v * h,
+                          backward=w * 4.0 * v * h)
     if stack == "torchtitan-compile-loss":
         # one fused graph from the bf16 logits: it keeps them and each token's log-sum-exp, and its
         # backward writes the bf16 gradient directly

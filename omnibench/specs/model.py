@@ -103,3 +103,44 @@ class MultimodalSpec:
         if self.audio is not None:
             out["audio"] = self.audio
         return out
+
+
+# Modules `--freeze` may name: their parameters take no gradient, no optimizer state and no gradient reduction.
+FREEZABLE = ("vision", "audio", "llm")
+
+
+def parse_freeze(text: str | tuple | list) -> tuple[str, ...]:
+    """`--freeze`'s modules (a comma list, or the names already split) in FREEZABLE's order, each once; an
+    unknown name refused in one line naming the option and the allowed names."""
+    names = [x.strip() for x in text.split(",")] if isinstance(text, str) else [str(x).strip() for x in text]
+    names = [x for x in names if x]
+    for x in names:
+        if x not in FREEZABLE:
+            raise SpecError(f"--freeze: unknown module {x!r}; allowed: {', '.join(FREEZABLE)}")
+    return tuple(m for m in FREEZABLE if m in names)
+
+
+def model_modules(model: MultimodalSpec) -> tuple[str, ...]:
+    """The modules of `model` in FREEZABLE's order: its encoders and the LLM."""
+    return tuple(m for m in FREEZABLE if m == "llm" or m in model.encoders)
+
+
+def check_freeze(freeze: tuple[str, ...], model: MultimodalSpec) -> None:
+    """That `model` has every frozen module and that some module still trains."""
+    have = model_modules(model)
+    for m in parse_freeze(freeze):
+        if m not in have:
+            raise SpecError(f"--freeze: unknown module {m!r} for {model.name}; allowed: {', '.join(have)}")
+    if freeze and set(have) <= set(freeze):
+        raise SpecError(f"--freeze: {', '.join(have)} would freeze every module of {model.name}, so nothing would "
+                        "train; leave at least one module out")
+
+
+def freeze_for_model(freeze: tuple[str, ...], named: MultimodalSpec, model: MultimodalSpec) -> tuple[str, ...]:
+    """`freeze` checked against `named` (the model the user named) and kept to the modules of `model` (what
+    runs: `named` less the encoders no sample feeds, omnibench/resolve.py `model_for_workload`): an encoder
+    that never runs holds nothing that trains, frozen or not. Refused where nothing of `model` trains."""
+    check_freeze(freeze, named)
+    kept = tuple(m for m in freeze if m in model_modules(model))
+    check_freeze(kept, model)
+    return kept

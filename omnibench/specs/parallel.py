@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omnibench.specs.model import MultimodalSpec, SpecError
+from omnibench.specs.model import FREEZABLE, MultimodalSpec, SpecError, check_freeze, parse_freeze
 
 # How data parallelism holds the training state, as a user names it (`--dp-mode`), and the
 # ParallelSpec fields each name sets: fsdp, zero, and dp_shard (-1 plain FSDP, 0 automatic HSDP).
@@ -77,6 +77,9 @@ class ParallelSpec:
     # omnibench/runtime/master.py): "autocast" fp32 weights cast per op | "master" bf16 weights, fp32 master
     mixed_precision: str = "autocast"
     options: dict = field(default_factory=dict)  # system-specific switches (e.g. omni's ablations)
+    # Modules whose parameters train not at all (`--freeze`, FREEZABLE's order): no gradients, no optimizer
+    # state, no gradient reduction; a frozen encoder runs no backward (systems/common.py `drop_frozen`)
+    freeze: tuple[str, ...] = ()
 
     def validate(self, model: MultimodalSpec) -> None:
         """Refuse impossible layouts before any process starts, naming the field."""
@@ -122,6 +125,10 @@ class ParallelSpec:
 
         if self.cp_kind not in CP_KINDS:
             raise SpecError(f"cp_kind must be one of {', '.join(CP_KINDS)}; got {self.cp_kind!r}")
+        if not isinstance(self.freeze, tuple) or parse_freeze(self.freeze) != self.freeze:
+            raise SpecError(f"--freeze: a tuple of modules in the order {', '.join(FREEZABLE)}, each once; got "
+                            f"{self.freeze!r}")
+        check_freeze(self.freeze, model)
         from omnibench.specs.costs import recompute_policy
 
         try:

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from omnibench.specs.model import SpecError
+from omnibench.specs.model import FREEZABLE, SpecError, parse_freeze
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -42,6 +42,7 @@ class RunSpec:
     zero: int = 0  # without fsdp: ZeRO stage over the data-parallel group (ParallelSpec.zero; runtime/zero.py)
     # activation checkpointing: none | selective | full, or per module "vision=full,llm=none"; auto: what fits
     recompute: str = "auto"
+    freeze: tuple[str, ...] = ()  # modules that do not train (ParallelSpec.freeze)
     compile: bool = False  # torch.compile each block
     # encoder microbatches in chunks (recomputed in the backward) of at most this many encoder tokens (patches, audio
     # positions; omnibench/runtime/encoder_chunks.py): 0 off, -1 auto (CUDA: chunk when it must to fit). Off by
@@ -106,6 +107,10 @@ class RunSpec:
                 recompute_policy(self.recompute)
             except ValueError as e:
                 raise SpecError(f"{e} (or auto)") from None
+        if not isinstance(self.freeze, tuple) or parse_freeze(self.freeze) != self.freeze:
+            parse_freeze(self.freeze)  # an unknown module: named with the allowed ones
+            raise SpecError(f"--freeze: a tuple of modules in the order {', '.join(FREEZABLE)}, each once; got "
+                            f"{self.freeze!r}")
         if self.device not in DEVICES:
             raise SpecError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -124,4 +129,6 @@ class RunSpec:
 
     @staticmethod
     def from_dict(d: dict) -> RunSpec:
-        return RunSpec(**d)
+        spec = RunSpec(**d)
+        spec.freeze = tuple(spec.freeze)  # a JSON list
+        return spec
