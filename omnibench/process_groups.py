@@ -120,3 +120,35 @@ def group_counts(layouts: dict[str, Layout], extra: list[tuple[int, ...]] = ()) 
     for ranks in extra:
         counts.update(ranks)
     return counts
+
+
+# -- omni's long-input groups: fixed groups of consecutive ranks, one family per size ------------------
+def sp_groups(enc: Layout, k: int) -> list[tuple[int, ...]]:
+    """An encoder's sequence-parallel groups of size k: k consecutive data ranks (tp leaders), the same
+    every step (systems/omni/long_short.py)."""
+    leaders = [enc.rank_at(dp=d, sp=0, tp=0) for d in range(enc.dp)]
+    return [tuple(leaders[i : i + k]) for i in range(0, len(leaders), k)]
+
+
+def long_llm_groups(llm: Layout, k: int) -> list[tuple[int, ...]]:
+    """The LLM's long-sample groups (systems/omni/llm_long_short.py): per pipeline stage and tp
+    coordinate, k consecutive data indices with all their cp ranks, data-major (member c * cp + cp
+    coordinate holds that chunk of the row)."""
+    out = []
+    for p in range(llm.pp):
+        for g in range(llm.dp // k):
+            for t in range(llm.tp):
+                out.append(tuple(llm.rank_at(pp=p, dp=g * k + c, cp=cc, tp=t) for c in range(k) for cc in range(llm.cp)))
+    return out
+
+
+def pool_groups(layouts: dict[str, Layout], pool: dict[str, list[int]]) -> list[tuple[int, ...]]:
+    """Every group of a plan's group pool (`plan.options["long_short"]["pool"]`: module -> sizes), each
+    once (a group is its ranks, whichever module names it), in one order every rank computes alike: what
+    the runtime builds at start-up (omnibench/runtime/long_short.py) and the simulator counts."""
+    out: dict[tuple[int, ...], None] = {}
+    for module in sorted(pool):
+        for k in pool[module]:
+            lay = layouts[module]
+            out.update(dict.fromkeys(long_llm_groups(lay, k) if module == "llm" else sp_groups(lay, k)))
+    return list(out)

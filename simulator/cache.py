@@ -297,8 +297,9 @@ def _plan_and_simulate(job: StepJob, cache: SimCache | None) -> StepOutcome:
             from systems.common import plan_summary
 
             light = dataclasses.replace(res, spans=[])
-            # the planner's CPU seconds for this step here (one host thread; not charged to the step: every
-            # rank of the runtime plans the step it is about to run, on its host)
+            # the planner's CPU seconds for this step, measured here (one host thread): shown beside the
+            # step's charge, which comes from simulator/planning.py's model of it (a measurement taken
+            # here would make the same step's time depend on this host's load)
             got = StepOutcome(batch.step, light, {**res.metrics(), "plan": plan_summary(plan),
                                                   "planning_cpu_s": planning})
             store.put(k, got)

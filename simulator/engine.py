@@ -44,6 +44,7 @@ from simulator.groups import GroupsMixin, LayoutIndex
 from simulator.hardware import ClusterSpec, GiB
 from simulator.memory import RESERVED_BYTES, MemoryMixin
 from simulator.options import SimOptions, SimulationError
+from simulator.planning import charge_planning
 from simulator.program import PARAM_GATHER, ProgramMixin
 from simulator.result import RankStats, SimResult, Span
 from simulator.work import WorkMixin
@@ -620,10 +621,10 @@ def simulate(plan: Plan, model: MultimodalSpec, cluster: ClusterSpec, *, calibra
     """Simulate one step of `plan`; `calibration` is a `simulator.calibrate.Profile` or None (datasheet)."""
     spare = _take_spare_engine(plan, model, cluster, options)  # dropped whether it serves or not
     if calibration is None and spare is not None:
-        return spare.run()
+        return charge_planning(spare.run(), plan)
     del spare
     compute = collectives = None
     if calibration is not None:
         compute = calibration.compute_model(cluster)
         collectives = calibration.collective_model(cluster)
-    return Engine(plan, model, cluster, compute, collectives, options).run()
+    return charge_planning(Engine(plan, model, cluster, compute, collectives, options).run(), plan)

@@ -27,6 +27,7 @@ the default), Megatron-LM ("megatron", what the `fused` kernel stack charges), t
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from dataclasses import dataclass
@@ -157,23 +158,41 @@ def memory_needed(allocated: float, memory_stack: str = "eager", device: str = "
 
 def communicators(plan, rank: int) -> int:
     """NCCL communicators `rank` holds in this runtime: the world's, one per group of the layouts it
-    belongs to (omnibench/process_groups.py, created at start-up), and one per sequence-parallel group
-    of this step's long inputs it is in (omni's, omnibench/runtime/long_short.py: a rank keeps the groups
-    its step names and releases the others before creating new ones, tests/test_long_short_groups.py)."""
+    belongs to (omnibench/process_groups.py, created at start-up), and one per sequence-parallel group it
+    is in: of omni's group pool, every group any step may name, built at start-up and kept
+    (omnibench/runtime/long_short.py); a plan without a pool, of its step's groups."""
     from collections import Counter
 
     from omnibench.process_groups import groups_of_rank
 
     cached = _STEP_GROUPS.get(id(plan))
     if cached is None or cached[0]() is not plan:  # one Plan at a time: its ranks are asked in turn
-        members = Counter(r for groups in plan.options.get("long_short", {}).get("groups", {}).values()
-                          for g in groups for r in g)
+        long_short = plan.options.get("long_short", {})
+        if "pool" in long_short:
+            members = _pool_members(plan.layouts, long_short["pool"])
+        else:
+            members = Counter(r for groups in long_short.get("groups", {}).values() for g in groups for r in g)
         # held weakly: a strong hold kept the step's last Plan (its actions and routes) alive into the
         # next step, where the cyclic GC scanned it again and again
         cached = (weakref.ref(plan), members)
         _STEP_GROUPS.clear()
         _STEP_GROUPS[id(plan)] = cached
     return 1 + groups_of_rank(plan.layouts, rank) + cached[1].get(rank, 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _pool_key_members(layouts: tuple, pool: tuple):
+    from collections import Counter
+
+    from omnibench.process_groups import pool_groups
+
+    groups = pool_groups(dict(layouts), {m: list(ks) for m, ks in pool})
+    return Counter(r for g in groups for r in g)
+
+
+def _pool_members(layouts: dict, pool: dict):
+    """Per rank, the pool's groups it is in (the same for every step of a layout: worked out once)."""
+    return _pool_key_members(tuple(sorted(layouts.items())), tuple(sorted((m, tuple(ks)) for m, ks in pool.items())))
 
 
 _STEP_GROUPS: dict[int, tuple] = {}

@@ -89,6 +89,8 @@ class SimResult:
     compute_model: str = ""  # which compute model answered (kernel profile, calibrated, or datasheet fallback)
     hardware_flop_formula: str = ("costs.batch_flops(recompute=<policy>).total: model FLOPs plus the "
                                   "recomputed forward")
+    planning: float = 0.0  # the planner's CPU seconds for this step (simulator/planning.py)
+    planning_exposed: float = 0.0  # what of it every rank waits for at the head of the step (in step_time)
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,8 +128,8 @@ class SimResult:
         waiting for a slower peer): pipeline bubbles, boundary waits, the step's end."""
         if self.step_time <= 0:
             return 0.0
-        return self._mean(lambda r: max(0.0, 1 - (r.compute + r.exposed_comm + r.imbalance + r.optimizer)
-                                        / self.step_time))
+        return self._mean(lambda r: max(0.0, 1 - (r.compute + r.exposed_comm + r.imbalance + r.optimizer
+                                                  + self.planning_exposed) / self.step_time))
 
     @property
     def exposed_comm(self) -> float:
@@ -151,21 +153,24 @@ class SimResult:
     def breakdown(self) -> dict[str, float]:
         """Where a rank's step goes, in seconds averaged over ranks (each class weighted by the ranks it
         stands for): its own encoder and LLM compute, the optimizer step, communication the compute
-        stream waited for (exposed), and idle time (pipeline bubbles, waiting for slower peers or for
-        the boundary: the step minus everything else); `idle_max`/`idle_min` are the idlest and the
+        stream waited for (exposed), waiting for slower peers (imbalance), waiting for the step's
+        planning (planning), and idle time (pipeline bubbles, waiting for the boundary: the step minus
+        everything else); `idle_max`/`idle_min` are the idlest and the
         busiest rank's idle seconds, so a reader sees imbalance apart from bubbles."""
         if not self.ranks:
             return {}
         n = sum(r.members for r in self.ranks)
-        out = dict.fromkeys(("encoder", "llm", "optimizer", "exposed_comm", "imbalance", "idle"), 0.0)
+        out = dict.fromkeys(("encoder", "llm", "optimizer", "exposed_comm", "imbalance", "planning", "idle"), 0.0)
         idles = []
         for r in self.ranks:
             enc = sum(v for m, v in r.compute_by_module.items() if m != "llm")
             llm = r.compute_by_module.get("llm", 0.0)
-            idle = max(0.0, self.step_time - (r.compute + r.exposed_comm + r.imbalance + r.optimizer))
+            idle = max(0.0, self.step_time - (r.compute + r.exposed_comm + r.imbalance + r.optimizer
+                                              + self.planning_exposed))
             idles.append(idle)
             for k, v in (("encoder", enc), ("llm", llm), ("optimizer", r.optimizer),
-                         ("exposed_comm", r.exposed_comm), ("imbalance", r.imbalance), ("idle", idle)):
+                         ("exposed_comm", r.exposed_comm), ("imbalance", r.imbalance),
+                         ("planning", self.planning_exposed), ("idle", idle)):
                 out[k] += v * r.members / n
         out["idle_max"], out["idle_min"] = max(idles), min(idles)
         return out
@@ -215,6 +220,8 @@ class SimResult:
             "bubble": self.bubble,
             "exposed_comm": self.exposed_comm,
             "imbalance": self.imbalance,
+            "planning_s": self.planning,
+            "planning_exposed_s": self.planning_exposed,
             "peak_memory_gib": self.peak_reported / GiB,
             "peak_memory_needed_gib": self.peak_needed / GiB,
             "peak_memory_unpressured_gib": self.peak_memory / GiB,

@@ -59,8 +59,7 @@ def _rank(rank: int, store_path: str, out: str) -> None:
 
     gather = ex._gather_metadata
     ex._gather_metadata = mark_first_gather
-    got, loading, timings = ex.submit(0, data, 0.0).result(timeout=60)  # on the loader thread
-    ex.close()
+    got, loading, timings = ex.run(0, data, 0.0)
     plan = planner.plan(model, parallel, got, loading=loading)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"reads": data.reads, "before_exchange": marks.get("before_exchange"),

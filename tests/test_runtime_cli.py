@@ -91,6 +91,10 @@ def test_default_run_writes_a_complete_record_with_metrics_plan_and_trace(tmp_pa
     assert [s["step"] for s in steps] == [0, 1, 2]
     for s in steps:
         assert s["loss"] > 0 and s["tokens_per_s"] > 0 and s["flops"] > 0 and 0 <= s["bubble_fraction"] <= 1
+        assert s["planning_s"] > 0 and 0 <= s["waited_s"] <= s["step_time_s"]
+    # Step 0 waits for all of its planning (one thread's CPU seconds never exceed its wall seconds);
+    # later steps are planned on the planner thread while the step before computes.
+    assert steps[0]["waited_s"] >= steps[0]["planning_s"]
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     tracks = {e["tid"] for e in trace if e["ph"] == "X"}
     assert tracks == {0, 1}

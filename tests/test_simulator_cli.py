@@ -77,7 +77,7 @@ def test_a_row_that_does_not_fit_keeps_its_step_time_and_throughput_with_fits_fa
     res = SimpleNamespace(fits=False, fit_message="does not fit: rank 3 needs 90.0 GiB of 80.0 GiB",
                           peak_memory=90 * 2**30, peak_reported=90 * 2**30, peak_needed=81 * 2**30, memory_capacity=80 * 2**30, classes=4, sim_seconds=0.1,
                           step_time=2.0, tokens=1000, model_flops=1e15, world_size=8, peak_flops=1e15, bubble=0.1,
-                          exposed_comm=0.05, imbalance=0.0, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0},
+                          exposed_comm=0.05, imbalance=0.0, planning=0.1, planning_exposed=0.0, flop_formula="f", breakdown=dict, metrics=lambda: {"fits": False, "step_time_s": 2.0},
                           hardware_tflops_per_gpu=150.0, compute_model="datasheet")
     row = sim_cli._summary([res], [res.metrics()])
     assert row["fits"] is False and row["fit_message"] == res.fit_message and row["peak_memory_gib"] == 90 and row["peak_memory_needed_gib"] == 81

@@ -54,7 +54,7 @@ RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens"
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "imbalance", "peak_memory_gib", "peak_memory_needed_gib", "peak_memory_unpressured_gib",
                   "memory_capacity_gib", "speedup_over_best_baseline",
-                  "distinct_ranks", "sim_seconds", "planning_cpu_s", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space",
+                  "distinct_ranks", "sim_seconds", "planning_s", "planning_exposed_s", "planning_cpu_s", "tuned_at_step", "tune_seconds", "tune_budget", "tune_space",
                   "tune_moved", "tune_converged", "tune_seeds", "tune_over_seeds", "tune_ruled_out", "steps_failed"]
 # steps.csv: one row per (gpus, system, simulated step): throughput over training at a kept layout.
 STEP_COLUMNS = ["gpus", "system", "step", "layout", "fits", "why", "tokens", "step_time_s", "tokens_per_s",
@@ -543,8 +543,11 @@ def _summary(results, metrics) -> dict:
         "fits_rule": FITS_RULE,
         "distinct_ranks": max(r.classes for r in results),
         "sim_seconds": sum(r.sim_seconds for r in results),
-        # the planner's CPU seconds per step in this process (a step answered by the step cache: as when
-        # it was simulated); not part of step_time_s
+        # the planner's CPU seconds per step by simulator/planning.py's model, and what of it the steps
+        # waited for (in step_time_s: planning overlaps the step before)
+        "planning_s": sum(r.planning for r in results) / len(results),
+        "planning_exposed_s": sum(r.planning_exposed for r in results) / len(results),
+        # the same, measured in this process (a step answered by the step cache: as when it was simulated)
         "planning_cpu_s": (sum(m.get("planning_cpu_s", 0.0) for m in metrics) / len(metrics)) if metrics else 0.0,
         "breakdown_s": _mean_breakdown(results),
         "per_step": [dict(m) for m in metrics],

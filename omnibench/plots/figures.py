@@ -639,6 +639,7 @@ def _no_speedup_why(cell: dict[str, bool] | None) -> str:
 BREAKDOWN_PARTS = (("encoder", "encoder compute"), ("llm", "LLM compute"), ("optimizer", "optimizer step"),
                    ("exposed_comm", "exposed communication"),
                    ("imbalance", "imbalance (waiting on a slower data-parallel peer)"),
+                   ("planning", "planning not hidden under the step before"),
                    ("idle", "idle (bubbles, other waits)"))
 
 
@@ -652,7 +653,7 @@ def _best_rows(sims: list) -> pd.DataFrame:
             rows.append({"workload": rec.workload, "gpus": int(row["gpus"]), "system": row["system"],
                          "tokens_per_s": row["tokens_per_s"], "step_time_s": row["step_time_s"],
                          # records written before imbalance was its own part counted it in idle
-                         "layout": row.get("layout", ""), "imbalance": 0.0, **row["breakdown_s"]})
+                         "layout": row.get("layout", ""), "imbalance": 0.0, "planning": 0.0, **row["breakdown_s"]})
     if not rows:
         return pd.DataFrame()
     df = pd.DataFrame(rows)
@@ -686,7 +687,8 @@ def breakdown(recs: Records, gpus: int | None = None, hardware: str | None = Non
     rows_n = -(-len(wls) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(style.DOUBLE_IN, 0.4 + 1.45 * rows_n), squeeze=False)
     colors = dict(zip([k for k, _ in BREAKDOWN_PARTS], [style.MODULE_COLORS["vision"], style.MODULE_COLORS["llm"],
-                                                         "0.55", "0.3", style.IMBALANCE_COLOR, "0.85"], strict=True))
+                                                         "0.55", "0.3", style.IMBALANCE_COLOR, "0.1", "0.85"],
+                      strict=True))
     for ax, wl in zip(axes.flat, wls, strict=False):
         g = df[df.workload == wl].set_index("system")
         order = [s for s in style.order_systems(g.index)]
@@ -708,16 +710,17 @@ def breakdown(recs: Records, gpus: int | None = None, hardware: str | None = Non
                ncol=3, fontsize=6, frameon=False)
     title = titled(f"Where the step goes, {n:,} GPUs (simulated, {hw})", setup_lines(sims), fig.get_figwidth(), 8)
     _grow_for_title(fig, title, 8)
-    fig.set_figheight(fig.get_figheight() + 0.12)  # the legend's second row
+    fig.set_figheight(fig.get_figheight() + 0.24)  # the legend's second and third rows
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))
+    fig.tight_layout(rect=(0, 0.42 / fig.get_figheight(), 1, 1))
     table = df[["workload", "system", "layout", "step_time_s", *[k for k, _ in BREAKDOWN_PARTS], "idle_max",
                 "idle_min"]].reset_index(drop=True)
     caption = (f"Simulated step at {n:,} GPUs on {hw}, each system's fastest record per workload (over several "
                "steps: the mean step): per rank, the mean seconds "
                "of its own encoder and LLM compute, the optimizer step, communication its compute stream waited "
                "for, imbalance (waiting at a collective for a slower data-parallel peer; 0 in records that predate "
-               "it) and idle time (pipeline bubbles, waiting on the encoder->LLM boundary); the "
+               "it), planning the step waited for (its plan not done under the step before: simulator/planning.py) "
+               "and idle time (pipeline bubbles, waiting on the encoder->LLM boundary); the "
                "tick marks where the idlest rank's idle time would end. The parts add up to the step time.")
     return Drawn("breakdown", fig, table, caption)
 

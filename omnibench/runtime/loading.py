@@ -8,8 +8,8 @@ identically. It then loads the samples it was given, by position. A second all-g
 LLM data-parallel group, shares every loader's post-reorder sample headers: each rank builds the
 same global Plan from them (resharding, long/short split, schedule need the whole step's costs).
 
-Loaders prefetch: step s+1's exchange runs on a loader thread, over its own gloo groups on CPU,
-while step s computes (`submit`); only the first step's runs in line. Both exchanges are the Plan's
+Loaders prefetch: step s+1's exchange runs on the rank's planner thread (worker.py), over its own
+gloo groups on CPU, while step s computes; only the first step's runs in line. Both exchanges are the Plan's
 leading `metadata` actions; their measured spans are handed to the executor, which records them
 instead of running them again.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,6 @@ class LoaderExchange:
 
         self.planner, self.model, self.parallel, self.layouts = planner, model, parallel, layouts
         self.rank = rank
-        self._thread: ThreadPoolExecutor | None = None
         self.llm = layouts["llm"]
         self.options = OmniOptions.parse(parallel.options)
         self.cost_model = planner.cost_model(model, self.options)
@@ -55,17 +53,6 @@ class LoaderExchange:
                     made[g] = dist.new_group(list(g), timeout=timeout, backend="gloo")
             mine = loader_group(self.llm, rank, what, self.options.reorder_group)
             self.groups[what] = (made.get(mine), mine)
-
-    def submit(self, step: int, dataset: Sequence[Sample], t0: float) -> Future:
-        """Run `run` on the loader thread (one at a time, in submission order)."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"loader{self.rank}")
-        return self._thread.submit(self.run, step, dataset, t0)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
 
     def run(self, step: int, dataset: Sequence[Sample], t0: float) -> tuple[Batch, Loading, dict[str, Timing]]:
         """This step's loading: `dataset` is the step's index list (read by position only)."""

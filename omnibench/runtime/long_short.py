@@ -46,40 +46,49 @@ from systems.common import encoder_tokens
 
 class LongShortRuntime:
     """Process groups of omni's sequence-parallel and long-sample groups. A step's plan may name groups
-    of another size than earlier steps (the planner weighs group sizes per batch): `prepare` creates
-    the ones not built yet at the start of the step, collectively (every rank plans the same step, so
-    every rank creates the same new groups in the same order), keeps those a later step names again,
-    and releases the rest first. On a GPU each group a rank is in is an NCCL communicator of its own
-    (0.38 GiB on an H100: simulator/memory.py), so a rank holds no more of them than its step's groups,
-    which is what the simulator's memory check counts (`simulator.memory.communicators`); kept for
-    the whole run, a dynamic mix would leave every group size the planner ever chose on every rank."""
+    of another size than earlier steps (the planner weighs group sizes per batch), but only groups of its
+    pool (`plan.options["long_short"]["pool"]`: every size any step may name, each size's fixed groups of
+    consecutive ranks). `create` builds the whole pool once, collectively, before the first step, and
+    every step uses those groups: no communicator is created during training (on a GPU NCCL takes
+    seconds to set one up), and a rank holds one per size it can be grouped at (0.38 GiB each on an
+    H100), which is what the simulator's memory check counts (`simulator.memory.communicators`)."""
 
     def __init__(self, rank: int, timeout):
         self.rank, self.timeout = rank, timeout
         self.built: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.groups: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+        self.pooled = False
 
     @staticmethod
     def create(plan, rank: int, timeout) -> LongShortRuntime | None:
         if "long_short" not in plan.options:
             return None
         rt = LongShortRuntime(rank, timeout)
+        rt.build_pool(plan)
         rt.prepare(plan)
         return rt
 
+    def build_pool(self, plan) -> None:
+        from omnibench.process_groups import pool_groups
+
+        pool = plan.options["long_short"].get("pool")
+        if pool is None:  # a plan without a pool: groups are built as steps name them
+            return
+        self.pooled = True
+        for key in pool_groups(plan.layouts, pool):
+            self.built[key] = dist.new_group(list(key), timeout=self.timeout)
+
     def prepare(self, plan) -> None:
-        """This step's groups: this rank's per module, every one the plan names built (collectively)."""
+        """This step's groups: this rank's per module, each from the pool."""
         cfg = plan.options.get("long_short", {}).get("groups", {})
         self.groups = {}
-        named = {tuple(ranks) for module in cfg for ranks in cfg[module]}
-        for key in [k for k in self.built if k not in named]:
-            group = self.built.pop(key)
-            if self.rank in key:  # a rank outside a group holds no communicator of it (NON_GROUP_MEMBER)
-                dist.destroy_process_group(group)
         for module in sorted(cfg):
             for ranks in cfg[module]:
                 key = tuple(ranks)
                 if key not in self.built:
+                    if self.pooled:
+                        raise RuntimeError(f"step {plan.step}: the plan names the {module} group {list(key)}, "
+                                           "which is not in the group pool built at start-up")
                     self.built[key] = dist.new_group(list(key), timeout=self.timeout)
                 if self.rank in key:
                     self.groups[module] = (self.built[key], key)

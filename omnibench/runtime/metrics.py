@@ -69,5 +69,9 @@ def step_metrics(step: dict, spans_by_rank: dict[int, list[dict]], world: int, p
         # Time a rank spends outside compute actions (waiting in p2p/boundary, grad sync, or idle).
         "bubble_fraction": sum(max(0.0, 1 - b / t) for b in busy) / len(busy) if t > 0 else 0.0,
         "exposed_comm_fraction": sum(c / t for c in comm) / len(comm) if t > 0 else 0.0,
+        # The planner's CPU seconds for this step (rank 0's planner thread, overlapping the previous
+        # step) and what the step waited for its loading and planning (in step_time_s)
+        "planning_s": step.get("planning_s", 0.0),
+        "waited_s": step.get("waited_s", 0.0),
     }
     return out

@@ -73,24 +73,36 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str, store=None) -> 
     # Systems whose loaders exchange metadata (omni) plan every step from that real exchange.
     exchange = (LoaderExchange(planner, model, parallel, first.layouts, rank, timeout)
                 if hasattr(planner, "loader_spec") else None)
+
+    def prepare(step: int) -> tuple[Plan, dict, float]:
+        """Step `step`'s Plan, the loaders' measured exchanges and the planner's CPU seconds: on the
+        planner thread, as every system's data loader would (omni's loaders exchange metadata first)."""
+        if exchange is not None:
+            batch, loading, loaded = exchange.run(step, next_batch(step).samples, t0)
+            how = {"loading": loading}
+        else:
+            batch, how, loaded = next_batch(step), {}, {}
+        cpu = time.thread_time()
+        plan = planner.plan(model, parallel, batch, **how)
+        return plan, loaded, time.thread_time() - cpu
+
     plans = []
     fail_rank, fail_step = (int(x) for x in spec.inject_failure.split(":")) if spec.inject_failure else (-1, -1)
     steps = []
     dist.barrier()
     t0 = time.perf_counter()
-    prefetch = exchange.submit(0, next_batch(0).samples, t0) if exchange is not None else None
+    # Every system plans step s+1 on a thread while step s computes; step 0 waits for all of its own.
+    planning_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"planner{rank}")
+    wait = time.perf_counter()
+    prefetch = planning_thread.submit(prepare, 0)
     for step in range(spec.steps):
-        loaded: dict = {}
-        waited = 0.0  # loader time the step waited for: all of step 0's exchange, later only a shortfall
-        if exchange is not None:
-            wait = time.perf_counter()
-            batch, loading, loaded = prefetch.result(timeout=spec.timeout_s)
-            waited = time.perf_counter() - wait
-            plan = planner.plan(model, parallel, batch, loading=loading)
-            if step + 1 < spec.steps:  # the next step's exchange runs while this one computes
-                prefetch = exchange.submit(step + 1, next_batch(step + 1).samples, t0)
-        else:
-            plan = first if step == 0 else planner.plan(model, parallel, next_batch(step))
+        # What the step waited for: loading and planning that did not fit under the previous step
+        # (step 0's from its submission: the planner thread may hold the GIL until it is done)
+        wait = wait if step == 0 else time.perf_counter()
+        plan, loaded, planning_s = prefetch.result(timeout=spec.timeout_s)
+        waited = time.perf_counter() - wait
+        if step + 1 < spec.steps:
+            prefetch = planning_thread.submit(prepare, step + 1)
         if rank == 0:
             plans.append(plan)  # every step's Plan goes into the record (plans.jsonl)
         if plan.layouts != first.layouts:
@@ -103,7 +115,7 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str, store=None) -> 
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         loss = ex.run_step(plan, int(counts.item()), t0, loaded)
-        # Waiting for the loaders is part of the step (planning is not, for any system).
+        # Waiting for the loaders and the planner is part of the step, for every system.
         end = time.perf_counter() + waited
         figures = torch.tensor([loss, end - start], dtype=torch.float64, device=device)
         loss_t, time_t = figures[:1].clone(), figures[1:].clone()
@@ -112,12 +124,11 @@ def run_rank(spec: RunSpec, model: MultimodalSpec, run_dir: str, store=None) -> 
         figures = torch.cat([loss_t, time_t]).cpu()
         steps.append({"step": step, "loss": float(figures[0]), "step_time_s": float(figures[1]),
                       "start_s": start - t0, "peak_memory_bytes": metrics.peak_memory(device),
-                      "loss_tokens": int(counts.item())})
+                      "loss_tokens": int(counts.item()), "planning_s": planning_s, "waited_s": waited})
         if rank == 0:  # the record takes step figures from rank 0 (other ranks: peak memory only)
             steps[-1].update(**metrics.batch_figures(model, plan), plan={"options": plan.options, **plan.notes})
             records.progress(run_dir, step, spec.steps, float(figures[0]), float(figures[1]), steps[-1], plan)
-    if exchange is not None:
-        exchange.close()
+    planning_thread.shutdown(wait=True)
     params = ex.full_parameters() if spec.dump_params else None
     mine = {"rank": rank, "spans": [s.__dict__ for s in ex.spans], "steps": steps, "notes": ex.notes}
     gathered = [None] * world if rank == 0 else None

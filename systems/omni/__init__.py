@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from omnibench.plan import METADATA, Action, Plan, PlanError, Route
+from omnibench.process_groups import long_llm_groups as llm_groups
+from omnibench.process_groups import sp_groups
 from omnibench.specs.cost_model import CostModel, load_cost_model
 from omnibench.specs.costs import recompute_policy
 from omnibench.specs.model import MultimodalSpec
@@ -54,8 +56,8 @@ from systems.common import (
     resolve_common,
     step_tail,
 )
-from systems.omni.layout import build_layouts, locks_encoders, placement_notes, sp_groups, sp_sizes
-from systems.omni.llm_long_short import llm_group_size, llm_groups, place_llm_long
+from systems.omni.layout import build_layouts, locks_encoders, placement_notes, sp_sizes
+from systems.omni.llm_long_short import llm_group_size, place_llm_long
 from systems.omni.long_short import (
     SCHEMES,
     Candidates,
@@ -665,16 +667,31 @@ class OmniPlanner:
                 layouts=layouts, assignment=assignment, routes=routes, actions=actions,
                 options={"microbatches": m_count, "encoder_tp": layouts[next(iter(model.encoders))].tp if model.encoders else 1,
                          **opts.to_dict(),
-                         "long_short": {"groups": {**{m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
+                         "long_short": {"pool": self._group_pool(model, parallel, layouts, sp_by_size, opts),
+                                        "groups": {**{m: [list(g) for g in gs] for m, gs in sp_long.items() if gs},
                                                    **({"llm": [list(g) for g in llm_groups_all]} if llm_groups_all else {})},
                                         "long_microbatches": {**long_notes, **({"llm": long_llm_mbs} if long_llm_mbs else {})},
                                         **({"llm_leaders": {str(i): r for i, r in llm_leader.items()},
                                             "llm_data_ranks": k_llm, "llm_cp_kind": llm_kind} if llm_leader else {})}},
                 notes=notes,
             )
-            return finish(plan, order=True)  # align_sends reorders sends: their order per pair checked too
+            return finish(plan, parallel, order=True)  # align_sends reorders sends: their order per pair checked too
 
         yield _Draft(_r(timeline.step_s), build)
+
+    @staticmethod
+    def _group_pool(model, parallel, layouts, sp_by_size, opts) -> dict[str, list[int]]:
+        """module -> the group sizes any step may name (each size's fixed groups of consecutive ranks:
+        long_short.py, llm_long_short.py). The runtime builds every such group once, at start-up, and
+        keeps it (omnibench/runtime/long_short.py); the simulator counts them all in a rank's memory."""
+        pool = {}
+        if opts.long_short_sp and opts.encoder_sp_scheme != "none":
+            pool = {m: sorted(sp_by_size[m]) for m in model.encoders if sp_by_size.get(m)}
+        if opts.llm_long_short:
+            k = llm_group_size(model, parallel, layouts["llm"])[0]
+            if k > 1:
+                pool["llm"] = [k]
+        return pool
 
     @staticmethod
     def _metadata_actions(spec: LoaderSpec, llm, loading: Loading, by_id) -> dict[int, list[Action]]:

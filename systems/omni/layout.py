@@ -35,7 +35,7 @@ from dataclasses import replace
 from omnibench.plan import Layout, PlanError
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
-from systems.common import data_ranks, encoder_layout, llm_layout, with_dp_shard
+from systems.common import encoder_layout, llm_layout, with_dp_shard
 from systems.omni.options import ENCODER_STATE_MODES
 
 
@@ -77,12 +77,6 @@ def sp_sizes(model: MultimodalSpec, parallel: ParallelSpec, module: str, enc: La
     # consecutive groups stay inside nodes when k * tp divides the node (or spans whole nodes: small clusters)
     return [k for k in range(2, limit + 1)
             if heads % k == 0 and enc.dp % k == 0 and (node % (k * enc.tp) == 0 or (k * enc.tp) % node == 0)]
-
-
-def sp_groups(enc: Layout, k: int) -> list[tuple[int, ...]]:
-    """Fixed groups of k consecutive encoder data ranks (tp leaders), the same every step."""
-    leaders = data_ranks(enc)  # rank_at(dp=d, sp=0, tp=0) for every d
-    return [tuple(leaders[i : i + k]) for i in range(0, len(leaders), k)]
 
 
 def node_of(rank: int, gpus_per_node: int) -> int:

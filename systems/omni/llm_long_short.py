@@ -66,17 +66,6 @@ def llm_group_size(model: MultimodalSpec, parallel: ParallelSpec, llm: Layout) -
                    f"ranks inside a node of {parallel.gpus_per_node}")
 
 
-def llm_groups(llm: Layout, k: int) -> list[tuple[int, ...]]:
-    """The context-parallel groups: per pipeline stage and tp coordinate, k consecutive data indices
-    with all their cp ranks, data-major (member c * cp + cp coordinate holds that chunk of the row)."""
-    out = []
-    for p in range(llm.pp):
-        for g in range(llm.dp // k):
-            for t in range(llm.tp):
-                out.append(tuple(llm.rank_at(pp=p, dp=g * k + c, cp=cc, tp=t) for c in range(k) for cc in range(llm.cp)))
-    return out
-
-
 def place_llm_long(long: Sequence[int], cost: dict[int, float], groups: int, k: int) -> list[list[int]]:
     """Long samples onto groups, longest first onto the least loaded (by count, then load: every
     long sample adds one microbatch to all ranks, so the most loaded group sets the count)."""
