@@ -19,6 +19,10 @@ from systems import get_planner
 from workloads.sample import Batch, Sample, Segment
 
 STEPS = 3
+# The ablation and layout cases train two of long_batches' steps: those already take both sequence-
+# parallel paths, change the audio group's size between steps and make resharding move samples (the
+# third adds a second long video, and is the dearest step); the LLM split cells keep all three.
+CASE_STEPS = 2
 OPTIMIZER = "sgd"
 
 
@@ -83,12 +87,13 @@ CASES = [
     pytest.param({"encoder_sp_scheme": "all"}, {}, id="sp-for-all"),
     pytest.param({"encoder_sp_scheme": "all"}, {"cp": 2}, id="sp-for-all-cp2"),
     pytest.param({"encoder_sp_scheme": "auto"}, {"pp": 2}, id="sp-auto-pp2"),
-    # At pp 1 the joint pipeline has no bubbles to fill: without it omni plans steps 0 and 1 exactly as
-    # all-on does (the same layouts, assignment, routes and actions), and its step 2 is the all-ahead
-    # order that all-on's steps 0 and 1 and no-joint-pipeline-pp2 run: in the slow run only.
+    # At pp 1 the joint pipeline has no bubbles to fill: without it omni plans the cases' two steps exactly
+    # as all-on does (the same layouts, assignment, routes and actions): in the slow run only.
     pytest.param({"joint_pipeline": False}, {}, id="no-joint-pipeline", marks=pytest.mark.slow),
     pytest.param({"reorder": False}, {}, id="no-reorder"),
     pytest.param({"reorder_group": 2}, {}, id="two-reorder-groups"),
+    # the baselines' split of the whole batch (the cumulative ablation's loading): every loader's metadata
+    pytest.param({"reorder": False, "loading": "global"}, {}, id="global-loading"),
     pytest.param({"reshard": False}, {}, id="no-reshard"),
     pytest.param({"long_short_sp": False}, {}, id="no-long-short-sp"),
     pytest.param({"llm_long_short": False}, {}, id="no-llm-long-short"),
@@ -99,8 +104,12 @@ CASES = [
     pytest.param({}, {"cp": 2}, id="all-on-cp2"),
     pytest.param({}, {"cp": 2, "pp": 2}, id="all-on-cp2-pp2"),
 ]
+def case_batches() -> list[Batch]:
+    return long_batches()[:CASE_STEPS]
+
+
 def long_short_batches() -> list[Batch]:
-    """The batches of the omni-vs-homogeneous and temporal runs ("all-on" is the omni one): the cases'
+    """The batches of the omni-vs-homogeneous and temporal runs ("all-on" is the omni one): long_batches'
     three, then long_batches' fifth as the fourth step: the two long audio clips in one group's
     microbatch (and no long LLM sample) that no other step has. The fourth of long_batches is skipped:
     it plans as the second does (a long video on 2 ranks, a long audio clip on 4, a long LLM sample)
@@ -115,7 +124,7 @@ SLOW_CASES = {p.id for p in CASES if p.marks}  # each in a launch of its own, in
 
 # The LLM long-short split under the layout's own cp and pp (test_llm_long_short_at_any_cp_and_pp_...):
 # (model, layout, cp kind the plan must choose); "kv4" is tiny-omni with 4 kv heads (KV4 below). Over
-# the cases' STEPS batches: step 0 has no long LLM sample (no LLM group named), steps 1 and 2 one each.
+# long_batches' STEPS batches: step 0 has no long LLM sample (no LLM group named), steps 1 and 2 one each.
 LLM_SPLIT_CELLS = [
     pytest.param("kv4", {"cp": 2}, "ulysses", id="cp2"),
     pytest.param("kv4", {"pp": 2}, "ulysses", id="pp2"),
@@ -135,8 +144,8 @@ def models(tmp_path_factory) -> dict[str, str]:
 def omni_runs(tmp_path_factory, models):
     """Every case (but SLOW_CASES), omni against homogeneous over four steps, and the LLM split under cp
     and pp, in one launch. The "all-on" case is the four-step omni run (the same options and layout; its first three
-    batches are the other cases' three), checked against the single process over all four steps."""
-    runs = [Run(c.id, "omni", "tiny-omni", long_batches(), {"options": {**LONG_SHORT, **c.values[0]}, **c.values[1]},
+    batches are long_batches' three), checked against the single process over all four steps."""
+    runs = [Run(c.id, "omni", "tiny-omni", case_batches(), {"options": {**LONG_SHORT, **c.values[0]}, **c.values[1]},
                 OPTIMIZER) for c in CASES if c.id != "all-on" and c.id not in SLOW_CASES]
     four = long_short_batches()
     runs += [Run("long-short-omni", "omni", "tiny-omni", four, {"options": dict(LONG_SHORT)}, OPTIMIZER),
@@ -157,7 +166,7 @@ def test_omni_matches_single_process(omni_runs, request, tmp_path, options, layo
         batches = long_short_batches()
         losses, params = omni_runs["long-short-omni"].get()
     else:
-        batches = long_batches()
+        batches = case_batches()
         run = omni_runs[case] if case in omni_runs else run_all(tmp_path, [Run(
             case, "omni", "tiny-omni", batches, {"options": {**LONG_SHORT, **options}, **layout}, OPTIMIZER)])[case]
         losses, params = run.get()

@@ -169,7 +169,7 @@ def test_the_readme_says_exactly_what_ci_runs():
         "test_committed_slow_tables_are_what_the_script_writes_from_the_records",
         "test_the_tours_reproduce_in_its_small_form_makes_the_figures_and_the_report",
         # parity cells whose plans equal another cell's on every batch (in parameter lists)
-        "test_omni_parity.py:89", "test_system_layout_matches_single_process",
+        "test_omni_parity.py:92", "test_system_layout_matches_single_process",
     ])
     assert "but the six marked slow" in README and "`omnibench reproduce --quick`" in README
     assert "tests/test_memory_tracker.py" in README and "tests/test_tables.py" in README

@@ -92,7 +92,11 @@ CONDITION_BUDGET = 4
 EXTENDED_GPUS, EXTENDED_GPUS_QUICK = (4096, 8192), (256,)
 CONDITION_SHARES, CONDITION_SHARES_QUICK, CONDITION_SIGMAS_QUICK = (0.1, 0.6, 0.9), (0.1, 0.9), (1.0,)
 KINDS = ("throughput", "scaling", "dynamic", "speedup", "breakdown", "conditions", "memory", "timeline", "validation",
-         "ablation", "workload")
+         "ablation", "ablation_cumulative", "workload")
+# The cumulative ablation's stages (omnibench/plots/figures.py CUMULATIVE: omni's decoupled layout with the
+# baselines' loading and every technique off, then its techniques one at a time): one per step before the
+# last, which is omni itself (the tuned comparison's own record)
+CUMULATIVE_PREFIX = "omni-cumulative-"
 
 _PLOT_EXAMPLES = """
 Examples:
@@ -166,6 +170,8 @@ def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, sy
             return figures.validation(recs, calibration)
         if kind == "ablation":
             return figures.ablation(recs, workload)
+        if kind == "ablation_cumulative":
+            return figures.cumulative_ablation(recs, workload)
     except PlotInputError as e:
         fail(str(e))
     raise AssertionError(kind)
@@ -597,8 +603,10 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     profile = sims_dir / "calibration.json"  # fitted by `omnibench calibrate` on these runs
     make("validation", figures.validation, recs_of(pick(lambda p: True)),
          calibration=str(profile) if profile.is_file() else None)
-    make("ablation", figures.ablation, Records(sims=[r for r in sweep if r.workload == "mixed_video"] + ablated),
-         workload="mixed_video")
+    one_off, cumulative, cumulative_notes = ablation_inputs(sweep, ablated, sims_dir)
+    make("ablation", figures.ablation, one_off, workload="mixed_video")
+    make("ablation_cumulative", figures.cumulative_ablation, cumulative, workload="mixed_video",
+         notes=cumulative_notes)
     make("ablation_measured", figures.ablation,
          recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name
                       and not re.search(r"-r\d+$", p.name))))  # repeats (--repeat) are the throughput figure's
@@ -840,6 +848,30 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
+def ablation_inputs(sweep: list, ablated: list, sims_dir: Path) -> tuple:
+    """What the two ablation figures of `reproduce` draw, from its tuned H100 records: (the one-off
+    ablation's records, the cumulative ablation's, the cumulative steps' notes). Each is drawn beside the
+    tuned comparison's mixed_video records (omni itself and the baselines at their own layouts). A
+    cumulative step whose kept layout stops fitting has no record, only its stage's note ("does not fit:
+    ..."), keyed by the technique it adds (figures.CUMULATIVE)."""
+    from omnibench.plots.load import Records
+
+    compared = [r for r in sweep if r.workload == "mixed_video"]
+    steps = [r for r in ablated if (r.config.get("options") or {}).get("loading") == "global"]
+    notes = {k.removeprefix(CUMULATIVE_PREFIX).rsplit("-", 1)[0].replace("-", "_"): why
+             for k, why in _read_notes(sims_dir).items() if k.startswith(CUMULATIVE_PREFIX)}
+    return (Records(sims=compared + [r for r in ablated if r not in steps]), Records(sims=compared + steps), notes)
+
+
+def _cumulative_flags() -> list[list[str]]:
+    """`simulate`'s switches for each cumulative step before the last (omni itself): its techniques off,
+    the grouped reorder among them, and the baselines' loading in its place."""
+    from omnibench.plots.figures import TECHNIQUES, cumulative_off
+
+    return [[*(f"--no-{t.replace('_', '-')}" for t in cumulative_off(k)), "--option", "loading=global"]
+            for k in range(len(TECHNIQUES))]
+
+
 def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1,
             tune_budget: int | None = None, sweep: SweepArgs = SweepArgs(), extended: bool = False) -> list[Stage]:
     stages: list[Stage] = []
@@ -988,6 +1020,14 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
                                 f"{gpus[0]:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
                                                       "--gpus", str(gpus[0]), f"--no-{tech}", *tuned_common],
                                 step_s[gpus[0]] * 2, no_fit_is_an_answer=True))
+        # and cumulatively: from the decoupled layout alone, with the baselines' loading, technique by technique
+        from omnibench.plots.figures import CUMULATIVE
+
+        for (name, label), flags in list(zip(CUMULATIVE[:-1], _cumulative_flags(), strict=True))[:1 if quick else None]:
+            stages.append(Stage(f"{CUMULATIVE_PREFIX}{name.replace('_', '-')}-{tag}",
+                                f"simulate omni at its tuned layout, {gpus[0]:,} GPUs, cumulative ablation: {label}",
+                                ["simulate", "--workload", "mixed_video", "--system", "omni", "--gpus", str(gpus[0]),
+                                 *flags, *tuned_common], step_s[gpus[0]] * 2, no_fit_is_an_answer=True))
     # 4. a second machine (same compute, 141 GB), a figure of its own
     for wl in [w for w in workloads if w in SECOND_HARDWARE_WORKLOADS]:
         key = f"tuned-{wl}-{SECOND_HARDWARE}-{seeded_tag}"

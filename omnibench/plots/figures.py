@@ -4,6 +4,7 @@ make the figure raise PlotInputError saying what is missing (never an empty figu
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -1014,8 +1015,39 @@ def validation(recs: Records, calibration: str | None = None) -> Drawn:
 
 
 # -- 6. ablation -----------------------------------------------------------------------------------
+# The cumulative ablation's steps, in order: (the technique the step switches on, its label). Step 0 is omni's
+# decoupled layout with every technique off and the baselines' loading (one global split of the batch by their
+# balancer: omni's `loading=global`); each later step keeps the techniques before it; the last one trades the
+# global split for loaders rebalancing in groups (the grouped reorder): omni itself.
+CUMULATIVE = (("decoupled", "decoupled only"), ("reshard", "+ reshard"), ("long_short_sp", "+ long-short SP"),
+              ("joint_pipeline", "+ joint pipeline"), ("llm_long_short", "+ LLM long-short"),
+              ("reorder", "+ grouped reorder (omni)"))
+TECHNIQUES = tuple(t for t, _ in CUMULATIVE[1:])
+
+
+def cumulative_off(step: int) -> tuple[str, ...]:
+    """The techniques switched off at cumulative step `step` (reorder too until the last: the global split
+    stands in for it)."""
+    on = set(TECHNIQUES[:step])
+    return tuple(t for t in TECHNIQUES if t not in on)
+
+
+def _loading_of(recs: Records) -> dict[str, str]:
+    """record path -> where its omni loaders' shards came from (omni's `loading` option; sampler unless set)."""
+    out = {str(r.path): str((r.plan_options or {}).get("loading") or "sampler") for r in recs.runs}
+    out.update({str(r.path): str((r.config.get("options") or {}).get("loading") or "sampler") for r in recs.sims})
+    return out
+
+
+def globally_loaded(df: pd.DataFrame, recs: Records) -> pd.Series:
+    """Rows of omni whose loaders took one global split (the cumulative ablation's steps before the last)."""
+    loading = _loading_of(recs)
+    return (df.system == "omni") & (df.record.map(lambda p: loading.get(p, "sampler")) == "global")
+
+
 def ablation(recs: Records, workload: str | None = None) -> Drawn:
     full = throughput_table(recs)
+    full = full[~globally_loaded(full, recs)]  # the cumulative ablation's steps: its own figure
     df = _pick_source(full, "ablation")
     omni = df[df.system == "omni"]
     if omni.empty:
@@ -1070,6 +1102,137 @@ def ablation(recs: Records, workload: str | None = None) -> Drawn:
                + (" Every variant runs at omni's own tuned layout (tuned with every technique on, at step 0); the "
                   "dashed line is the best baseline at its own tuned layout." if tuned else "") + _cpu_note(recs, omni))
     return Drawn("ablation", fig, variants.assign(workload=wl, gpus=int(gpus)), caption)
+
+
+def _cumulative_step(options: dict, globally: bool) -> int | None:
+    """The cumulative step a record of omni ran (its switches and loading), or None (another variant)."""
+    off = tuple(t for t in TECHNIQUES if options.get(t) is False)
+    if not globally:
+        return len(TECHNIQUES) if not off else None
+    return next((k for k in range(len(TECHNIQUES)) if off == cumulative_off(k)), None)
+
+
+def _like_the_steps(recs: Records) -> Records:
+    """The simulations comparable with the cumulative steps': on their machine, under no memory error, every
+    system splitting by the steps' balancer (the baselines as deployed, split by tokens, are another
+    comparison), and tuned where the steps ran at a tuned layout (each system at its own). Runs as they are."""
+    from systems.common import DEFAULT_BALANCER
+
+    def balancer(r) -> str:
+        return str((r.config.get("options") or {}).get("balancer") or DEFAULT_BALANCER)
+
+    sims = nominal(recs.sims)
+    steps = [r for r in sims if str((r.config.get("options") or {}).get("loading")) == "global"]
+    if not steps:
+        return Records(runs=recs.runs, sims=sims)
+    machines = sorted({str(r.config.get("hardware")) for r in steps})
+    if len(machines) > 1:
+        raise PlotInputError(f"cumulative ablation: its steps ran on several machines ({', '.join(machines)}); give "
+                             "one machine's records (a figure never mixes machines)")
+    ways = {balancer(r) for r in steps}
+    tuned = all(r.config.get("tuned") for r in steps)
+    return Records(runs=recs.runs, sims=[r for r in sims if str(r.config.get("hardware")) == machines[0]
+                                         and balancer(r) in ways and (r.config.get("tuned") or not tuned)])
+
+
+def cumulative_ablation(recs: Records, workload: str | None = None, notes: dict[str, str] | None = None) -> Drawn:
+    """omni's techniques added one at a time on its decoupled layout, each step's throughput per GPU over the
+    best baseline's at the same size (each system at its own layout; for the baselines' split to be the one
+    the first steps' loaders take, the records must weigh samples alike: the default balancer). `notes`:
+    why a step has no record (technique name -> e.g. "does not fit: ..."), written where its bar would be."""
+    recs = _like_the_steps(recs)
+    full = throughput_table(recs)
+    df = _pick_source(full, "cumulative ablation")
+    df = df.assign(step=[_cumulative_step(o, g) if s == "omni" else None
+                         for o, g, s in zip(df.options, globally_loaded(df, recs), df.system, strict=True)])
+    notes = {k: v for k, v in (notes or {}).items() if v}
+    steps = df[df.step.notna()]
+    before_last = steps[steps.step < len(TECHNIQUES)]
+    if before_last.empty and not notes:
+        raise PlotInputError("cumulative ablation needs omni records with the baselines' loading and techniques "
+                             "switched off (`--option loading=global --no-reorder --no-...`); got "
+                             + (", ".join(sorted(set(df[df.system == "omni"].variant))) or "no omni record"))
+    _, wl = _one_workload(before_last if not before_last.empty else df[df.system == "omni"], workload,
+                          "cumulative ablation")
+    # the size with the most steps (a step that did not fit has only its note, at the size it was asked for)
+    steps = steps[steps.workload == wl]
+    gpus = int(steps.groupby("gpus").step.nunique().sort_index().idxmax())
+    here = df[(df.workload == wl) & (df.gpus == gpus)]
+    base = here[here.system.isin(BASELINES)].groupby("system").tokens_per_s_per_gpu.max()  # each at its best
+    if base.empty:
+        raise PlotInputError(f"cumulative ablation: no baseline ran {wl} at {gpus:,} GPUs to compare with")
+    best, best_tps = str(base.idxmax()), float(base.max())
+    ran = here[here.step.notna()]
+    got = ran.groupby(ran.step.astype(int)).tokens_per_s_per_gpu.mean()
+    rows, prev = [], None
+    for k, (tech, label) in enumerate(CUMULATIVE):
+        tps = float(got[k]) if k in got.index else None
+        note = "" if tps is not None else notes.get(tech) or "not simulated"
+        rows.append({"step": label, "technique": tech, "tokens_per_s_per_gpu": tps,
+                     "vs_best_baseline": tps / best_tps if tps is not None else None,
+                     "vs_previous": tps / prev if tps is not None and prev else None, "best_baseline": best,
+                     "best_baseline_tokens_per_s_per_gpu": best_tps, "note": note, "workload": wl, "gpus": gpus})
+        prev = tps
+    table = pd.DataFrame(rows)
+
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 1.4 + 0.3 * len(table)))
+    omni_color = style.system_color("omni")
+    shades = {"decoupled": style.lighten(omni_color, 0.75), "technique": style.lighten(omni_color, 0.4),
+              "omni": omni_color}
+    kinds = ["decoupled" if k == 0 else "omni" if k == len(CUMULATIVE) - 1 else "technique" for k in range(len(table))]
+    rel = table.vs_best_baseline.fillna(0.0)
+    ax.barh(range(len(table)), rel, color=[shades[x] for x in kinds], edgecolor="0.3", linewidth=0.4)
+    top = max(1.0, float(rel.max()))
+    for k, r in table.iterrows():
+        if r.vs_best_baseline is None or pd.isna(r.vs_best_baseline):
+            # where the bar would be: why there is none (a step whose kept layout stops fitting says so), its
+            # first clause (the caption holds the whole note), over the baseline's line
+            why = re.split(r" under | \(|; ", r.note)[0]
+            ax.text(0.02 * top, k, textwrap.fill(why, 40), va="center", fontsize=5.5, color="0.25", linespacing=1.1,
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.6))
+            continue
+        change = f" ({r.vs_previous - 1:+.1%})" if r.vs_previous is not None and not pd.isna(r.vs_previous) else ""
+        # right of the bar and of the baseline's line, which would otherwise run through the text
+        ax.text(max(r.vs_best_baseline, 1.0) + 0.02 * top, k, f"{r.vs_best_baseline:.2f}x{change}", va="center",
+                fontsize=6)
+    ax.set_yticks(range(len(table)))
+    ax.set_yticklabels(table.step)
+    ax.invert_yaxis()
+    line = ax.axvline(1.0, color=style.system_color(best), linestyle="--", linewidth=1)
+    drawn = [k for k in ("decoupled", "technique", "omni") if k in kinds and table.vs_best_baseline[
+        [i for i, x in enumerate(kinds) if x == k]].notna().any()]
+    names = {"decoupled": "omni's layout, techniques off, baselines' loading",
+             "technique": "+ each technique, keeping those above", "omni": "omni (grouped reorder, no global split)"}
+    handles = [Patch(facecolor=shades[k], edgecolor="0.3", linewidth=0.4, label=names[k]) for k in drawn]
+    handles.append(line)
+    line.set_label(f"best baseline ({best}, its own layout)")
+    # Below the axes: inside, the legend would cover the bars' labels.
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), fontsize=6, frameon=False, ncol=1)
+    ax.set_xlabel(f"tokens/s per GPU rel. to the best baseline ({best_tps:,.0f})")
+    ax.set_xlim(0, top * 1.45)
+    src = "measured" if (df.source == "run").all() else "simulated"
+    scale = f"{gpus:,} {'ranks' if src == 'measured' else 'GPUs'}"
+    tuned = [r.config for r in recs.sims if r.workload == wl and r.config.get("tuned")
+             and gpus in r.config.get("gpus", [])] if src == "simulated" else []
+    at_size = [r for r in recs.sims if gpus in [int(g) for g in r.config.get("gpus", [])]]
+    lines = [f"{wl}, {scale} ({src})", *(setup_lines(at_size, wl) if src == "simulated" else []),
+             "omni's layout at every step", "loaders: the baselines' split until the last step"]
+    title = titled("omni, techniques added one at a time", lines, style.COLUMN_IN, 7.5)
+    ax.set_title(title, fontsize=7.5)
+    _grow_for_title(fig, title, 7.5, room=3)
+    legend_rows = len(handles)
+    fig.tight_layout(rect=(0, 0.035 * legend_rows + 0.02, 1, 1))
+    caption = (f"omni's techniques switched on one at a time ({src}, {wl}, {scale}), throughput per GPU relative "
+               f"to the best baseline ({best}, {best_tps:,.0f} tokens/s/GPU). The first step is omni's decoupled "
+               "layout with every technique off and its loaders handed the split the baselines make of the same "
+               "batch (one global split by their balancer, the same weights); each later step keeps the "
+               "techniques above it; the last trades the global split for loaders rebalancing in groups of 8 "
+               "(the grouped reorder), which is omni."
+               + (" Every step runs at omni's own tuned layout (tuned with every technique on); the baselines at "
+                  "theirs." if tuned else "")
+               + "".join(f" {r.step}: {r.note}." for r in table.itertuples() if r.note) + _cpu_note(recs, here))
+    return Drawn("ablation_cumulative", fig, table, caption)
 
 
 # -- 7. workload -----------------------------------------------------------------------------------
@@ -1150,7 +1313,7 @@ def record_of(recs: Records, system: str | None):
     raise PlotInputError(f"timeline: no record of system {system!r}; records hold {', '.join(have) or 'none'}")
 
 
-__all__ = ["Drawn", "RunRecord", "SimRecord", "ablation", "breakdown", "conditions", "throughput_table", "dynamic",
-           "memory_sensitivity", "record_of", "scaling",
+__all__ = ["CUMULATIVE", "Drawn", "RunRecord", "SimRecord", "ablation", "breakdown", "conditions", "throughput_table",
+           "cumulative_ablation", "dynamic", "globally_loaded", "memory_sensitivity", "record_of", "scaling",
            "speedup", "throughput",
            "timeline", "validation", "workload"]

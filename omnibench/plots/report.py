@@ -117,10 +117,13 @@ def draw_all(recs: Records, calibration: str | None = None, prov: dict | None = 
     for label, rs in [("measured", Records(runs=recs.runs))] + [(named("simulated", hw), on(hw)) for hw in machines]:
         if not rs.all:
             continue
-        variants = figures.throughput_table(rs)
-        variants = variants[variants.system == "omni"].groupby("workload").variant.nunique()
+        rows = figures.throughput_table(rs)
+        globally = figures.globally_loaded(rows, rs)  # the cumulative ablation's steps
+        variants = rows[(rows.system == "omni") & ~globally].groupby("workload").variant.nunique()
         ablations += [_try(f"omni ablation ({wl}, {label})", figures.ablation, rs, workload=wl)
                       for wl in rs.workloads() if variants.get(wl, 0) >= 2]
+        ablations += [_try(f"omni's techniques added one at a time ({wl}, {label})", figures.cumulative_ablation, rs,
+                           workload=wl) for wl in dict.fromkeys(rows[globally].workload)]
     out += ablations or [Section("omni ablation", None, "needs omni records (with techniques switched off); none given")]
     for wl in wls:
         out.append(_try(f"Workload {wl}", figures.workload, wl))

@@ -63,9 +63,10 @@ class LoaderExchange:
         timings: dict[str, Timing] = {}
 
         start, cpu = time.perf_counter(), time.thread_time()
-        pg, ranks = self.groups["reorder"]
+        # a global split (loading=global) gathers every loader's metadata, over the plan exchange's group
+        pg, ranks = self.groups["plan" if spec.split == "global" else "reorder"]
         members = [self.llm.coords(r)["dp"] for r in ranks]
-        if spec.reorder and pg is not None:
+        if (spec.reorder or spec.split == "global") and pg is not None:
             if members != spec.group_of(loader):
                 raise RuntimeError(f"reorder group {members} differs from the loader spec's {spec.group_of(loader)}")
             gathered = self._gather_metadata(spec, pg, len(ranks), metadata(spec, self.cost_model, mine), n)

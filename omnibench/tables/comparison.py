@@ -221,11 +221,34 @@ def conditions() -> str:
     return "\n".join(lines)
 
 
+def _num(text: str) -> float | None:
+    return float(text) if text not in ("", None) else None
+
+
 @table("tuned-ablation")
 def tuned_ablation() -> str:
-    """omni with one technique off at a time, at its own tuned layout."""
+    """omni's techniques added one at a time on its decoupled layout (which starts with the baselines'
+    loading), then omni with one technique off at a time; both at its own tuned layout."""
+    steps = _rows(f"{FIGURES}/ablation_cumulative.csv")
+    s0 = steps[0]
+    best, best_tps = s0["best_baseline"], float(s0["best_baseline_tokens_per_s_per_gpu"])
+    lines = [f"| omni, techniques added one at a time | tokens/s/GPU | vs the best baseline ({best}) | "
+             "vs the step before |", "|---|---|---|---|"]
+    for r in steps:
+        tps, rel, prev = _num(r["tokens_per_s_per_gpu"]), _num(r["vs_best_baseline"]), _num(r["vs_previous"])
+        if tps is None:
+            lines.append(f"| {r['step']} | {r['note'] or 'not simulated'} | | |")
+            continue
+        lines.append(f"| {r['step']} | {tps:,.0f} | {rel:.2f}x | {f'{prev - 1:+.1%}' if prev is not None else ''} |")
+    lines.append(f"| the best baseline: {best}, at its own tuned layout | {best_tps:,.0f} | 1.00x | |")
+    lines += ["", f"{s0['workload']}, {int(s0['gpus']):,} H100s, every step at omni's tuned layout from the tune "
+              "cache (results/figures/ablation_cumulative.csv). The first step is omni's decoupled layout with "
+              "every technique off and its loaders given the split the baselines make of the same batch (one "
+              "global split by their balancer: `--option loading=global`); each step keeps the techniques above "
+              "it; the last trades the global split for loaders that rebalance in groups of 8 (the grouped "
+              "reorder), which is omni.", ""]
     rows = _rows(f"{FIGURES}/ablation.csv")
-    lines = ["| omni | throughput vs all techniques |", "|---|---|"]
+    lines += ["| omni, one technique off | throughput vs all techniques |", "|---|---|"]
     for r in rows:
         name = "all techniques" if r["variant"] == "omni" else r["variant"].removeprefix("omni ")
         lines.append(f"| {name} | {float(r['relative']):.2f}x |")
@@ -234,9 +257,20 @@ def tuned_ablation() -> str:
             tech = r["stage"].removeprefix("tuned-omni-no-").rsplit("-", 1)[0].replace("-", " ")
             lines.append(f"| w/o {tech} | does not fit ({r['note'].removeprefix('does not fit: ')}) |")
     lines.append(f"| the best baseline | {float(rows[0]['best_baseline_relative']):.2f}x |")
-    lines += ["", f"{rows[0]['workload']}, {int(rows[0]['gpus']):,} H100s, omni's tuned layout from the tune cache "
-              "(results/figures/ablation.csv)."]
+    lines += ["", f"{rows[0]['workload']}, {int(rows[0]['gpus']):,} H100s, omni's tuned layout from the tune cache, "
+              "its loaders on the sampler's shards (results/figures/ablation.csv)."]
     return "\n".join(lines)
+
+
+@table("tuned-ablation-summary")
+def tuned_ablation_summary() -> str:
+    """One line: each cumulative step of omni's ablation against the best baseline (ablation_cumulative.csv)."""
+    steps = _rows(f"{FIGURES}/ablation_cumulative.csv")
+    s0 = steps[0]
+    parts = [f"{r['step']} {float(r['vs_best_baseline']):.2f}x" if _num(r["vs_best_baseline"]) is not None
+             else f"{r['step']}: {(r['note'] or 'not simulated').split(':')[0]}" for r in steps]
+    return (f"against the best baseline ({s0['best_baseline']} at its own tuned layout; {s0['workload']}, "
+            f"{int(s0['gpus']):,} H100s, omni's tuned layout): " + "; ".join(parts))
 
 
 @table("tune-convergence")
@@ -259,7 +293,8 @@ def tune_convergence() -> str:
 
 
 _GROUPS = (("run-", "CPU runs (2 ranks, tiny model)"), ("calibrate", "calibrate"), ("sim-", "one-layout simulations"),
-           ("tuned-omni-no-", "omni's ablation"), ("tuned-", "tuned comparison, 1,024 H100s"),
+           ("tuned-omni-no-", "omni's ablation"), ("omni-cumulative-", "omni's cumulative ablation"),
+           ("tuned-", "tuned comparison, 1,024 H100s"),
            ("memory-", "memory errors"), ("conditions-", "condition grid"), ("largest-", "largest clusters"))
 
 

@@ -195,7 +195,7 @@ class OmniPlanner:
         return LoaderSpec(loaders=llm.dp, group_size=opts.reorder_group, reorder=opts.reorder and llm.dp > 1,
                           count_llm=not opts.reshard,
                           floor=0 if opts.reshard else _samples_floor(llm, parallel, n_samples),
-                          encoders=tuple(shares))
+                          encoders=tuple(shares), split=opts.loading)
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch,
              loading: Loading | None = None) -> Plan:

@@ -11,12 +11,17 @@ from systems.common import BALANCERS, DEFAULT_BALANCER  # how every system weigh
 
 BOOL_KEYS = ("joint_pipeline", "reorder", "reshard", "long_short_sp", "llm_long_short")
 SP_SCHEMES = ("auto", "long_short", "all", "none")
+# Where the loaders' shards come from (reorder.py): sampler, a distributed sampler's round robin (which the
+# grouped reorder then rebalances, when on); global, the split homogeneous and temporal make of the same batch
+# (systems/common.py `balance` by the balancer's LLM-plus-encoder cost), what a coordinator that sees every
+# sample would hand out: the baselines' loading, for an ablation that isolates what decoupling itself buys
+LOADINGS = ("sampler", "global")
 LLM_SPLIT_RULES = ("auto", "always")
 # The encoders' state modes: the data-parallel modes' ParallelSpec fields, and hzero2, ZeRO-2 sharded
 # within the automatic shard group of a few nodes and replicated across the groups (layout.py)
 ENCODER_STATE_MODES = {**DP_MODES, "hzero2": dict(fsdp=False, zero=2, dp_shard=0)}
 CHOICES = {"encoder_dp": tuple(ENCODER_STATE_MODES), "encoder_sp_scheme": SP_SCHEMES, "llm_split": LLM_SPLIT_RULES,
-           "balancer": BALANCERS}
+           "balancer": BALANCERS, "loading": LOADINGS}
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class OmniOptions:
     long_short_sp: bool = True  # long inputs split over an encoder sequence-parallel group
     llm_long_short: bool = True  # long LLM samples over a context-parallel group of data ranks (any pp, cp)
     reorder_group: int = 8  # loader ranks exchanging cost metadata together (no global coordinator)
+    # The loaders' starting shards (LOADINGS). global replaces the grouped reorder, so it needs reorder off
+    loading: str = "sampler"
     # How each encoder's data parallelism holds its training state (omnibench.specs.parallel.DP_MODES):
     # zero2 (default) / zero1 shard the optimizer state (and the gradients) but keep whole weights, so an
     # encoder's forward never waits for a peer and the joint pipeline can put it in any bubble; ddp
@@ -78,6 +85,10 @@ class OmniOptions:
             else:
                 value = str(value)
             out[k] = value
+        if out.get("loading") == "global" and out.get("reorder", True):
+            # refused rather than switched off here: a record's options then say what its plan did
+            raise PlanError("options.loading=global splits the whole batch before any loader reorders: give "
+                            "reorder=false (--no-reorder) with it")
         return OmniOptions(**out)
 
     def to_dict(self) -> dict:

@@ -20,6 +20,12 @@ the loader's data group will run for the sample: its encoder work spread over th
 ranks (a long sample too: it runs over the sequence-parallel group by its loader's ranks unless
 another group is clearly less loaded) plus, when resharding will not redistribute it later, the
 LLM work.
+
+With `split="global"` (omni's `loading=global`, reorder off) the loaders skip the sampler's shards:
+every loader gathers every loader's metadata and all run the split the baselines make of the same batch
+(systems/common.py `balance` over each sample's LLM plus encoder cost, the weights of the systems whose
+data ranks run both), so that an ablation can give omni the baselines' loading and measure what
+decoupling itself buys.
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from omnibench.plan import PlanError
+from systems.common import balance
 from workloads.sample import Sample
+
+SPLITS = ("sampler", "global")  # where the loaders' shards start (options.py LOADINGS)
 
 
 def loader_groups(loaders: int, group_size: int) -> list[list[int]]:
@@ -88,8 +98,17 @@ class LoaderSpec:
     count_llm: bool  # the objective includes LLM cost (no resharding will redistribute it)
     floor: int  # samples every loader must keep (its pipeline microbatches); 0 with resharding
     encoders: tuple[EncoderShare, ...]
+    split: str = "sampler"  # SPLITS: the sampler's round robin, or one global split (reorder off)
+
+    def __post_init__(self):
+        if self.split not in SPLITS:
+            raise PlanError(f"loading must be one of {', '.join(SPLITS)}; got {self.split!r}")
+        if self.split == "global" and self.reorder:
+            raise PlanError("loading=global splits the whole batch before any loader reorders: give reorder=false")
 
     def groups(self) -> list[list[int]]:
+        if self.split == "global":  # one exchange over every loader
+            return [list(range(self.loaders))]
         return loader_groups(self.loaders, self.group_size if self.reorder else 1)
 
     def group_of(self, loader: int) -> list[int]:
@@ -138,7 +157,15 @@ def decide(spec: LoaderSpec, members: Sequence[int], gathered: Sequence[Sequence
 
     cost = {int(x[1]): objective(x) for x in entries}
     before_ids = {r: [int(x[1]) for x in part] for r, part in zip(members, gathered, strict=True)}
-    if spec.reorder and len(members) > 1:
+    if spec.split == "global":
+        if list(members) != list(range(spec.loaders)):
+            raise PlanError(f"loading=global: a global split needs every loader's metadata (loaders 0.."
+                            f"{spec.loaders - 1} in one exchange); got loaders {list(members)}")
+        # Summed as systems/common.py `_weights` sums cost_model.llm + cost_model.encoders: the same floats,
+        # so `balance` ties break alike and every loader gets the very samples a baseline's data rank gets
+        weight = {int(x[1]): x[2 + ne] + sum(x[2:2 + ne]) for x in entries}
+        shards = dict(zip(members, balance(weight.items(), len(members)), strict=True))
+    elif spec.reorder and len(members) > 1:
         parts = lpt_with_floor(list(cost.items()), len(members), spec.floor)
         shards = dict(zip(members, parts, strict=True))
     else:
@@ -168,7 +195,8 @@ class Loading:
         for d in decisions:
             for r, ids in d.shards.items():
                 shards[r], before[r], after[r] = list(ids), d.before[r], d.after[r]
-        traffic = [d.traffic for d in decisions] if spec.reorder and spec.loaders > 1 else []
+        exchanged = (spec.reorder or spec.split == "global") and spec.loaders > 1
+        traffic = [d.traffic for d in decisions] if exchanged else []
         return Loading(shards, before, after, traffic)
 
 
@@ -178,7 +206,8 @@ def dealt(n_samples: int, loader: int, loaders: int) -> range:
 
 
 def in_process_loading(spec: LoaderSpec, cost_model, samples: Sequence[Sample]) -> Loading:
-    """The loaders' exchange and every group's decision, run in one process."""
+    """The loaders' exchange and every group's decision (one group of every loader under a global
+    split), run in one process."""
     decisions = []
     for group in spec.groups():
         gathered = [metadata(spec, cost_model, [(k, samples[k]) for k in dealt(len(samples), r, spec.loaders)])
