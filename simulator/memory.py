@@ -75,11 +75,11 @@ class AllocatorNeed:
 # PyTorch's memory (0.4-1.8 GiB on A100/H100/H200). Not fitted on published_runs.csv.
 PUBLISHED_ALLOCATOR = AllocatorNeed(0.0044, 1.0 * GiB, "public OOM messages")
 # This project's runtime ("eager"), measured on one H100 80GB HBM3 (torch 2.11, CUDA 13, NCCL 2.28).
-# stranded, by benchmarks/gpu_allocator.py (results/gpu/session-2026-11-27/allocator): its own step, the
+# stranded, by benchmarks/gpu_allocator.py (results/gpu/2026-11-27-h100/allocator): its own step, the
 # allocator capped (set_per_process_memory_fraction) and bisected to the smallest cap under which the
 # same steps run; the larger of the two Plans measured (llm-7b@4L text_only 9.1%, its loss's 1 GiB
 # chunks need contiguous blocks; omni-7b@4L mixed_video with encoders 3.0%).
-# outside, by benchmarks/gpu_memory_phases.py (results/gpu/session-2026-11-27b/phases): the driver's
+# outside, by benchmarks/gpu_memory_phases.py (results/gpu/2026-11-27-h100-b/phases): the driver's
 # in-use figure less the allocator's reserve after each phase of one process. It does not grow with
 # steps or shapes; it appears with the CUDA context (0.51 GiB), the first GEMM's libraries (0.16), the
 # first NCCL communicator (0.55) and the step's kernels (0.06): 1.28 GiB; and then 0.380 GiB for each

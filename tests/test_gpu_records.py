@@ -36,7 +36,7 @@ ALL_RUNS = sorted(p.parent for p in GPU.glob("runs*/*/config.json"))
 H200_RUNS = [r for r in ALL_RUNS if gpu_of(json.loads((r / "summary.json").read_text())) == "H200"]
 RUNS = [r for r in ALL_RUNS if r not in H200_RUNS]
 # written before records carried provenance (the runs of 2026-11-23); those after carry all of it
-OLD_RUNS = [r for r in RUNS if r.parent.name in ("runs", "runs-session2")]
+OLD_RUNS = [r for r in RUNS if r.parent.name in ("runs", "runs-2026-11-23-b")]
 NEW_RUNS = [r for r in RUNS if r not in OLD_RUNS]
 EAGER = [r for r in RUNS if not json.loads((r / "summary.json").read_text()).get("compile")]
 
@@ -159,7 +159,7 @@ def test_the_committed_gpu_records_are_labelled_by_what_they_lack_and_nothing_is
         assert prov["torch"] == "2.11.0+cu130" and prov["cuda"] == "13.0"  # from summary.json's torch tag
         assert set(prov["sources"]) >= {"torch", "cuda"}  # each filled field names where it was read
     assert "gpu_name" in missing(record_provenance(GPU / "runs" / "omni-text_only"))  # its summary has none
-    assert record_provenance(GPU / "runs-session2" / "omni-default")["gpu_name"] == "NVIDIA H100 80GB HBM3"
+    assert record_provenance(GPU / "runs-2026-11-23-b" / "omni-default")["gpu_name"] == "NVIDIA H100 80GB HBM3"
 
 
 def test_the_records_of_the_lent_h100_carry_every_field_a_gpu_figure_needs():

@@ -94,7 +94,7 @@ H100_GIB = 85_017_493_504 / 2**30  # torch's capacity of the H100 80GB HBM3 the 
 
 
 def test_the_check_refuses_what_ran_out_of_memory_on_an_h100_and_admits_what_ran():
-    """The one-H100 runs of 2026-11-27 (results/gpu/session-2026-11-27/gpu_figures-call1.json): the
+    """The one-H100 runs of 2026-11-27 (results/gpu/2026-11-27-h100/gpu_figures-call1.json): the
     CUDA default for omni on omni_av (omni-7b@8L, full recomputation) ran out of memory at 71.8 GiB
     allocated, 2.3 GiB stranded and 4.7 GiB outside the allocator of 79.18; omni-7b@8L on mixed_video
     and image_sft ran (63.6 and 64.0 GiB allocated). The check decides on the allocator's measured need."""

@@ -19,7 +19,7 @@ from simulator.hardware import load_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ["results/gpu/runs/homogeneous-text_only", "results/gpu/runs/homogeneous-mixed_video",
-        "results/gpu/runs-session2/omni-mixed-permodule", "results/gpu/runs-session2/omni-default"]
+        "results/gpu/runs-2026-11-23-b/omni-mixed-permodule", "results/gpu/runs-2026-11-23-b/omni-default"]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.split("/")[-1] for r in RUNS])

@@ -87,7 +87,7 @@ def test_this_runtimes_rank_needs_what_the_allocator_measured_on_a_gpu():
     assert r.memory_bytes == pytest.approx(FRAGMENTATION * r.memory_allocated + outside)
 
 
-PHASES = ROOT / "results" / "gpu" / "session-2026-11-27b" / "phases"
+PHASES = ROOT / "results" / "gpu" / "2026-11-27-h100-b" / "phases"
 
 
 def _one_rank_plan(case):
@@ -112,7 +112,7 @@ def test_the_eager_figures_are_the_committed_gpu_measurement():
 
     from omnibench.tables.gpu import nccl_group_costs
 
-    d = json.loads((ROOT / "results" / "gpu" / "session-2026-11-27" / "allocator" / "gpu_allocator.json").read_text())
+    d = json.loads((ROOT / "results" / "gpu" / "2026-11-27-h100" / "allocator" / "gpu_allocator.json").read_text())
     assert d["provenance"]["gpu_name"] == "NVIDIA H100 80GB HBM3"
     shares = [c["stranded_share"] for c in d["cases"]]
     assert all(c["need_reproduced"] for c in d["cases"])
@@ -125,7 +125,7 @@ def test_the_eager_figures_are_the_committed_gpu_measurement():
         measured = [p for p in run["phases"] if p["phase"].startswith("step ")][-1]["outside"]
         assert EAGER_ALLOCATOR.outside_for(communicators(plan, 0)) == pytest.approx(measured, abs=0.02 * GiB), name
     # the omni_av run that ran out of memory: a fresh `omnibench run` process, its OOM message's figure
-    calls = json.loads((ROOT / "results" / "gpu" / "session-2026-11-27" / "gpu_figures-call1.json").read_text())
+    calls = json.loads((ROOT / "results" / "gpu" / "2026-11-27-h100" / "gpu_figures-call1.json").read_text())
     (oom,) = [r for r in calls if "OutOfMemoryError" in r.get("error", "")]
     plan = _one_rank_plan(("omni", "omni_av", "omni-7b@8L", "full", 0))
     assert EAGER_ALLOCATOR.outside_for(communicators(plan, 0)) == pytest.approx(oom_figures(oom["error"])["outside"],
@@ -195,26 +195,28 @@ def test_the_published_rows_that_reduced_gradients_in_bf16_keep_bf16_gradients_t
     assert {options_of(r).memory_stack for r in fp32} <= {"megatron", "nemo"}
 
 
-def test_a_rank_holds_a_communicator_per_group_it_is_in_omnis_step_groups_included():
+def test_a_rank_holds_a_communicator_per_group_it_is_in_omnis_group_pool_included():
     """simulator/memory.py communicators: the world's, every layout group the runtime creates with the
-    rank in it (the counting shortcut equals the runtime's enumeration), and omni's sequence-parallel
-    groups of the step; its need grows by the measured figure per communicator."""
+    rank in it (the counting shortcut equals the runtime's enumeration), and every group of omni's
+    sequence-parallel pool it is in (built at start-up: each size any step may name, not only the
+    step's); its need grows by the measured figure per communicator."""
     from collections import Counter
 
-    from omnibench.process_groups import group_counts, groups_of_rank
+    from omnibench.process_groups import group_counts, groups_of_rank, pool_groups
     from tests.test_omni_planner import _omni7b_plan
 
     p = _omni7b_plan(cp=4, microbatches=2, options={"encoder_sp_scheme": "all"})
-    sp = Counter(r for gs in p.options["long_short"]["groups"].values() for g in gs for r in g)
-    assert sp  # the step names sequence-parallel groups
+    named = Counter(r for gs in p.options["long_short"]["groups"].values() for g in gs for r in g)
+    pool = Counter(r for g in pool_groups(p.layouts, p.options["long_short"]["pool"]) for r in g)
+    assert named and all(pool[r] > named[r] for r in named)  # the pool holds sizes this step does not name
     counted = group_counts(p.layouts)
     world = max(r for lay in p.layouts.values() for r in lay.ranks) + 1
     for r in range(world):
         assert groups_of_rank(p.layouts, r) == counted.get(r, 0)
-        assert communicators(p, r) == 1 + counted.get(r, 0) + sp.get(r, 0)
-    r = next(iter(sp))
+        assert communicators(p, r) == 1 + counted.get(r, 0) + pool.get(r, 0)
+    r = next(iter(named))
     assert EAGER_ALLOCATOR.outside_for(communicators(p, r)) == pytest.approx(
-        EAGER_ALLOCATOR.outside + (counted[r] + sp[r]) * EAGER_ALLOCATOR.per_communicator)
+        EAGER_ALLOCATOR.outside + (counted[r] + pool[r]) * EAGER_ALLOCATOR.per_communicator)
 
 
 @pytest.mark.parametrize("tp,pp,cp,dp_shard", [(1, 1, 1, 0), (2, 2, 2, 0), (1, 2, 2, 2), (2, 1, 1, 4)])

@@ -11,7 +11,7 @@ def test_presets_carry_datasheet_figures():
     h100 = load_cluster("h100", 16)
     assert h100.gpu.peak_flops == pytest.approx(989e12)
     # memory: what torch reports as the device's capacity (85,017,493,504 bytes on the H100 80GB HBM3
-    # of results/gpu/session-2026-11-27), not the datasheet's "80 GB": the fits check compares with it
+    # of results/gpu/2026-11-27-h100), not the datasheet's "80 GB": the fits check compares with it
     assert h100.gpu.memory_bytes == pytest.approx(85_017_493_504, rel=1e-4)
     assert h100.gpu.memory_bandwidth == pytest.approx(3.35e12)
     assert h100.intra.bandwidth_gbs == 450 and h100.inter.bandwidth_gbs == 50

@@ -6,7 +6,7 @@ sharded) and, for a module FSDP does not hold (one rank, DDP), either
 
 - "autocast": fp32 weights that autocast casts to bf16 in every forward, op by op (torchtitan without
   FSDP). On one H100 the plain bf16 stack lost 8.5% of its TFLOP/s held this way
-  (results/gpu/session-2026-11-27): each forward re-reads and re-writes every weight, the token
+  (results/gpu/2026-11-27-h100): each forward re-reads and re-writes every weight, the token
   embedding's fp32 output makes the LLM's residual stream fp32, and every norm and residual add runs
   at twice the bytes;
 - "master" (this file): bf16 weights, which the forward and backward use as they are, with the fp32

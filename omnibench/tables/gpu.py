@@ -58,9 +58,9 @@ def all_runs() -> tuple[dict, ...]:
 
 
 def rerun_records() -> tuple[dict, ...]:
-    """Run records kept under a dated GPU folder (session-*/runs/*/: commands rerun at a later
+    """Run records kept under a dated GPU folder (<date>-<machine>/runs/*/: commands rerun at a later
     commit), out of the `runs*/` folders the tables above read."""
-    return tuple(run_record(c.parent) for c in sorted((REPO_ROOT / GPU_DIR).glob("session-*/runs/*/config.json")))
+    return tuple(run_record(c.parent) for c in sorted((REPO_ROOT / GPU_DIR).glob("20[0-9][0-9]-*/runs/*/config.json")))
 
 
 def run_record(folder) -> dict:
@@ -315,7 +315,7 @@ def h100_runs() -> str:
         lines.append(f"| `{r['path'].removeprefix(GPU_DIR + '/')}` | {r['system']} | {r['workload']} | {model} | "
                      f"{r['recompute']} | {s['mean_step_time_s'] * 1e3:,.0f} | {s['tokens_per_s_per_gpu']:,.0f} | "
                      f"{s['tflops_per_gpu']:.1f} | {s['mfu']:.1%} | {s['peak_memory_bytes'] / GiB:.1f} | {where} |")
-    for figures in [REPO_ROOT / GPU_DIR / "gpu_figures.json", *sorted((REPO_ROOT / GPU_DIR).glob("session-*/gpu_figures*.json"))]:
+    for figures in [REPO_ROOT / GPU_DIR / "gpu_figures.json", *sorted((REPO_ROOT / GPU_DIR).glob("20[0-9][0-9]-*/gpu_figures*.json"))]:
         if not figures.is_file():
             continue
         for row in _read(figures):
@@ -513,7 +513,7 @@ def h100_op_profile() -> str:
     return "\n".join(lines)
 
 
-SESSION = "results/gpu/session-2026-11-27"
+RECORDS_1127 = "results/gpu/2026-11-27-h100"
 
 
 def _prov_line(prov: dict) -> str:
@@ -530,7 +530,7 @@ def _resolution(tries: list[dict]) -> float:
 @table("h100-allocator")
 def h100_allocator() -> str:
     """The caching allocator under memory pressure, measured on this runtime's steps (gpu_allocator.py)."""
-    d = _read(REPO_ROOT / SESSION / "allocator" / "gpu_allocator.json")
+    d = _read(REPO_ROOT / RECORDS_1127 / "allocator" / "gpu_allocator.json")
     lines = ["| Plan | allocated peak GiB | unpressured reserve / allocated | outside the allocator GiB | "
              "need under pressure / allocated | Y / X at the failed caps (their OOM messages) |", "|---|---|---|---|---|---|"]
     from simulator.memory import oom_figures
@@ -548,7 +548,7 @@ def h100_allocator() -> str:
               f"{len(d['cases'])} Plans, {d['cases'][0]['steps']} steps replayed at every cap after one warm-up step, "
               f"caps bisected to {_resolution(d['cases'][0]['tries']):.3%} of the allocated peak. The outside "
               f"figure of the second Plan was read in a process that had run the first. "
-              f"{_prov_line(d['provenance'])} (`{SESSION}/allocator/gpu_allocator.json`)."]
+              f"{_prov_line(d['provenance'])} (`{RECORDS_1127}/allocator/gpu_allocator.json`)."]
     return "\n".join(lines)
 
 
@@ -561,7 +561,7 @@ def _llm_stack_case(a: dict) -> str:
 @table("h100-llm-stack-session")
 def h100_llm_stack_session() -> str:
     """The LLM-only step against the plain bf16 stack, with provenance, and the plain stack under autocast."""
-    d = _read(REPO_ROOT / SESSION / "llm_stack" / "gpu_llm_stack.json")
+    d = _read(REPO_ROOT / RECORDS_1127 / "llm_stack" / "gpu_llm_stack.json")
     peak = d["peak_tflops"]
     lines = ["| | plain stack, bf16 weights | plain stack, fp32 weights under autocast | harness, whole step | "
              "harness, forward + backward | harness / plain | harness / plain under autocast |",
@@ -578,7 +578,7 @@ def h100_llm_stack_session() -> str:
                      f"{h['tflops'] / p['tflops']:.2f} | {under} |")
     lines += ["", f"{_llm_stack_case(d['args'])} timed steps; MFU against {peak:.0f} TFLOP/s. The compiled row was not measured: "
               f"torch.compile of both stacks outlasted the part's 210 s. {_prov_line(d['provenance'])} "
-              f"(`{SESSION}/llm_stack/gpu_llm_stack.json`)."]
+              f"(`{RECORDS_1127}/llm_stack/gpu_llm_stack.json`)."]
     return "\n".join(lines)
 
 
@@ -589,7 +589,7 @@ def h100_session_summary() -> str:
     by_name = {r["path"]: r["summary"] for r in runs()}
     text = by_name["results/gpu/runs-2026-11-27/homogeneous-text_only"]
     default = by_name["results/gpu/runs-2026-11-28/colocated-mixed_video"]
-    d = _read(REPO_ROOT / SESSION_C / "llm_stack_master" / "gpu_llm_stack.json")
+    d = _read(REPO_ROOT / RECORDS_1128 / "llm_stack_master" / "gpu_llm_stack.json")
     row = next(r for r in d["rows"] if not r["compile"])
     base, peak = row["plain_step"]["tflops"], d["peak_tflops"]
     master, autocast = row["harness_master"]["tflops"], row["harness"]["tflops"]
@@ -600,8 +600,8 @@ def h100_session_summary() -> str:
             f"{default['recompute']})")
 
 
-SESSION_B = "results/gpu/session-2026-11-27b"
-SESSION_C = "results/gpu/session-2026-11-28"
+RECORDS_1127_B = "results/gpu/2026-11-27-h100-b"
+RECORDS_1128 = "results/gpu/2026-11-28-h100"
 # gpu_memory_phases.py's cases, in the order the table shows them, and what each run differs in
 PHASE_FILES = [("llm", ""), ("mm", ""), ("omni-default", ""), ("mm-eager", "CUDA_MODULE_LOADING=EAGER"),
                ("mm-nchannels2", "NCCL_MAX_NCHANNELS=2")]
@@ -609,13 +609,13 @@ PHASES = ["CUDA context", "first bf16 GEMM", "NCCL process group", "model + opti
 
 
 def _phases(name: str) -> dict:
-    return _read(REPO_ROOT / SESSION_B / "phases" / f"memory_phases-{name}.json")
+    return _read(REPO_ROOT / RECORDS_1127_B / "phases" / f"memory_phases-{name}.json")
 
 
 def nccl_group_costs() -> dict[str, float]:
-    """From the NCCL log (results/gpu/session-2026-11-27b/nccl_groups.log, `benchmarks/gpu_nccl_memory.py`
+    """From the NCCL log (results/gpu/2026-11-27-h100-b/nccl_groups.log, `benchmarks/gpu_nccl_memory.py`
     measures the same): the first process group and each further one-member group, GiB outside the allocator."""
-    text = (REPO_ROOT / SESSION_B / "nccl_groups.log").read_text()
+    text = (REPO_ROOT / RECORDS_1127_B / "nccl_groups.log").read_text()
     outside = {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^\s*(.+?): in use [0-9.]+ reserved [0-9.]+ outside ([0-9.]+)",
                                                                             text, re.M)}
     groups = sorted((int(k.split()[1]), v) for k, v in outside.items() if re.fullmatch(r"new_group \d+", k))
@@ -648,7 +648,7 @@ def h100_outside_allocator() -> str:
               f"read after each phase of one process. One NCCL process group in a world of one (`nccl_groups.log`): "
               f"the first {n['first']:.2f} GiB, each of {n['groups']} further one-member groups created with "
               f"`device_id` given {n['per_group']:.3f} GiB ({n['per_group_min']:.3f}-{n['per_group_max']:.3f}). "
-              f"{_prov_line(p)} (`{SESSION_B}/phases/`); the NCCL_MAX_NCHANNELS=2 row ran on the same tree, "
+              f"{_prov_line(p)} (`{RECORDS_1127_B}/phases/`); the NCCL_MAX_NCHANNELS=2 row ran on the same tree, "
               f"carried without its manifest, so its record reads `{provs[-1]['commit'][:10]}` with uncommitted changes."]
     return "\n".join(lines)
 
@@ -657,21 +657,21 @@ def h100_outside_allocator() -> str:
 def h100_chunk_profile() -> str:
     """One profiled step of encoder chunking against block recomputation (gpu_chunk_profile.py), before
     (2026-11-27) and after (2026-11-28) the chunks' host synchronisations were taken out."""
-    lines = ["| session | variant | step wall s (profiled) | GPU busy s | GPU idle s | kernels | host synchronisations | "
+    lines = ["| records | variant | step wall s (profiled) | GPU busy s | GPU idle s | kernels | host synchronisations | "
              "host CPU s (profiler's self CPU total) | vision forward s | vision backward s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     provs = []
-    for session in (SESSION_B, SESSION_C):
-        d = _read(REPO_ROOT / session / "chunk_profile" / "chunk_profile.json")
+    for records in (RECORDS_1127_B, RECORDS_1128):
+        d = _read(REPO_ROOT / records / "chunk_profile" / "chunk_profile.json")
         for v in d["variants"]:
             cpu = re.search(r"Self CPU time total: ([0-9.]+)(ms|s)", v["top_ops"])
             cpu_s = float(cpu.group(1)) / (1000 if cpu.group(2) == "ms" else 1) if cpu else float("nan")
             spans = v["span_seconds_by_module"]
-            lines.append(f"| {session.removeprefix('results/gpu/session-')} | "
+            lines.append(f"| {records.removeprefix('results/gpu/')} | "
                          f"{v['variant']} (recompute {v['recompute']}) | {v['wall_s']:.2f} | {v['gpu_busy_s']:.2f} | "
                          f"{v['gpu_idle_s']:.2f} | {v['kernels']:,} | {sum(v['host_syncs'].values()):,} | {cpu_s:.2f} | "
                          f"{spans.get('vision:forward', 0):.2f} | {spans.get('vision:backward', 0):.2f} |")
-        provs.append(f"{_prov_line(d['provenance'])} (`{session}/chunk_profile/chunk_profile.json`)")
+        provs.append(f"{_prov_line(d['provenance'])} (`{records}/chunk_profile/chunk_profile.json`)")
     system, workload, model = d["case"]
     lines += ["", f"{system}, {workload}, {model}, {d['tokens']:,} tokens per step; one step after two warm-up steps, "
               f"under torch.profiler (CPU + CUDA). GPU busy: the union of the kernels' intervals. " + "; ".join(provs) + "."]
@@ -682,12 +682,12 @@ def h100_chunk_profile() -> str:
 def h100_whole_step() -> str:
     """The LLM-only whole training step (AdamW included) of the harness under both ways of
     holding one rank's weights, against a plain bf16 stack's whole step measured in the same command."""
-    return whole_step(SESSION_C)
+    return whole_step(RECORDS_1128)
 
 
-def whole_step(session: str) -> str:
-    """gpu_llm_stack.py --optimizer's record of `session`, as a table."""
-    d = _read(REPO_ROOT / session / "llm_stack_master" / "gpu_llm_stack.json")
+def whole_step(records: str) -> str:
+    """gpu_llm_stack.py --optimizer's record of `records`, as a table."""
+    d = _read(REPO_ROOT / records / "llm_stack_master" / "gpu_llm_stack.json")
     peak = d["peak_tflops"]
     (row,) = [r for r in d["rows"] if not r["compile"]]
     base = row["plain_step"]["tflops"]
@@ -704,14 +704,14 @@ def whole_step(session: str) -> str:
                      f"{m['step_s'] * 1e3:.1f} | {m['peak_gib']:.1f} |")
     lines += ["", f"{_llm_stack_case(d['args'])} timed steps after warm-up, eager; TFLOP/s counts the forward and backward matmul FLOPs alone "
               f"(the optimizer's are not counted in any row); MFU against {peak:.0f} TFLOP/s. "
-              f"{_prov_line(d['provenance'])} (`{session}/llm_stack_master/gpu_llm_stack.json`)."]
+              f"{_prov_line(d['provenance'])} (`{records}/llm_stack_master/gpu_llm_stack.json`)."]
     return "\n".join(lines)
 
 
 @table("h100-allgather-attention")
 def h100_allgather_attention() -> str:
     """All-gather-KV context parallelism's attention on the GPU, bf16, against fp32 full attention."""
-    d = _read(REPO_ROOT / SESSION_C / "allgather_attention" / "gpu_allgather_attention.json")
+    d = _read(REPO_ROOT / RECORDS_1128 / "allgather_attention" / "gpu_allgather_attention.json")
     lines = ["| backend | members k | heads (q / kv) | sequences in the row | out | dq | dk | dv | within tolerance |",
              "|---|---|---|---|---|---|---|---|---|"]
     for c in d["cases"]:
@@ -722,7 +722,7 @@ def h100_allgather_attention() -> str:
     lines += ["", f"Largest error relative to the reference's largest value, tolerance {d['tolerance']:.0e}; one "
               f"process plays every member (its zigzag queries, the row's K/V in gather order, indexed as "
               f"`AllGatherKVAttention` does); head dim 128. {_prov_line(d['provenance'])} "
-              f"(`{SESSION_C}/allgather_attention/gpu_allgather_attention.json`)."]
+              f"(`{RECORDS_1128}/allgather_attention/gpu_allgather_attention.json`)."]
     return "\n".join(lines)
 
 
@@ -754,7 +754,7 @@ def h100_mixed_precision_runs() -> str:
 @table("h100-nccl-memory")
 def h100_nccl_memory() -> str:
     """What one NCCL communicator holds outside the allocator, per setting (benchmarks/gpu_nccl_memory.py)."""
-    d = _read(REPO_ROOT / SESSION_C / "nccl_memory" / "nccl_memory.json")
+    d = _read(REPO_ROOT / RECORDS_1128 / "nccl_memory" / "nccl_memory.json")
     names = {"defaults": "defaults (`device_id` given: every group's communicator created at once)",
              "LAZY=1": "no `device_id`: communicators created at a group's first collective"}
     lines = ["| setting | NCCL | CUDA context GiB | first group GiB | per further group, created GiB | "
@@ -764,5 +764,5 @@ def h100_nccl_memory() -> str:
                      f"{r['first_group_gib']:.3f} | {r['per_group_created_gib']:.3f} | {r['per_group_used_gib']:.3f} |")
     lines += ["", f"One process per setting, a world of one rank, {d['groups']} further one-member groups; GiB outside "
               f"the caching allocator (`mem_get_info` in use less `memory_reserved`). {_prov_line(d['provenance'])} "
-              f"(`{SESSION_C}/nccl_memory/nccl_memory.json`)."]
+              f"(`{RECORDS_1128}/nccl_memory/nccl_memory.json`)."]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Tables from the first H200's records (results/gpu/runs-2026-11-29-h200, session-2026-11-29-h200,
+"""Tables from the first H200's records (results/gpu/runs-2026-11-29-h200, 2026-11-29-h200,
 results/calibration/h200-kernels.json): the simulator's H200 checked on runs it never saw, under the
 machine model it had (the H100's measured kernels, element-wise work at the HBM3e's bandwidth) and the
 H200's own measured kernels; the kernel sweep beside the H100's, shape by shape; the LLM-only step.
@@ -30,10 +30,10 @@ from omnibench.tables.gpu import (
     whole_step,
 )
 
-SESSION = "results/gpu/session-2026-11-29-h200"
+RECORDS_1129 = "results/gpu/2026-11-29-h200"
 # three of the first H200 runs' commands again, at a later commit (a regression check of the CUDA path;
 # kept out of `runs*/` so the tables above read the first runs alone)
-RERUNS = "results/gpu/session-2026-11-29-h200-b/runs"
+RERUNS = "results/gpu/2026-11-29-h200-b/runs"
 H200_KERNELS = "results/calibration/h200-kernels.json"
 HARDWARE = "h200"
 # the H200 as the simulator modelled it before its own sweep: the H100's measured kernels, element-wise
@@ -201,7 +201,7 @@ def h200_kernel_sweep() -> str:
 @table("h200-whole-step")
 def h200_whole_step() -> str:
     """The LLM-only whole training step against a plain bf16 stack's, on the H200."""
-    return whole_step(SESSION)
+    return whole_step(RECORDS_1129)
 
 
 @table("h200-summary")
