@@ -48,23 +48,14 @@ def test_bad_option_is_one_line_error():
 
 
 @pytest.mark.timeout(120)
-def test_run_omni_with_an_ablation_trains(tmp_path):
+def test_run_omni_with_an_ablation_records_it_and_the_loaders_metadata_exchange(tmp_path):
     out = tmp_path / "run"
     res = omnibench("run", "--system", "omni", "--device", "cpu", "--nproc", "2", "--steps", "2", "--workload",
-                    "long_video", "--no-reorder", "--out", str(out), "--json")
+                    "mixed_video", "--no-reshard", "--out", str(out), "--json")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
     assert summary["steps"] == 2 and summary["final_loss"] > 0
-    config = json.loads((out / "config.json").read_text())
-    assert config["run"]["options"] == {"reorder": False}
-
-
-@pytest.mark.timeout(120)
-def test_run_omni_records_the_loaders_metadata_exchange(tmp_path):
-    out = tmp_path / "run"
-    res = omnibench("run", "--system", "omni", "--device", "cpu", "--nproc", "2", "--steps", "2", "--workload",
-                    "mixed_video", "--out", str(out), "--json")
-    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "config.json").read_text())["run"]["options"] == {"reshard": False}
     trace = json.loads((out / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans = [e for e in events if e.get("cat") == "metadata"]

@@ -156,7 +156,7 @@ def slow_marked() -> list[str]:
 
 
 def test_the_readme_says_exactly_what_ci_runs():
-    """.ci/run runs the README's test command; the tests it leaves out are the four marked slow, which
+    """.ci/run runs the README's test command; the tests it leaves out are the seven marked slow, which
     the README names (no loss-parity cell is among them)."""
     ci = (REPO / ".ci" / "run").read_text()
     assert "ruff check ." in ci and re.search(r"python3? -m pytest -n 2 -q\b", ci)
@@ -168,8 +168,9 @@ def test_the_readme_says_exactly_what_ci_runs():
         "test_encoder_chunking_lowers_the_tracked_vit_peak_and_the_estimate_follows",
         "test_committed_slow_tables_are_what_the_script_writes_from_the_records",
         "test_the_tours_reproduce_in_its_small_form_makes_the_figures_and_the_report",
+        "test_ray_gives_the_serial_results",
         # parity cells whose plans equal another cell's on every batch (in parameter lists)
         "test_omni_parity.py:92", "test_system_layout_matches_single_process",
     ])
-    assert "but the six marked slow" in README and "`omnibench reproduce --quick`" in README
+    assert "but the seven marked slow" in README and "`omnibench reproduce --quick`" in README
     assert "tests/test_memory_tracker.py" in README and "tests/test_tables.py" in README

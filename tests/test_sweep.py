@@ -66,6 +66,7 @@ def test_workers_below_one_is_refused_in_one_line():
         map_ordered(abs, [1], workers=0)
 
 
+@pytest.mark.slow  # Ray's map path, end to end through tune: test_tune_on_ray_gives_the_serial_answer
 def test_ray_gives_the_serial_results():
     pytest.importorskip("ray")
     jobs = _jobs()[:2]
