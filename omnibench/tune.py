@@ -112,6 +112,27 @@ class Candidate:
                             encoder_tp=self.encoder_tp, encoder_sp=self.encoder_sp,
                             encoder_ranks=self.encoder_ranks, recompute=self.recompute, options=options)
 
+    def flags(self) -> list[str]:
+        """The `omnibench simulate` (and `run`, `plan`) flags that give this layout: what a user types to
+        simulate it again without a tune."""
+        out = ["--tp", str(self.tp), "--pp", str(self.pp), "--cp", str(self.cp)]
+        if self.cp > 1 and self.cp_kind != "ulysses":
+            out += ["--cp-kind", self.cp_kind]
+        if self.ep > 1:
+            out += ["--ep", str(self.ep)]
+        if self.virtual_stages > 1:
+            out += ["--virtual-stages", str(self.virtual_stages)]
+        if self.microbatches:
+            out += ["--microbatches", str(self.microbatches)]
+        out += ["--recompute", self.recompute]
+        for flag, value in (("--encoder-tp", self.encoder_tp), ("--encoder-sp", self.encoder_sp),
+                            ("--encoder-ranks", self.encoder_ranks)):
+            if value:
+                out += [flag, str(value)]
+        if self.encoder_dp:
+            out += ["--option", f"encoder_dp={self.encoder_dp}"]
+        return out
+
     def label(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
         if self.virtual_stages > 1:

@@ -94,6 +94,17 @@ def test_a_workload_file_with_an_absurd_size_is_refused_naming_the_file_and_fiel
 
 
 # -- flags ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--encoder-sp", "-1"], "encoder_sp must be 0 (the system's default) or a positive integer, got -1"),
+    (["--encoder-sp", "3"], "encoder_sp=3 does not divide vision heads (16)"),
+    (["--encoder-tp", "-2"], "encoder_tp"),
+], ids=["encoder-sp-negative", "encoder-sp-heads", "encoder-tp-negative"])
+def test_bad_encoder_layout_flags_of_simulate_are_one_line_naming_the_field(tmp_path, flags, needle):
+    one_error_line(invoke("simulate", "-w", "mixed_video", "-s", "omni", "--gpus", "16", *flags, "--out",
+                          str(tmp_path)), needle)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(("gpus", "needle"), [
     ("99999999999", "gpus must be a comma-separated list of positive integers (at most 1,048,576)"),
     ("64,,128", "which has an empty item"),

@@ -398,3 +398,19 @@ def test_a_smaller_clusters_layout_keeps_its_encoder_share_of_the_ranks():
     got = _scaled(c, 1024, 4096, settled)
     assert got.encoder_ranks == 1024 and got.encoder_tp == 2 and got.recompute == "vision=full"
     assert _scaled(replace(c, tp=4), 1024, 4096, settled) is None  # not in this search's space
+
+
+def test_a_tuned_layouts_flags_simulate_it_again_untuned(tmp_path):
+    """Every tuned row names the simulate flags of its layout (`layout_flags`: encoder tp, sp and ranks and
+    omni's encoder state mode included); typed into simulate without a tune, they give the same step."""
+    common = ["--workload", "mixed_video", "--gpus", "16", "--global-batch-tokens", "131072", "--json", "--no-trace"]
+    r = _simulate([*common, "--system", "colocated,omni", "--tuned", "--tune-budget", "3", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["results"]
+    assert {x["system"] for x in rows} == {"colocated", "omni"}
+    assert any(f in x["layout_flags"] for x in rows for f in ("--encoder-tp", "--encoder-sp", "--encoder-ranks"))
+    for row in rows:
+        again = _simulate([*common, "--system", row["system"], *row["layout_flags"].split(), "--out", str(tmp_path)])
+        assert again.exit_code == 0, again.output
+        (untuned,) = json.loads(again.output)["results"]
+        assert untuned["tokens_per_s"] == row["tokens_per_s"] and untuned["fits"] == row["fits"], row["layout"]

@@ -32,9 +32,9 @@ from omnibench.cli.common import (
 )
 
 
-def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, dp_shard=0) -> dict:
+def _parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp, encoder_ranks, dp_shard=0, encoder_sp=0) -> dict:
     return dict(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, microbatches=microbatches, encoder_tp=encoder_tp,
-                encoder_ranks=encoder_ranks, dp_shard=dp_shard)
+                encoder_sp=encoder_sp, encoder_ranks=encoder_ranks, dp_shard=dp_shard)
 
 
 NOT_IN_CONFIG = ("config", "as_json")  # options a run config file cannot set
@@ -127,6 +127,7 @@ def register(app: typer.Typer) -> None:
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches"),
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
+        encoder_sp: int = typer.Option(0, "--encoder-sp", help="encoders' sequence-parallel group size (0: the system's)"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders"),
         fsdp: bool = typer.Option(True, "--fsdp/--no-fsdp", help="shard data-parallel state (FSDP2) or replicate"),
         dp_mode: str = typer.Option(None, "--dp-mode", help="how data parallelism holds the training state: ddp | "
@@ -198,7 +199,7 @@ def register(app: typer.Typer) -> None:
                        dump_params=dump_params, fsdp=fsdp, recompute=recompute, freeze=frozen, compile=compile,
                        encoder_chunk_tokens=chunk, cp_kind=cp_kind,
                        options=options, **_parallel_opts(tp, pp, cp, ep, dp, microbatches, encoder_tp,
-                                                                  encoder_ranks, dp_shard))
+                                                                  encoder_ranks, dp_shard, encoder_sp))
         try:
             spec.validate()  # the values alone, before --out is looked at or anything is made on disk
         except SpecError as e:
@@ -270,6 +271,7 @@ def register(app: typer.Typer) -> None:
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches"),
         encoder_tp: int = typer.Option(0, "--encoder-tp"),
+        encoder_sp: int = typer.Option(0, "--encoder-sp"),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks"),
         global_batch_tokens: int = typer.Option(1536, "--global-batch-tokens"),
         length_scale: float = typer.Option(0.02, "--length-scale"),
@@ -314,7 +316,7 @@ def register(app: typer.Typer) -> None:
             spec = get_model(model)
             frozen = freeze_for_model(frozen, named, spec)
             parallel = ParallelSpec(world_size=nproc, cp_kind=cp_kind, **_parallel_opts(1, 1, 1, ep, dp, microbatches, encoder_tp,
-                                                                       encoder_ranks, dp_shard),
+                                                                       encoder_ranks, dp_shard, encoder_sp),
                                     options=options_from_flags(no_joint_pipeline, no_reorder, no_reshard,
                                                                no_long_short_sp, option, no_llm_long_short),
                                     freeze=frozen)

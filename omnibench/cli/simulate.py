@@ -50,7 +50,7 @@ SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces 
 TRACE_RANKS = 512  # simulated ranks drawn in a record's timeline (the lowest ones; the rest are noted)
 INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a run's)
 # results.csv: results.json's rows, flat (per-step metrics stay in results.json's "per_step").
-RESULT_COLUMNS = ["gpus", "system", "layout", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
+RESULT_COLUMNS = ["gpus", "system", "layout", "layout_flags", "recompute", "global_batch_tokens", "fits", "error", "fit_message", "steps", "step_time_s",
                   "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble", "exposed_comm",
                   "imbalance", "peak_memory_gib", "peak_memory_needed_gib", "peak_memory_unpressured_gib",
                   "memory_capacity_gib", "speedup_over_best_baseline",
@@ -722,6 +722,9 @@ def register(app: typer.Typer) -> None:
         dp_shard: DpShard = 0,
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
         virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B model chunks per pipeline rank."),
+        encoder_tp: int = typer.Option(0, "--encoder-tp", help="Encoders' tensor parallelism; 0: the system's."),
+        encoder_sp: int = typer.Option(0, "--encoder-sp", help="Encoders' sequence-parallel group size; 0: the system's."),
+        encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
         recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
@@ -872,7 +875,8 @@ def register(app: typer.Typer) -> None:
                 parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
                                         tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
                                         virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
-                                        expert_tp=expert_tp, freeze=frozen,
+                                        expert_tp=expert_tp, freeze=frozen, encoder_tp=encoder_tp,
+                                        encoder_sp=encoder_sp, encoder_ranks=encoder_ranks,
                                         embedding_loss_stages=splits_embedding_loss(software, spec.llm.layers,
                                                                                     pp or 1, virtual_stages),
                                         **dp_fields)
@@ -891,7 +895,8 @@ def register(app: typer.Typer) -> None:
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         # the systems in the name: two simulations of one workload started in the same second differ by it
         chosen = "all" if system.strip() == "all" else "+".join(systems)
-        name = f"{stamp}-{Path(workload).stem}-{chosen}-{spec.name}-{Path(hardware).stem}"
+        # a model named by a path keeps that path in its name (`dir/m.toml@no-vision`): its last part names it
+        name = f"{stamp}-{Path(workload).stem}-{chosen}-{Path(spec.name).name}-{Path(hardware).stem}"
         off = sorted(k for k, v in options.items() if v is False)
         if off:
             name += "-no-" + "-".join(k.replace("_", "-") for k in off)
@@ -981,6 +986,7 @@ def register(app: typer.Typer) -> None:
                                     sys_parallel = replace(sys_parallel, freeze=frozen)
                                     sys_recompute = c.recompute
                                     row["layout"] = c.label()
+                                    row["layout_flags"] = " ".join(c.flags())  # to simulate it again untuned
                                     row["tuned_at_step"] = entry["tuned_at_steps"][0]
                                     row["tuned_at_steps"] = entry["tuned_at_steps"]
                                     row["tune_seconds"] = entry["tune_seconds"]
@@ -1194,7 +1200,7 @@ def register(app: typer.Typer) -> None:
                     conv += (f"; checked on {len(r['tune_guard_steps'])} more step(s)" + (
                         ", ruled out " + ", ".join(f"{g['layout']} (step {g['step']})" for g in out) if out else ""))
                 said.append(f"tuned layout {r['layout']} (budget {r.get('tune_budget')} of {r.get('tune_space')}, "
-                            f"tuned at step(s) {at}{kept}{spent}{conv})")
+                            f"tuned at step(s) {at}{kept}{spent}{conv}; as flags: {r['layout_flags']})")
             elif r.get("layout"):
                 said.append(f"default layout {r['layout']}" + (f" ({r['layout_note']})" if r.get("layout_note") else ""))
             if r.get("recompute_note"):

@@ -16,7 +16,8 @@ from workloads.sample import Batch, Sample
 def parallel_spec(spec: RunSpec, world: int) -> ParallelSpec:
     return ParallelSpec(
         world_size=world, dp=spec.dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, cp_kind=spec.cp_kind, ep=spec.ep,
-        microbatches=spec.microbatches, encoder_tp=spec.encoder_tp, encoder_ranks=spec.encoder_ranks, fsdp=spec.fsdp, zero=spec.zero,
+        microbatches=spec.microbatches, encoder_tp=spec.encoder_tp, encoder_sp=spec.encoder_sp,
+        encoder_ranks=spec.encoder_ranks, fsdp=spec.fsdp, zero=spec.zero,
         dp_shard=spec.dp_shard,
         recompute=spec.recompute, mixed_precision=spec.mixed_precision, options=dict(spec.options),
         freeze=tuple(spec.freeze),

@@ -37,6 +37,7 @@ class RunSpec:
     ep: int = 1
     microbatches: int = 0
     encoder_tp: int = 0
+    encoder_sp: int = 0  # encoders' sequence-parallel group size; 0: the system's
     encoder_ranks: int = 0
     fsdp: bool = True
     zero: int = 0  # without fsdp: ZeRO stage over the data-parallel group (ParallelSpec.zero; runtime/zero.py)
@@ -86,7 +87,7 @@ class RunSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise SpecError(f"{name} must be a positive integer (0: the system's default layout), got {v!r}")
-        for name in ("nproc", "dp", "microbatches", "encoder_tp", "encoder_ranks", "global_batch_tokens"):
+        for name in ("nproc", "dp", "microbatches", "encoder_tp", "encoder_sp", "encoder_ranks", "global_batch_tokens"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{name} must be >= 0 (0 = default), got {getattr(self, name)!r}")
         if not isinstance(self.encoder_chunk_tokens, int) or self.encoder_chunk_tokens < -1:
