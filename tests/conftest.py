@@ -29,3 +29,19 @@ if "PYTEST_XDIST_WORKER" not in os.environ or "OMNIBENCH_TEST_REFERENCES" not in
 
     os.environ["OMNIBENCH_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="omnibench-test-references-")
     atexit.register(shutil.rmtree, os.environ["OMNIBENCH_TEST_REFERENCES"], True)
+
+
+# Each loss-parity launch (one xdist group) takes one to two minutes on one worker. xdist hands groups
+# out in collection order, so collected first they start at once, one per worker, and the rest of the
+# suite fills in around them, instead of one starting when the other worker is nearly done.
+HEAVY_FIRST = ("parity-layouts", "parity-omni", "parity-zero", "parity-chunks", "parity-hsdp", "sharded-adamw",
+               "parity-freeze", "runtime_master")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        mark = item.get_closest_marker("xdist_group")
+        name = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
+        return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
