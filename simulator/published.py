@@ -2,10 +2,12 @@
 
 The validation set is `results/validation/published_runs.csv` (README there: columns, sources, fill
 rules, the calibration/held-out split, FLOP formulas). Each row becomes what a user would type: a
-text-only model of the row's shape (`model_of`), the fixed-length text workload at the row's `seq`,
-the row's layout and data-parallel mode (`parallel_of`), its software stack and precision
-(`options_of`: kernels, attention, GEMM dtype, what the stack overlaps), on the row's hardware
-preset, planned by `homogeneous` (Megatron-style 1F1B, interleaved when `vpp` > 1) and simulated.
+model of the row's shape (`model_of`: the LLM, and for an encoder + LLM row its ViT), the fixed-shape
+workload of the row's samples (`PublishedRun.workload`: text at `seq`, or one image of `image_tokens`
+then text), the row's layout, data-parallel mode and frozen modules (`parallel_of`), its software stack
+and precision (`options_of`: kernels, attention, GEMM dtype, what the stack overlaps), on the row's
+hardware preset, planned by the row's `system` (`homogeneous` unless it says otherwise: Megatron-style
+1F1B, interleaved when `vpp` > 1) and simulated.
 The measured step time comes from the row's own figure (`measured`): a published step time, tokens
 per second per GPU, or a FLOP rate turned back into seconds with the formula the publication used.
 Nothing is fitted per row or per source.
@@ -23,14 +25,19 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from omnibench.specs.model import LLMSpec, MoESpec, MultimodalSpec
+from omnibench.specs.model import LLMSpec, MoESpec, MultimodalSpec, VisionEncoderSpec
 from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
 
 COLUMNS = ("name", "source", "table", "url", "split", "hardware", "gpus", "model_kind", "layers", "hidden", "heads",
-           "kv_heads", "ffn", "glu", "vocab", "experts", "top_k", "expert_ffn", "seq", "tp", "pp", "vpp", "cp",
-           "cp_kind", "ep", "dp_mode", "global_batch", "micro_batch", "recompute", "precision", "stack",
+           "kv_heads", "ffn", "glu", "vocab", "experts", "top_k", "expert_ffn", "vision_layers", "vision_hidden",
+           "vision_heads", "vision_ffn", "vision_mlp", "seq", "image_tokens", "tp", "pp", "vpp", "cp", "cp_kind", "ep",
+           "dp_mode", "global_batch", "micro_batch", "recompute", "freeze", "precision", "system", "stack",
            "software", "tflops_per_gpu", "mfu", "step_time_s", "tokens_per_s_per_gpu", "flop_formula", "peak_memory_gib",
            "verified", "notes")
+# the columns of an image encoder; a row that gives image_tokens gives them all
+VISION_COLUMNS = ("vision_layers", "vision_hidden", "vision_heads", "vision_ffn", "vision_mlp")
+# added with the encoder + LLM rows: a table of text rows written before them may leave them out
+ENCODER_COLUMNS = VISION_COLUMNS + ("image_tokens", "freeze", "system")
 LEGACY_COLUMNS = ("name", "source", "layers", "hidden", "heads", "vocab", "seq", "gpus", "tp", "pp", "vpp",
                   "global_batch", "micro_batch", "data_parallel", "recompute", "tflops_per_gpu", "step_time_s",
                   "flop_formula", "hardware")
@@ -42,6 +49,9 @@ STACKS = ("megatron", "nemo", "torchtitan", "deepspeed", "fsdp", "other")
 PRECISIONS = ("bf16", "fp16", "fp8")
 RECOMPUTES = ("none", "selective", "full")
 CP_KINDS = {"": "ulysses", "ulysses": "ulysses", "ring": "ring", "allgather-kv": "allgather"}
+VISION_MLPS = ("gelu", "quick_gelu", "swiglu")
+# `--system`: the planner that runs a row the way its source placed the encoders (systems/*.py docstrings)
+SYSTEMS = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
 FLOP_FORMULAS = {
     # Narayanan et al. SC'21, eq. (3): forward, backward and the full recomputation's forward,
     # attention over full s x s scores, logits counted 3x (no recomputation of the head).
@@ -99,6 +109,27 @@ class PublishedRun:
     peak_memory_gib: float | None = None
     notes: str = ""
     table: str = ""
+    # an image encoder (0 layers: a text-only row) and what each sample feeds it: one image of
+    # `image_tokens` LLM tokens (4x as many patches), the rest of `seq` text
+    vision_layers: int = 0
+    vision_hidden: int = 0
+    vision_heads: int = 0
+    vision_ffn: int = 0
+    vision_mlp: str = ""
+    image_tokens: int = 0
+    freeze: tuple[str, ...] = ()  # `--freeze`: modules that do not train
+    system: str = "homogeneous"  # `--system`
+
+    @property
+    def multimodal(self) -> bool:
+        return self.image_tokens > 0
+
+    @property
+    def workload(self) -> str:
+        """`--workload`: fixed-length text, or one fixed-size image then text, `seq` LLM tokens a sample."""
+        if self.multimodal:
+            return f"image_text_{self.image_tokens}_{self.seq - self.image_tokens}"
+        return f"pretrain_{self.seq}"
 
     @property
     def dp(self) -> int:
@@ -170,7 +201,22 @@ def _parse_row(raw: dict, where: str) -> PublishedRun:
             raise PublishedError(f"{where}: {col} must be a positive number, got {v!r}")
         return out
 
+    def freeze_of(col: str) -> tuple[str, ...]:
+        from omnibench.specs.model import SpecError, parse_freeze
+
+        try:
+            return parse_freeze(raw.get(col) or "")
+        except SpecError as e:
+            raise PublishedError(f"{where}: {col}: {str(e).removeprefix('--freeze: ')}") from None
+
     kind = text("model_kind", MODEL_KINDS)
+    image_tokens = integer("image_tokens", 0)
+    vision = {}
+    if image_tokens or any((raw.get(c) or "").strip() for c in VISION_COLUMNS):
+        vision = {c: integer(c) for c in VISION_COLUMNS[:-1]} | {"vision_mlp": text("vision_mlp", VISION_MLPS)}
+        if not image_tokens:
+            raise PublishedError(f"{where}: a row with an image encoder gives image_tokens (LLM tokens of its "
+                                 "image per sample)")
     row = PublishedRun(
         name=text("name"), source=text("source"), table=(raw.get("table") or "").strip(),
         split=text("split", SPLITS), hardware=text("hardware"), gpus=integer("gpus"), model_kind=kind,
@@ -189,6 +235,8 @@ def _parse_row(raw: dict, where: str) -> PublishedRun:
         tokens_per_s_per_gpu=number("tokens_per_s_per_gpu"),
         flop_formula=text("flop_formula", tuple(FLOP_FORMULAS), ""),
         peak_memory_gib=number("peak_memory_gib"), notes=(raw.get("notes") or "").strip(),
+        image_tokens=image_tokens, freeze=freeze_of("freeze"), system=text("system", SYSTEMS, "homogeneous"),
+        **vision,
     )
     return _check(row, where)
 
@@ -207,6 +255,14 @@ def _check(row: PublishedRun, where: str) -> PublishedRun:
     if row.heads % row.kv_heads or (not row.head_dim and row.hidden % row.heads):
         raise PublishedError(f"{where}: heads {row.heads} must divide hidden {row.hidden} (or notes give head_dim) "
                              f"and be a multiple of kv_heads {row.kv_heads}")
+    if row.multimodal and row.image_tokens >= row.seq:
+        raise PublishedError(f"{where}: image_tokens {row.image_tokens} must be below seq {row.seq} (the rest of "
+                             "each sample is text)")
+    if row.multimodal and row.vision_hidden % row.vision_heads:
+        raise PublishedError(f"{where}: vision_heads {row.vision_heads} must divide vision_hidden "
+                             f"{row.vision_hidden}")
+    if row.freeze and not row.multimodal:
+        raise PublishedError(f"{where}: freeze names modules of an encoder + LLM row; this row has no encoder")
     from simulator.stacks import StackError
 
     try:
@@ -268,7 +324,7 @@ def load_published(path: str | Path) -> list[PublishedRun]:
     legacy = "model_kind" not in names
     expected = LEGACY_COLUMNS if legacy else COLUMNS
     required = ("name", "source", "layers", "hidden", "heads", "vocab", "seq", "gpus", "tp", "pp", "global_batch")
-    missing = [c for c in (required if legacy else COLUMNS) if c not in names]
+    missing = [c for c in (required if legacy else COLUMNS) if c not in names and c not in ENCODER_COLUMNS]
     if missing:
         raise PublishedError(f"{p.name}: missing column {missing[0]}; columns: {', '.join(expected)}")
     unknown = [c for c in names if c not in expected]
@@ -297,8 +353,17 @@ def model_of(row: PublishedRun) -> MultimodalSpec:
     worth costing), tied input/output embeddings (Megatron GPT and MPT both tie them).
     llama: grouped-query attention, SwiGLU of width `ffn`, RMSNorm, RoPE, untied embeddings.
     moe (Qwen3-MoE): as llama with every MLP a top-k MoE of `experts` experts of width `expert_ffn`,
-    q/k norms, the head dimension the notes give (128)."""
+    q/k norms, the head dimension the notes give (128).
+    A row with `image_tokens` has an image encoder of its `vision_*` columns (`vision`) projecting to the
+    LLM's width."""
     gated = row.glu
+    vision = None
+    if row.multimodal:
+        # the Qwen2-VL block form (14 px patches, 2 x 2 merge to the LLM width): the workloads' token rules;
+        # SwiGLU ViTs (Qwen2.5-VL) norm with RMSNorm, GELU ones (ViT-22B's family, Qwen2-VL) with LayerNorm
+        vision = VisionEncoderSpec(name=f"vit-{row.name}", layers=row.vision_layers, hidden=row.vision_hidden,
+                                   heads=row.vision_heads, ffn=row.vision_ffn, mlp=row.vision_mlp,
+                                   norm="rms" if row.vision_mlp == "swiglu" else "layer", out_hidden=row.hidden)
     llm = LLMSpec(
         name=f"{row.model_kind}-{row.name}", layers=row.layers, hidden=row.hidden, heads=row.heads,
         kv_heads=row.kv_heads, ffn=row.ffn, vocab=row.vocab, head_dim=row.head_dim, qkv_bias=False,
@@ -308,7 +373,7 @@ def model_of(row: PublishedRun) -> MultimodalSpec:
         moe=MoESpec(experts=row.experts, top_k=row.top_k, expert_ffn=row.expert_ffn) if row.model_kind == "moe"
         else None,
     )
-    return MultimodalSpec(name=llm.name, llm=llm)
+    return MultimodalSpec(name=llm.name, llm=llm, vision=vision)
 
 
 def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
@@ -325,7 +390,7 @@ def parallel_of(row: PublishedRun, gpus_per_node: int) -> ParallelSpec:
     return ParallelSpec(world_size=row.gpus, gpus_per_node=gpus_per_node, dp=row.dp, tp=row.tp, pp=row.pp,
                         cp=row.cp, cp_kind=CP_KINDS[row.cp_kind], ep=row.ep, virtual_stages=row.vpp,
                         microbatches=row.microbatches, recompute=row.recompute, embedding_loss_stages=split,
-                        expert_tp=expert_tp_of(row), **dp_mode_fields(row.dp_mode))
+                        expert_tp=expert_tp_of(row), freeze=row.freeze, **dp_mode_fields(row.dp_mode))
 
 
 def expert_tp_of(row: PublishedRun) -> int:
@@ -358,7 +423,11 @@ def model_slug(row: PublishedRun) -> str:
         slug += f"-{row.head_dim}d"
     if row.model_kind == "moe":
         slug += f"-{row.experts}x{row.top_k}e-{row.expert_ffn}ef"
-    return slug + ("" if row.glu or row.model_kind != "llama" else "-gelu")
+    slug += "" if row.glu or row.model_kind != "llama" else "-gelu"
+    if row.multimodal:
+        slug += f"-vit{row.vision_layers}L-{row.vision_hidden}h-{row.vision_heads}a-{row.vision_ffn}f"
+        slug += "" if row.vision_mlp == "gelu" else f"-{row.vision_mlp.replace('_', '')}"
+    return slug
 
 
 def model_file(row: PublishedRun) -> Path:
@@ -374,12 +443,17 @@ def model_toml(row: PublishedRun) -> str:
             return "true" if v else "false"
         return f'"{v}"' if isinstance(v, str) else repr(v)
 
-    lines = [f"# {row.model_kind} model of the published runs table (simulator/published.py model_of)",
+    kind = f"{row.model_kind} + ViT" if row.multimodal else row.model_kind
+    lines = [f"# {kind} model of the published runs table (simulator/published.py model_of)",
              f'name = "{model_slug(row)}"', "", "[llm]"]
     lines += [f"{k} = {value(v)}" for k, v in vars(llm).items() if k not in ("moe", "name")]
     lines.insert(4, f'name = "{model_slug(row)}"')
     if llm.moe is not None:
         lines += ["", "[llm.moe]"] + [f"{k} = {value(v)}" for k, v in vars(llm.moe).items()]
+    vision = model_of(row).vision
+    if vision is not None:
+        lines += ["", "[vision]"] + [f"{k} = {value(v)}" for k, v in vars(vision).items() if k != "name"]
+        lines.insert(lines.index("[vision]") + 1, f'name = "vit-{model_slug(row)}"')
     return "\n".join(lines) + "\n"
 
 
@@ -397,9 +471,10 @@ def write_model_files(rows: list[PublishedRun]) -> list[Path]:
 
 def command_of(row: PublishedRun, dp_mode: str | None = None, recompute: str | None = None) -> list[str]:
     """The `omnibench simulate` arguments that simulate `row` (with `dp_mode` / `recompute` in place of the
-    row's: what the fill rule chose), from any folder: the homogeneous system (one layout for
-    every module: what a text-only run is) at the row's layout, batch and software."""
-    argv = ["simulate", "--workload", f"pretrain_{row.seq}", "--system", "homogeneous", "--gpus", str(row.gpus),
+    row's: what the fill rule chose), from any folder: the row's system (homogeneous, one layout for every
+    module, for a text-only run and for encoders in the first pipeline stage) at the row's layout, batch,
+    workload, frozen modules and software."""
+    argv = ["simulate", "--workload", row.workload, "--system", row.system, "--gpus", str(row.gpus),
             "--hardware", row.hardware, "--model", f"published/{model_slug(row)}",
             "--tp", str(row.tp), "--pp", str(row.pp), "--cp", str(row.cp), "--dp", str(row.dp),
             "--dp-mode", dp_mode or row.dp_mode, "--microbatches", str(row.microbatches),
@@ -412,6 +487,8 @@ def command_of(row: PublishedRun, dp_mode: str | None = None, recompute: str | N
         argv += ["--ep", str(row.ep)]
     if expert_tp_of(row):
         argv += ["--expert-tp", str(expert_tp_of(row))]
+    if row.freeze:
+        argv += ["--freeze", ",".join(row.freeze)]
     return argv + row.software_spec.flags()
 
 
@@ -460,10 +537,11 @@ def publication_flops(row: PublishedRun) -> float:
     if row.flop_formula == "megatron-mfu":
         return 72.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
     from simulator.flops import model_train_flops
-    from workloads.sample import Sample, Segment
+    from workloads.registry import get_workload
+    from workloads.stream import WorkloadStream
 
-    samples = [Sample(0, "text", (Segment("text", s),))]
-    return b * model_train_flops(model_of(row), samples)
+    sample = WorkloadStream(get_workload(row.workload), seed=0, global_batch_tokens=s).batch(0).samples[:1]
+    return b * model_train_flops(model_of(row), sample)
 
 
 def measured(row: PublishedRun, peak_tflops: float = 0.0) -> float:
@@ -571,11 +649,11 @@ def _check_row(row: PublishedRun, calibration, kernels, stack, gpu, sim=None,
     model = model_of(row)
     parallel = parallel_of(row, cluster.gpus_per_node)
     parallel.validate(model)
-    spec = get_workload(f"pretrain_{row.seq}")
+    spec = get_workload(row.workload)
     stream = WorkloadStream(spec, seed=0, global_batch_tokens=row.global_batch * row.seq)
     plan = (plans or {}).get(row.dp_mode)
     if plan is None:
-        plan = get_planner("homogeneous").plan(model, parallel, stream.batch(0))
+        plan = get_planner(row.system).plan(model, parallel, stream.batch(0))
         if plans is not None:
             plans[row.dp_mode] = plan
     res = simulate(plan, model, cluster, calibration=calibration, options=replace(options_of(row, stack), **(sim or {})))
@@ -623,6 +701,8 @@ class TableRow:
     published_gib: float | None
     simulated_gib: float
     filled: str = ""  # PublishedCheck.filled: an unpublished field chosen so that the run fits
+    # an encoder + LLM row: its data shape rests on the multimodal fill rules, so it is reported apart
+    multimodal: bool = False
 
     @property
     def error(self) -> float:
@@ -639,7 +719,8 @@ class TableRow:
         return ("yes" if self.fits else "no") + (f" ({self.filled}, unpublished)" if self.filled else "")
 
     def line(self) -> str:
-        split = f"{self.split} (unstated FLOPs)" if self.unstated else (self.split or "all")
+        split = (f"{self.split} (unstated FLOPs)" if self.unstated else f"{self.split} (multimodal)"
+                 if self.multimodal else (self.split or "all"))
         mem = f"{self.published_gib:g}" if self.published_gib is not None else "-"
         return (f"| {self.name} | {self.source} | {split} | {self.gpus} | {self.layout} | {self.dp_mode} | "
                 f"{self.measured_s:.4g} | {self.simulated_s:.4g} | {self.error:+.1%} | {self.fits_cell} | "
@@ -648,8 +729,9 @@ class TableRow:
 
 def table_row(c: PublishedCheck) -> TableRow:
     r = c.row
+    layout = f"{r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep}" + (f" {r.system}" if r.multimodal else "")
     return TableRow(name=r.name, source=r.source, split=r.split, unstated=r.unstated, gpus=r.gpus,
-                    layout=f"{r.tp}/{r.pp}/{r.vpp}/{r.cp}/{r.ep}", dp_mode=r.dp_mode,
+                    layout=layout, dp_mode=r.dp_mode, multimodal=r.multimodal,
                     measured_s=float(f"{c.measured_s:.4g}"), simulated_s=float(f"{c.simulated_s:.4g}"), fits=c.fits,
                     published_gib=r.peak_memory_gib, simulated_gib=float(f"{c.peak_memory_gib:.1f}"), filled=c.filled)
 
@@ -675,16 +757,20 @@ def stats(pairs: list[tuple[str, float]]) -> Stats | None:
 
 def groups(rows: list) -> dict:
     """Step-time error by split (calibration, heldout; rows of an `unstated` FLOP formula apart,
-    and a table without a split column as "all"), by source and split, and memory error where
-    a peak memory is published. `rows`: PublishedChecks or TableRows."""
+    encoder + LLM rows apart as "multimodal", and a table without a split column as "all"), by source
+    and split, and memory error where a peak memory is published (multimodal rows apart again).
+    `rows`: PublishedChecks or TableRows."""
     rows = [table_row(r) if isinstance(r, PublishedCheck) else r for r in rows]
     out: dict = {"split": {}, "source": {}, "memory": {}}
-    stated = [r for r in rows if not r.unstated]
+    stated = [r for r in rows if not r.unstated and not r.multimodal]
     for split in sorted({r.split for r in stated}):
         out["split"][split or "all"] = stats([(r.name, r.error) for r in stated if r.split == split])
     unstated = [(r.name, r.error) for r in rows if r.unstated]
     if unstated:
         out["split"]["unstated"] = stats(unstated)
+    multimodal = [(r.name, r.error) for r in rows if r.multimodal and not r.unstated]
+    if multimodal:
+        out["split"]["multimodal"] = stats(multimodal)
     for src in sorted({r.source for r in rows}):
         for split in sorted({r.split for r in stated if r.source == src}):
             out["source"][(src, split or "all")] = stats([(r.name, r.error) for r in stated
@@ -692,18 +778,31 @@ def groups(rows: list) -> dict:
         sel = [(r.name, r.error) for r in rows if r.source == src and r.unstated]
         if sel:
             out["source"][(src, "unstated")] = stats(sel)
+        sel = [(r.name, r.error) for r in rows if r.source == src and r.multimodal and not r.unstated]
+        if sel:
+            out["source"][(src, "multimodal")] = stats(sel)
     for split in sorted({r.split for r in rows}):
-        mem = [(r.name, r.memory_error) for r in rows if r.split == split and r.memory_error is not None]
+        mem = [(r.name, r.memory_error) for r in rows if r.split == split and r.memory_error is not None
+               and not r.multimodal]
         if mem:
             out["memory"][split or "all"] = stats(mem)
+    mem = [(r.name, r.memory_error) for r in rows if r.multimodal and r.memory_error is not None]
+    if mem:
+        out["memory"]["multimodal"] = stats(mem)
     return out
+
+
+def row_keys(row: PublishedRun) -> dict:
+    """What a JSON row says of the row's run besides its figures: its system and workload, and whether it is
+    an encoder + LLM row (reported apart)."""
+    return {"system": row.system, "workload": row.workload, "multimodal": row.multimodal}
 
 
 def to_json(checks: list[PublishedCheck]) -> dict:
     g = groups(checks)
     return {
         "rows": [{"name": c.row.name, "source": c.row.source, "split": c.row.split, "hardware": c.row.hardware,
-                  "gpus": c.row.gpus, "stack": c.row.stack, "flop_formula": c.row.flop_formula or None,
+                  "gpus": c.row.gpus, "stack": c.row.stack, **row_keys(c.row), "flop_formula": c.row.flop_formula or None,
                   "measured_s": c.measured_s, "simulated_s": c.simulated_s, "error": c.error, "fits": c.fits,
                   "fit_message": c.fit_message, "filled": c.filled or None, "peak_memory_gib": c.peak_memory_gib,
                   "published_memory_gib": c.row.peak_memory_gib, "memory_error": c.memory_error, "mfu": c.mfu,
@@ -767,11 +866,49 @@ def parse_table(text: str) -> tuple[str, list[TableRow], list[tuple[str, str]]]:
         if not ln.startswith("| "):
             continue
         cells = [x.strip() for x in ln.strip("|").split("|")]
-        split = cells[2].replace(" (unstated FLOPs)", "")
+        split = cells[2].replace(" (unstated FLOPs)", "").replace(" (multimodal)", "")
         pub, sim = cells[10].split(" / ")
         rows.append(TableRow(name=cells[0], source=cells[1], split="" if split == "all" else split,
                              unstated=cells[2].endswith("(unstated FLOPs)"), gpus=int(cells[3]), layout=cells[4],
                              dp_mode=cells[5], measured_s=float(cells[6]), simulated_s=float(cells[7]),
                              fits=cells[9].split(" ")[0] == "yes", published_gib=None if pub == "-" else float(pub),
-                             simulated_gib=float(sim), filled=_filled_of(cells[9])))
+                             simulated_gib=float(sim), filled=_filled_of(cells[9]),
+                             multimodal=cells[2].endswith("(multimodal)")))
     return m.group(1), rows, failed
+
+
+def merge_table(text: str, table: dict, checks: list[PublishedCheck], failed: list[tuple[PublishedRun, str]],
+                rows: list[PublishedRun]) -> tuple[str, dict]:
+    """The committed table (`text`, with `table` its JSON) with `checks` and `failed` ((row, why) not
+    simulated) in place of those rows' earlier entries, every row in the order of `rows` (the CSV's): the
+    table its own command writes when only these rows changed, without simulating the others again. The
+    other rows keep their committed figures; their JSON rows gain the keys added since (`row_keys`).
+    Statistics are computed afresh from the printed figures, as `render` and `to_json` compute them."""
+    command, old_rows, old_failed = parse_table(text)
+    new = {c.row.name: table_row(c) for c in checks}
+    why = {r.name: e for r, e in failed}
+    old, old_why = {r.name: r for r in old_rows}, dict(old_failed)
+    kept, kept_failed = [], []
+    for r in rows:
+        if r.name in new or (r.name not in why and r.name in old):
+            kept.append(new.get(r.name) or old[r.name])
+        elif r.name in why or r.name in old_why:
+            kept_failed.append((r.name, why.get(r.name) or old_why[r.name]))
+    fresh = {j["name"]: j for j in to_json(checks)["rows"]}
+    committed = {j["name"]: j for j in table.get("rows", [])}
+    json_rows = []
+    for r in rows:
+        if r.name in fresh:
+            json_rows.append(fresh[r.name])
+        elif r.name in committed and r.name not in why:
+            j = committed[r.name]
+            at = list(j).index("stack") + 1
+            keys = list(j)[:at] + [k for k in row_keys(r) if k not in j] + list(j)[at:]
+            json_rows.append({k: j[k] if k in j else row_keys(r)[k] for k in keys})
+    g = groups(kept)
+    merged = {"rows": json_rows, "split": {k: v.to_dict() for k, v in g["split"].items() if v},
+              "source": {f"{s}/{sp}": v.to_dict() for (s, sp), v in g["source"].items() if v},
+              "memory": {k: v.to_dict() for k, v in g["memory"].items() if v},
+              "unstated_formula": FLOP_FORMULAS["unstated"],
+              "failed": [{"name": n, "error": e} for n, e in kept_failed]}
+    return render(kept, command, kept_failed), merged

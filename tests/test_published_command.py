@@ -39,8 +39,11 @@ def rows():
 
 def test_every_rows_model_file_is_its_model(rows):
     for r in rows.values():
-        got = get_model(str(model_file(r))).llm
-        assert dataclasses.replace(got, name="x") == dataclasses.replace(model_of(r).llm, name="x"), r.name
+        got, want = get_model(str(model_file(r))), model_of(r)
+        assert dataclasses.replace(got.llm, name="x") == dataclasses.replace(want.llm, name="x"), r.name
+        assert (got.vision is None) == (want.vision is None), r.name
+        if want.vision is not None:  # the encoder + LLM rows' ViT, projecting to the LLM's width
+            assert dataclasses.replace(got.vision, name="x") == dataclasses.replace(want.vision, name="x"), r.name
 
 
 def test_every_rows_software_is_a_named_stack_and_flags_the_cli_takes(rows):
@@ -66,7 +69,9 @@ def test_what_a_row_runs_reads_no_note_table_or_source_of_it():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["mpt-7b-8xh100", "tt-8b-fsdp8-compile-fp8", "megatron-v1-4.2b-4gpu",
-                                  "nemo-llama3-8b-8gpu"])
+                                  "nemo-llama3-8b-8gpu",
+                                  # encoder + LLM: a frozen ViT in the first pipeline stage; FSDP, modules in turn
+                                  "mswift-qwen2.5-vl-7b-full-tp2-2xa100", "optimus-vit3b-gpt11b-fsdp-8xa100"])
 def test_a_rows_printed_command_run_as_a_user_runs_it_gives_its_step_time_and_peak(rows, name, tmp_path):
     """The committed table's figures, from the command line `--json` prints, run in a shell from the root."""
     check = check_row(rows[name])

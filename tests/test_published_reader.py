@@ -118,7 +118,7 @@ def test_a_bad_row_names_its_column(tmp_path):
     lines = CSV.read_text().splitlines()
     header, first = lines[0], lines[1]
     bad = tmp_path / "bad.csv"
-    bad.write_text(header + "\n" + first.replace(",selective,bf16,torchtitan,", ",sometimes,bf16,torchtitan,") + "\n")
+    bad.write_text(header + "\n" + first.replace(",selective,,bf16,,torchtitan,", ",sometimes,,bf16,,torchtitan,") + "\n")
     with pytest.raises(PublishedError, match="recompute must be one of none, selective, full; got 'sometimes'"):
         load_published(bad)
     bad.write_text(header + "\n" + first.replace(",fsdp,16,2,", ",fsdp,15,2,") + "\n")

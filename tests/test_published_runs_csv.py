@@ -15,9 +15,10 @@ import pytest
 
 CSV = Path(__file__).resolve().parents[1] / "results" / "validation" / "published_runs.csv"
 COLUMNS = ("name, source, table, url, split, hardware, gpus, model_kind, layers, hidden, heads, kv_heads, ffn, "
-           "glu, vocab, experts, top_k, expert_ffn, seq, tp, pp, vpp, cp, cp_kind, ep, dp_mode, global_batch, "
-           "micro_batch, recompute, precision, stack, software, tflops_per_gpu, mfu, step_time_s, tokens_per_s_per_gpu, "
-           "flop_formula, peak_memory_gib, verified, notes").split(", ")
+           "glu, vocab, experts, top_k, expert_ffn, vision_layers, vision_hidden, vision_heads, vision_ffn, vision_mlp, "
+           "seq, image_tokens, tp, pp, vpp, cp, cp_kind, ep, dp_mode, global_batch, micro_batch, recompute, freeze, "
+           "precision, system, stack, software, tflops_per_gpu, mfu, step_time_s, tokens_per_s_per_gpu, flop_formula, "
+           "peak_memory_gib, verified, notes").split(", ")
 MEASURED = ("tflops_per_gpu", "mfu", "step_time_s", "tokens_per_s_per_gpu")
 ALLOWED = {
     "split": {"calibration", "heldout"},
@@ -30,7 +31,12 @@ ALLOWED = {
     "glu": {"yes", "no"},
     "cp_kind": {"", "ring", "allgather-kv", "ulysses"},
     "flop_formula": {"", "megatron-hfu", "megatron-mfu", "unstated"},
+    "system": {"", "homogeneous", "temporal", "colocated", "noncolocated", "omni"},
+    "freeze": {"", "vision", "audio", "vision,audio", "llm", "vision,llm", "audio,llm"},
+    "vision_mlp": {"", "gelu", "quick_gelu", "swiglu"},
 }
+# an encoder + LLM row gives its image encoder and the image tokens of each sample, a text row none of them
+ENCODER_INTEGERS = ("vision_layers", "vision_hidden", "vision_heads", "vision_ffn", "image_tokens")
 HARDWARE_PREFIXES = ("v100-", "a100-", "h100", "h800", "h200", "b200", "gb200")
 INTEGERS = ("gpus", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "tp", "pp", "vpp", "cp", "ep",
             "global_batch", "micro_batch")
@@ -77,6 +83,21 @@ def test_layouts_tile_the_gpus(rows):
             assert r["experts"] and r["top_k"] and r["expert_ffn"], f"{r['name']}: MoE row without experts/top_k"
         else:
             assert not r["experts"], f"{r['name']}: experts on a dense row"
+
+
+def test_an_encoder_row_gives_its_encoder_and_image_and_a_text_row_none(rows):
+    for r in rows:
+        given = [c for c in ENCODER_INTEGERS + ("vision_mlp",) if r[c]]
+        if not given:
+            assert not r["freeze"], f"{r['name']}: freeze on a row without an encoder"
+            continue
+        assert len(given) == len(ENCODER_INTEGERS) + 1, f"{r['name']}: encoder columns given in part: {given}"
+        for col in ENCODER_INTEGERS:
+            assert r[col].isdigit() and int(r[col]) >= 1, f"{r['name']}: {col}={r[col]!r}"
+        assert int(r["image_tokens"]) < int(r["seq"]), f"{r['name']}: the image fills the whole sequence"
+        assert int(r["vision_hidden"]) % int(r["vision_heads"]) == 0, r["name"]
+        assert r["system"], f"{r['name']}: an encoder row names the system that places its encoder"
+        assert "unpublished:" in r["notes"], f"{r['name']}: say what the source does not give"
 
 
 def test_the_set_is_broad_enough(rows):

@@ -17,7 +17,7 @@ CSV = ROOT / "results" / "validation" / "published_runs.csv"
 TABLE = ROOT / "results" / "validation" / "published_table.md"
 COMMAND = ("python -m omnibench validate --published results/validation/published_runs.csv "
            "--markdown results/validation/published_table.md")
-# 1 to 64 GPUs, each simulated in well under a second
+# 1 to 64 GPUs, each simulated in well under a second; the last two are encoder + LLM rows
 SUBSET = (
     "tt-8b-fsdp8",  # H100 500 W, torchtitan eager, selective checkpointing
     "tt-8b-fsdp8-compile-fp8",  # torch.compile + Float8
@@ -33,6 +33,8 @@ SUBSET = (
     "tt-a100-llama2-13b-noac",  # torchtitan on A100
     "mbridge-b200-llama3-8b-8gpu",  # B200: the H100 profile scaled by datasheet ratios, fp8
     "mbridge-gb200-llama3-8b-8gpu",  # GB200 NVL72
+    "mswift-qwen2.5-vl-7b-full-tp2-2xa100",  # encoder + LLM: a frozen ViT in the first pipeline stage
+    "optimus-vit3b-gpt11b-fsdp-8xa100",  # encoder + LLM under FSDP, one module at a time (temporal)
 )
 
 

@@ -338,7 +338,9 @@ def register(app: typer.Typer) -> None:
         """Every named workload with a one-line description.
 
         Any command that takes a workload NAME also takes a path to a TOML/YAML/JSON workload
-        file or a JSONL trace.
+        file or a JSONL trace, and two fixed-shape families by name: pretrain_<N> (every sample N
+        text tokens) and image_text_<I>_<T> (every sample one image of I LLM tokens, then T text
+        tokens), the shapes of the published runs `validate --published` simulates.
 
         Examples:
 
@@ -352,7 +354,8 @@ def register(app: typer.Typer) -> None:
         if as_json:
             _emit(json.dumps(items, indent=2) + "\n")
             return
-        t = Table(title="named workloads")
+        t = Table(title="named workloads", caption="also by name: pretrain_<N> (N text tokens a sample), "
+                  "image_text_<I>_<T> (one I-token image, then T text tokens)")
         t.add_column("name")
         t.add_column("description")
         for name, desc in items.items():

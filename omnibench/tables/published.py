@@ -1,6 +1,7 @@
 """Summaries of the published validation (results/validation/published_table.json, written by
 `python benchmarks/published_validation.py`) for the targets table: read from the committed record,
-so that a figure quoted there moves when the record is rewritten."""
+so that a figure quoted there moves when the record is rewritten. They summarise the text-LLM rows, the
+targets' set; the encoder + LLM rows are reported apart in published_table.md ("multimodal")."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ def _published() -> dict:
     return json.loads((REPO_ROOT / PUBLISHED_JSON).read_text())
 
 
+def _text_rows() -> list[dict]:
+    """The text-LLM rows: the encoder + LLM rows are reported apart (published_table.md, "multimodal")."""
+    return [r for r in _published()["rows"] if not r.get("multimodal")]
+
+
 def _rows(split: str) -> list[dict]:
-    return [r for r in _published()["rows"] if r.get("split") == split and r.get("error") is not None]
+    return [r for r in _text_rows() if r.get("split") == split and r.get("error") is not None]
 
 
 @table("published-step-summary")
@@ -36,20 +42,20 @@ def published_step_summary() -> str:
 def published_memory_summary() -> str:
     """One line: peak-memory error where published, and the rows that ran but are predicted not to fit."""
     m = _published()["memory"]
-    rows = [r for r in _published()["rows"] if r.get("published_memory_gib")]
+    rows = [r for r in _text_rows() if r.get("published_memory_gib")]
     within = sum(abs(r["memory_error"]) <= 0.10 for r in rows if r.get("memory_error") is not None)
-    unfit = sorted(r["name"] for r in _published()["rows"] if r.get("fits") is False)
+    unfit = sorted(r["name"] for r in _text_rows() if r.get("fits") is False)
     return (f"{m['calibration']['mean_abs_error']:.1%} mean calibration ({m['calibration']['rows']} rows), "
             f"{m['heldout']['mean_abs_error']:.1%} held-out ({m['heldout']['rows']} rows), {within} of {len(rows)} "
-            f"within 10%; {len(unfit)} of {len(_published()['rows'])} rows that ran are predicted not to fit"
+            f"within 10%; {len(unfit)} of {len(_text_rows())} rows that ran are predicted not to fit"
             + (f" ({', '.join(unfit)})" if unfit else ""))
 
 
 @table("published-memory-rows")
 def published_memory_rows() -> str:
-    """Every row with a published peak: published against simulated (reserved) memory."""
+    """Every text-LLM row with a published peak: published against simulated (reserved) memory."""
     lines = ["| row | split | published GiB | simulated GiB | error |", "|---|---|---:|---:|---:|"]
-    for r in _published()["rows"]:
+    for r in _text_rows():
         if r.get("published_memory_gib") and r.get("memory_error") is not None:
             lines.append(f"| {r['name']} | {r['split']} | {r['published_memory_gib']:.1f} | "
                          f"{r['peak_memory_gib']:.1f} | {r['memory_error']:+.1%} |")
@@ -58,8 +64,8 @@ def published_memory_rows() -> str:
 
 @table("published-unfit-rows")
 def published_unfit_rows() -> str:
-    """The rows that really ran but whose layout the memory model says does not fit, with the need."""
-    unfit = [r for r in _published()["rows"] if r.get("fits") is False]
+    """The text-LLM rows that really ran but whose layout the memory model says does not fit, with the need."""
+    unfit = [r for r in _text_rows() if r.get("fits") is False]
     if not unfit:
         return "Every row that ran is predicted to fit."
     lines = ["| row | source | GPUs | what the memory model says |", "|---|---|---:|---|"]
