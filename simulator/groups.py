@@ -241,7 +241,10 @@ class GroupsMixin:
             groups[r] = gs
         colour = base
         n_classes = len(intern)
-        for _ in range(8):
+        # until stable: a difference travels one peer per round (a pipeline of pp stages needs pp rounds
+        # to carry a stage-0 rank's boundary traffic to the last stage), and a partition that is not
+        # stable puts ranks in one class whose peers are in different classes, which deadlocks the step
+        while True:
             if n_classes == len(ranks):
                 break  # every rank its own class already: refining can only split classes
             # keyed by the groups' identity: they are the layout index's shared tuples (kept alive
