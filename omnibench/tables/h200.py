@@ -226,13 +226,13 @@ def h200_rerun() -> str:
     again = [r for r in rerun_records() if r["path"].startswith(RERUNS + "/")]
     unmatched = [r["path"] for r in again if r["name"] not in first]
     if unmatched:
-        raise TableError(f"{RERUNS}: {', '.join(unmatched)} repeat(s) no run of the first lease (a rerun is named as "
+        raise TableError(f"{RERUNS}: {', '.join(unmatched)} repeat(s) no run of the first records (a rerun is named as "
                          "the record whose command it repeats)")
     pairs = [(first[r["name"]], r) for r in again]
     checked = _checks(before=False)  # the first H200 runs, as the held-out table reads them
     got = dict(zip((r["path"] for r in again), validate([str(REPO_ROOT / r["path"]) for r in again], None, HARDWARE),
                    strict=True))
-    lines = ["| Plan | first lease: step s (commit) | again: step s (commit) | again / first | peak GiB, first / again "
+    lines = ["| Plan | first run: step s (commit) | again: step s (commit) | again / first | peak GiB, first / again "
              "| again: simulated s (error) |", "|---|---|---|---|---|---|"]
     for a, b in pairs:
         va, vb = checked[a["path"]], got[b["path"]]

@@ -2,8 +2,9 @@
 
 Without pipelining the step is set by the LLM data rank that holds the longest sample: no
 assignment can split one sample's LLM sequence, so resharding cannot help once a sample's LLM
-cost exceeds the balanced per-rank share (NOTES.md 2d). omni therefore treats such a sample as
-*long*, the LLM analogue of the encoders' long-short split (long_short.py): it runs on a fixed
+cost exceeds the balanced per-rank share (docs/architecture.md, "Why omni splits long LLM
+samples"). omni therefore treats such a sample as *long*, the LLM analogue of the encoders'
+long-short split (long_short.py): it runs on a fixed
 group of `k` consecutive LLM data ranks with Ulysses context parallelism (each member holds a
 contiguous 1/k of the packed row with all heads; two all-to-alls per layer give every member the
 whole row for 1/k of the heads; omnibench.runtime.parallelize.UlyssesAttention), and everything
