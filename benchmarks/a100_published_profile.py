@@ -23,7 +23,8 @@ SOURCES = {
     "gemm_max": "S. Bekman, Machine Learning Engineering (github.com/stas00/ml-engineering, compute/accelerator), "
                 "maximum achievable matmul FLOPS (MAMF) A100 SXM bf16: 271.2 TFLOP/s, 86.9% of peak",
     "gemm_size": "Calculon (Isaev et al., SC'23) compute efficiency by op size: about 0.95 / 0.9 / 0.6 of the "
-                 "large-op rate at 128 / 16 / 1 GFLOP (REFERENCE.md); sampled as F / (F + 0.6 GFLOP)",
+                 "large-op rate at 128 / 16 / 1 GFLOP (github.com/calculon-ai/calculon systems/a100_80g.json, "
+                 "matrix gflops_efficiency); sampled as F / (F + 0.6 GFLOP)",
     "gemm_waves": "NVIDIA Deep Learning Performance Guide, 'Matrix Multiplication Background' (tile and wave "
                   "quantization on A100's 108 SMs; cuBLAS tiles 256x128, 128x128, 64x128)",
     "hbm": "NVIDIA A100 80GB datasheet 2,039 GB/s; BabelStream / element-wise kernels reach about 1.3 to 1.7 TB/s "

@@ -6,7 +6,7 @@ Bus bandwidth as NCCL-tests reports it (all-reduce: 2 (n - 1) / n x bytes / time
 (n - 1) / n x bytes / time) and the algorithm the model picks, for groups inside a node, over whole
 nodes, and one GPU per node (one rail). Published figures to compare with (sources in the
 hardware presets and results/BENCHMARKS.md): 8 x H100 NVLS all-reduce about 480 GB/s at large sizes,
-rings about 370 GB/s (NVIDIA/nccl-tests#212); one 400 Gb/s NIC 46-48 GB/s (REFERENCE.md).
+rings about 370 GB/s (NVIDIA/nccl-tests#212); one 400 Gb/s NIC 46-48 GB/s (NVIDIA/nccl-tests#290).
 """
 
 from __future__ import annotations

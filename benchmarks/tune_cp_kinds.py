@@ -1,7 +1,7 @@
 """What searching the context-parallel kind adds to each system's tuned step (a fairness check).
 
     python benchmarks/tune_cp_kinds.py [--workload long_video] [--gpus 1024] [--systems all] [--budget 8]
-        [--out results/tune-cp-kinds-long_video-1024.txt]
+        [--out FILE]
 
 For each system, `omnibench tune` (converged: the budget doubled until the best moves <= 2%) twice on
 the same batch, side by side in one run: over the space before all-gathered K/V (`--cp-kinds ulysses`)

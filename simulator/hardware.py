@@ -49,9 +49,12 @@ class GPUSpec:
     memory_gib: float
     memory_bandwidth_gbs: float
     # Default compute efficiency curve eff(F) = matmul_efficiency * F / (F + matmul_half_gflop), F the
-    # FLOPs of one op in GFLOP. Defaults: about 800 of 989 TFLOP/s for a large H100 matmul
-    # (REFERENCE.md), and Calculon's fall-off for small ops (0.95/0.9/0.6 of the large-op rate at
-    # 128/16/1 GFLOP, which this curve meets within 3% with a 0.6 GFLOP half point).
+    # FLOPs of one op in GFLOP. Defaults: about 800 of 989 TFLOP/s for a large H100 matmul (794.5
+    # TFLOP/s bf16, 80.3%: the maximum achievable matmul FLOPS table in S. Bekman's Machine Learning
+    # Engineering, github.com/stas00/ml-engineering, compute/accelerator), and Calculon's fall-off for
+    # small ops (0.95/0.9/0.6 at 128/16/1 GFLOP: the matrix efficiency table of its system files,
+    # github.com/calculon-ai/calculon systems/h100_80g_nvl8.json; taken here relative to the large-op
+    # rate, which this curve meets within 3% with a 0.6 GFLOP half point).
     matmul_efficiency: float = 0.81
     matmul_half_gflop: float = 0.6
     attention_efficiency: float = 0.55  # flash attention reaches less of peak than a GEMM

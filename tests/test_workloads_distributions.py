@@ -1,4 +1,5 @@
-"""Length distributions: sampled statistics land on the published figures (REFERENCE.md)."""
+"""Length distributions: sampled statistics land on the published figures (each preset's source is named
+beside it in workloads/distributions.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Token rules: pinned against REFERENCE.md's published examples and against transformers."""
+"""Token rules: pinned against examples worked from the published rules (transformers'
+`image_processing_qwen2_vl.py::smart_resize`, qwen-vl-utils `vision_process.py`) and against transformers."""
 
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ PRESETS: dict[str, Dist] = {
     # ShareGPT4V captions: about 830..940 characters; at 4 chars/token about 208..235 tokens.
     # p10/p90 and tails assumed; mean 222 tokens (888 chars).
     "sharegpt4v_caption_tokens": quantiles({0: 60, 0.1: 150, 0.5: 220, 0.9: 300, 1: 560}),
-    # Text-only SFT conversations: no published figure in REFERENCE.md; assumed ShareGPT-like.
+    # Text-only SFT conversations: no published figure; assumed ShareGPT-like.
     "sft_text_tokens": quantiles({0: 16, 0.1: 150, 0.5: 600, 0.9: 2400, 0.99: 6000, 1: 16_384}),
     # Short VQA-style question + answer: assumed.
     "vqa_text_tokens": quantiles({0: 8, 0.1: 20, 0.5: 60, 0.9: 180, 1: 800}),

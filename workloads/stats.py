@@ -18,7 +18,9 @@ from workloads.stream import WorkloadStream
 
 PERCENTILES = (10, 50, 90, 99)
 
-# Qwen2-VL ViT-675M and the Whisper-large-v3 encoder share this shape (REFERENCE.md).
+# Qwen2-VL ViT-675M and the Whisper-large-v3 encoder share this shape: 32 layers, width 1280, FFN 5120
+# (the models' Hugging Face config.json: Qwen/Qwen2-VL-7B-Instruct `vision_config` depth 32, embed_dim
+# 1280, mlp_ratio 4; openai/whisper-large-v3 encoder_layers 32, d_model 1280, encoder_ffn_dim 5120).
 ENC_LAYERS, ENC_HIDDEN, ENC_FFN = 32, 1280, 5120
 AUDIO_WINDOW = 1500  # Whisper attends within 30 s windows (1,500 positions)
 _LINEAR_PER_POS = 2 * (4 * ENC_HIDDEN * ENC_HIDDEN + 2 * ENC_HIDDEN * ENC_FFN)  # QKV+O and MLP, 2 FLOP/MAC

@@ -5,7 +5,7 @@ line (so a test can pin it against published examples and against transformers),
 twin used by the generator, which must turn hundreds of thousands of raw sizes into token
 counts per second. The twins are tested to agree with the scalar functions.
 
-Sources (see /work/shared/REFERENCE.md):
+Sources:
 - image: transformers `models/qwen2_vl/image_processing_qwen2_vl.py::smart_resize`;
 - video: QwenLM/Qwen2-VL `qwen-vl-utils/src/qwen_vl_utils/vision_process.py`
   (`smart_nframes`, `fetch_video`), with the per-video total of 24,576 tokens;

@@ -61,8 +61,9 @@ DYNAMIC_RUNS_QUICK = {"bursty_mix": ("--seed", "14", "--steps", "10"),
 LARGEST_GPUS, LARGEST_GPUS_QUICK = 8192, 256
 LARGEST_WORKLOADS = ("mixed_video",)
 LARGEST, LARGEST_QUICK = tuple((wl, LARGEST_GPUS) for wl in LARGEST_WORKLOADS), (("mixed_video", LARGEST_GPUS_QUICK),)
-# a seeded tune (half the budget, its seeds on top): its time as a share of an unseeded one's (measured in
-# results/BENCHMARKS.md "The tuned comparison as `reproduce` regenerates it")
+# a seeded tune (half the budget, its seeds on top): its time as a share of an unseeded one's, assumed from the
+# budget alone; it only sizes the estimate of a stage that results/reproduce-stages.csv does not time
+# (`_measured` puts the CSV's measured seconds in place of every estimate it names)
 SEEDED_SCALE = 0.5
 # the layouts of each earlier tune that seed the later ones: its answer and its runner-up (colocated's
 # image_sft answer, tp 1 / cp 4 / 2 microbatches, was its runner-up on mixed_video; seeded with the answers
@@ -947,13 +948,14 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
             if not path.is_file():
                 write_seeds(Path(cache), path, workload)
         return ["--seed-from", str(path)], prepare
-    # wall seconds on 2 quiet cores (CPU / 2 of the stages measured in BENCHMARKS "Seeded tunes"): the tune of
-    # one system at a size (budget 8, checked at 16 and doubled while it moves: 12-60 simulated layouts; a
-    # fraction of the space is about 3x that; seeded at half the budget: SEEDED_SCALE of it) and the
-    # simulation of one of its steps
+    # estimated wall seconds on 2 quiet cores, for stages results/reproduce-stages.csv does not time (`_measured`
+    # uses the CSV's seconds where it names the stage): the tune of one system at a size (budget 8, checked at
+    # 16 and doubled while it moves: 12-60 simulated layouts; a fraction of the space is about 3x that; seeded
+    # at half the budget: SEEDED_SCALE of it) and the simulation of one of its steps
     per_layout = 1.0 if budget else 3.0
-    # (above 1,024 GPUs a search started from smaller sizes' answers simulates fewer layouts: the 8,192-GPU
-    # stage took as long as the 1,024-GPU one in the reproduce of BENCHMARKS, hence the square root)
+    # (above 1,024 GPUs a search started from smaller sizes' answers simulates fewer layouts: in
+    # results/reproduce-stages.csv the 8,192-GPU mixed_video stage took 550 s against the 1,024-GPU one's 426 s,
+    # not 8x, hence the square root)
     tune_s = {n: (1.0 if quick else 25.0 * per_layout * (n / 1024 if n <= 1024 else (n / 1024) ** 0.5)) for n in (*gpus, largest, *CONDITION_GPUS,
                                                                          *(n for _, n in (*LARGEST, *LARGEST_QUICK)),
                                                                          *EXTENDED_GPUS, *EXTENDED_GPUS_QUICK)}

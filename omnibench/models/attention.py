@@ -73,8 +73,10 @@ class VarlenAttention(nn.Module):
 
     Backends: "flash" (flash_attn_varlen_func; bf16/fp16 on CUDA, GQA native), "varlen" (torch's
     own varlen_attn, the same FlashAttention kernels shipped with PyTorch; bf16/fp16 on CUDA),
-    "sdpa" (one F.scaled_dot_product_attention call per sequence: fastest on CPU, see REFERENCE.md;
-    on CUDA restricted to the fused kernels, never the s x s math kernel), "math" (explicit matmuls
+    "sdpa" (one F.scaled_dot_product_attention call per sequence: fastest on CPU, measured with torch
+    2.13 at 45 ms forward for 4,096 tokens, 8 heads, 6 sequences against 258 ms for one block-diagonal
+    masked call; flex_attention has no CPU backward and torch's varlen_attn no CPU kernel; on CUDA
+    restricted to the fused kernels, never the s x s math kernel), "math" (explicit matmuls
     per sequence: a reference, and the only form torch's FlopCounterMode sees on CPU).
     "auto" picks flash, then varlen, when they can run the given dtype/device, else sdpa.
     """

@@ -15,7 +15,8 @@ import torch
 from omnibench.plan import BACKWARD, FORWARD, METADATA, OPTIMIZER_STEP, Plan
 from omnibench.specs.model import MultimodalSpec
 
-# Dense bf16 peak TFLOP/s by device name fragment (REFERENCE.md, datasheets).
+# Dense bf16 peak TFLOP/s by device name fragment (NVIDIA datasheets, SXM parts, without sparsity:
+# nvidia.com/en-us/data-center/h100, /h200, /a100).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 COMPUTE_KINDS = (FORWARD, BACKWARD, OPTIMIZER_STEP)
 

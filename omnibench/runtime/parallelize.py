@@ -9,9 +9,10 @@ over the data-parallel mesh, whose
 gradient reduction is set to a *sum*: every rank's loss is already divided by the global
 loss-token count, so data-parallel shards add up to the single-process gradient.
 
-Written by hand where no library piece runs on the CPU (REFERENCE.md): Ulysses attention over
-packed sequences (built-in `context_parallel` has no CPU sharding strategy for SDPA) and the MoE
-all-to-all dispatch.
+Written by hand where no library piece runs on the CPU: Ulysses attention over packed sequences
+(the built-in `context_parallel` handles only the CUDA flash, memory-efficient and cuDNN SDPA ops,
+torch/distributed/tensor/experimental/_context_parallel/_attention.py, not the CPU kernel) and the
+MoE all-to-all dispatch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Model presets: real configurations (REFERENCE.md, HF configs) and tiny ones for CPU tests.
+"""Model presets: real configurations and tiny ones for CPU tests.
+
+The real ones copy the models' Hugging Face config.json: Qwen/Qwen2-7B, Qwen/Qwen2-72B,
+Qwen/Qwen3-30B-A3B, the `vision_config` of Qwen/Qwen2-VL-7B-Instruct, OpenGVLab/InternViT-300M-448px
+and the encoder of openai/whisper-large-v3.
 
 Components (an LLM, a vision encoder, an audio encoder) are presets of their own; composed models
 pick one of each and set the encoders' `out_hidden` to the LLM width. `get_model` takes a composed

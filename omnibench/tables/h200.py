@@ -188,7 +188,7 @@ def h200_kernels() -> str:
                  f"{a['host_per_kernel_s'] * 1e6:.1f} us on the H100's host, {b['host_per_kernel_s'] * 1e6:.1f} us on "
                  "the H200's | 1 |")
     lines += ["", f"The same `benchmarks/gpu_kernels.py` shapes on each GPU (`{KERNELS}`, `{H200_KERNELS}`); over 1 the "
-              "H200 is faster. The launch figure is the lent machine's host (a VM), not the GPU."]
+              "H200 is faster. The launch figure is the host's (a VM), not the GPU's."]
     return "\n".join(lines)
 
 
