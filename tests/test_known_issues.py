@@ -32,6 +32,12 @@ def test_no_held_out_row_is_off_by_more_than_20_percent():
     assert rows and all(abs(r["error"]) <= 0.20 for r in rows)
 
 
+@pytest.mark.xfail(strict=True, reason="docs/known-issues.md: encoder + LLM rows over 10%")
+def test_encoder_llm_rows_are_within_10_percent():
+    rows = [r for r in json.loads(TABLE.read_text())["rows"] if r.get("multimodal") and r.get("error") is not None]
+    assert rows and sum(abs(r["error"]) for r in rows) / len(rows) <= 0.10
+
+
 @pytest.mark.xfail(strict=True, reason="docs/known-issues.md: colocated's and noncolocated's tunes miss neighbours")
 def test_no_baseline_has_a_neighbour_faster_than_its_tuned_layout():
     text = (REPO / "results" / "adversarial.md").read_text()
