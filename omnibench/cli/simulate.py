@@ -723,7 +723,7 @@ def register(app: typer.Typer) -> None:
         microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
         virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B model chunks per pipeline rank."),
         encoder_tp: int = typer.Option(0, "--encoder-tp", help="Encoders' tensor parallelism; 0: the system's."),
-        encoder_sp: int = typer.Option(0, "--encoder-sp", help="Encoders' sequence-parallel group size; 0: the system's."),
+        encoder_sp: int = typer.Option(0, "--encoder-sp", help="Encoders' SP group size; 0: the system's."),
         encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders."),
         global_batch_tokens: int = typer.Option(
             0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
