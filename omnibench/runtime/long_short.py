@@ -57,7 +57,6 @@ class LongShortRuntime:
         self.rank, self.timeout = rank, timeout
         self.built: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.groups: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
-        self.pooled = False
 
     @staticmethod
     def create(plan, rank: int, timeout) -> LongShortRuntime | None:
@@ -71,11 +70,7 @@ class LongShortRuntime:
     def build_pool(self, plan) -> None:
         from omnibench.process_groups import pool_groups
 
-        pool = plan.options["long_short"].get("pool")
-        if pool is None:  # a plan without a pool: groups are built as steps name them
-            return
-        self.pooled = True
-        for key in pool_groups(plan.layouts, pool):
+        for key in pool_groups(plan.layouts, plan.options["long_short"]["pool"]):
             self.built[key] = dist.new_group(list(key), timeout=self.timeout)
 
     def prepare(self, plan) -> None:
@@ -86,10 +81,8 @@ class LongShortRuntime:
             for ranks in cfg[module]:
                 key = tuple(ranks)
                 if key not in self.built:
-                    if self.pooled:
-                        raise RuntimeError(f"step {plan.step}: the plan names the {module} group {list(key)}, "
-                                           "which is not in the group pool built at start-up")
-                    self.built[key] = dist.new_group(list(key), timeout=self.timeout)
+                    raise RuntimeError(f"step {plan.step}: the plan names the {module} group {list(key)}, "
+                                       "which is not in the group pool built at start-up")
                 if self.rank in key:
                     self.groups[module] = (self.built[key], key)
 
