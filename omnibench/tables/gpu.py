@@ -558,8 +558,8 @@ def _llm_stack_case(a: dict) -> str:
             f"{a['steps']}")
 
 
-@table("h100-llm-stack-session")
-def h100_llm_stack_session() -> str:
+@table("h100-llm-stack-vs-plain")
+def h100_llm_stack_vs_plain() -> str:
     """The LLM-only step against the plain bf16 stack, with provenance, and the plain stack under autocast."""
     d = _read(REPO_ROOT / RECORDS_1127 / "llm_stack" / "gpu_llm_stack.json")
     peak = d["peak_tflops"]
@@ -582,8 +582,8 @@ def h100_llm_stack_session() -> str:
     return "\n".join(lines)
 
 
-@table("h100-session-summary")
-def h100_session_summary() -> str:
+@table("h100-stack-summary")
+def h100_stack_summary() -> str:
     """One line: the figures of the records with provenance (the LLM-only step, the CUDA default) and the
     whole training step against the plain stack's (h100-whole-step)."""
     by_name = {r["path"]: r["summary"] for r in runs()}
