@@ -7,8 +7,9 @@ For every cell of the reproduce's tuned comparison on H100s (each static workloa
 holds; the dynamic ones over every step of their window with --dynamic), and every baseline's tuned layout
 there (the tune cache `tuned-layouts.json` the reproduce wrote), it simulates the layouts one change away:
 tp, pp and cp halved or doubled, the other cp kind, microbatches halved or doubled, every recompute mode,
-interleaved stages, the encoder knobs its tune varies (systems' encoder tp, noncolocated's encoder share),
-and the data-parallel modes (ddp, zero1, zero2, fsdp). Each on the same batch(es) as the tuned layout, with
+interleaved stages, the encoder knobs its tune varies (systems' encoder tp, noncolocated's encoder share,
+spatial's quota), and the data-parallel modes (ddp, zero1, zero2, fsdp): `omnibench.tune.neighbour_layouts`,
+the set the tune's own neighbour descent walks, so a faster one here is a descent that stopped short. Each on the same batch(es) as the tuned layout, with
 the same simulator (the step cache answers layouts simulated before). It prints and writes every neighbour
 faster than the tuned layout by more than `--margin`, and says for each cell how many it tried. A faster
 neighbour is a tune that missed: the comparison then understates that baseline.
@@ -19,47 +20,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
+BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated", "spatial")
 STATIC = ("mixed_video", "long_video", "image_sft", "omni_av")
 # (steps, stride, seed) as the reproduce runs them (omnibench/cli/report.py DYNAMIC_RUNS)
 DYNAMIC = {"bursty_mix": (16, 1, 14), "drifting_video": (12, 90, 0)}
-DP_MODES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def neighbours(c, model, world: int, gpn: int, samples) -> list:
-    """The layouts one change away from candidate `c`."""
+    """The layouts one change away from candidate `c`: the ones the tune's neighbour descent walks
+    (`omnibench.tune.neighbour_layouts`), every data-parallel mode among them."""
     from omnibench.resolve import recompute_modes
-    from omnibench.tune import encoder_variants
+    from omnibench.tune import neighbour_layouts
 
-    out = []
-    for f in ("tp", "pp", "cp", "microbatches"):
-        v = getattr(c, f)
-        for w in (v * 2, v // 2):
-            if w >= 1 and w != v and not (f == "microbatches" and v == 0):
-                out.append(replace(c, **{f: w}))
-    if c.cp > 1:
-        out.append(replace(c, cp_kind="allgather" if c.cp_kind == "ulysses" else "ulysses"))
-    if c.pp > 1:
-        out += [replace(c, virtual_stages=v) for v in (1, 2) if v != c.virtual_stages]
-    out += [replace(c, recompute=m) for m in recompute_modes(model, samples) if m != c.recompute]
-    out += encoder_variants(c.system, model, world, c, gpn)
-    return [n for n in dict.fromkeys(out) if n != c]
+    return neighbour_layouts(c, model, world, gpn, recompute_modes(model, samples))
 
 
-def step_jobs(system: str, model, c, dp: dict, cluster, batches) -> list:
-    """The simulations of candidate `c` (with data-parallel fields `dp`) on `batches`, as `simulate` makes
-    them (its planner options on the hardware, the same SimOptions); none for a layout the model refuses."""
+def step_jobs(system: str, model, c, cluster, batches) -> list:
+    """The simulations of candidate `c` on `batches`, as `simulate` makes them (its planner options on the
+    hardware, the same SimOptions); none for a layout the model refuses."""
     from omnibench.cli.simulate import planner_options
     from simulator.cache import StepJob
     from simulator.engine import SimOptions
 
-    par = replace(c.parallel(cluster.num_gpus, cluster.gpus_per_node, planner_options(system, {}, "h100")), **dp)
+    par = c.parallel(cluster.num_gpus, cluster.gpus_per_node, planner_options(system, {}, "h100"))
     try:
         par.validate(model)
     except ValueError:
@@ -79,7 +67,6 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(BASELINES), help="only these baselines (comma list)")
     args = ap.parse_args()
 
-    from omnibench.specs.parallel import dp_mode_fields
     from omnibench.specs.presets import get_model
     from omnibench.sweep import Sweep
     from omnibench.tune import Candidate
@@ -109,10 +96,9 @@ def main() -> None:
             batches = [pack(stream.batch(k * stride)) for k in range(steps)]
             tuned = Candidate(**e["candidate"])
             samples = [s for b in batches[:1] for s in b.get().samples]
-            variants = [(c.label(), c, {}) for c in [tuned, *neighbours(tuned, model, gpus, cluster.gpus_per_node,
-                                                                          samples)]]
-            variants += [(f"{tuned.label()} dp-{m}", tuned, dp_mode_fields(m)) for m in DP_MODES]
-            todo = [(label, step_jobs(system, model, c, dp, cluster, batches)) for label, c, dp in variants]
+            variants = [(c.label(), c) for c in [tuned, *neighbours(tuned, model, gpus, cluster.gpus_per_node,
+                                                                      samples)]]
+            todo = [(label, step_jobs(system, model, c, cluster, batches)) for label, c in variants]
             flat = [j for _, js in todo for j in js]
             outs = iter(sweep.map(run_step, flat))
             times = {}

@@ -11,7 +11,8 @@
 # with every kernel loaded eagerly (gpu_memory_phases.py); one profiled step of encoder chunking against
 # block recomputation (gpu_chunk_profile.py); the caching allocator under memory pressure
 # (gpu_allocator.py); the harness's runs with provenance (gpu_figures.py); the LLM-only step against a
-# plain bf16 stack, eager and compiled (gpu_llm_stack.py; compilation alone takes minutes).
+# plain bf16 stack, eager and compiled (gpu_llm_stack.py; compilation alone takes minutes); kernels on
+# SM shares and side by side, what spatial multiplexing's quota model assumes (gpu_quota_sweep.py).
 # OMNIBENCH_GIT_MANIFEST (omnibench/provenance.py
 # write_manifest, made at the checkout: `python -c "from omnibench.provenance import write_manifest;
 # write_manifest('.prov/manifest.txt')"`) lets every record name its commit and whether any file differs.
@@ -43,11 +44,11 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log its tail, pack what is there 
 # communicators' memory as a committed script, the chunked step again after its host synchronisations
 # were removed, the compiled LLM stack; the all-gather-KV attention kernels, the LLM-only whole step under
 # --mixed-precision master against the plain stack's whole step, the same pair on mixed_video.
-# The default is the H200's (2026-11-29): the machine model's held-out check, made while the H200 was
-# simulated as the H100's measured kernels with memory-bound kernels 1.43x faster (since then it reads the
-# sweep of this part `kernels`: simulator/data/hardware/h200.toml); the CUDA attention tests, the H100's own
-# commands again (the same Plans), the kernel sweep, then the default run at the depth 141 GB holds.
-PARTS=${PARTS:-"facts cuda_tests runs_like_h100 kernels run_default"}
+# The default: the quota sweep first (spatial multiplexing's quota model has never been measured), then the
+# H200's held-out check of the machine model (its kernels are read from this part `kernels`:
+# simulator/data/hardware/h200.toml): the CUDA attention tests, the H100's own commands again (the same
+# Plans), the kernel sweep, then the default run at the depth 141 GB holds.
+PARTS=${PARTS:-"facts quota cuda_tests runs_like_h100 kernels run_default"}
 for p in $PARTS; do
   case $p in
   facts) part facts 30 bash -c 'nvidia-smi; python3 -c "
@@ -99,6 +100,7 @@ print(\"after a first matmul: in use\", total - free, \"reserved\", torch.cuda.m
     && python3 -m omnibench run --system omni --workload mixed_video --model omni-7b@8L --recompute full \
     --steps 5 --out '"$W"'/gpu/runs/omni-mixed_video-8L --json' ;;
   kernels) mkdir -p "$W/kernels"; part kernels 200 python3 benchmarks/gpu_kernels.py --budget-s 150 --out "$W/kernels/kernels.json" ;;
+  quota) mkdir -p "$W/quota"; part quota 180 python3 benchmarks/gpu_quota_sweep.py --out "$W/quota/quota.json" ;;
   run_default) part run_default 200 python3 -m omnibench run --system omni --workload mixed_video --steps 4 \
     --out "$W/gpu/runs/omni-mixed_video" --json ;;
   *) echo "== unknown part $p" | tee -a "$LOG" ;;

@@ -274,6 +274,12 @@ class Action:
     direction: str = ""
     peer_microbatch: int = -1
     nbytes: int = 0  # metadata only: bytes this rank contributes to the all-gather
+    # Spatial multiplexing (systems/spatial.py): the compute actions of one concurrency group (the same
+    # `concurrent` >= 0, listed together on a rank) run at once, each lane (`lane_of`) in its listed order
+    # on its `quota`, the share of the device it is given (a GPU's SMs, a CPU's intra-op threads); the
+    # group ends when every lane has. -1: the action runs alone on the whole device, after the one before.
+    concurrent: int = -1
+    quota: float = 1.0
 
     def __str__(self) -> str:
         s = f"{self.kind}({self.module}"
@@ -289,7 +295,22 @@ class Action:
             s += f", peer={self.peer}"
             if self.peer_microbatch >= 0:
                 s += f" mb{self.peer_microbatch}"
+        if self.concurrent >= 0:
+            s += f", group{self.concurrent} q{self.quota:.2f}"
         return s + ")"
+
+
+def lane_of(action: Action) -> str:
+    """The lane an action of a concurrency group runs in: the LLM's, or the encoders' (which run one
+    after another in it)."""
+    return "llm" if action.module == "llm" else "encoders"
+
+
+def _action_dict(a: Action) -> dict:
+    d = asdict(a)
+    if a.concurrent < 0:  # a plan without spatial multiplexing keeps its JSON as it was
+        del d["concurrent"], d["quota"]
+    return d
 
 
 def loader_group(llm: Layout, rank: int, what: str, group_size: int) -> tuple[int, ...]:
@@ -367,6 +388,8 @@ class Plan:
         # in one pass over the actions (a plan at scale holds hundreds of thousands). With `order`, the
         # messages of every pair of ranks in the pass that lists them per pair: where they agree on both
         # sides every send is matched.
+        if "spatial" in self.options:  # the plans that group actions say so (a pass over every action)
+            check_concurrency(self)
         if order:
             sent, got = p2p_messages(self, check_kinds=True)
             if sent == got:
@@ -410,7 +433,7 @@ class Plan:
                 m: {str(r): [list(mb) for mb in mbs] for r, mbs in per.items()} for m, per in self.assignment.items()
             },
             "routes": [asdict(r) for r in self.routes],
-            "actions": {str(r): [asdict(a) for a in acts] for r, acts in self.actions.items()},
+            "actions": {str(r): [_action_dict(a) for a in acts] for r, acts in self.actions.items()},
             "options": self.options,
             "notes": self.notes,
         }
@@ -494,3 +517,39 @@ def check_message_order(sent: dict[tuple, list[tuple]], got: dict[tuple, list[tu
         for pair in set(sent) | set(got):
             if sent.get(pair, []) != got.get(pair, []):
                 raise PlanError(f"actions: messages {pair[0]} -> {pair[1]} are posted in different orders on each side")
+
+
+def check_concurrency(plan: Plan) -> None:
+    """Concurrency groups (`Action.concurrent`) are well formed: forward/backward actions only, each group
+    listed together on its rank, every quota in (0, 1], one quota per lane, and the lanes' quotas summing
+    to at most the whole device."""
+    for rank, acts in plan.actions.items():
+        done: set[int] = set()
+        current = -1
+        quotas: dict[str, float] = {}
+        for a in acts:
+            g = a.concurrent
+            if g != current:
+                if current >= 0:
+                    done.add(current)
+                    _check_quotas(rank, current, quotas)
+                quotas = {}
+                current = g
+            if g < 0:
+                continue
+            if g in done:
+                raise PlanError(f"actions[{rank}]: concurrency group {g} is not listed together")
+            if a.kind not in (FORWARD, BACKWARD):
+                raise PlanError(f"actions[{rank}]: {a}: only forward and backward run in a concurrency group")
+            if not 0.0 < a.quota <= 1.0:
+                raise PlanError(f"actions[{rank}]: {a}: quota must be in (0, 1], got {a.quota}")
+            lane = lane_of(a)
+            if quotas.setdefault(lane, a.quota) != a.quota:
+                raise PlanError(f"actions[{rank}]: concurrency group {g} gives the {lane} lane two quotas")
+        if current >= 0:
+            _check_quotas(rank, current, quotas)
+
+
+def _check_quotas(rank: int, group: int, quotas: dict[str, float]) -> None:
+    if sum(quotas.values()) > 1.0 + 1e-9:
+        raise PlanError(f"actions[{rank}]: concurrency group {group}: quotas {quotas} sum to more than the device")

@@ -198,6 +198,15 @@ class ComputeModel:
         return c.time(work.backward_matmul, work.backward_attention, 2 * work.ops, 2 * work.sequences,
                       calls=calls) + rec
 
+    def best_rate(self, module: str = "") -> float:
+        """The highest FLOP/s this model lets a forward or backward reach: the kernel profile's best GEMM
+        rate, else the efficiency curve's peak (what `simulator/quota.py` measures a module's use by)."""
+        prof = self.kernels
+        if prof is not None and not self.fitted("forward", module):
+            return prof._best
+        c = self.curve("forward", module)
+        return c.peak_flops * c.e_max
+
     def optimizer_time(self, params_on_rank: float, sharded_layers: float = 0.0, plain_layers: float = 0.0) -> float:
         """AdamW: read param, grad, two moments and write param and moments, fp32: 28 bytes/param.
         Fitted: a constant, a cost per parameter and (when fitted) per layer held, sharded or not."""

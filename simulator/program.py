@@ -43,6 +43,7 @@ from omnibench.plan import (
 from simulator.flops import (
     Work,
 )
+from simulator.quota import action_flops, quota_time, utilisation
 
 # Op kind of ZeRO-1/2's all-gather of the updated bf16 parameters after the optimizer step: a
 # collective on the rank's collective stream, like grad_sync (simulator/engine.py runs both alike).
@@ -83,7 +84,8 @@ class ProgramMixin:
         inputs = self.input_elements(module, rank, a)
         # chunked encoders: each chunk runs its forward again inside the backward action
         again = self.compute.action_time(work, FORWARD, "none", module) if work.chunks and a.kind == BACKWARD else 0.0
-        own = self.compute.action_time(work, a.kind, recompute, module, inputs) + again
+        own = self._on_quota(a, work, recompute, self.compute.action_time(work, a.kind, recompute, module, inputs)
+                             + again)
         op = _Op(a, a.kind, duration=own)
         if self.options.communication:
             comm = exposed = 0.0
@@ -171,50 +173,15 @@ class ProgramMixin:
             # HSDP gathers inside the shard group only (the FSDP group itself without HSDP).
             shard = self._shard_group(module, rank) if lay.hsdp else shard
             if lay.fsdp and len(shard) > 1 and self._gathers(rank, module, a):
-                # bf16 all-gather of each layer's shard. With overlap (GPU) it is prefetched one
-                # layer ahead: the first is exposed, later ones only where a layer's compute is
-                # shorter than its gather. Without (one CPU thread per rank) FSDP2's gathers of
-                # every layer and then the root each block the rank: the same bytes in n + 1 calls.
-                # Experts are split over ep first; FSDP shards them over the rest (dp*cp/ep).
-                dense = (work.params - work.expert_params) / lay.tp
-                n = max(1, work.layers)
-                calls = n if self.coll.inline_overlap else n + 1
-                g = self._bucketed("all_gather", 2 * dense / calls, shard, self.options.fsdp_gather_bucket)
-                if work.expert_params:
-                    edp = self._expert_group(rank, self._expert_scope(module, rank, shard), lay.ep)
-                    g += self.coll_inline.cost("all_gather", 2 * work.expert_params / self._expert_split(lay) / calls,
-                                               edp)
-                # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
-                reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
-                if a.kind == BACKWARD and recompute == "full" and self.options.gather_for_recompute:
-                    reps += 1  # DeepSpeed ZeRO-3 releases a layer after its recomputed forward, gathers again
-                comm += reps * calls * g
-                n_calls += reps * calls
-                # FSDP without no_sync also reduce-scatters each layer's gradients in every backward; grad_sync
-                # holds the last microbatch's. Charged for this project's runtime and where a stack's options
-                # say so (Composer); the other stacks' published step times are taken to hide those
-                # reductions behind the backward, as their memory is counted without a whole-gradient copy
-                r = 0.0
-                if (a.kind == BACKWARD and self.coll.inline_overlap and a.microbatch != self._last_backward(rank, module)
-                        and module not in self.frozen and (self.options.fsdp_reduce_every_microbatch
-                             or (self.memory_stack == "eager" and not self._defers_reduce(module)))):
-                    r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
-                                       self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
-                    comm += n * r
-                    n_calls += n
-                if self.coll.inline_overlap:
-                    # the last layer's reduce-scatter finishes after the backward's compute; the first
-                    # layer's gather is exposed unless the pipeline schedule unshards the chunk ahead
-                    first = 0.0 if self._unshard_prefetched(rank) else reps * g
-                    exposed += first + (reps * n - reps) * max(0.0, g + r - own / (reps * n)) + r
-                else:
-                    exposed += reps * calls * g
+                comm, exposed, n_calls = self._fsdp_inline(rank, a, work, recompute, own, shard,
+                                                           comm, exposed, n_calls)
             op.comm, op.exposed, op.calls = comm, exposed, n_calls
             if n_calls and self.compute.curves:
                 # The rank's own work around each call (hooks, copies) runs on its compute stream: a
                 # fitted curve's cost per call (the kernel profile and the datasheet curve charge none,
                 # so their duration stays `own`, the same bits).
-                op.duration = self.compute.action_time(work, a.kind, recompute, module, inputs, n_calls) + again
+                op.duration = self._on_quota(a, work, recompute, self.compute.action_time(
+                    work, a.kind, recompute, module, inputs, n_calls) + again)
         lock = self._lock_group(module, rank)
         if lock is not None and self.compute.lock_skew:
             op.duration *= 1.0 + self.compute.lock_skew
@@ -225,6 +192,59 @@ class ProgramMixin:
                 op.lock_n = n
         op.mem_peak, op.mem_delta = self._compute_memory(rank, a, work)
         return op
+
+    def _fsdp_inline(self, rank: int, a: Action, work: Work, recompute: str, own: float, shard: tuple[int, ...],
+                     comm: float, exposed: float, n_calls: int) -> tuple[float, float, int]:
+        """A compute action's FSDP gathers (and per-microbatch reduce-scatters) on `shard`: `comm`, `exposed` and
+        `n_calls` with them added."""
+        module = a.module
+        lay = self.plan.layouts[module]
+        # bf16 all-gather of each layer's shard. With overlap (GPU) it is prefetched one
+        # layer ahead: the first is exposed, later ones only where a layer's compute is
+        # shorter than its gather. Without (one CPU thread per rank) FSDP2's gathers of
+        # every layer and then the root each block the rank: the same bytes in n + 1 calls.
+        # Experts are split over ep first; FSDP shards them over the rest (dp*cp/ep).
+        dense = (work.params - work.expert_params) / lay.tp
+        n = max(1, work.layers)
+        calls = n if self.coll.inline_overlap else n + 1
+        g = self._bucketed("all_gather", 2 * dense / calls, shard, self.options.fsdp_gather_bucket)
+        if work.expert_params:
+            edp = self._expert_group(rank, self._expert_scope(module, rank, shard), lay.ep)
+            g += self.coll_inline.cost("all_gather", 2 * work.expert_params / self._expert_split(lay) / calls,
+                                       edp)
+        # chunked encoders gather per chunk, and in the backward again for each chunk's recompute
+        reps = (work.chunks if a.kind == FORWARD else 2 * work.chunks) or 1
+        if a.kind == BACKWARD and recompute == "full" and self.options.gather_for_recompute:
+            reps += 1  # DeepSpeed ZeRO-3 releases a layer after its recomputed forward, gathers again
+        comm += reps * calls * g
+        n_calls += reps * calls
+        # FSDP without no_sync also reduce-scatters each layer's gradients in every backward; grad_sync
+        # holds the last microbatch's. Charged for this project's runtime and where a stack's options
+        # say so (Composer); the other stacks' published step times are taken to hide those
+        # reductions behind the backward, as their memory is counted without a whole-gradient copy
+        r = 0.0
+        if (a.kind == BACKWARD and self.coll.inline_overlap and a.microbatch != self._last_backward(rank, module)
+                and module not in self.frozen and (self.options.fsdp_reduce_every_microbatch
+                     or (self.memory_stack == "eager" and not self._defers_reduce(module)))):
+            r = self._bucketed("reduce_scatter", self.options.grad_reduce_bytes * dense / n, shard,
+                               self.options.fsdp_reduce_bucket, self.options.grad_reduce_bytes)
+            comm += n * r
+            n_calls += n
+        if self.coll.inline_overlap:
+            # the last layer's reduce-scatter finishes after the backward's compute; the first
+            # layer's gather is exposed unless the pipeline schedule unshards the chunk ahead
+            first = 0.0 if self._unshard_prefetched(rank) else reps * g
+            exposed += first + (reps * n - reps) * max(0.0, g + r - own / (reps * n)) + r
+        else:
+            exposed += reps * calls * g
+        return comm, exposed, n_calls
+
+    def _on_quota(self, a: Action, work: Work, recompute: str, seconds: float) -> float:
+        """`seconds` on the whole device, as the action runs on its quota (simulator/quota.py)."""
+        if a.quota >= 1.0:
+            return seconds
+        used = utilisation(seconds, action_flops(work, a.kind, recompute), self.compute.best_rate(a.module))
+        return quota_time(seconds, used, a.quota)
 
     def _bucketed(self, op: str, nbytes: float, group: tuple[int, ...], bucket: float, elem: float = 2.0) -> float:
         """One layer's FSDP collective of `nbytes`, issued in buckets of `bucket` parameters (`elem`
@@ -354,7 +374,7 @@ class ProgramMixin:
                                                                                *self.layers_on_rank(rank))))
                 if comm_on:
                     ops += self._param_gathers(rank, cls, seen, ops)
-        return ops
+        return concurrent_ops(ops) if "spatial" in self.plan.options else ops
 
     def _synced_modules(self, rank: int) -> list[str]:
         return [a.module for a in self.plan.actions.get(rank, []) if a.kind == GRAD_SYNC]
@@ -513,3 +533,46 @@ class ProgramMixin:
             else:
                 plain += w.layers + 1
         return sharded, plain
+
+
+def concurrent_ops(ops: list[_Op]) -> list[_Op]:
+    """A rank's ops with each concurrency group (`Action.concurrent`: lanes run side by side, each on its
+    quota) as one compute op: it lasts as long as its longest lane (each lane's ops one after another,
+    their own compute and exposed communication), and locks with its peers as its first locked op did
+    (spatial's lanes lock over the same FSDP group: every rank runs the same phases). Memory: each lane
+    may be at its high point while the other is, so the group's high point is the sum of the lanes'."""
+    out: list[_Op] = []
+    i, n = 0, len(ops)
+    while i < n:
+        op = ops[i]
+        g = op.action.concurrent
+        if g < 0 or op.kind not in (FORWARD, BACKWARD):
+            out.append(op)
+            i += 1
+            continue
+        j = i
+        while j < n and ops[j].action.concurrent == g and ops[j].kind in (FORWARD, BACKWARD):
+            j += 1
+        members = ops[i:j]
+        lanes: dict[str, list[_Op]] = {}
+        for m in members:
+            lanes.setdefault("llm" if m.action.module == "llm" else "encoders", []).append(m)
+        longest = max(lanes.values(), key=lambda lane: sum(m.duration + m.exposed for m in lane))
+        merged = _Op(longest[0].action, longest[0].kind)
+        merged.duration = sum(m.duration for m in longest)
+        merged.exposed = sum(m.exposed for m in longest)
+        merged.comm = sum(m.comm for m in members)
+        merged.calls = sum(m.calls for m in members)
+        locked = next((m for m in members if m.lock_key is not None), None)
+        if locked is not None:
+            merged.lock_key, merged.lock_n = locked.lock_key, locked.lock_n
+        for lane in lanes.values():
+            live = high = 0.0
+            for m in lane:
+                high = max(high, live + m.mem_peak)
+                live += m.mem_delta
+            merged.mem_peak += high
+            merged.mem_delta += live
+        out.append(merged)
+        i = j
+    return out

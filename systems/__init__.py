@@ -1,4 +1,4 @@
-"""The five training systems, each a *planner*: (model, parallel, batch) -> Plan. No tensors here.
+"""The six training systems, each a *planner*: (model, parallel, batch) -> Plan. No tensors here.
 
 A planner module defines a class with `name` and `plan(model, parallel, batch) -> Plan` and
 registers it in `_PLANNERS` below.
@@ -35,9 +35,10 @@ _PLANNERS: dict[str, str] = {
     "colocated": "systems.colocated:ColocatedPlanner",
     "noncolocated": "systems.noncolocated:NoncolocatedPlanner",
     "omni": "systems.omni:OmniPlanner",
+    "spatial": "systems.spatial:SpatialPlanner",
 }
 
-SYSTEMS: tuple[str, ...] = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
+SYSTEMS: tuple[str, ...] = ("homogeneous", "temporal", "colocated", "noncolocated", "omni", "spatial")
 
 
 def available_systems() -> list[str]:

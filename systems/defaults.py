@@ -12,6 +12,8 @@
   The encoders keep each system's own default (homogeneous: the LLM's tp; the others: tp 1).
 - temporal: VeOmni's. tp 1 and pp 1, every module FSDP-sharded over all ranks, and one Ulysses
   degree for encoders and LLM (`ulysses_sp`) sized for the workload's longest sequence.
+- spatial: temporal's, since it multiplexes temporal's layout in space (systems/spatial.py); two
+  microbatches when none are given.
 
 No torch here; a default that does not plan for the given world size, model and batch falls back
 to tp 1 / pp 1 / cp 1 with a note saying why (`with_default_layout`).
@@ -103,7 +105,7 @@ def ulysses_sp(model: MultimodalSpec, world: int, gpus_per_node: int, samples: S
 def default_layout(system: str, model: MultimodalSpec, world: int, gpus_per_node: int = 8,
                    samples: Sequence[Sample] = (), memory_bytes: float = DEVICE_BYTES) -> DefaultLayout:
     """The layout `system`'s anchor would run on `world` ranks (module docstring)."""
-    if system == "temporal":
+    if system in ("temporal", "spatial"):  # spatial runs temporal's layout, its modules side by side
         sp, why = ulysses_sp(model, world, gpus_per_node, samples)
         return DefaultLayout(1, 1, sp, f"VeOmni-style, FSDP over all ranks, Ulysses sp {sp} for encoders and "
                                        f"LLM: {why}")

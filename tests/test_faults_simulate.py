@@ -86,7 +86,7 @@ def test_a_repeated_system_is_simulated_once_and_named_once(tmp_path):
 @pytest.mark.parametrize(("args", "needle"), [
     (["-m", "{bad}"], "cannot parse model file"),
     (["-w", "nosuch"], "workload: unknown name 'nosuch'"),
-    (["--option", "nokey=1"], "option: options.nokey: unknown omni option"),
+    (["--option", "nokey=1"], "option: options.nokey: unknown option"),
     (["--calibration", "{prof}"], "calibration:"),
     (["-s", ","], "system must be one of"),
     (["--gpus", "0"], "gpus must be"),

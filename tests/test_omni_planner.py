@@ -240,7 +240,7 @@ def test_plan_for_1024_ranks_keeps_every_llm_tp_group_inside_one_node():
 
 
 def test_unknown_option_is_refused_with_the_allowed_names():
-    with pytest.raises(PlanError, match="options.warp_drive: unknown omni option; allowed: .*reorder"):
+    with pytest.raises(PlanError, match="options.warp_drive: unknown option; allowed: .*reorder.*quota \\(spatial\\)"):
         plan(batch_of("mixed_video", 0), options={"warp_drive": True})
     with pytest.raises(PlanError, match="options.reorder must be one of true, false"):
         plan(batch_of("mixed_video", 0), options={"reorder": "maybe"})

@@ -128,7 +128,7 @@ def test_the_most_natural_simulation_fits_every_system_and_says_which_recomputat
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     rows = out["results"]
-    assert [r["system"] for r in rows] == ["homogeneous", "temporal", "colocated", "noncolocated", "omni"]
+    assert [r["system"] for r in rows] == ["homogeneous", "temporal", "colocated", "noncolocated", "omni", "spatial"]
     assert all(r["fits"] and r["tokens_per_s"] > 0 and r["recompute"] != "auto" for r in rows), rows
     assert all("auto: the cheapest that fits" in r["recompute_note"] for r in rows)
     config = json.loads((Path(out["record"]) / "config.json").read_text())

@@ -59,6 +59,9 @@ CELLS = [
     ("noncolocated", {"encoder_ranks": 2, "encoder_tp": 2}, "tiny-omni"),
     ("homogeneous", {"fsdp": False, "pp": 2}, "tiny-omni"),
     ("temporal", {"fsdp": False, "ep": 2}, "tiny-omni-moe"),
+    # Spatial multiplexing: each phase's encoder and LLM lanes on threads of their own, side by side.
+    ("spatial", {"microbatches": 2}, "tiny-omni"),
+    ("spatial", {"cp": 2, "microbatches": 3, "options": {"quota": "0.5"}}, "tiny-omni"),
 ]
 
 # Cells that run the same code as another cell, in the slow run only (each in a launch of its own):

@@ -268,7 +268,7 @@ def test_every_registered_baseline_simulates():
     batch = mixed_batch(128)
     done = []
     for name in available_systems():
-        parallel = ParallelSpec(world_size=32, tp=2, pp=2 if name != "temporal" else 1, microbatches=4,
+        parallel = ParallelSpec(world_size=32, tp=2, pp=2 if name not in ("temporal", "spatial") else 1, microbatches=4,
                                 encoder_ranks=8 if name == "noncolocated" else 0)
         try:
             plan = get_planner(name).plan(model, parallel, batch)

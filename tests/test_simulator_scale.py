@@ -26,7 +26,7 @@ from workloads.stream import WorkloadStream
 
 pytestmark = pytest.mark.timeout(300)
 
-SYSTEMS = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
+SYSTEMS = ("homogeneous", "temporal", "colocated", "noncolocated", "omni", "spatial")
 
 # (system, model, workload, hardware, GPUs, layout or "default", recompute, options, tokens per GPU)
 CASES = [
@@ -39,6 +39,8 @@ CASES = [
     # one CPU thread per rank: blocking collectives, FSDP calls in line
     ("homogeneous", "omni-7b", "mixed_video", "cpu-gloo", 8, dict(tp=2, pp=2, microbatches=4), "none", {}, 16384),
     ("omni", "omni-7b", "bursty_mix", "cpu-gloo", 8, dict(tp=1), "none", {}, 4096),
+    # spatial's concurrency groups: two lanes as one locked op
+    ("spatial", "omni-7b", "omni_av", "cpu-gloo", 8, dict(cp=2, microbatches=3), "none", {}, 4096),
     # MoE expert groups, HSDP, ring context parallelism, ZeRO with encoder chunks, free communication
     ("colocated", "omni-moe-30b", "mixed_video", "h100", 32, dict(tp=2, ep=4, microbatches=2), "selective", {}, 4096),
     ("omni", "omni-7b", "mixed_video", "h100", 128, dict(tp=2, dp_shard=8, microbatches=2), "full", {}, 4096),

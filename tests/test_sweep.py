@@ -154,7 +154,7 @@ def test_the_code_hash_covers_every_module_that_plans_and_simulates_a_step():
         "b = WorkloadStream('mixed_video', seed=0, global_batch_tokens=16 * 16384).batch(0)\n"
         "for s in available_systems():\n"
         "    opts = {'hardware': 'h100'} if s == 'omni' else {}\n"
-        "    lay = dict(cp=2) if s == 'temporal' else dict(tp=2, pp=2, microbatches=4)  # temporal: no pipeline\n"
+        "    lay = dict(cp=2) if s in ('temporal', 'spatial') else dict(tp=2, pp=2, microbatches=4)  # no pipeline\n"
         "    p = get_planner(s).plan(m, ParallelSpec(world_size=16, options=opts, **lay), b)\n"
         "    simulate(p, m, cl, options=SimOptions(recompute='full'))\n"
         "print(json.dumps(sorted({mod.__file__ for mod in list(sys.modules.values())\n"

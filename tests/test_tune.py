@@ -15,6 +15,7 @@ from omnibench.cli import tune as tune_cli
 from omnibench.specs.costs import recompute_policy
 from omnibench.specs.presets import get_model
 from omnibench.tune import (
+    DESCENT_ROUNDS,
     Candidate,
     memory_estimate,
     recompute_modes,
@@ -188,7 +189,8 @@ def test_best_layout_simulates_at_least_as_fast_as_the_default(system):
     assert res.best is not None and res.default.simulated and res.default.fits
     assert res.best.step_s <= res.default.step_s
     assert [t.step_s for t in res.trials if t.fits] == sorted(t.step_s for t in res.trials if t.fits)
-    assert res.simulated <= 6 + 1 + 3 * 20  # the budget, the default, recompute retries, encoder knobs
+    # the budget, the default, recompute retries, encoder knobs, and the neighbour descent's rounds around the best
+    assert res.simulated <= 6 + 1 + 3 * 20 + DESCENT_ROUNDS * 40
     recompute_policy(res.best.candidate.parallel(16, 8).recompute)  # a mode the simulator and runtime read
 
 
@@ -414,3 +416,21 @@ def test_a_tuned_layouts_flags_simulate_it_again_untuned(tmp_path):
         assert again.exit_code == 0, again.output
         (untuned,) = json.loads(again.output)["results"]
         assert untuned["tokens_per_s"] == row["tokens_per_s"] and untuned["fits"] == row["fits"], row["layout"]
+
+
+def test_the_answer_has_no_faster_neighbour_one_change_away():
+    """The neighbour descent: around the best layout, every layout one change away (another recompute split,
+    the other cp kind, a data-parallel mode, ...) that fits was simulated and is not faster; without the
+    descent the same search stops short of one."""
+    from omnibench.tune import neighbour_layouts
+
+    model = get_model("omni-7b")
+    cluster = load_cluster("h100", 32)
+    batches = [WorkloadStream("image_sft", seed=0, global_batch_tokens=8192 * 32).batch(0)]
+    res = tune("colocated", model, batches, cluster, budget=4, use_cache=False)
+    best = res.best
+    near = [res.evaluated[n] for n in neighbour_layouts(best.candidate, model, 32, 8, recompute_modes(model))
+            if n in res.evaluated and res.evaluated[n].simulated and res.evaluated[n].fits]
+    assert len(near) >= 5 and all(t.step_s >= best.step_s for t in near)
+    plain = tune("colocated", model, batches, cluster, budget=4, use_cache=False, descent=False)
+    assert best.step_s < plain.best.step_s

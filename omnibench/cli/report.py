@@ -93,11 +93,13 @@ CONDITION_BUDGET = 4
 EXTENDED_GPUS, EXTENDED_GPUS_QUICK = (4096, 8192), (256,)
 CONDITION_SHARES, CONDITION_SHARES_QUICK, CONDITION_SIGMAS_QUICK = (0.1, 0.6, 0.9), (0.1, 0.9), (1.0,)
 KINDS = ("throughput", "scaling", "dynamic", "speedup", "breakdown", "conditions", "memory", "timeline", "validation",
-         "ablation", "ablation_cumulative", "workload")
+         "ablation", "ablation_cumulative", "spatial_quota", "workload")
 # The cumulative ablation's stages (omnibench/plots/figures.py CUMULATIVE: omni's decoupled layout with the
 # baselines' loading and every technique off, then its techniques one at a time): one per step before the
 # last, which is omni itself (the tuned comparison's own record)
 CUMULATIVE_PREFIX = "omni-cumulative-"
+# spatial's quota ablation: its tuned layout with a fixed even split and with the balancer's per-phase share
+SPATIAL_ABLATION_QUOTAS = ("0.5", "auto")
 
 _PLOT_EXAMPLES = """
 Examples:
@@ -173,6 +175,8 @@ def draw(kind: str, run_dirs: list[Path] | None, workload: str | None = None, sy
             return figures.ablation(recs, workload)
         if kind == "ablation_cumulative":
             return figures.cumulative_ablation(recs, workload)
+        if kind == "spatial_quota":
+            return figures.spatial_quota(recs, workload or "mixed_video")
     except PlotInputError as e:
         fail(str(e))
     raise AssertionError(kind)
@@ -498,9 +502,6 @@ def _why(stdout: str, stderr: str) -> str:
 
 def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False, repeat: int = 1,
               tune_budget: int | None = None, sweep: SweepArgs = SweepArgs(), extended: bool = False) -> None:
-    from omnibench.plots import figures, style
-    from omnibench.plots.load import PlotInputError, Records, load
-    from omnibench.plots.report import draw_all, write_html
     from systems import available_systems
 
     runs_dir, sims_dir, fig_dir = out / "runs" / "reproduce", out / "sims" / "reproduce", out / "figures"
@@ -520,25 +521,49 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
 
     prov = figure_provenance()
     fig_dir.mkdir(parents=True, exist_ok=True)
-    results: list[tuple[str, str]] = []
+    results = _reference_figures(runs_dir, sims_dir, fig_dir, systems, quick, prov)
+    _reference_report(out, runs_dir, sims_dir, prov, results)
+    _convergence_table(out, sims_dir, results)
+    _reproduce_verdict(out, results, log, reuse)
 
-    def make(name: str, fn, *args, **kw):
+
+class _FigureMaker:
+    """Draws `reproduce`'s figures into one folder, each with its table (CSV), and notes for each whether
+    it was written or why not (`results`: (name, status))."""
+
+    def __init__(self, fig_dir: Path, prov):
+        self.fig_dir, self.prov = fig_dir, prov
+        self.results: list[tuple[str, str]] = []
+
+    def make(self, name: str, fn, *args, **kw):
+        from omnibench.plots import style
+        from omnibench.plots.load import PlotInputError
+
+        fig_dir = self.fig_dir
         try:
             d = fn(*args, **kw)
         except (PlotInputError, OSError) as e:
-            results.append((name, f"not produced: {e}"))
+            self.results.append((name, f"not produced: {e}"))
             return None
         # a full disk ends the command (one line, exit 1): every figure after this one would fail the same way
         with writing(fig_dir / f"{name}.png"):
-            style.save(d.fig, fig_dir, name, prov)
+            style.save(d.fig, fig_dir, name, self.prov)
         if d.table is not None and not d.table.empty:  # the figure's numbers, for the documents' tables
             with writing(fig_dir / f"{name}.csv"):
                 atomic_write(fig_dir / f"{name}.csv", d.table.to_csv(index=False, float_format="%.6g"))
-        results.append((name, "written"))
+        self.results.append((name, "written"))
         import matplotlib.pyplot as plt
 
         plt.close(d.fig)
         return d
+
+
+def _reference_figures(runs_dir: Path, sims_dir: Path, fig_dir: Path, systems: list[str], quick: bool,
+                       prov) -> list[tuple[str, str]]:
+    """Every reference figure under `fig_dir`, each from the records that are its data; (name, written or
+    why not) per figure. A figure an earlier reproduce drew and this one did not is removed."""
+    from omnibench.plots import figures
+    from omnibench.plots.load import Records, load
 
     def pick(pred) -> list[Path]:
         return sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.endswith(".incomplete") and pred(p))
@@ -546,7 +571,73 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     def recs_of(paths) -> Records:
         return load(paths) if paths else Records()
 
-    from omnibench.plots.load import memory_error, nominal
+    maker = _FigureMaker(fig_dir, prov)
+    make, results = maker.make, maker.results
+    sims = _reference_sims(sims_dir)
+    sweep, second, deployed = sims["sweep"], sims["second"], sims["deployed"]
+    real = recs_of(pick(lambda p: "pp2" not in p.name and "-no-" not in p.name))
+    pp2 = pick(lambda p: "pp2" in p.name)
+    sizes = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
+    # One cluster size for every workload, so the bars compare like with like.
+    make("throughput", figures.throughput, Records(sims=sweep), source="sim", gpus=sizes[0])
+    make("speedup", figures.speedup, Records(sims=sweep))
+    if deployed:  # omni (its one way) against the baselines as their anchors deploy them
+        omni_only = [replace(r, rows=[x for x in r.rows if x["system"] == "omni"]) for r in sweep]
+        make("speedup_as_deployed", figures.speedup, Records(sims=[r for r in omni_only if r.rows] + deployed),
+             as_deployed=True)
+    make(f"throughput_{SECOND_HARDWARE}", figures.throughput, Records(sims=second), source="sim", gpus=sizes[0])
+    make(f"speedup_{SECOND_HARDWARE}", figures.speedup, Records(sims=second))
+    make("breakdown", figures.breakdown, Records(sims=sweep), gpus=sizes[0])
+    # and at each larger size the sweep reached (the 8,192-GPU stage, `--extended`'s 4,096 and 8,192): how the
+    # step's parts move with the cluster
+    for n in sorted({int(g) for r in sweep for g in r.config.get("gpus", [])} - set(sizes)):
+        make(f"breakdown_{n}", figures.breakdown, Records(sims=sweep), gpus=n)
+    make("conditions", figures.conditions, Records(sims=sims["grid"]))
+    make("memory", figures.memory_sensitivity, Records(sims=sweep + sims["varied"]))
+    make("throughput_measured", figures.throughput, real, source="run")
+    make("scaling", figures.scaling, Records(sims=sims["scaling"]))
+    make("dynamic", figures.dynamic, Records(sims=[r for r in sweep if r.workload == "bursty_mix"]))
+    make("dynamic_drifting", figures.dynamic, Records(sims=[r for r in sweep if r.workload == "drifting_video"]))
+    if sims["pipelined"]:
+        if "omni" in systems:
+            make("timeline", figures.timeline, sims["pipelined"][0], system="omni")
+        make("timeline_homogeneous", figures.timeline, sims["pipelined"][0], system="homogeneous")
+    else:
+        results.append(("timeline", "not produced: the pipelined simulation failed"))
+    if pp2:
+        make("timeline_measured", figures.timeline, load(pp2).runs[0])
+    else:
+        results.append(("timeline_measured", "not produced: the pipelined run failed"))
+    profile = sims_dir / "calibration.json"  # fitted by `omnibench calibrate` on these runs
+    make("validation", figures.validation, recs_of(pick(lambda p: True)),
+         calibration=str(profile) if profile.is_file() else None)
+    one_off, cumulative, cumulative_notes = ablation_inputs(sweep, sims["ablated"], sims_dir)
+    make("ablation", figures.ablation, one_off, workload="mixed_video")
+    make("ablation_cumulative", figures.cumulative_ablation, cumulative, workload="mixed_video",
+         notes=cumulative_notes)
+    make("spatial_quota", figures.spatial_quota, Records(sims=[r for r in sweep if r.workload == "mixed_video"]
+                                                          + sims["quotas"]))
+    make("ablation_measured", figures.ablation,
+         recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name
+                      and not re.search(r"-r\d+$", p.name))))  # repeats (--repeat) are the throughput figure's
+    make("workload", figures.workload, "mixed_video")
+    # The folder is this command's: a figure an earlier reproduce drew that this one did not (a size only
+    # --extended reached, a figure whose data failed now) would pass for this data's, and the documents'
+    # tables read its CSV.
+    drawn = {name for name, status in results if status == "written"}
+    for old in fig_dir.iterdir():
+        if old.suffix in (".png", ".pdf", ".csv") and old.stem not in drawn:
+            old.unlink()
+    return results
+
+
+def _reference_sims(sims_dir: Path) -> dict[str, list]:
+    """`reproduce`'s simulation records, kept apart by what they answer: the condition grid ("grid"), the
+    memory errors ("varied"), the baselines as deployed ("deployed"), each system at its own tuned layout
+    on H100s ("sweep") and on the second machine ("second"), omni's tuned ablations ("ablated"), spatial's
+    quotas ("quotas"), and the
+    untuned scaling ("scaling") and pipelined ("pipelined") simulations."""
+    from omnibench.plots.load import load, memory_error, nominal
     from workloads.conditions import parse_cell
 
     sims = load([sims_dir]).sims if any(sims_dir.iterdir()) else []
@@ -564,63 +655,21 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
     tuned = [r for r in on("h100") if r.config.get("tuned")]
     untuned = [r for r in on("h100") if not r.config.get("tuned")]
     ablated = [r for r in tuned if any(v is False for v in (r.config.get("options") or {}).values())]
-    sweep = [r for r in tuned if r not in ablated]  # every system at its own tuned layout
+    quotas = [r for r in tuned if "quota" in (r.config.get("options") or {})]  # spatial's quota ablation
+    sweep = [r for r in tuned if r not in ablated and r not in quotas]  # every system at its own tuned layout
     second = [r for r in on(SECOND_HARDWARE) if r.config.get("tuned")]
     scaling = [r for r in untuned if r.workload == "mixed_video" and len(r.config.get("gpus", [])) > 1]
-    real = recs_of(pick(lambda p: "pp2" not in p.name and "-no-" not in p.name))
-    pp2 = pick(lambda p: "pp2" in p.name)
     pipelined = [r for r in untuned if r.config.get("pp", 1) > 1]
-    sizes = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
-    # One cluster size for every workload, so the bars compare like with like.
-    make("throughput", figures.throughput, Records(sims=sweep), source="sim", gpus=sizes[0])
-    make("speedup", figures.speedup, Records(sims=sweep))
-    if deployed:  # omni (its one way) against the baselines as their anchors deploy them
-        omni_only = [replace(r, rows=[x for x in r.rows if x["system"] == "omni"]) for r in sweep]
-        make("speedup_as_deployed", figures.speedup, Records(sims=[r for r in omni_only if r.rows] + deployed),
-             as_deployed=True)
-    make(f"throughput_{SECOND_HARDWARE}", figures.throughput, Records(sims=second), source="sim", gpus=sizes[0])
-    make(f"speedup_{SECOND_HARDWARE}", figures.speedup, Records(sims=second))
-    make("breakdown", figures.breakdown, Records(sims=sweep), gpus=sizes[0])
-    # and at each larger size the sweep reached (the 8,192-GPU stage, `--extended`'s 4,096 and 8,192): how the
-    # step's parts move with the cluster
-    for n in sorted({int(g) for r in sweep for g in r.config.get("gpus", [])} - set(sizes)):
-        make(f"breakdown_{n}", figures.breakdown, Records(sims=sweep), gpus=n)
-    make("conditions", figures.conditions, Records(sims=grid))
-    make("memory", figures.memory_sensitivity, Records(sims=sweep + varied))
-    make("throughput_measured", figures.throughput, real, source="run")
-    make("scaling", figures.scaling, Records(sims=scaling))
-    make("dynamic", figures.dynamic, Records(sims=[r for r in sweep if r.workload == "bursty_mix"]))
-    make("dynamic_drifting", figures.dynamic, Records(sims=[r for r in sweep if r.workload == "drifting_video"]))
-    if pipelined:
-        if "omni" in systems:
-            make("timeline", figures.timeline, pipelined[0], system="omni")
-        make("timeline_homogeneous", figures.timeline, pipelined[0], system="homogeneous")
-    else:
-        results.append(("timeline", "not produced: the pipelined simulation failed"))
-    if pp2:
-        make("timeline_measured", figures.timeline, load(pp2).runs[0])
-    else:
-        results.append(("timeline_measured", "not produced: the pipelined run failed"))
-    profile = sims_dir / "calibration.json"  # fitted by `omnibench calibrate` on these runs
-    make("validation", figures.validation, recs_of(pick(lambda p: True)),
-         calibration=str(profile) if profile.is_file() else None)
-    one_off, cumulative, cumulative_notes = ablation_inputs(sweep, ablated, sims_dir)
-    make("ablation", figures.ablation, one_off, workload="mixed_video")
-    make("ablation_cumulative", figures.cumulative_ablation, cumulative, workload="mixed_video",
-         notes=cumulative_notes)
-    make("ablation_measured", figures.ablation,
-         recs_of(pick(lambda p: p.name.startswith("omni-") and "mixed_video" in p.name
-                      and not re.search(r"-r\d+$", p.name))))  # repeats (--repeat) are the throughput figure's
-    make("workload", figures.workload, "mixed_video")
-    # The folder is this command's: a figure an earlier reproduce drew that this one did not (a size only
-    # --extended reached, a figure whose data failed now) would pass for this data's, and the documents'
-    # tables read its CSV.
-    drawn = {name for name, status in results if status == "written"}
-    for old in fig_dir.iterdir():
-        if old.suffix in (".png", ".pdf", ".csv") and old.stem not in drawn:
-            old.unlink()
+    return {"grid": grid, "varied": varied, "deployed": deployed, "sweep": sweep, "second": second,
+            "ablated": ablated, "quotas": quotas, "scaling": scaling, "pipelined": pipelined}
 
-    # 4. the report over everything produced
+
+def _reference_report(out: Path, runs_dir: Path, sims_dir: Path, prov, results: list[tuple[str, str]]) -> None:
+    """4. the report over everything produced, and what each stage took (reproduce-stages.csv)."""
+    from omnibench.plots.load import PlotInputError, load
+    from omnibench.plots.report import draw_all, write_html
+
+    profile = sims_dir / "calibration.json"  # fitted by `omnibench calibrate` on these runs
     try:
         everything = load([runs_dir, sims_dir])
         with writing(out / "report.html"):
@@ -639,31 +688,40 @@ def reproduce(out: Path, quick: bool, reuse: bool = False, resume: bool = False,
             write_csv(out / "reproduce-stages.csv", [{"stage": k, "seconds": round(v, 1), "note": notes.get(k)}
                                                      for k, v in took.items()], ["stage", "seconds", "note"])
         results.append(("reproduce-stages.csv", "written"))
-    # 5. did every tune converge? (doubling its budget moved its best step time by <= 2%)
+
+
+def _convergence_table(out: Path, sims_dir: Path, results: list[tuple[str, str]]) -> None:
+    """5. did every tune converge? (doubling its budget moved its best step time by <= 2%): OUT/convergence.csv
+    and its table."""
     conv = convergence_rows(sims_dir / "tuned-layouts.json")
     unconverged = [r for r in conv if not r["converged"]]
-    if conv:
-        from rich.table import Table
+    if not conv:
+        return
+    from rich.table import Table
 
-        from omnibench.provenance import write_csv
+    from omnibench.provenance import write_csv
 
-        with writing(out / "convergence.csv"):
-            write_csv(out / "convergence.csv", conv, CONVERGENCE_COLUMNS)
-        table = Table(title="convergence of the tunes (best step time at the budget and at twice it)")
-        for col in ("workload", "GPUs", "system", "layout", "space", "budget", "best s", "2x budget", "best s (2x)",
-                    "moved", "vs seeds"):
-            table.add_column(col, justify="left" if col in ("workload", "system", "layout") else "right")
-        for r in conv:
-            moved = "-" if r["moved"] is None else f"{r['moved']:.1%}"
-            # how far the answer beat its fastest seed; "a seed": the search found nothing faster than one
-            over = "-" if r["over_seeds"] is None else "a seed" if r["over_seeds"] <= 0 else f"+{r['over_seeds']:.1%}"
-            table.add_row(r["workload"], str(r["gpus"]), r["system"], r["layout"], str(r["space"]), str(r["budget"]),
-                          f"{r['best_s']:.3f}", str(r["budget_2x"]), f"{r['best_s_2x']:.3f}",
-                          moved if r["converged"] else f"[red]{moved}[/]", over)
-        console.print(table)
-        results.append(("convergence.csv", "written" if not unconverged else
-                        f"written: {len(unconverged)} of {len(conv)} tunes moved by more than 2% at twice the budget "
-                        "(raise --tune-fraction)"))
+    with writing(out / "convergence.csv"):
+        write_csv(out / "convergence.csv", conv, CONVERGENCE_COLUMNS)
+    table = Table(title="convergence of the tunes (best step time at the budget and at twice it)")
+    for col in ("workload", "GPUs", "system", "layout", "space", "budget", "best s", "2x budget", "best s (2x)",
+                "moved", "vs seeds"):
+        table.add_column(col, justify="left" if col in ("workload", "system", "layout") else "right")
+    for r in conv:
+        moved = "-" if r["moved"] is None else f"{r['moved']:.1%}"
+        # how far the answer beat its fastest seed; "a seed": the search found nothing faster than one
+        over = "-" if r["over_seeds"] is None else "a seed" if r["over_seeds"] <= 0 else f"+{r['over_seeds']:.1%}"
+        table.add_row(r["workload"], str(r["gpus"]), r["system"], r["layout"], str(r["space"]), str(r["budget"]),
+                      f"{r['best_s']:.3f}", str(r["budget_2x"]), f"{r['best_s_2x']:.3f}",
+                      moved if r["converged"] else f"[red]{moved}[/]", over)
+    console.print(table)
+    results.append(("convergence.csv", "written" if not unconverged else
+                    f"written: {len(unconverged)} of {len(conv)} tunes moved by more than 2% at twice the budget "
+                    "(raise --tune-fraction)"))
+
+
+def _reproduce_verdict(out: Path, results: list[tuple[str, str]], log: list[str], reuse: bool) -> None:
+    """What was written, what failed, and exit 1 if a stage failed or a figure could not be drawn."""
     console.print("\n[bold]reference figures[/]", highlight=False)
     for name, what in results:
         console.print(f"  {name}: {what}", highlight=False)
@@ -875,6 +933,24 @@ def _cumulative_flags() -> list[list[str]]:
 
 def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int = 1,
             tune_budget: int | None = None, sweep: SweepArgs = SweepArgs(), extended: bool = False) -> list[Stage]:
+    stages = _run_stages(runs_dir, sims_dir, systems, quick, repeat)
+    stages += _one_layout_stages(sims_dir, systems, quick, sweep)
+    tuned = _TunedStages(sims_dir, systems, quick, tune_budget, sweep)
+    stages += tuned.comparison()
+    stages += tuned.ablations()
+    stages += tuned.second_hardware()
+    stages += tuned.memory()
+    stages += tuned.conditions()
+    stages += tuned.largest()
+    if extended:
+        stages += _extended_stages(systems, quick, sims_dir, tuned.workloads, tuned.dynamic_runs,
+                                   tuned.dynamic_args, tuned.tuned, tuned.seeded, tuned.seeded_search,
+                                   tuned.seeded_tag, tuned.cost)
+    return stages
+
+
+def _run_stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, repeat: int) -> list[Stage]:
+    """1. real runs on the CPU, and the simulator calibrated on them."""
     stages: list[Stage] = []
     steps = "3" if quick else "5"
     run_s = 8.0 if quick else 11.0
@@ -907,187 +983,241 @@ def _stages(runs_dir: Path, sims_dir: Path, systems: list[str], quick: bool, rep
         return ["calibrate", *finished, "--out", str(sims_dir / "calibration.json")]
 
     stages.append(Stage("calibrate", "calibrate the simulator on the runs", calibrate_args, 3.0))
-    # 2. simulations: one layout for every system (TP 4 inside a node, full recomputation to fit 80 GB)
+    return stages
+
+
+def _one_layout_stages(sims_dir: Path, systems: list[str], quick: bool, sweep: SweepArgs) -> list[Stage]:
+    """2. simulations: one layout for every system (TP 4 inside a node, full recomputation to fit 80 GB)."""
     sim_common = ["--system", ",".join(systems), "--hardware", "h100", "--model", "omni-7b", "--tp", "4",
                   "--recompute", "full", "--out", str(sims_dir), "--json", *sweep.run_args()]
     sizes = "256,1024" if quick else "256,512,1024,2048,4096,8192"
-    stages.append(Stage("sim-scaling", f"simulate mixed_video at {sizes} GPUs",
-                        ["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
-                        25.0 if quick else 120.0))
+    stages = [Stage("sim-scaling", f"simulate mixed_video at {sizes} GPUs",
+                    ["simulate", "--workload", "mixed_video", "--gpus", sizes, *sim_common],
+                    25.0 if quick else 120.0)]
     # a pipelined layout (PP 4) at 256 GPUs: its traces show pipeline bubbles and what fills them
-    piped = [s for s in systems if s != "temporal"]  # temporal has no pipeline
+    piped = [s for s in systems if s not in ("temporal", "spatial")]  # neither has a pipeline
     stages.append(Stage("sim-pipelined", "simulate a pipelined layout (pp 4) at 256 GPUs",
                         ["simulate", "--workload", "mixed_video", "--gpus", "256", "--pp", "4", "--microbatches",
                          "8", *sim_common[2:], "--system", ",".join(piped)], 8.0))
-    # 3. the tuned comparison: every system at its own layout (tuned once, kept for every step), each tune
-    # checked at twice its budget and kept in tuned-layouts.json for the stages after it (and --resume)
-    budget = (TUNE_BUDGET_QUICK if quick else TUNE_BUDGET) if tune_budget is None else tune_budget
-    search = ["--tune-budget", str(budget)] if budget else ["--tune-fraction", str(sweep.tune_fraction)]
-    tag = f"b{budget}" if budget else f"f{sweep.tune_fraction}"
-    gpus = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
-    largest = LARGEST_GPUS_QUICK if quick else LARGEST_GPUS
-    cache = str(sims_dir / "tuned-layouts.json")
+    return stages
 
-    def tuned(out: Path, how: list[str], hardware: str = "h100", model: str = "omni-7b") -> list[str]:
+
+class _TunedStages:
+    """3.-7. the stages that tune every system (the tuned comparison, its ablations, a second machine,
+    memory errors, the condition grid, the largest clusters), and what their commands and estimates
+    share: each tune checked at twice its budget and kept in tuned-layouts.json for the stages after
+    it (and --resume)."""
+
+    def __init__(self, sims_dir: Path, systems: list[str], quick: bool, tune_budget: int | None, sweep: SweepArgs):
+        self.sims_dir, self.systems, self.quick, self.sweep = sims_dir, systems, quick, sweep
+        budget = (TUNE_BUDGET_QUICK if quick else TUNE_BUDGET) if tune_budget is None else tune_budget
+        self.search = ["--tune-budget", str(budget)] if budget else ["--tune-fraction", str(sweep.tune_fraction)]
+        self.tag = f"b{budget}" if budget else f"f{sweep.tune_fraction}"
+        self.gpus = SWEEP_GPUS_QUICK if quick else SWEEP_GPUS
+        largest = LARGEST_GPUS_QUICK if quick else LARGEST_GPUS
+        self.cache = str(sims_dir / "tuned-layouts.json")
+        self.tuned_common = self.tuned(sims_dir, self.search)
+        # Every tune after the first starts from what won for the same system in the stages before it (tune.Seed:
+        # the layouts in the tune cache when it starts, written to seeds/<stage>.json, which its command names):
+        # a first wave that holds them settles at half the budget (the seeds are simulated on top), and the
+        # condition grid's video-heavy cells no longer miss omni's tp 1 / cp 4
+        seeded_budget = max(TUNE_BUDGET_QUICK, budget // 2) if budget else 0
+        self.seeded_search = ["--tune-budget", str(seeded_budget)] if budget else self.search
+        self.seeded_tag = (f"b{seeded_budget}" if budget else f"f{sweep.tune_fraction}") + "s"
+        # estimated wall seconds on 2 quiet cores, for stages results/reproduce-stages.csv does not time (`_measured`
+        # uses the CSV's seconds where it names the stage): the tune of one system at a size (budget 8, checked at
+        # 16 and doubled while it moves: 12-60 simulated layouts; a fraction of the space is about 3x that; seeded
+        # at half the budget: SEEDED_SCALE of it) and the simulation of one of its steps
+        per_layout = 1.0 if budget else 3.0
+        # (above 1,024 GPUs a search started from smaller sizes' answers simulates fewer layouts: in
+        # results/reproduce-stages.csv the 8,192-GPU mixed_video stage took 550 s against the 1,024-GPU one's 426 s,
+        # not 8x, hence the square root)
+        self.tune_s = {n: (1.0 if quick else 25.0 * per_layout * (n / 1024 if n <= 1024 else (n / 1024) ** 0.5))
+                       for n in (*self.gpus, largest, *CONDITION_GPUS, *(n for _, n in (*LARGEST, *LARGEST_QUICK)),
+                                 *EXTENDED_GPUS, *EXTENDED_GPUS_QUICK)}
+        self.step_s = {n: (0.4 if quick else 1.0 * n / 1024) for n in self.tune_s}
+        self.workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
+        self.dynamic_runs = DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS
+        self.at = _sizes(self.gpus)
+        self.baselines = [s for s in systems if s != "omni"]
+
+    def tuned(self, out: Path, how: list[str], hardware: str = "h100", model: str = "omni-7b") -> list[str]:
         return ["--hardware", hardware, "--model", model, "--tuned", *how, "--check-convergence", "--tune-cache",
-                cache, "--out", str(out), "--json", *sweep.run_args()]
+                self.cache, "--out", str(out), "--json", *self.sweep.run_args()]
 
-    tuned_common = tuned(sims_dir, search)
-    # Every tune after the first starts from what won for the same system in the stages before it (tune.Seed:
-    # the layouts in the tune cache when it starts, written to seeds/<stage>.json, which its command names):
-    # a first wave that holds them settles at half the budget (the seeds are simulated on top), and the
-    # condition grid's video-heavy cells no longer miss omni's tp 1 / cp 4
-    seeded_budget = max(TUNE_BUDGET_QUICK, budget // 2) if budget else 0
-    seeded_search = ["--tune-budget", str(seeded_budget)] if budget else search
-    seeded_tag = (f"b{seeded_budget}" if budget else f"f{sweep.tune_fraction}") + "s"
-
-    def seeded(key: str, workload: str | None = None) -> tuple[list[str], Callable[[], None]]:
-        path = sims_dir / "seeds" / f"{key}.json"
+    def seeded(self, key: str, workload: str | None = None) -> tuple[list[str], Callable[[], None]]:
+        path = self.sims_dir / "seeds" / f"{key}.json"
+        cache = self.cache
 
         def prepare() -> None:  # a stage run again (--resume) reads the seeds it was given the first time
             if not path.is_file():
                 write_seeds(Path(cache), path, workload)
         return ["--seed-from", str(path)], prepare
-    # estimated wall seconds on 2 quiet cores, for stages results/reproduce-stages.csv does not time (`_measured`
-    # uses the CSV's seconds where it names the stage): the tune of one system at a size (budget 8, checked at
-    # 16 and doubled while it moves: 12-60 simulated layouts; a fraction of the space is about 3x that; seeded
-    # at half the budget: SEEDED_SCALE of it) and the simulation of one of its steps
-    per_layout = 1.0 if budget else 3.0
-    # (above 1,024 GPUs a search started from smaller sizes' answers simulates fewer layouts: in
-    # results/reproduce-stages.csv the 8,192-GPU mixed_video stage took 550 s against the 1,024-GPU one's 426 s,
-    # not 8x, hence the square root)
-    tune_s = {n: (1.0 if quick else 25.0 * per_layout * (n / 1024 if n <= 1024 else (n / 1024) ** 0.5)) for n in (*gpus, largest, *CONDITION_GPUS,
-                                                                         *(n for _, n in (*LARGEST, *LARGEST_QUICK)),
-                                                                         *EXTENDED_GPUS, *EXTENDED_GPUS_QUICK)}
-    step_s = {n: (0.4 if quick else 1.0 * n / 1024) for n in tune_s}
-    workloads = ["mixed_video"] if quick else list(STATIC_WORKLOADS)
-    dynamic_runs = DYNAMIC_RUNS_QUICK if quick else DYNAMIC_RUNS
 
-    def dynamic_args(wl: str) -> list[str]:  # its steps, and the layouts tuned on TUNE_STEPS_DYNAMIC of them
-        extra = list(dynamic_runs.get(wl, ()))
+    def dynamic_args(self, wl: str) -> list[str]:  # its steps, and the layouts tuned on TUNE_STEPS_DYNAMIC of them
+        extra = list(self.dynamic_runs.get(wl, ()))
         if extra:
             extra += ["--tune-steps", str(min(TUNE_STEPS_DYNAMIC, int(extra[extra.index("--steps") + 1])))]
         return extra
 
-    def cost(wl: str, n: int, tune_scale: float = 1.0) -> float:
-        extra = dynamic_runs.get(wl, ())
+    def cost(self, wl: str, n: int, tune_scale: float = 1.0) -> float:
+        extra = self.dynamic_runs.get(wl, ())
         n_steps = int(extra[extra.index("--steps") + 1]) if extra else 1
         k = min(TUNE_STEPS_DYNAMIC, n_steps)
-        return len(systems) * (k * tune_s[n] * tune_scale + n_steps * step_s[n])
+        return len(self.systems) * (k * self.tune_s[n] * tune_scale + n_steps * self.step_s[n])
 
-    at = _sizes(gpus)
-    baselines = [s for s in systems if s != "omni"]
-
-    def as_deployed(key: str, wl: str, args: list[str], n_steps: int, prepare=None) -> None:
+    def as_deployed(self, key: str, wl: str, args: list[str], n_steps: int, prepare=None) -> list[Stage]:
         """The same cell with the baselines as their anchors deploy them (every batch split by token
         counts: `--option balancer=tokens`) at the layouts the full-strength stage tuned (its tune cache
         answers: the key holds no balancer), beside it."""
-        if not baselines:
-            return
+        if not self.baselines:
+            return []
         where = args.index("--out") + 1
-        args = [*args[:where], str(sims_dir / "as-deployed"), *args[where + 1:]]
-        args[args.index("--system") + 1] = ",".join(baselines)
-        stages.append(Stage(f"{key}-as-deployed", f"the baselines on {wl} at {at} GPUs as deployed (balanced by "
-                            "tokens), at their tuned layouts", [*args, "--option", "balancer=tokens"],
-                            len(baselines) * sum(n_steps * step_s[n] for n in gpus), prepare=prepare))
+        args = [*args[:where], str(self.sims_dir / "as-deployed"), *args[where + 1:]]
+        args[args.index("--system") + 1] = ",".join(self.baselines)
+        return [Stage(f"{key}-as-deployed", f"the baselines on {wl} at {self.at} GPUs as deployed (balanced by "
+                      "tokens), at their tuned layouts", [*args, "--option", "balancer=tokens"],
+                      len(self.baselines) * sum(n_steps * self.step_s[n] for n in self.gpus), prepare=prepare)]
 
-    for i, wl in enumerate(workloads):
-        if i == 0:  # the first tune: nothing won before it, so a full budget
-            args = ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus), *tuned_common]
-            stages.append(Stage(f"tuned-{wl}-{tag}", f"tune every system on {wl} at {at} GPUs, simulate it there",
-                                args, sum(cost(wl, n) for n in gpus)))
-            as_deployed(f"tuned-{wl}-{tag}", wl, args, 1)
-            continue
-        key = f"tuned-{wl}-{seeded_tag}"
-        seed_args, prepare = seeded(key)
-        args = ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
-                *tuned(sims_dir, seeded_search), *seed_args]
-        stages.append(Stage(key, f"tune every system on {wl} at {at} GPUs from the layouts that won before, "
-                            "simulate it there", args, sum(cost(wl, n, SEEDED_SCALE) for n in gpus), prepare=prepare))
-        as_deployed(key, wl, args, 1, prepare)
-    for wl, extra in dynamic_runs.items():
-        n_steps = int(extra[extra.index("--steps") + 1])
-        k = min(TUNE_STEPS_DYNAMIC, n_steps)
-        key = f"tuned-{wl}-{seeded_tag}"
-        seed_args, prepare = seeded(key)
-        args = ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", _csv(gpus),
-                *dynamic_args(wl), *tuned(sims_dir, seeded_search), *seed_args]
-        stages.append(Stage(key, f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} of them (calmest "
-                            "to burstiest) from the layouts that won before, and kept", args,
-                            sum(cost(wl, n, SEEDED_SCALE) for n in gpus), prepare=prepare))
-        as_deployed(key, wl, args, n_steps, prepare)
-    if "omni" in systems:  # the ablation at omni's own tuned layout (from the cache: no tune again)
-        for tech in SIM_ABLATIONS[:1] if quick else SIM_ABLATIONS:
-            stages.append(Stage(f"tuned-omni-no-{tech}-{tag}", f"simulate omni without {tech} at its tuned layout, "
-                                f"{gpus[0]:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
-                                                      "--gpus", str(gpus[0]), f"--no-{tech}", *tuned_common],
-                                step_s[gpus[0]] * 2, no_fit_is_an_answer=True))
+    def comparison(self) -> list[Stage]:
+        """3. the tuned comparison: every system at its own layout (tuned once, kept for every step), on
+        every workload, each beside the baselines as deployed."""
+        stages: list[Stage] = []
+        systems, gpus, at = ",".join(self.systems), _csv(self.gpus), self.at
+        for i, wl in enumerate(self.workloads):
+            if i == 0:  # the first tune: nothing won before it, so a full budget
+                args = ["simulate", "--workload", wl, "--system", systems, "--gpus", gpus, *self.tuned_common]
+                stages.append(Stage(f"tuned-{wl}-{self.tag}", f"tune every system on {wl} at {at} GPUs, simulate it "
+                                    "there", args, sum(self.cost(wl, n) for n in self.gpus)))
+                stages += self.as_deployed(f"tuned-{wl}-{self.tag}", wl, args, 1)
+                continue
+            key = f"tuned-{wl}-{self.seeded_tag}"
+            seed_args, prepare = self.seeded(key)
+            args = ["simulate", "--workload", wl, "--system", systems, "--gpus", gpus,
+                    *self.tuned(self.sims_dir, self.seeded_search), *seed_args]
+            stages.append(Stage(key, f"tune every system on {wl} at {at} GPUs from the layouts that won before, "
+                                "simulate it there", args, sum(self.cost(wl, n, SEEDED_SCALE) for n in self.gpus),
+                                prepare=prepare))
+            stages += self.as_deployed(key, wl, args, 1, prepare)
+        for wl, extra in self.dynamic_runs.items():
+            n_steps = int(extra[extra.index("--steps") + 1])
+            k = min(TUNE_STEPS_DYNAMIC, n_steps)
+            key = f"tuned-{wl}-{self.seeded_tag}"
+            seed_args, prepare = self.seeded(key)
+            args = ["simulate", "--workload", wl, "--system", systems, "--gpus", gpus,
+                    *self.dynamic_args(wl), *self.tuned(self.sims_dir, self.seeded_search), *seed_args]
+            stages.append(Stage(key, f"{wl} over {n_steps} steps at {at} GPUs, layouts tuned on {k} of them (calmest "
+                                "to burstiest) from the layouts that won before, and kept", args,
+                                sum(self.cost(wl, n, SEEDED_SCALE) for n in self.gpus), prepare=prepare))
+            stages += self.as_deployed(key, wl, args, n_steps, prepare)
+        return stages
+
+    def ablations(self) -> list[Stage]:
+        """The ablation at omni's own tuned layout (from the cache: no tune again), one technique off at a
+        time and cumulatively."""
+        if "omni" not in self.systems:
+            return []
+        stages: list[Stage] = []
+        n = self.gpus[0]
+        for tech in SIM_ABLATIONS[:1] if self.quick else SIM_ABLATIONS:
+            stages.append(Stage(f"tuned-omni-no-{tech}-{self.tag}", f"simulate omni without {tech} at its tuned layout, "
+                                f"{n:,} GPUs", ["simulate", "--workload", "mixed_video", "--system", "omni",
+                                                "--gpus", str(n), f"--no-{tech}", *self.tuned_common],
+                                self.step_s[n] * 2, no_fit_is_an_answer=True))
+        stages += self.spatial_quotas(n)
         # and cumulatively: from the decoupled layout alone, with the baselines' loading, technique by technique
         from omnibench.plots.figures import CUMULATIVE
 
-        for (name, label), flags in list(zip(CUMULATIVE[:-1], _cumulative_flags(), strict=True))[:1 if quick else None]:
-            stages.append(Stage(f"{CUMULATIVE_PREFIX}{name.replace('_', '-')}-{tag}",
-                                f"simulate omni at its tuned layout, {gpus[0]:,} GPUs, cumulative ablation: {label}",
-                                ["simulate", "--workload", "mixed_video", "--system", "omni", "--gpus", str(gpus[0]),
-                                 *flags, *tuned_common], step_s[gpus[0]] * 2, no_fit_is_an_answer=True))
-    # 4. a second machine (same compute, 141 GB), a figure of its own
-    for wl in [w for w in workloads if w in SECOND_HARDWARE_WORKLOADS]:
-        key = f"tuned-{wl}-{SECOND_HARDWARE}-{seeded_tag}"
-        seed_args, prepare = seeded(key)
-        stages.append(Stage(key, f"tune every system on {wl} at {gpus[0]:,} {SECOND_HARDWARE.upper()}s from the "
-                            "layouts that won before, simulate it there",
-                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(gpus[0]),
-                             *tuned(sims_dir / SECOND_HARDWARE, seeded_search, hardware=SECOND_HARDWARE),
-                             *seed_args], cost(wl, gpus[0], SEEDED_SCALE), prepare=prepare))
-    # 5. memory sensitivity: every system tuned again and judged as if each memory estimate were off by
-    # -20% / +20% (the step cache answers the layouts already simulated: the error moves no time)
-    for wl in MEMORY_WORKLOADS:
-        extra = dynamic_args(wl)
-        for err in MEMORY_ERRORS:
-            key = f"memory-{wl}-{err:+.2f}-{seeded_tag}"
-            seed_args, prepare = seeded(key)
-            stages.append(Stage(key, f"{wl} at {gpus[0]:,} GPUs, every system tuned as if memory were {abs(err):.0%} "
-                                f"{'under' if err > 0 else 'over'}-estimated",
-                                ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(gpus[0]),
-                                 *extra, "--memory-error", str(err), *tuned(sims_dir / "memory", seeded_search),
-                                 *seed_args],
-                                cost(wl, gpus[0], SEEDED_SCALE * 0.5), prepare=prepare))  # the step cache answers half
-    # 6. the condition grid (workloads/conditions.py): where decoupling pays, every system tuned per cell at a
-    # small fixed budget whose convergence the figure's caption reports, seeded with every answer before it
-    grid_dir, cond_dir = sims_dir / "conditions" / "grid", sims_dir / "conditions"
-    cond_gpus = CONDITION_GPUS_QUICK if quick else CONDITION_GPUS
-    cond_budget = TUNE_BUDGET_QUICK if quick else CONDITION_BUDGET
-    for model in CONDITION_MODELS_QUICK if quick else CONDITION_MODELS:
-        for share, sigma in _grid_cells(quick):
-            cell = grid_dir / f"{cell_name(share, sigma)}.toml"
-            key = f"conditions-{model}-{cell.stem}-b{cond_budget}s"
-            seed_args, prepare = seeded(key)
-            stages.append(Stage(key, f"condition cell {cell.stem} ({model}) at {_sizes(cond_gpus)} GPUs, every system "
-                                "tuned",
-                                _cell_args(cell, share, sigma,
-                                           ["simulate", "--workload", str(cell), "--system", ",".join(systems),
-                                            "--gpus", _csv(cond_gpus),
-                                            *tuned(cond_dir, ["--tune-budget", str(cond_budget)], model=model),
-                                            *seed_args]),
-                                sum(len(systems) * (tune_s[n] * 0.5 + step_s[n]) for n in cond_gpus),
-                                prepare=prepare))
-    # 7. the largest clusters, last (their simulations are the dearest: 4-8x a 1,024-GPU step each), seeded with
-    # the same workload's answers at the sizes and on the machines before them (each seed costs a simulation
-    # at this size; per-GPU work is the same at every size). Searched alone at 8,192 GPUs, omni's tune settled
-    # on tp 4 (4 -> 8 layouts moved 0%) and missed tp 1 / cp 4, 1.36x faster.
-    for wl, n in LARGEST_QUICK if quick else LARGEST:
-        extra = dynamic_args(wl)
-        key = f"largest-{wl}-{n}-{seeded_tag}"
-        seed_args, prepare = seeded(key, wl)
-        stages.append(Stage(key, f"tune every system on {wl} at {n:,} GPUs from the layouts that won before, "
-                            "simulate it there" + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),
-                            ["simulate", "--workload", wl, "--system", ",".join(systems), "--gpus", str(n), *extra,
-                             *tuned(sims_dir, seeded_search), *seed_args], cost(wl, n, SEEDED_SCALE),
-                            prepare=prepare))
-    if extended:
-        stages += _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, dynamic_args, tuned, seeded,
-                                   seeded_search, seeded_tag, cost)
-    return stages
+        for (name, label), flags in list(zip(CUMULATIVE[:-1], _cumulative_flags(), strict=True))[:1 if self.quick else None]:
+            stages.append(Stage(f"{CUMULATIVE_PREFIX}{name.replace('_', '-')}-{self.tag}",
+                                f"simulate omni at its tuned layout, {n:,} GPUs, cumulative ablation: {label}",
+                                ["simulate", "--workload", "mixed_video", "--system", "omni", "--gpus", str(n),
+                                 *flags, *self.tuned_common], self.step_s[n] * 2, no_fit_is_an_answer=True))
+        return stages
+
+    def spatial_quotas(self, n: int) -> list[Stage]:
+        """spatial at its tuned layout on mixed_video with the quota its tune did not pick: a fixed even split,
+        and the per-phase share by the balancer (`auto`): what searching the quota buys."""
+        if "spatial" not in self.systems:
+            return []
+        return [Stage(f"spatial-quota-{q}-{self.tag}", f"simulate spatial at its tuned layout with quota {q}, {n:,} GPUs",
+                      ["simulate", "--workload", "mixed_video", "--system", "spatial", "--gpus", str(n),
+                       "--option", f"quota={q}", *self.tuned_common], self.step_s[n] * 2, no_fit_is_an_answer=True)
+                for q in SPATIAL_ABLATION_QUOTAS]
+
+    def second_hardware(self) -> list[Stage]:
+        """4. a second machine (same compute, 141 GB), a figure of its own."""
+        stages: list[Stage] = []
+        n = self.gpus[0]
+        for wl in [w for w in self.workloads if w in SECOND_HARDWARE_WORKLOADS]:
+            key = f"tuned-{wl}-{SECOND_HARDWARE}-{self.seeded_tag}"
+            seed_args, prepare = self.seeded(key)
+            stages.append(Stage(key, f"tune every system on {wl} at {n:,} {SECOND_HARDWARE.upper()}s from the "
+                                "layouts that won before, simulate it there",
+                                ["simulate", "--workload", wl, "--system", ",".join(self.systems), "--gpus", str(n),
+                                 *self.tuned(self.sims_dir / SECOND_HARDWARE, self.seeded_search,
+                                             hardware=SECOND_HARDWARE),
+                                 *seed_args], self.cost(wl, n, SEEDED_SCALE), prepare=prepare))
+        return stages
+
+    def memory(self) -> list[Stage]:
+        """5. memory sensitivity: every system tuned again and judged as if each memory estimate were off by
+        -20% / +20% (the step cache answers the layouts already simulated: the error moves no time)."""
+        stages: list[Stage] = []
+        n = self.gpus[0]
+        for wl in MEMORY_WORKLOADS:
+            extra = self.dynamic_args(wl)
+            for err in MEMORY_ERRORS:
+                key = f"memory-{wl}-{err:+.2f}-{self.seeded_tag}"
+                seed_args, prepare = self.seeded(key)
+                stages.append(Stage(key, f"{wl} at {n:,} GPUs, every system tuned as if memory were {abs(err):.0%} "
+                                    f"{'under' if err > 0 else 'over'}-estimated",
+                                    ["simulate", "--workload", wl, "--system", ",".join(self.systems), "--gpus", str(n),
+                                     *extra, "--memory-error", str(err),
+                                     *self.tuned(self.sims_dir / "memory", self.seeded_search), *seed_args],
+                                    self.cost(wl, n, SEEDED_SCALE * 0.5), prepare=prepare))  # the step cache answers half
+        return stages
+
+    def conditions(self) -> list[Stage]:
+        """6. the condition grid (workloads/conditions.py): where decoupling pays, every system tuned per cell
+        at a small fixed budget whose convergence the figure's caption reports, seeded with every answer
+        before it."""
+        stages: list[Stage] = []
+        grid_dir, cond_dir = self.sims_dir / "conditions" / "grid", self.sims_dir / "conditions"
+        cond_gpus = CONDITION_GPUS_QUICK if self.quick else CONDITION_GPUS
+        cond_budget = TUNE_BUDGET_QUICK if self.quick else CONDITION_BUDGET
+        for model in CONDITION_MODELS_QUICK if self.quick else CONDITION_MODELS:
+            for share, sigma in _grid_cells(self.quick):
+                cell = grid_dir / f"{cell_name(share, sigma)}.toml"
+                key = f"conditions-{model}-{cell.stem}-b{cond_budget}s"
+                seed_args, prepare = self.seeded(key)
+                stages.append(Stage(key, f"condition cell {cell.stem} ({model}) at {_sizes(cond_gpus)} GPUs, every "
+                                    "system tuned",
+                                    _cell_args(cell, share, sigma,
+                                               ["simulate", "--workload", str(cell), "--system", ",".join(self.systems),
+                                                "--gpus", _csv(cond_gpus),
+                                                *self.tuned(cond_dir, ["--tune-budget", str(cond_budget)], model=model),
+                                                *seed_args]),
+                                    sum(len(self.systems) * (self.tune_s[n] * 0.5 + self.step_s[n]) for n in cond_gpus),
+                                    prepare=prepare))
+        return stages
+
+    def largest(self) -> list[Stage]:
+        """7. the largest clusters, last (their simulations are the dearest: 4-8x a 1,024-GPU step each), seeded
+        with the same workload's answers at the sizes and on the machines before them (each seed costs a
+        simulation at this size; per-GPU work is the same at every size). Searched alone at 8,192 GPUs, omni's
+        tune settled on tp 4 (4 -> 8 layouts moved 0%) and missed tp 1 / cp 4, 1.36x faster."""
+        stages: list[Stage] = []
+        for wl, n in LARGEST_QUICK if self.quick else LARGEST:
+            extra = self.dynamic_args(wl)
+            key = f"largest-{wl}-{n}-{self.seeded_tag}"
+            seed_args, prepare = self.seeded(key, wl)
+            stages.append(Stage(key, f"tune every system on {wl} at {n:,} GPUs from the layouts that won before, "
+                                "simulate it there" + (f" ({extra[extra.index('--steps') + 1]} steps)" if extra else ""),
+                                ["simulate", "--workload", wl, "--system", ",".join(self.systems), "--gpus", str(n),
+                                 *extra, *self.tuned(self.sims_dir, self.seeded_search), *seed_args],
+                                self.cost(wl, n, SEEDED_SCALE), prepare=prepare))
+        return stages
 
 
 def _extended_stages(systems, quick, sims_dir, workloads, dynamic_runs, dynamic_args, tuned, seeded, seeded_search,

@@ -15,9 +15,10 @@ import shutil
 import signal
 import sys
 from contextlib import suppress
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import typer
 from rich.table import Table
@@ -45,7 +46,7 @@ from omnibench.cli.common import (
 from omnibench.provenance import provenance, publish, write_csv
 from omnibench.stopping import exit_on_sigterm, raise_if_stopped
 
-BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
+BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated", "spatial")  # what omni is judged against
 SAVE_PLANS_UP_TO = 256  # plans of bigger clusters are tens of MB; their traces and metrics are kept
 TRACE_RANKS = 512  # simulated ranks drawn in a record's timeline (the lowest ones; the rest are noted)
 INCOMPLETE = ".incomplete"  # a record folder being written (same suffix as a run's)
@@ -690,681 +691,876 @@ SIMULATE_HELP = "\n\n".join([
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(help=SIMULATE_HELP)
-    def simulate(
-        workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
-        system: str = typer.Option("all", "--system", "-s", help="A system name, a comma list, or 'all'."),
-        gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
-        hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
-        model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
-        stack: str = typer.Option("eager", "--stack", help=SOFTWARE_STACK_HELP),
-        sequence_parallel: bool = typer.Option(None, "--sequence-parallel", help="Norms over 1/tp of the tokens."),
-        overlap_grad_reduce: bool = typer.Option(None, "--overlap-grad-reduce", help="DP reduction behind the backward."),
-        overlap_param_gather: bool = typer.Option(None, "--overlap-param-gather", help="ZeRO gathers behind the forward."),
-        tp_overlap: bool = typer.Option(None, "--tp-overlap", help="TP collectives behind the GEMMs."),
-        attention: str = typer.Option("", "--attention", help="flash | unfused; default: the stack's."),
-        grad_reduce_dtype: str = typer.Option("", "--grad-reduce-dtype", help="fp32 | bf16 (Megatron's main grads)."),
-        fp8: bool = typer.Option(False, "--fp8", help="FP8 linears (Hopper or later)."),
-        ep_dispatcher: str = typer.Option("alltoall", "--ep-dispatcher", help="alltoall | deepep (MoE dispatch)."),
-        dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
-        mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
-        micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
-        steps: int = typer.Option(1, "--steps", help="Steps (batches) to simulate."),
-        step_stride: int = typer.Option(1, "--step-stride", help="With --steps: every K-th batch of the stream."),
-        calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
-        tp: int = typer.Option(0, "--tp", help=TP_HELP),
-        pp: int = typer.Option(0, "--pp", help=PP_HELP),
-        cp: int = typer.Option(0, "--cp", help=CP_HELP),
-        cp_kind: str = typer.Option("ulysses", "--cp-kind", help=CP_KIND_HELP),
-        ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models)."),
-        expert_tp: int = typer.Option(0, "--expert-tp", help="0: experts split over tp | 1: whole."),
-        dp: int = typer.Option(0, "--dp", help="Data-parallel degree; 0: what is left."),
-        dp_shard: DpShard = 0,
-        microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
-        virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B model chunks per pipeline rank."),
-        encoder_tp: int = typer.Option(0, "--encoder-tp", help="Encoders' tensor parallelism; 0: the system's."),
-        encoder_sp: int = typer.Option(0, "--encoder-sp", help="Encoders' SP group size; 0: the system's."),
-        encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders."),
-        global_batch_tokens: int = typer.Option(
-            0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
-        recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
-        freeze: str = typer.Option("", "--freeze", help=FREEZE_HELP),
-        encoder_chunk_tokens: int = typer.Option(
-            0, "--encoder-chunk-tokens", help="Encoder chunks of at most N tokens; 0: off."),
-        seed: int = typer.Option(0, "--seed", help="Seed of the workload's sample stream."),
-        out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
-        as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
-        no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work before/after the LLM pipeline"),
-        no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
-        no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
-        no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
-        no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short", help="omni: long LLM samples stay on one data rank"),
-        option: list[str] = typer.Option([], "--option", help=OPTION_HELP),
-        tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout, tuned once, kept."),
-        tune_budget: int = typer.Option(0, "--tune-budget", help="With --tuned: layouts per system; 0: a fraction."),
-        tune_fraction: float = typer.Option(None, "--tune-fraction", help="Share of the pruned space (default 0.25)."),
-        tune_steps: int = typer.Option(1, "--tune-steps", help="With --tuned: batches tuned on, picked by regime."),
-        check_convergence: bool = typer.Option(False, "--check-convergence", help="With --tuned: tune again at 2x "
-                                                "(again while the best moves > 2%)."),
-        workers: int = typer.Option(None, "--workers", help="Simulations at once (default: every core)."),
-        ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
-        no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
-        tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
-        seed_from: list[Path] = typer.Option([], "--seed-from", metavar="FILE", help="With --tuned: seed each search from a tune "
-                                             "cache or seeds file."),
-        memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
-        no_tune_guard: bool = typer.Option(False, "--no-tune-guard", help="With --tuned: no check that the layout runs every step."),
-        no_trace: bool = typer.Option(False, "--no-trace", help="The record without timelines or plans."),
-    ) -> None:
-        from omnibench.specs.parallel import ParallelSpec
-        from omnibench.specs.presets import get_model
-        from omnibench.sweep import Sweep
-        from simulator.cache import pack, run_step
+    app.command(help=SIMULATE_HELP)(simulate)
+    app.command()(calibrate)
+    app.command()(validate)
+
+
+def simulate(
+    workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
+    system: str = typer.Option("all", "--system", "-s", help="A system name, a comma list, or 'all'."),
+    gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
+    hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
+    model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset or TOML/YAML file."),
+    stack: str = typer.Option("eager", "--stack", help=SOFTWARE_STACK_HELP),
+    sequence_parallel: bool = typer.Option(None, "--sequence-parallel", help="Norms over 1/tp of the tokens."),
+    overlap_grad_reduce: bool = typer.Option(None, "--overlap-grad-reduce", help="DP reduction behind the backward."),
+    overlap_param_gather: bool = typer.Option(None, "--overlap-param-gather", help="ZeRO gathers behind the forward."),
+    tp_overlap: bool = typer.Option(None, "--tp-overlap", help="TP collectives behind the GEMMs."),
+    attention: str = typer.Option("", "--attention", help="flash | unfused; default: the stack's."),
+    grad_reduce_dtype: str = typer.Option("", "--grad-reduce-dtype", help="fp32 | bf16 (Megatron's main grads)."),
+    fp8: bool = typer.Option(False, "--fp8", help="FP8 linears (Hopper or later)."),
+    ep_dispatcher: str = typer.Option("alltoall", "--ep-dispatcher", help="alltoall | deepep (MoE dispatch)."),
+    dp_mode: str = typer.Option(None, "--dp-mode", help=DP_MODE_HELP),
+    mixed_precision: str = typer.Option("autocast", "--mixed-precision", help=MIXED_PRECISION_HELP),
+    micro_batch: int = typer.Option(0, "--micro-batch", help=MICRO_BATCH_HELP),
+    steps: int = typer.Option(1, "--steps", help="Steps (batches) to simulate."),
+    step_stride: int = typer.Option(1, "--step-stride", help="With --steps: every K-th batch of the stream."),
+    calibration: str = typer.Option(None, "--calibration", help="Profile JSON from `omnibench calibrate`."),
+    tp: int = typer.Option(0, "--tp", help=TP_HELP),
+    pp: int = typer.Option(0, "--pp", help=PP_HELP),
+    cp: int = typer.Option(0, "--cp", help=CP_HELP),
+    cp_kind: str = typer.Option("ulysses", "--cp-kind", help=CP_KIND_HELP),
+    ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models)."),
+    expert_tp: int = typer.Option(0, "--expert-tp", help="0: experts split over tp | 1: whole."),
+    dp: int = typer.Option(0, "--dp", help="Data-parallel degree; 0: what is left."),
+    dp_shard: DpShard = 0,
+    microbatches: int = typer.Option(0, "--microbatches", help="Per LLM data rank; 0: system default."),
+    virtual_stages: int = typer.Option(1, "--virtual-stages", help="Interleaved 1F1B model chunks per pipeline rank."),
+    encoder_tp: int = typer.Option(0, "--encoder-tp", help="Encoders' tensor parallelism; 0: the system's."),
+    encoder_sp: int = typer.Option(0, "--encoder-sp", help="Encoders' SP group size; 0: the system's."),
+    encoder_ranks: int = typer.Option(0, "--encoder-ranks", help="noncolocated: ranks for the encoders."),
+    global_batch_tokens: int = typer.Option(
+        0, "--global-batch-tokens", help="Tokens per step; 0: 8,192 per GPU of each cluster size."),
+    recompute: str = typer.Option("auto", "--recompute", help=RECOMPUTE_HELP),
+    freeze: str = typer.Option("", "--freeze", help=FREEZE_HELP),
+    encoder_chunk_tokens: int = typer.Option(
+        0, "--encoder-chunk-tokens", help="Encoder chunks of at most N tokens; 0: off."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the workload's sample stream."),
+    out: Path = typer.Option(Path("results/sims"), "--out", help="Where the record folder goes."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    no_joint_pipeline: bool = typer.Option(False, "--no-joint-pipeline", help="omni: encoder work before/after the LLM pipeline"),
+    no_reorder: bool = typer.Option(False, "--no-reorder", help="omni: no grouped reordering in the loaders"),
+    no_reshard: bool = typer.Option(False, "--no-reshard", help="omni: encoder outputs go back to their source rank"),
+    no_long_short_sp: bool = typer.Option(False, "--no-long-short-sp", help="omni: long inputs stay data-parallel"),
+    no_llm_long_short: bool = typer.Option(False, "--no-llm-long-short", help="omni: long LLM samples stay on one data rank"),
+    option: list[str] = typer.Option([], "--option", help=OPTION_HELP),
+    tuned: bool = typer.Option(False, "--tuned", help="Each system at its own best layout, tuned once, kept."),
+    tune_budget: int = typer.Option(0, "--tune-budget", help="With --tuned: layouts per system; 0: a fraction."),
+    tune_fraction: float = typer.Option(None, "--tune-fraction", help="Share of the pruned space (default 0.25)."),
+    tune_steps: int = typer.Option(1, "--tune-steps", help="With --tuned: batches tuned on, picked by regime."),
+    check_convergence: bool = typer.Option(False, "--check-convergence", help="With --tuned: tune again at 2x "
+                                            "(again while the best moves > 2%)."),
+    workers: int = typer.Option(None, "--workers", help="Simulations at once (default: every core)."),
+    ray: str = typer.Option(None, "--ray", help="Ray cluster: auto, local or ray://host:port."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Simulate again (no step cache)."),
+    tune_cache: Path = typer.Option(None, "--tune-cache", help="With --tuned: JSON file of tuned layouts to reuse/extend."),
+    seed_from: list[Path] = typer.Option([], "--seed-from", metavar="FILE", help="With --tuned: seed each search from a tune "
+                                         "cache or seeds file."),
+    memory_error: float = typer.Option(0.0, "--memory-error", help=MEMORY_ERROR_HELP),
+    no_tune_guard: bool = typer.Option(False, "--no-tune-guard", help="With --tuned: no check that the layout runs every step."),
+    no_trace: bool = typer.Option(False, "--no-trace", help="The record without timelines or plans."),
+) -> None:
+    # the options as given, by name (taken before the body binds any other name): what the steps below read
+    flags = SimpleNamespace(**locals())
+    sim = _settle(flags)
+    if tuned and tune_cache is not None:
+        writable_file(tune_cache, "tune-cache")  # before the tune, whose answers it would lose
+    made_out = not out.exists()
+    writable_folder(out)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    final = _claim(out, _record_name(sim, stamp))
+    tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
+    rows, fitting = _simulate_and_record(sim, stamp, final, tmp, made_out)
+    _report(sim, rows, fitting, final)
+
+
+@dataclass
+class _Simulation:
+    """What `simulate` settled from its flags before anything is made on disk."""
+
+    flags: SimpleNamespace  # the command's options, as given
+    sizes: list[int]  # cluster sizes, each once
+    options: dict  # the planners' options (omni's switches and --option)
+    cache: dict  # the tune cache (--tune-cache), {} untuned
+    dp_fields: dict  # ParallelSpec fields of --dp-mode, --dp-shard and --mixed-precision
+    software: object  # simulator.stacks.Software of --stack and its mechanism flags
+    sim_software: dict  # its SimOptions fields
+    stack: str  # what the tune and the layout checks cost the blocks with
+    systems: list[str]
+    missing: list[str]  # with --system all: the systems not registered yet
+    spec: object  # the model trained: the one named, less the encoders the workload never feeds
+    model_note: str
+    frozen: tuple
+    profile: object  # simulator.calibrate.Profile of --calibration, or None
+    clusters: dict  # size -> simulator.hardware cluster
+    seeds: list  # tune.Seeds of --seed-from
+    prepared: dict  # size -> (global batch tokens, sample stream, ParallelSpec)
+
+
+def _settle(f: SimpleNamespace) -> _Simulation:
+    """Every input of `simulate`, checked before anything is made (the --out folder, a record, the tune
+    cache): a refused command leaves the disk as it found it. Checked in the order a user reads the
+    flags, so that of two mistakes the same one is named first."""
+    from omnibench.specs.presets import get_model
+
+    sizes = list(dict.fromkeys(_ints(f.gpus, "gpus")))  # a size given twice is simulated once
+    options = _planner_flags(f)
+    _check_counts(f)
+    cache = read_tune_cache(f.tune_cache) if f.tuned else {}
+    if f.seed_from and not f.tuned:
+        fail("seed-from: seeds start a tune; give --tuned too")
+    from omnibench.sweep import SweepError, check_ray
+
+    try:
+        check_ray(f.ray)
+    except SweepError as e:
+        fail(str(e))
+    dp_fields, software = _software_flags(f)
+    _check_layout_flags(f)
+    frozen = freeze_option(f.freeze)  # the names alone here; against the model once it is known
+    systems, missing = _chosen_systems(f.system)
+    try:
+        from omnibench.resolve import model_for_workload
         from simulator.calibrate import Profile
         from simulator.hardware import load_cluster
-        from simulator.stacks import splits_embedding_loss
-        from simulator.traces import perfetto_events, write_json_atomic
-        from systems import SYSTEMS, available_systems
-        from systems.omni.options import options_from_flags
+        from workloads.registry import get_workload
 
-        # Every input is checked before anything is made (the --out folder, a record, the tune cache):
-        # a refused command leaves the disk as it found it.
-        sizes = list(dict.fromkeys(_ints(gpus, "gpus")))  # a size given twice is simulated once
+        # every system trains the model less the encoders the workload never feeds
+        named = get_model(f.model)
+        model, model_note = model_for_workload(f.model, get_workload(f.workload))
+        spec = get_model(model)
+        profile = Profile.load(f.calibration) if f.calibration else None
+        clusters = {n: load_cluster(f.hardware, n) for n in sizes}
+    except ValueError as e:
+        fail(str(e))
+    frozen = freeze_option(f.freeze, named, spec)
+    from simulator.stacks import fp8_capable
+
+    gpu_name = next(iter(clusters.values())).gpu.name
+    if software.fp8 and not fp8_capable(gpu_name):
+        fail(f"fp8: FP8 tensor cores need Hopper or later (h100, h200, h800, b200, gb200); --hardware {f.hardware}'s "
+             f"GPU is {gpu_name}")
+    seeds = read_seeds(f.seed_from, spec.name) if f.seed_from else []
+    sim = _Simulation(f, sizes, options, cache, dp_fields, software, software.sim_fields(), software.preset.kernels,
+                      systems, missing, spec, model_note, frozen, profile, clusters, seeds, {})
+    sim.prepared = _prepared(sim)
+    return sim
+
+
+def _planner_flags(f: SimpleNamespace) -> dict:
+    """The planners' options of omni's --no-* switches and --option; an unknown key or value is refused
+    whichever systems run."""
+    from systems.omni.options import OmniOptions, options_from_flags
+    from systems.spatial import parse_quota
+
+    try:
+        options = options_from_flags(f.no_joint_pipeline, f.no_reorder, f.no_reshard, f.no_long_short_sp, f.option,
+                                     f.no_llm_long_short)
+        OmniOptions.parse(options)
+        parse_quota(options)
+    except ValueError as e:
+        fail(f"option: {e}")
+    return options
+
+
+def _check_counts(f: SimpleNamespace) -> None:
+    """One-line errors for the steps simulated, the tune's budget and window, the workers and --memory-error."""
+    if f.steps < 1:
+        fail(f"steps must be a positive integer, got {f.steps}")
+    if f.step_stride < 1:
+        fail(f"step-stride must be a positive integer, got {f.step_stride}")
+    if f.tune_budget < 0:
+        fail(f"tune-budget must be >= 0 (0: --tune-fraction of each system's space), got {f.tune_budget}")
+    if f.tune_fraction is not None and not 0 < f.tune_fraction <= 1:
+        fail(f"tune-fraction must be in (0, 1] (a share of the layouts left after pruning), got {f.tune_fraction}")
+    if f.tune_steps < 1 or f.tune_steps > f.steps:
+        fail(f"tune-steps must be between 1 and --steps ({f.steps}), got {f.tune_steps}")
+    if f.workers is not None and f.workers < 1:
+        fail(f"workers must be a positive integer (default: every core), got {f.workers}")
+    check_memory_error(f.memory_error)
+
+
+def _software_flags(f: SimpleNamespace) -> tuple[dict, object]:
+    """(the ParallelSpec fields of --dp-mode, --dp-shard and --mixed-precision, the Software of --stack and
+    its mechanism flags); one line naming the flag otherwise."""
+    dp_fields = _dp_fields(f.dp_mode, f.dp_shard)
+    check_mixed_precision(f.mixed_precision, f.stack)
+    dp_fields["mixed_precision"] = f.mixed_precision
+    software = software_from_flags(f.stack, f.hardware, attention=f.attention, grad_reduce_dtype=f.grad_reduce_dtype,
+                                   fp8=f.fp8, ep_dispatcher=f.ep_dispatcher, sequence_parallel=f.sequence_parallel,
+                                   overlap_grad_reduce=f.overlap_grad_reduce,
+                                   overlap_param_gather=f.overlap_param_gather, tp_overlap=f.tp_overlap)
+    if f.tuned and software.flags() not in (["--stack", "eager"], ["--stack", "fused"]):
+        fail(f"tuned: --tuned searches with --stack eager or fused and no mechanism flags; got "
+             f"{' '.join(software.flags())}")
+    return dp_fields, software
+
+
+def _check_layout_flags(f: SimpleNamespace) -> None:
+    """One-line errors for --expert-tp, --micro-batch, --encoder-chunk-tokens, --global-batch-tokens and
+    --recompute (the values alone: the model checks the layout later)."""
+    from omnibench.specs.costs import recompute_policy
+
+    if f.expert_tp not in (0, 1):
+        fail(f"expert-tp must be 0 (experts split over tp) or 1 (experts whole, ep over dp*cp*tp); got {f.expert_tp}")
+    if f.micro_batch < 0 or (f.micro_batch and f.microbatches):
+        fail(f"micro-batch must be a positive number of samples (or 0: --microbatches decides), and not given "
+             f"with --microbatches; got --micro-batch {f.micro_batch} --microbatches {f.microbatches}")
+    if f.encoder_chunk_tokens < 0:
+        fail(f"encoder-chunk-tokens must be a token budget N >= 1 or 0 (off), got {f.encoder_chunk_tokens}")
+    if f.global_batch_tokens < 0:
+        fail(f"global-batch-tokens must be >= 0 (0 = 8,192 per GPU), got {f.global_batch_tokens}")
+    try:
+        if f.recompute != "auto":
+            recompute_policy(f.recompute)
+    except ValueError as e:
+        fail(f"{e} (or auto)")
+
+
+def _chosen_systems(system: str) -> tuple[list[str], list[str]]:
+    """(the systems --system names, each once, in the order given; with `all`, the ones not registered yet)."""
+    from systems import SYSTEMS, available_systems
+
+    registered = available_systems()
+    if system.strip() == "all":
+        systems = registered
+        missing = [s for s in SYSTEMS if s not in registered]
+        if not systems:
+            fail("system: no systems are registered yet")
+        return systems, missing
+    # each system once, in the order given: a repeated name would be simulated and reported twice
+    systems = list(dict.fromkeys(s.strip() for s in system.split(",") if s.strip()))
+    if not systems:
+        fail(f"system must be one of {', '.join(registered) or '(none registered)'}, a comma list of "
+             f"them, or all; got {system!r}")
+    for s in systems:
+        if s not in registered:
+            fail(f"system must be one of {', '.join(registered) or '(none registered)'} or all; got {s!r}")
+    return systems, []
+
+
+def _prepared(sim: _Simulation) -> dict[int, tuple]:
+    """Each size's (global batch tokens, sample stream, layout asked for), checked here (a workload that
+    does not load, a layout the model refuses, a batch the stream cannot form) rather than inside the sweep."""
+    from omnibench.specs.parallel import ParallelSpec
+    from simulator.stacks import splits_embedding_loss
+
+    f, spec = sim.flags, sim.spec
+    prepared: dict[int, tuple] = {}
+    for n in sim.sizes:
+        gbt = f.global_batch_tokens or 8192 * n
         try:
-            options = options_from_flags(no_joint_pipeline, no_reorder, no_reshard, no_long_short_sp, option,
-                                         no_llm_long_short)
-            from systems.omni.options import OmniOptions
-
-            OmniOptions.parse(options)  # an unknown key or value is refused whichever systems run
+            stream = _stream(f.workload, f.seed, gbt)
+            parallel = ParallelSpec(world_size=n, gpus_per_node=sim.clusters[n].gpus_per_node, dp=f.dp,
+                                    tp=f.tp or 1, pp=f.pp or 1, cp=f.cp or 1, ep=f.ep, microbatches=f.microbatches,
+                                    virtual_stages=f.virtual_stages, cp_kind=f.cp_kind, options=sim.options,
+                                    expert_tp=f.expert_tp, freeze=sim.frozen, encoder_tp=f.encoder_tp,
+                                    encoder_sp=f.encoder_sp, encoder_ranks=f.encoder_ranks,
+                                    embedding_loss_stages=splits_embedding_loss(sim.software, spec.llm.layers,
+                                                                                f.pp or 1, f.virtual_stages),
+                                    **sim.dp_fields)
+            parallel.validate(spec)
         except ValueError as e:
-            fail(f"option: {e}")
-        if steps < 1:
-            fail(f"steps must be a positive integer, got {steps}")
-        if step_stride < 1:
-            fail(f"step-stride must be a positive integer, got {step_stride}")
-        if tune_budget < 0:
-            fail(f"tune-budget must be >= 0 (0: --tune-fraction of each system's space), got {tune_budget}")
-        if tune_fraction is not None and not 0 < tune_fraction <= 1:
-            fail(f"tune-fraction must be in (0, 1] (a share of the layouts left after pruning), got {tune_fraction}")
-        if tune_steps < 1 or tune_steps > steps:
-            fail(f"tune-steps must be between 1 and --steps ({steps}), got {tune_steps}")
-        if workers is not None and workers < 1:
-            fail(f"workers must be a positive integer (default: every core), got {workers}")
-        check_memory_error(memory_error)
-        cache = read_tune_cache(tune_cache) if tuned else {}
-        if seed_from and not tuned:
-            fail("seed-from: seeds start a tune; give --tuned too")
-        from omnibench.sweep import SweepError, check_ray
-
-        try:
-            check_ray(ray)
-        except SweepError as e:
             fail(str(e))
-        dp_fields = _dp_fields(dp_mode, dp_shard)
-        check_mixed_precision(mixed_precision, stack)
-        dp_fields["mixed_precision"] = mixed_precision
-        software = software_from_flags(stack, hardware, attention=attention, grad_reduce_dtype=grad_reduce_dtype, fp8=fp8,
-                                       ep_dispatcher=ep_dispatcher, sequence_parallel=sequence_parallel,
-                                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                                       tp_overlap=tp_overlap)
-        if tuned and software.flags() not in (["--stack", "eager"], ["--stack", "fused"]):
-            fail(f"tuned: --tuned searches with --stack eager or fused and no mechanism flags; got "
-                 f"{' '.join(software.flags())}")
-        if expert_tp not in (0, 1):
-            fail(f"expert-tp must be 0 (experts split over tp) or 1 (experts whole, ep over dp*cp*tp); got {expert_tp}")
-        sim_software = software.sim_fields()
-        stack = software.preset.kernels  # what the tune and the layout checks cost the blocks with
-        if micro_batch < 0 or (micro_batch and microbatches):
-            fail(f"micro-batch must be a positive number of samples (or 0: --microbatches decides), and not given "
-                 f"with --microbatches; got --micro-batch {micro_batch} --microbatches {microbatches}")
-        if encoder_chunk_tokens < 0:
-            fail(f"encoder-chunk-tokens must be a token budget N >= 1 or 0 (off), got {encoder_chunk_tokens}")
-        if global_batch_tokens < 0:
-            fail(f"global-batch-tokens must be >= 0 (0 = 8,192 per GPU), got {global_batch_tokens}")
-        from omnibench.specs.costs import recompute_policy
-
         try:
-            if recompute != "auto":
-                recompute_policy(recompute)
+            stream.batch(step_indices(f.steps, f.step_stride)[0])
         except ValueError as e:
-            fail(f"{e} (or auto)")
-        frozen = freeze_option(freeze)  # the names alone here; against the model once it is known
-        registered = available_systems()
-        if system.strip() == "all":
-            systems = registered
-            missing = [s for s in SYSTEMS if s not in registered]
-            if not systems:
-                fail("system: no systems are registered yet")
+            fail(batch_error(e, n, f.global_batch_tokens))
+        prepared[n] = (gbt, stream, parallel)
+    return prepared
+
+
+def _record_name(sim: _Simulation, stamp: str) -> str:
+    """The record folder's name: when, the workload, the systems, the model, the machine, and what was
+    switched off or changed."""
+    f = sim.flags
+    # the systems in the name: two simulations of one workload started in the same second differ by it
+    chosen = "all" if f.system.strip() == "all" else "+".join(sim.systems)
+    # a model named by a path keeps that path in its name (`dir/m.toml@no-vision`): its last part names it
+    name = f"{stamp}-{Path(f.workload).stem}-{chosen}-{Path(sim.spec.name).name}-{Path(f.hardware).stem}"
+    off = sorted(k for k, v in sim.options.items() if v is False)
+    if off:
+        name += "-no-" + "-".join(k.replace("_", "-") for k in off)
+    if f.memory_error:
+        name += f"-memerr{round(100 * f.memory_error):+d}"
+    if sim.frozen:
+        name += "-freeze-" + "-".join(sim.frozen)
+    return name
+
+
+def _simulate_and_record(sim: _Simulation, stamp: str, final: Path, tmp: Path, made_out: bool
+                         ) -> tuple[list[dict], list[dict]]:
+    """(rows, the rows that fit): every (size, system) simulated, and the record written to `tmp` and
+    moved to `final` when some system ran some step. Whatever ends it early (an error, Ctrl-C,
+    SIGTERM) leaves no record and no --out folder this command made."""
+    from omnibench.sweep import Sweep, SweepError
+    from simulator.traces import write_json_atomic
+
+    f = sim.flags
+    # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
+    with exit_on_sigterm():
+        try:
+            with Sweep(f.workers, f.ray, label="simulate", quiet=f.as_json) as sweep, _one_gc_pause(not f.tuned):
+                todo = _layouts_and_jobs(sim, sweep)
+                outcomes = _run_steps(sweep, todo)
+            rows = _result_rows(sim, todo, outcomes, tmp)
+            config = _record_config(sim, rows, stamp)
+            fitting = [r for r in rows if "error" not in r and r["fits"]]
+            # Over many steps a record is worth keeping when some system ran some step (the rest say why).
+            fitting = fitting or [r for r in rows if any(m["fits"] for m in r.get("per_step", []))]
+            raise_if_stopped()  # a SIGTERM whose exit a finalizer dropped: nothing is published
+            if fitting:
+                # a full disk here ends the command with one line; the handler below removes the
+                # unfinished folder, so no record is left that looks complete
+                with writing(tmp):
+                    write_json_atomic(tmp / "config.json", config)
+                    write_json_atomic(tmp / "results.json", rows)
+                    write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
+                    write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
+                    publish(tmp)
+                    os.replace(tmp, final)
+            else:  # nothing to plot or compare: no record, and a non-zero exit below
+                shutil.rmtree(tmp)
+                if made_out:
+                    with suppress(OSError):
+                        f.out.rmdir()
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if made_out:  # the --out folder this command made, left empty: as if never asked
+                with suppress(OSError):
+                    f.out.rmdir()
+            if isinstance(e, SweepError):  # Ray lost or refusing meanwhile
+                fail(str(e))
+            if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
+                # stopped (the sweep's workers are already ended): leave now. The interpreter's exit
+                # would join the process pool's manager thread, which a signal landing inside
+                # concurrent.futures (holding a future's lock) can leave blocked for good
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(e.code)
+            raise
+    return rows, fitting
+
+
+@dataclass
+class _Size:
+    """One cluster size's inputs, shared by its systems: its stream and the layout asked for, the
+    stream's batches packed so far, and (--tuned) the batches tuned on and guarded, and the searches
+    started beside each other (`_tune_all`: tune cache key -> the future of its search)."""
+
+    n: int
+    gbt: int
+    stream: object
+    parallel: object
+    packed: dict = field(default_factory=dict)
+    window: list | None = None
+    guard: list = field(default_factory=list)
+    found: dict = field(default_factory=dict)
+
+
+def _layouts_and_jobs(sim: _Simulation, sweep) -> list[tuple[dict, list]]:
+    """1. each system's layout at each size (tuned, its default, or the one asked for): (row, its
+    steps' jobs) per (size, system)."""
+    todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
+    priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
+    for n in sim.sizes:
+        size = _Size(n, *sim.prepared.pop(n))
+        for s in sim.systems:
+            todo.append(_system_jobs(sim, sweep, size, priors, s))
+    return todo
+
+
+def _system_jobs(sim: _Simulation, sweep, size: _Size, priors: dict, s: str) -> tuple[dict, list]:
+    """(row, its steps' jobs) of system `s` at one size: its layout settled (tuned, its default, or the
+    one asked for). A system that cannot plan gets its row's error and no jobs, or, simulated alone,
+    ends the command with it."""
+    from simulator.stacks import splits_embedding_loss
+
+    f, spec, n = sim.flags, sim.spec, size.n
+    row = {"gpus": n, "system": s, "global_batch_tokens": size.gbt,
+           **({"freeze": list(sim.frozen)} if sim.frozen else {})}
+    try:
+        if f.tuned:
+            sys_parallel, sys_recompute = _tuned_parallel(sim, sweep, size, priors, s, row)
         else:
-            # each system once, in the order given: a repeated name would be simulated and reported twice
-            systems = list(dict.fromkeys(s.strip() for s in system.split(",") if s.strip()))
-            missing = []
-            if not systems:
-                fail(f"system must be one of {', '.join(registered) or '(none registered)'}, a comma list of "
-                     f"them, or all; got {system!r}")
-            for s in systems:
-                if s not in registered:
-                    fail(f"system must be one of {', '.join(registered) or '(none registered)'} or all; got {s!r}")
+            sys_parallel, sys_recompute = _resolved(row, s, spec, size.parallel, size.stream, f.steps,
+                                                    f.step_stride, sim.clusters[n], f.tp, f.pp, f.cp, f.recompute,
+                                                    sim.options, f.hardware, sim.profile, f.encoder_chunk_tokens,
+                                                    size.packed, f.memory_error, sim.stack, sim.sim_software)
+        if f.micro_batch and not f.tuned:
+            sys_parallel = with_micro_batch(sys_parallel, size.stream.batch(0), f.micro_batch)
+        # a stack that cuts pipelines with the embedding and loss as layers does so on
+        # the layout settled here (a default or tuned pp too)
+        split = splits_embedding_loss(sim.software, spec.llm.layers, sys_parallel.pp, sys_parallel.virtual_stages)
+        if split != sys_parallel.embedding_loss_stages:
+            sys_parallel = replace(sys_parallel, embedding_loss_stages=split)
+            sys_parallel.validate(spec)
+        row.setdefault("recompute", sys_recompute)
+        jobs = _step_jobs(s, spec, sys_parallel, size.stream, f.steps, sim.clusters[n], sim.profile, sys_recompute,
+                          f.hardware, f.step_stride, f.encoder_chunk_tokens,
+                          want_plans=n <= SAVE_PLANS_UP_TO and not f.no_trace, use_cache=not f.no_cache,
+                          packed=size.packed, stack=sim.stack, memory_error=f.memory_error,
+                          software=sim.sim_software, spans=not f.no_trace)
+    except ValueError as e:
+        if len(sim.systems) == 1:
+            fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
+        row["error"] = str(e).splitlines()[0]
+        jobs = []
+    return row, jobs
+
+
+def _tune_inputs(sim: _Simulation, sweep, priors: dict, n: int, gbt: int, s: str, window: list,
+                 guard: list) -> tuple[str, dict]:
+    """`s`'s tune cache key and `_search`'s arguments at `n` GPUs, tuned on `window` and guarded on
+    `guard`: the same whether the search runs here or beside the others'."""
+    from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS
+
+    f = sim.flags
+    budget_key = f.tune_budget or f"f{f.tune_fraction or BUDGET_FRACTION}"
+    # each size's search starts from the next smaller size's answer
+    prior = priors[s] if s in priors and priors[s].world < n else None
+    mine = [sd for sd in sim.seeds if sd.candidate.system == s]
+    key = _tune_key(mine, system=s, workload=f.workload, gpus=n, model=sim.spec.name,
+                    hardware=f.hardware, seed=f.seed, global_batch_tokens=gbt,
+                    budget=budget_key, calibration=f.calibration,
+                    tune_steps=",".join(str(b.step) for b in window),
+                    converge=MAX_DOUBLINGS if f.check_convergence else 0,
+                    prior=prior.world if prior is not None else 0,
+                    memory_error=f.memory_error, mixed_precision=f.mixed_precision,
+                    guard=",".join(str(b.step) for b in guard), freeze=sim.frozen)
+    return key, dict(fraction=f.tune_fraction, converge=f.check_convergence, sweep=sweep,
+                     use_cache=not f.no_cache, prior=prior, stack=sim.stack, dp_mode=f.dp_mode,
+                     memory_error=f.memory_error, seeds=mine, guard_batches=guard,
+                     mixed_precision=f.mixed_precision, freeze=sim.frozen)
+
+
+def _tune_window(sim: _Simulation, sweep, size: _Size, priors: dict) -> None:
+    """The batches every system at this size is tuned on (the same for each) and the window a kept
+    layout must run; with a pool, every system's search started at once."""
+    from omnibench.tune import regime_batches
+    from simulator.cache import pack
+
+    f, n = sim.flags, size.n
+    span = [size.stream.batch(k) for k in step_indices(f.steps, f.step_stride)]
+    size.window = regime_batches(span, f.tune_steps)
+    # the window a kept layout must run (--no-tune-guard: whatever the
+    # tuned batches say); packed once for the tune and the steps alike
+    size.guard = span if f.steps > 1 and not f.no_tune_guard else []
+    for b in span:
+        size.packed.setdefault(b.step, pack(b))
+    if len(sim.systems) > 1 and sweep.concurrent():
+        # every system's search at once: one system's waves alone leave
+        # a worker idle, and no search reads another's (the answers go
+        # into the tune cache in the systems' order below)
+        sweep.describe(f"tune {len(sim.systems)} systems at {n:,} GPUs")
+        size.found = _tune_all(sim.systems,
+                               partial(_tune_inputs, sim, sweep, priors, n, size.gbt, window=size.window,
+                                       guard=size.guard),
+                               sim.cache, sim.spec, size.window, sim.clusters[n], sim.profile, f.tune_budget,
+                               sim.options, f.hardware)
+
+
+def _tuned_parallel(sim: _Simulation, sweep, size: _Size, priors: dict, s: str, row: dict):
+    """(layout, recompute) of system `s` at its tuned layout (`tuned_layout`: tuned here, beside the
+    others, or kept in the tune cache); what the tune settled goes into `row`."""
+    f, n = sim.flags, size.n
+    if size.window is None:  # the same batches for every system
+        _tune_window(sim, sweep, size, priors)
+    if not size.found:
+        sweep.describe(f"tune {s} at {n:,} GPUs")
+    key, kw = _tune_inputs(sim, sweep, priors, n, size.gbt, s, size.window, size.guard)
+    c, entry = tuned_layout(s, sim.spec, size.window, sim.clusters[n], sim.profile, f.tune_budget, sim.options,
+                            f.hardware, sim.cache, key, found=size.found.get(key),
+                            describe={"system": s, "workload": f.workload, "gpus": n,
+                                      "hardware": f.hardware, "model": sim.spec.name,
+                                      "memory_error": f.memory_error}, **kw)
+    if entry.get("prior") and (s not in priors or priors[s].world < n):
+        from omnibench.tune import Prior
+
+        priors[s] = Prior.from_row(entry["prior"])
+    if f.tune_cache is not None:
+        with writing(f.tune_cache):  # whole or not at all, as open() makes files
+            atomic_write(f.tune_cache, json.dumps(sim.cache, indent=1))
+    sys_parallel = c.parallel(n, sim.clusters[n].gpus_per_node, sim.options)
+    if f.dp_mode is not None:
+        sys_parallel = replace(sys_parallel, **sim.dp_fields)
+    sys_parallel = replace(sys_parallel, freeze=sim.frozen)
+    _tuned_row(row, c, entry)
+    return sys_parallel, c.recompute
+
+
+def _tuned_row(row: dict, c, entry: dict) -> None:
+    """What the tune settled, in `row`: the layout (and as flags), when and how it was tuned."""
+    row["layout"] = c.label()
+    row["layout_flags"] = " ".join(c.flags())  # to simulate it again untuned
+    row["tuned_at_step"] = entry["tuned_at_steps"][0]
+    row["tuned_at_steps"] = entry["tuned_at_steps"]
+    row["tune_seconds"] = entry["tune_seconds"]
+    row["tune_budget"], row["tune_space"] = entry.get("budget"), entry.get("space")
+    conv = entry.get("convergence")
+    if conv:
+        row["tune_budget_2x"] = conv["budget_2x"]
+        row["tune_moved"], row["tune_converged"] = conv["moved"], conv["converged"]
+    if entry.get("seeds"):
+        row["tune_seeds"] = len(entry["seeds"])
+        row["tune_over_seeds"] = entry.get("over_seeds")
+    if "guarded" in entry:
+        row["tune_guard_steps"] = entry["guard_steps"]
+        row["tune_guarded"] = entry["guarded"]
+        row["tune_ruled_out"] = len(entry["guarded"])
+
+
+def _run_steps(sweep, todo: list[tuple[dict, list]]):
+    """2. every step of every (size, system) at once: independent simulations; their outcomes in
+    `todo`'s order."""
+    from simulator.cache import run_step
+
+    sweep.describe(f"simulate {sum(len(j) for _, j in todo)} step(s)")
+    step_jobs = [j for _, jobs in todo for j in jobs]
+    if not sweep.in_process(len(step_jobs)):
+        # the steps run in workers: the checked layout's spare plan and engine would only be
+        # held here while they run (simulator.engine.offer_engine, systems.offer_plan)
+        from simulator.engine import drop_spare_engine
+        from systems import drop_spare_plan
+
+        drop_spare_engine()
+        drop_spare_plan()
+    return iter(sweep.map(run_step, step_jobs))
+
+
+def _result_rows(sim: _Simulation, todo: list[tuple[dict, list]], outcomes, tmp: Path) -> list[dict]:
+    """A row per (size, system) over its simulated steps (or why it has none), the traces and plans of
+    those that ran into `tmp`, and each size's speedups over its best baseline."""
+    steps = sim.flags.steps
+    rows: list[dict] = []
+    for row, jobs in todo:
+        n, s = row["gpus"], row["system"]
+        if "error" in row:
+            rows.append(row)
+            continue
         try:
-            from omnibench.resolve import model_for_workload
-            from workloads.registry import get_workload
-
-            # every system trains the model less the encoders the workload never feeds
-            named = get_model(model)
-            model, model_note = model_for_workload(model, get_workload(workload))
-            spec = get_model(model)
-            profile = Profile.load(calibration) if calibration else None
-            clusters = {n: load_cluster(hardware, n) for n in sizes}
+            results, metrics, plans, failed = _collect([next(outcomes) for _ in jobs], steps)
         except ValueError as e:
-            fail(str(e))
-        frozen = freeze_option(freeze, named, spec)
-        from simulator.stacks import fp8_capable
+            if len(sim.systems) == 1:
+                fail(f"{s} at {n} GPUs: {e}")
+            row["error"] = str(e).splitlines()[0]
+            rows.append(row)
+            continue
+        _steps_row(row, results, metrics, failed, steps)
+        rows.append(row)
+        if "error" in row or not row["fits"] or sim.flags.no_trace:
+            continue  # no trace: a timeline of a step that cannot run would mislead
+        _write_timeline(tmp, s, n, results[0], plans)
+    for n in sim.sizes:
+        group = [r for r in rows if r["gpus"] == n and "error" not in r and r["fits"]]
+        best = max((r["tokens_per_s"] for r in group if r["system"] in BASELINES), default=0.0)
+        for r in group:
+            r["speedup_over_best_baseline"] = r["tokens_per_s"] / best if best else None
+    return rows
 
-        gpu_name = next(iter(clusters.values())).gpu.name
-        if software.fp8 and not fp8_capable(gpu_name):
-            fail(f"fp8: FP8 tensor cores need Hopper or later (h100, h200, h800, b200, gb200); --hardware {hardware}'s "
-                 f"GPU is {gpu_name}")
-        seeds = read_seeds(seed_from, spec.name) if seed_from else []
-        # each size's sample stream and layout, checked here (a workload that does not load, a layout the
-        # model refuses, a batch the stream cannot form) rather than inside the sweep
-        prepared: dict[int, tuple] = {}
-        for n in sizes:
-            gbt = global_batch_tokens or 8192 * n
+
+def _steps_row(row: dict, results, metrics: list[dict], failed: list[dict], steps: int) -> None:
+    """`row` over its simulated steps (`_summary`), each step's own metrics with it; a layout that
+    cannot run every step has no throughput as a whole."""
+    row.update(_summary(results, metrics))
+    if metrics and metrics[0].get("plan"):
+        row["plan"] = metrics[0]["plan"]  # what the first step's plan decided
+    # each step's own metrics (a step that did not fit says so: a figure shows which ran);
+    # "step" is the stream's batch index (with --step-stride, not the position)
+    row.setdefault("per_step", metrics)
+    row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
+    for m in row["per_step"]:
+        m["layout"] = row.get("layout", "")
+    row["steps"] = len(row["per_step"])
+    bad = [m for m in row["per_step"] if not m["fits"]]
+    row["steps_failed"] = len(bad)
+    if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
+        first = bad[0]
+        row["fits"] = False if "fit_message" in first else row["fits"]
+        if "error" in first:
+            row["error"] = f"step {first['step']}: {first['error']}"
+        else:
+            row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
+
+
+def _write_timeline(tmp: Path, s: str, n: int, first, plans) -> None:
+    """The record's Perfetto trace of the first step of system `s` at `n` GPUs, and (clusters up to
+    SAVE_PLANS_UP_TO) its steps' plans."""
+    from simulator.traces import perfetto_events, write_json_atomic
+
+    with writing(tmp / f"trace_{s}_{n}.json"):
+        write_json_atomic(tmp / f"trace_{s}_{n}.json", perfetto_events(first, max_ranks=TRACE_RANKS), indent=None)
+    if n <= SAVE_PLANS_UP_TO:
+        for p in plans:
+            with writing(tmp / f"plan_{s}_{n}_step{p.step}.json"):
+                (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
+
+
+def _record_config(sim: _Simulation, rows: list[dict], stamp: str) -> dict:
+    """The record's config.json: what was simulated, as asked and as settled."""
+    f, software = sim.flags, sim.software
+    tp, pp, cp = f.tp, f.pp, f.cp
+    return {
+        "command": "simulate", "workload": f.workload, "systems": sim.systems, "systems_missing": sim.missing,
+        "gpus": sim.sizes, "hardware": f.hardware, "cluster": {n: sim.clusters[n].name for n in sim.sizes},
+        "model": sim.spec.name, **({"model_note": sim.model_note} if sim.model_note else {}),
+        "steps": f.steps, "calibration": f.calibration,
+        # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
+        **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
+        "ep": f.ep, "dp": f.dp, "dp_shard": f.dp_shard, "dp_mode": f.dp_mode, "microbatches": f.microbatches,
+        "micro_batch": f.micro_batch, "stack": software.stack,
+        "software": " ".join(software.flags()), "mixed_precision": f.mixed_precision, "cp_kind": f.cp_kind,
+        "global_batch_tokens": f.global_batch_tokens,
+        "recompute": f.recompute, "freeze": list(sim.frozen),
+        "encoder_chunk_tokens": f.encoder_chunk_tokens, "seed": f.seed, "date": stamp, "options": sim.options,
+        "tuned": f.tuned,
+        "memory_error": f.memory_error,
+        "step_stride": f.step_stride, "steps_simulated": step_indices(f.steps, f.step_stride),
+        # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
+        # batches picked across the window by regime), kept for every step
+        **({"tune_budget": f.tune_budget, "tune_fraction": f.tune_fraction, "tune_steps": f.tune_steps,
+            "check_convergence": f.check_convergence, "seed_from": [str(p) for p in f.seed_from],
+            "tune_guard": not f.no_tune_guard,
+            "tuned_at_step": min((r["tuned_at_step"] for r in rows if "tuned_at_step" in r), default=0),
+            "tuned_at_steps": sorted({k for r in rows for k in r.get("tuned_at_steps", [])}),
+            "layout_kept": True} if f.tuned else {}),
+        "calibration_provenance": sim.profile.provenance if sim.profile else None,
+        "provenance": provenance(f"simulated: {f.hardware}"),
+    }
+
+
+def _report(sim: _Simulation, rows: list[dict], fitting: list[dict], final: Path) -> None:
+    """The results: JSON (--json), or a table, why each row that has no throughput has none, how each
+    layout was settled, and the record's path; exit 1 when nothing fits."""
+    f = sim.flags
+    if f.as_json:
+        print(json.dumps({"record": str(final) if fitting else None, "missing_systems": sim.missing,
+                          "results": [{k: v for k, v in r.items() if k != "per_step"} for r in rows]}, indent=1))
+        if not fitting:
+            raise typer.Exit(1)
+        return
+    console.print(_results_table(sim, rows))
+    for r in rows:
+        if "error" in r:
+            console.print(f"{r['gpus']} GPUs, {r['system']}: cannot plan: {r['error']}", highlight=False)
+        elif not r["fits"]:
+            console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
+    for r in rows:
+        said = []
+        if r.get("layout") and f.tuned:
+            said.append(_tuned_note(r, f.steps))
+        elif r.get("layout"):
+            said.append(f"default layout {r['layout']}" + (f" ({r['layout_note']})" if r.get("layout_note") else ""))
+        if r.get("recompute_note"):
+            said.append(r["recompute_note"])
+        if said:
+            console.print(f"{r['gpus']} GPUs, {r['system']}: " + "; ".join(said), highlight=False, soft_wrap=True)
+    if sim.missing:
+        console.print(f"not registered yet, so not simulated: {', '.join(sim.missing)}")
+    if sim.model_note:
+        console.print(sim.model_note, highlight=False, soft_wrap=True)
+    formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
+    if formula:
+        console.print(f"MFU = {formula} / (step time x GPUs x peak)", highlight=False)
+    if not fitting:
+        fail("no system fits or plans this layout (the reason per system is above), so no throughput and no "
+             "record; try a larger --tp or --pp, more GPUs, or a smaller --global-batch-tokens"
+             + ("" if f.recompute == "auto" else ", or --recompute auto"), code=1)
+    console.print(f"record: {final}", soft_wrap=True)
+
+
+def _results_table(sim: _Simulation, rows: list[dict]) -> Table:
+    """One row per (size, system): throughput, where the step's time went, memory and speedup."""
+    f = sim.flags
+    table = Table(title=f"{sim.spec.name} on {f.hardware}, workload {f.workload}, {f.steps} step(s)"
+                        + (f", frozen: {', '.join(sim.frozen)}" if sim.frozen else ""))
+    for col in ("GPUs", "system", "tokens/s", "tok/s/GPU", "TFLOPS/GPU", "MFU", "bubble", "exposed comm",
+                "imbalance", "mem need / peak GiB", "speedup"):
+        table.add_column(col, justify="right" if col not in ("system",) else "left")
+    for r in rows:
+        if "error" in r:
+            table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 8)
+        else:
+            sp = r.get("speedup_over_best_baseline")
+            need = f"{r['peak_memory_needed_gib']:.1f}"
+            mem = (need if r["fits"] else f"[red]{need} > {r['memory_capacity_gib']:.0f}[/]")
+            mem += f" / {r['peak_memory_gib']:.1f}"
+            table.add_row(
+                str(r["gpus"]), r["system"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                f"{r['tflops_per_gpu']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}", f"{r['exposed_comm']:.1%}",
+                f"{r.get('imbalance', 0.0):.1%}", mem, (f"{sp:.2f}x" if sp else "-") if r["fits"] else "[red]does not fit[/]",
+            )
+    return table
+
+
+def _tuned_note(r: dict, steps: int) -> str:
+    """How a row's tuned layout was found: its budget, steps, convergence, seeds and guard, and the
+    flags that simulate it again untuned."""
+    kept = f", kept for all {steps} steps" if steps > 1 else ""
+    spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
+    at = ", ".join(str(k) for k in r.get("tuned_at_steps", [0]))
+    conv = ""
+    if r.get("tune_converged") is not None:
+        moved = r["tune_moved"]
+        conv = (f"; budget {r['tune_budget_2x']} moved the best by "
+                + (f"{moved:.1%}" if moved is not None else "(only it found a fit)")
+                + (": converged" if r["tune_converged"] else ": NOT converged"))
+    if r.get("tune_seeds"):
+        over = r.get("tune_over_seeds")
+        conv += (f"; {r['tune_seeds']} seed(s): " + ("none fitted" if over is None else
+                 "the answer is a seed" if over <= 0 else f"beat the fastest by {over:.1%}"))
+    if r.get("tune_guard_steps"):
+        out = r.get("tune_guarded") or []
+        conv += (f"; checked on {len(r['tune_guard_steps'])} more step(s)" + (
+            ", ruled out " + ", ".join(f"{g['layout']} (step {g['step']})" for g in out) if out else ""))
+    return (f"tuned layout {r['layout']} (budget {r.get('tune_budget')} of {r.get('tune_space')}, "
+            f"tuned at step(s) {at}{kept}{spent}{conv}; as flags: {r['layout_flags']})")
+
+
+def calibrate(
+    run_dirs: list[Path] = typer.Argument(..., help="Run record folders (from `omnibench run`)."),
+    out: Path = typer.Option(None, "--out", help="Profile JSON to write (default: results/sims/calibration-<date>.json)."),
+    hardware: str = typer.Option(None, "--hardware", help="Base preset; default: the runs' own (else cpu-gloo)."),
+) -> None:
+    """Fit compute efficiency curves and collective alpha/beta from run traces."""
+    from simulator.calibrate import calibrate as fit
+
+    if out is None:
+        out = Path("results/sims") / f"calibration-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}.json"
+    writable_file(out)  # before the fit, which a profile that cannot be written would lose
+    try:
+        prof = fit(_finished_runs([str(d) for d in run_dirs], "calibrate"), hardware)
+    except ValueError as e:
+        fail(str(e))
+    prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
+                                           *(["--hardware", hardware] if hardware else [])])
+    with writing(out):
+        prof.save(out)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(out, 0o666 & ~umask)  # like every record file (saved through a temp file: 0600)
+    table = Table(title="calibration")
+    table.add_column("model")
+    table.add_column("fit", justify="left")
+    for k, c in prof.compute.items():
+        table.add_row(f"compute.{k}", f"e_max {c.e_max:.3g} of {c.peak_flops / 1e12:.3g} TF, F_half "
+                      f"{c.half_flops / 1e9:.3g} GFLOP, attn x{c.attention_weight:.2f}, overhead "
+                      f"{c.overhead_s * 1e3:.2f} ms/action + {c.per_sequence_s * 1e6:.0f} us/sequence + "
+                      f"{c.per_input_element_s * 1e9:.2f} ns/input element + {c.per_inline_call_s * 1e6:.0f} "
+                      "us/inline collective call; "
+                      f"{_fit_text(prof.fit.get(f'compute.{k}', {}))}")
+    for k, (a, b) in prof.collectives.items():
+        table.add_row(f"collectives.{k}", f"alpha {a * 1e6:.1f} us/step, beta {b / 1e9:.3g} GB/s; "
+                      f"{_fit_text(prof.fit.get(f'collectives.{k}', {}))}")
+    if prof.optimizer is not None:
+        per_layer = (f" + {prof.optimizer[2] * 1e3:.2f} ms/sharded layer + {prof.optimizer[3] * 1e3:.2f} ms/plain layer"
+                     if len(prof.optimizer) >= 4 else "")
+        table.add_row("optimizer", f"{prof.optimizer[0] * 1e3:.2f} ms + {prof.optimizer[1] * 1e9:.3g} ns/param"
+                      f"{per_layer}; "
+                      f"{_fit_text(prof.fit.get('optimizer', {}))}")
+    console.print(table)
+    from simulator.calibrate import fit_warnings
+
+    for w in fit_warnings(prof):
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    if prof.lock_skew:
+        console.print(f"lock-step skew: {prof.lock_skew:.1%} of a lock-stepped action's compute", highlight=False)
+    console.print(f"profile: {out}")
+
+def validate(
+    run_dirs: list[Path] = typer.Argument(None, help="Run record folders; default: every folder in results/runs."),
+    calibration: str = typer.Option(None, "--calibration", help="Profile JSON; default: datasheet figures."),
+    hardware: str = typer.Option(None, "--hardware"),
+    by_action: bool = typer.Option(False, "--by-action", help="Also break each run down by action kind: "
+                                   "measured wall and CPU seconds vs simulated, per step."),
+    published: Path = typer.Option(None, "--published", help="CSV of published training results, or a "
+                                   "shipped table's name (megatron_a100, published_runs): simulate each "
+                                   "row, print the error."),
+    kernels: str = typer.Option(None, "--kernels", help="With --published: kernel profile for every row "
+                                "(name or .json); 'none' = the datasheet roofline fallback."),
+    stack: str = typer.Option(None, "--stack", help="With --published: cost every row's blocks with this "
+                              "software stack (eager | fused) instead of the row's own."),
+    rows: str = typer.Option("", "--rows", help="With --published: only rows whose name matches this "
+                             "regular expression."),
+    as_json: bool = typer.Option(False, "--json", help="With --published: print rows and statistics as JSON."),
+    markdown: Path = typer.Option(None, "--markdown", help="With --published: also write the validation "
+                                  "table (per split, per source, per row) to this Markdown file."),
+    workers: int = typer.Option(1, "--workers", help="With --published: rows simulated in parallel "
+                                "(processes)."),
+) -> None:
+    """Simulate each run's own Plan and compare with the measured step time (or, with --published,
+    each row of a table of published large-scale results)."""
+    given = [f for f, v in (("markdown", markdown), ("rows", rows), ("kernels", kernels)) if v]
+    if published is None and given:
+        fail(f"{given[0]}: applies to --published only (a table of published results); give --published FILE")
+    if published is not None:
+        if stack is not None and stack not in ("eager", "fused"):
+            fail(f"stack must be one of eager, fused; got {stack!r}")
+        _validate_published(published, kernels, stack, rows, as_json, markdown, workers)
+        return
+    from simulator.calibrate import Profile
+    from simulator.calibrate import validate as check
+
+    dirs = [str(d) for d in run_dirs] if run_dirs else sorted(
+        str(p) for p in Path("results/runs").glob("*") if p.is_dir())
+    if not dirs:
+        fail("validate: no run folders given and none in results/runs")
+    try:
+        prof = Profile.load(calibration) if calibration else None
+        rows = check(_finished_runs(dirs, "validate"), prof, hardware)
+    except ValueError as e:
+        fail(str(e))
+    table = Table(title="simulated vs measured" + (" (calibrated)" if prof else ""))
+    for col in ("run", "system", "ranks", "measured s", "simulated s", "measured tok/s", "simulated tok/s",
+                "error", "host cpu/wall"):
+        table.add_column(col, justify="left" if col in ("run", "system") else "right")
+    done = [v for v in rows if v.steps]
+    for v in done:
+        table.add_row(Path(v.run).name, v.system, str(v.world_size), f"{v.measured_s:.4f}",
+                      f"{v.simulated_s:.4f}", f"{v.tokens / v.measured_s:,.0f}", f"{v.tokens / v.simulated_s:,.0f}",
+                      f"{v.error:+.1%}", "-" if v.cpu_share is None else f"{v.cpu_share:.2f}")
+    console.print(table)
+    for v in rows:
+        if not v.steps:
+            console.print(f"{Path(v.run).name}: {v.note}", highlight=False)
+    if not done:
+        fail("validate: no run could be compared (see the reasons above)")
+    mae = sum(abs(v.error) for v in done) / len(done)
+    console.print(f"mean absolute error: {mae:.1%} over {len(done)} run(s); step times are medians over "
+                  "each run's steps after the first (warm-up)")
+    for model in sorted({v.compute_model for v in done if v.compute_model}):
+        console.print(f"compute model: {model}", highlight=False)
+    if any(v.cpu_share is not None for v in done):
+        console.print("host cpu/wall: CPU over wall time of the actions that wait for nobody; well below 1 means "
+                      "other work shared the cores and the measured times are not the run's alone", highlight=False)
+    if prof is not None:
+        fitted_on = set(prof.provenance.get("runs", []))
+        inside = [v for v in done if str(Path(v.run).resolve()) in fitted_on]
+        held = [v for v in done if v not in inside]
+        if inside:
+            console.print(f"{len(inside)} of {len(done)} runs were also used to fit the profile (in-sample)")
+        else:
+            console.print("no run here was used to fit the profile (held out)")
+        for label, part in (("in-sample", inside), ("held-out", held)):
+            if part and held and inside:
+                console.print(f"mean absolute error, {label}: {sum(abs(v.error) for v in part) / len(part):.1%} "
+                              f"over {len(part)} run(s)")
+    if by_action:
+        from simulator.calibrate import action_breakdown
+
+        for v in done:
+            t = Table(title=f"{Path(v.run).name}: seconds per step, summed over ranks")
+            for col in ("action", "module", "measured wall", "measured CPU", "simulated"):
+                t.add_column(col, justify="left" if col in ("action", "module") else "right")
             try:
-                stream = _stream(workload, seed, gbt)
-                parallel = ParallelSpec(world_size=n, gpus_per_node=clusters[n].gpus_per_node, dp=dp,
-                                        tp=tp or 1, pp=pp or 1, cp=cp or 1, ep=ep, microbatches=microbatches,
-                                        virtual_stages=virtual_stages, cp_kind=cp_kind, options=options,
-                                        expert_tp=expert_tp, freeze=frozen, encoder_tp=encoder_tp,
-                                        encoder_sp=encoder_sp, encoder_ranks=encoder_ranks,
-                                        embedding_loss_stages=splits_embedding_loss(software, spec.llm.layers,
-                                                                                    pp or 1, virtual_stages),
-                                        **dp_fields)
-                parallel.validate(spec)
+                parts = action_breakdown(v.run, prof, hardware)
             except ValueError as e:
                 fail(str(e))
-            try:
-                stream.batch(step_indices(steps, step_stride)[0])
-            except ValueError as e:
-                fail(batch_error(e, n, global_batch_tokens))
-            prepared[n] = (gbt, stream, parallel)
-        if tuned and tune_cache is not None:
-            writable_file(tune_cache, "tune-cache")  # before the tune, whose answers it would lose
-        made_out = not out.exists()
-        writable_folder(out)
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        # the systems in the name: two simulations of one workload started in the same second differ by it
-        chosen = "all" if system.strip() == "all" else "+".join(systems)
-        # a model named by a path keeps that path in its name (`dir/m.toml@no-vision`): its last part names it
-        name = f"{stamp}-{Path(workload).stem}-{chosen}-{Path(spec.name).name}-{Path(hardware).stem}"
-        off = sorted(k for k, v in options.items() if v is False)
-        if off:
-            name += "-no-" + "-".join(k.replace("_", "-") for k in off)
-        if memory_error:
-            name += f"-memerr{round(100 * memory_error):+d}"
-        if frozen:
-            name += "-freeze-" + "-".join(frozen)
-        final = _claim(out, name)
-        tmp = final.with_name(final.name + INCOMPLETE)  # visible, like a run's; the plot loader refuses it
-        # SIGTERM (a job's time limit, `reproduce` stopped) ends the simulation through the cleanup below
-        with exit_on_sigterm():
-            rows: list[dict] = []
-            try:
-                with Sweep(workers, ray, label="simulate", quiet=as_json) as sweep, _one_gc_pause(not tuned):
-                    # 1. each system's layout at each size (tuned, its default, or the one asked for)
-                    todo: list[tuple[dict, list]] = []  # (row, its steps' jobs)
-                    priors: dict[str, object] = {}  # system -> the last (smaller) size's answer, a tune.Prior
-                    for n in sizes:
-                        gbt, stream, parallel = prepared.pop(n)
-                        window, packed = None, {}
-                        if tuned:
-                            from omnibench.tune import BUDGET_FRACTION, MAX_DOUBLINGS, regime_batches
-
-                            def tune_inputs(s: str, window: list, guard: list, n: int = n,
-                                            gbt: int = gbt) -> tuple[str, dict]:
-                                """`s`'s tune cache key and `_search`'s arguments at `n` GPUs, tuned on
-                                `window` and guarded on `guard`: the same whether the search runs here or
-                                beside the others'."""
-                                budget_key = tune_budget or f"f{tune_fraction or BUDGET_FRACTION}"
-                                # each size's search starts from the next smaller size's answer
-                                prior = priors[s] if s in priors and priors[s].world < n else None
-                                mine = [sd for sd in seeds if sd.candidate.system == s]
-                                key = _tune_key(mine, system=s, workload=workload, gpus=n, model=spec.name,
-                                                hardware=hardware, seed=seed, global_batch_tokens=gbt,
-                                                budget=budget_key, calibration=calibration,
-                                                tune_steps=",".join(str(b.step) for b in window),
-                                                converge=MAX_DOUBLINGS if check_convergence else 0,
-                                                prior=prior.world if prior is not None else 0,
-                                                memory_error=memory_error, mixed_precision=mixed_precision,
-                                                guard=",".join(str(b.step) for b in guard), freeze=frozen)
-                                return key, dict(fraction=tune_fraction, converge=check_convergence, sweep=sweep,
-                                                 use_cache=not no_cache, prior=prior, stack=stack, dp_mode=dp_mode,
-                                                 memory_error=memory_error, seeds=mine, guard_batches=guard,
-                                                 mixed_precision=mixed_precision, freeze=frozen)
-
-                        found: dict = {}  # tune cache key -> the future of its search, started beside the others
-                        for s in systems:
-                            row = {"gpus": n, "system": s, "global_batch_tokens": gbt,
-                                   **({"freeze": list(frozen)} if frozen else {})}
-                            sys_parallel, sys_recompute = parallel, recompute
-                            try:
-                                if tuned:
-                                    if window is None:  # the same batches for every system
-                                        span = [stream.batch(k) for k in step_indices(steps, step_stride)]
-                                        window = regime_batches(span, tune_steps)
-                                        # the window a kept layout must run (--no-tune-guard: whatever the
-                                        # tuned batches say); packed once for the tune and the steps alike
-                                        guard = span if steps > 1 and not no_tune_guard else []
-                                        for b in span:
-                                            packed.setdefault(b.step, pack(b))
-                                        if len(systems) > 1 and sweep.concurrent():
-                                            # every system's search at once: one system's waves alone leave
-                                            # a worker idle, and no search reads another's (the answers go
-                                            # into the tune cache in the systems' order below)
-                                            sweep.describe(f"tune {len(systems)} systems at {n:,} GPUs")
-                                            found = _tune_all(systems, partial(tune_inputs, window=window, guard=guard),
-                                                              cache, spec, window, clusters[n], profile, tune_budget,
-                                                              options, hardware)
-                                    if not found:
-                                        sweep.describe(f"tune {s} at {n:,} GPUs")
-                                    key, kw = tune_inputs(s, window, guard)
-                                    c, entry = tuned_layout(s, spec, window, clusters[n], profile, tune_budget, options,
-                                                            hardware, cache, key, found=found.get(key),
-                                                            describe={"system": s, "workload": workload, "gpus": n,
-                                                                      "hardware": hardware, "model": spec.name,
-                                                                      "memory_error": memory_error}, **kw)
-                                    if entry.get("prior") and (s not in priors or priors[s].world < n):
-                                        from omnibench.tune import Prior
-
-                                        priors[s] = Prior.from_row(entry["prior"])
-                                    if tune_cache is not None:
-                                        with writing(tune_cache):  # whole or not at all, as open() makes files
-                                            atomic_write(tune_cache, json.dumps(cache, indent=1))
-                                    sys_parallel = c.parallel(n, clusters[n].gpus_per_node, options)
-                                    if dp_mode is not None:
-                                        sys_parallel = replace(sys_parallel, **dp_fields)
-                                    sys_parallel = replace(sys_parallel, freeze=frozen)
-                                    sys_recompute = c.recompute
-                                    row["layout"] = c.label()
-                                    row["layout_flags"] = " ".join(c.flags())  # to simulate it again untuned
-                                    row["tuned_at_step"] = entry["tuned_at_steps"][0]
-                                    row["tuned_at_steps"] = entry["tuned_at_steps"]
-                                    row["tune_seconds"] = entry["tune_seconds"]
-                                    row["tune_budget"], row["tune_space"] = entry.get("budget"), entry.get("space")
-                                    conv = entry.get("convergence")
-                                    if conv:
-                                        row["tune_budget_2x"] = conv["budget_2x"]
-                                        row["tune_moved"], row["tune_converged"] = conv["moved"], conv["converged"]
-                                    if entry.get("seeds"):
-                                        row["tune_seeds"] = len(entry["seeds"])
-                                        row["tune_over_seeds"] = entry.get("over_seeds")
-                                    if "guarded" in entry:
-                                        row["tune_guard_steps"] = entry["guard_steps"]
-                                        row["tune_guarded"] = entry["guarded"]
-                                        row["tune_ruled_out"] = len(entry["guarded"])
-                                else:
-                                    sys_parallel, sys_recompute = _resolved(row, s, spec, parallel, stream, steps,
-                                                                            step_stride, clusters[n], tp, pp, cp, recompute,
-                                                                            options, hardware, profile, encoder_chunk_tokens,
-                                                                            packed, memory_error, stack,
-                                                                            sim_software)
-                                if micro_batch and not tuned:
-                                    sys_parallel = with_micro_batch(sys_parallel, stream.batch(0), micro_batch)
-                                # a stack that cuts pipelines with the embedding and loss as layers does so on
-                                # the layout settled here (a default or tuned pp too)
-                                split = splits_embedding_loss(software, spec.llm.layers, sys_parallel.pp,
-                                                              sys_parallel.virtual_stages)
-                                if split != sys_parallel.embedding_loss_stages:
-                                    sys_parallel = replace(sys_parallel, embedding_loss_stages=split)
-                                    sys_parallel.validate(spec)
-                                row.setdefault("recompute", sys_recompute)
-                                jobs = _step_jobs(s, spec, sys_parallel, stream, steps, clusters[n], profile, sys_recompute,
-                                                  hardware, step_stride, encoder_chunk_tokens,
-                                                  want_plans=n <= SAVE_PLANS_UP_TO and not no_trace,
-                                                  use_cache=not no_cache,
-                                                  packed=packed, stack=stack, memory_error=memory_error,
-                                                  software=sim_software, spans=not no_trace)
-                            except ValueError as e:
-                                if len(systems) == 1:
-                                    fail(f"{s} at {n} GPUs: {str(e).splitlines()[0]}")
-                                row["error"] = str(e).splitlines()[0]
-                                jobs = []
-                            todo.append((row, jobs))
-                    # 2. every step of every (size, system) at once: independent simulations
-                    sweep.describe(f"simulate {sum(len(j) for _, j in todo)} step(s)")
-                    step_jobs = [j for _, jobs in todo for j in jobs]
-                    if not sweep.in_process(len(step_jobs)):
-                        # the steps run in workers: the checked layout's spare plan and engine would only be
-                        # held here while they run (simulator.engine.offer_engine, systems.offer_plan)
-                        from simulator.engine import drop_spare_engine
-                        from systems import drop_spare_plan
-
-                        drop_spare_engine()
-                        drop_spare_plan()
-                    outcomes = iter(sweep.map(run_step, step_jobs))
-                for row, jobs in todo:
-                    n, s = row["gpus"], row["system"]
-                    if "error" in row:
-                        rows.append(row)
-                        continue
-                    try:
-                        results, metrics, plans, failed = _collect([next(outcomes) for _ in jobs], steps)
-                    except ValueError as e:
-                        if len(systems) == 1:
-                            fail(f"{s} at {n} GPUs: {e}")
-                        row["error"] = str(e).splitlines()[0]
-                        rows.append(row)
-                        continue
-                    row.update(_summary(results, metrics))
-                    if metrics and metrics[0].get("plan"):
-                        row["plan"] = metrics[0]["plan"]  # what the first step's plan decided
-                    # each step's own metrics (a step that did not fit says so: a figure shows which ran);
-                    # "step" is the stream's batch index (with --step-stride, not the position)
-                    row.setdefault("per_step", metrics)
-                    row["per_step"] = sorted(row["per_step"] + failed, key=lambda m: m["step"])
-                    for m in row["per_step"]:
-                        m["layout"] = row.get("layout", "")
-                    row["steps"] = len(row["per_step"])
-                    bad = [m for m in row["per_step"] if not m["fits"]]
-                    row["steps_failed"] = len(bad)
-                    if bad and steps > 1:  # a layout that cannot run every step has no throughput (as a whole)
-                        first = bad[0]
-                        row["fits"] = False if "fit_message" in first else row["fits"]
-                        if "error" in first:
-                            row["error"] = f"step {first['step']}: {first['error']}"
-                        else:
-                            row["fit_message"] = f"step {first['step']}: {first['fit_message']}"
-                    rows.append(row)
-                    if "error" in row or not row["fits"] or no_trace:
-                        continue  # no trace: a timeline of a step that cannot run would mislead
-                    with writing(tmp / f"trace_{s}_{n}.json"):
-                        write_json_atomic(tmp / f"trace_{s}_{n}.json",
-                                          perfetto_events(results[0], max_ranks=TRACE_RANKS), indent=None)
-                    if n <= SAVE_PLANS_UP_TO:
-                        for p in plans:
-                            with writing(tmp / f"plan_{s}_{n}_step{p.step}.json"):
-                                (tmp / f"plan_{s}_{n}_step{p.step}.json").write_text(p.to_json(indent=None))
-                for n in sizes:
-                    group = [r for r in rows if r["gpus"] == n and "error" not in r and r["fits"]]
-                    best = max((r["tokens_per_s"] for r in group if r["system"] in BASELINES), default=0.0)
-                    for r in group:
-                        r["speedup_over_best_baseline"] = r["tokens_per_s"] / best if best else None
-                config = {
-                    "command": "simulate", "workload": workload, "systems": systems, "systems_missing": missing,
-                    "gpus": sizes, "hardware": hardware, "cluster": {n: clusters[n].name for n in sizes},
-                    "model": spec.name, **({"model_note": model_note} if model_note else {}),
-                    "steps": steps, "calibration": calibration,
-                    # the layout asked for: 0 everywhere = each system's own default (rows' "layout" say which)
-                    **({"default_layouts": True} if (tp, pp, cp) == (0, 0, 0) else {"tp": tp or 1, "pp": pp or 1, "cp": cp or 1}),
-                    "ep": ep, "dp": dp, "dp_shard": dp_shard, "dp_mode": dp_mode, "microbatches": microbatches,
-                    "micro_batch": micro_batch, "stack": software.stack,
-                    "software": " ".join(software.flags()), "mixed_precision": mixed_precision, "cp_kind": cp_kind, "global_batch_tokens": global_batch_tokens,
-                    "recompute": recompute, "freeze": list(frozen),
-                    "encoder_chunk_tokens": encoder_chunk_tokens, "seed": seed, "date": stamp, "options": options,
-                    "tuned": tuned,
-                    "memory_error": memory_error,
-                    "step_stride": step_stride, "steps_simulated": step_indices(steps, step_stride),
-                    # a static deployment: each system's layout tuned once (on step 0's batch, or on --tune-steps
-                    # batches picked across the window by regime), kept for every step
-                    **({"tune_budget": tune_budget, "tune_fraction": tune_fraction, "tune_steps": tune_steps,
-                        "check_convergence": check_convergence, "seed_from": [str(p) for p in seed_from],
-                        "tune_guard": not no_tune_guard,
-                        "tuned_at_step": min((r["tuned_at_step"] for r in rows if "tuned_at_step" in r), default=0),
-                        "tuned_at_steps": sorted({k for r in rows for k in r.get("tuned_at_steps", [])}),
-                        "layout_kept": True} if tuned else {}),
-                    "calibration_provenance": profile.provenance if profile else None,
-                    "provenance": provenance(f"simulated: {hardware}"),
-                }
-                fitting = [r for r in rows if "error" not in r and r["fits"]]
-                # Over many steps a record is worth keeping when some system ran some step (the rest say why).
-                fitting = fitting or [r for r in rows if any(m["fits"] for m in r.get("per_step", []))]
-                raise_if_stopped()  # a SIGTERM whose exit a finalizer dropped: nothing is published
-                if fitting:
-                    # a full disk here ends the command with one line; the handler below removes the
-                    # unfinished folder, so no record is left that looks complete
-                    with writing(tmp):
-                        write_json_atomic(tmp / "config.json", config)
-                        write_json_atomic(tmp / "results.json", rows)
-                        write_csv(tmp / "results.csv", rows, RESULT_COLUMNS)
-                        write_csv(tmp / "steps.csv", [x for r in rows for x in _step_rows(r)], STEP_COLUMNS)
-                        publish(tmp)
-                        os.replace(tmp, final)
-                else:  # nothing to plot or compare: no record, and a non-zero exit below
-                    shutil.rmtree(tmp)
-                    if made_out:
-                        with suppress(OSError):
-                            out.rmdir()
-            except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if made_out:  # the --out folder this command made, left empty: as if never asked
-                    with suppress(OSError):
-                        out.rmdir()
-                if isinstance(e, SweepError):  # Ray lost or refusing meanwhile
-                    fail(str(e))
-                if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
-                    # stopped (the sweep's workers are already ended): leave now. The interpreter's exit
-                    # would join the process pool's manager thread, which a signal landing inside
-                    # concurrent.futures (holding a future's lock) can leave blocked for good
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(e.code)
-                raise
-        if as_json:
-            print(json.dumps({"record": str(final) if fitting else None, "missing_systems": missing,
-                              "results": [{k: v for k, v in r.items() if k != "per_step"} for r in rows]}, indent=1))
-            if not fitting:
-                raise typer.Exit(1)
-            return
-        table = Table(title=f"{spec.name} on {hardware}, workload {workload}, {steps} step(s)"
-                            + (f", frozen: {', '.join(frozen)}" if frozen else ""))
-        for col in ("GPUs", "system", "tokens/s", "tok/s/GPU", "TFLOPS/GPU", "MFU", "bubble", "exposed comm",
-                    "imbalance", "mem need / peak GiB", "speedup"):
-            table.add_column(col, justify="right" if col not in ("system",) else "left")
-        for r in rows:
-            if "error" in r:
-                table.add_row(str(r["gpus"]), r["system"], "[red]cannot plan[/]", *[""] * 8)
-            else:
-                sp = r.get("speedup_over_best_baseline")
-                need = f"{r['peak_memory_needed_gib']:.1f}"
-                mem = (need if r["fits"] else f"[red]{need} > {r['memory_capacity_gib']:.0f}[/]")
-                mem += f" / {r['peak_memory_gib']:.1f}"
-                table.add_row(
-                    str(r["gpus"]), r["system"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
-                    f"{r['tflops_per_gpu']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}", f"{r['exposed_comm']:.1%}",
-                    f"{r.get('imbalance', 0.0):.1%}", mem, (f"{sp:.2f}x" if sp else "-") if r["fits"] else "[red]does not fit[/]",
-                )
-        console.print(table)
-        for r in rows:
-            if "error" in r:
-                console.print(f"{r['gpus']} GPUs, {r['system']}: cannot plan: {r['error']}", highlight=False)
-            elif not r["fits"]:
-                console.print(f"{r['gpus']} GPUs, {r['system']}: {r['fit_message']}", highlight=False)
-        for r in rows:
-            said = []
-            if r.get("layout") and tuned:
-                kept = f", kept for all {steps} steps" if steps > 1 else ""
-                spent = f"; tuned in {r['tune_seconds']:.0f} s" if r.get("tune_seconds") else "; from --tune-cache"
-                at = ", ".join(str(k) for k in r.get("tuned_at_steps", [0]))
-                conv = ""
-                if r.get("tune_converged") is not None:
-                    moved = r["tune_moved"]
-                    conv = (f"; budget {r['tune_budget_2x']} moved the best by "
-                            + (f"{moved:.1%}" if moved is not None else "(only it found a fit)")
-                            + (": converged" if r["tune_converged"] else ": NOT converged"))
-                if r.get("tune_seeds"):
-                    over = r.get("tune_over_seeds")
-                    conv += (f"; {r['tune_seeds']} seed(s): " + ("none fitted" if over is None else
-                             "the answer is a seed" if over <= 0 else f"beat the fastest by {over:.1%}"))
-                if r.get("tune_guard_steps"):
-                    out = r.get("tune_guarded") or []
-                    conv += (f"; checked on {len(r['tune_guard_steps'])} more step(s)" + (
-                        ", ruled out " + ", ".join(f"{g['layout']} (step {g['step']})" for g in out) if out else ""))
-                said.append(f"tuned layout {r['layout']} (budget {r.get('tune_budget')} of {r.get('tune_space')}, "
-                            f"tuned at step(s) {at}{kept}{spent}{conv}; as flags: {r['layout_flags']})")
-            elif r.get("layout"):
-                said.append(f"default layout {r['layout']}" + (f" ({r['layout_note']})" if r.get("layout_note") else ""))
-            if r.get("recompute_note"):
-                said.append(r["recompute_note"])
-            if said:
-                console.print(f"{r['gpus']} GPUs, {r['system']}: " + "; ".join(said), highlight=False, soft_wrap=True)
-        if missing:
-            console.print(f"not registered yet, so not simulated: {', '.join(missing)}")
-        if model_note:
-            console.print(model_note, highlight=False, soft_wrap=True)
-        formula = next((r["flop_formula"] for r in rows if "flop_formula" in r), "")
-        if formula:
-            console.print(f"MFU = {formula} / (step time x GPUs x peak)", highlight=False)
-        if not fitting:
-            fail("no system fits or plans this layout (the reason per system is above), so no throughput and no "
-                 "record; try a larger --tp or --pp, more GPUs, or a smaller --global-batch-tokens"
-                 + ("" if recompute == "auto" else ", or --recompute auto"), code=1)
-        console.print(f"record: {final}", soft_wrap=True)
-
-    @app.command()
-    def calibrate(
-        run_dirs: list[Path] = typer.Argument(..., help="Run record folders (from `omnibench run`)."),
-        out: Path = typer.Option(None, "--out", help="Profile JSON to write (default: results/sims/calibration-<date>.json)."),
-        hardware: str = typer.Option(None, "--hardware", help="Base preset; default: the runs' own (else cpu-gloo)."),
-    ) -> None:
-        """Fit compute efficiency curves and collective alpha/beta from run traces."""
-        from simulator.calibrate import calibrate as fit
-
-        if out is None:
-            out = Path("results/sims") / f"calibration-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}.json"
-        writable_file(out)  # before the fit, which a profile that cannot be written would lose
-        try:
-            prof = fit(_finished_runs([str(d) for d in run_dirs], "calibrate"), hardware)
-        except ValueError as e:
-            fail(str(e))
-        prof.provenance["command"] = " ".join(["omnibench calibrate", *(str(d) for d in run_dirs), "--out", str(out),
-                                               *(["--hardware", hardware] if hardware else [])])
-        with writing(out):
-            prof.save(out)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(out, 0o666 & ~umask)  # like every record file (saved through a temp file: 0600)
-        table = Table(title="calibration")
-        table.add_column("model")
-        table.add_column("fit", justify="left")
-        for k, c in prof.compute.items():
-            table.add_row(f"compute.{k}", f"e_max {c.e_max:.3g} of {c.peak_flops / 1e12:.3g} TF, F_half "
-                          f"{c.half_flops / 1e9:.3g} GFLOP, attn x{c.attention_weight:.2f}, overhead "
-                          f"{c.overhead_s * 1e3:.2f} ms/action + {c.per_sequence_s * 1e6:.0f} us/sequence + "
-                          f"{c.per_input_element_s * 1e9:.2f} ns/input element + {c.per_inline_call_s * 1e6:.0f} "
-                          "us/inline collective call; "
-                          f"{_fit_text(prof.fit.get(f'compute.{k}', {}))}")
-        for k, (a, b) in prof.collectives.items():
-            table.add_row(f"collectives.{k}", f"alpha {a * 1e6:.1f} us/step, beta {b / 1e9:.3g} GB/s; "
-                          f"{_fit_text(prof.fit.get(f'collectives.{k}', {}))}")
-        if prof.optimizer is not None:
-            per_layer = (f" + {prof.optimizer[2] * 1e3:.2f} ms/sharded layer + {prof.optimizer[3] * 1e3:.2f} ms/plain layer"
-                         if len(prof.optimizer) >= 4 else "")
-            table.add_row("optimizer", f"{prof.optimizer[0] * 1e3:.2f} ms + {prof.optimizer[1] * 1e9:.3g} ns/param"
-                          f"{per_layer}; "
-                          f"{_fit_text(prof.fit.get('optimizer', {}))}")
-        console.print(table)
-        from simulator.calibrate import fit_warnings
-
-        for w in fit_warnings(prof):
-            console.print(f"[yellow]warning:[/] {w}", highlight=False)
-        if prof.lock_skew:
-            console.print(f"lock-step skew: {prof.lock_skew:.1%} of a lock-stepped action's compute", highlight=False)
-        console.print(f"profile: {out}")
-
-    @app.command()
-    def validate(
-        run_dirs: list[Path] = typer.Argument(None, help="Run record folders; default: every folder in results/runs."),
-        calibration: str = typer.Option(None, "--calibration", help="Profile JSON; default: datasheet figures."),
-        hardware: str = typer.Option(None, "--hardware"),
-        by_action: bool = typer.Option(False, "--by-action", help="Also break each run down by action kind: "
-                                       "measured wall and CPU seconds vs simulated, per step."),
-        published: Path = typer.Option(None, "--published", help="CSV of published training results, or a "
-                                       "shipped table's name (megatron_a100, published_runs): simulate each "
-                                       "row, print the error."),
-        kernels: str = typer.Option(None, "--kernels", help="With --published: kernel profile for every row "
-                                    "(name or .json); 'none' = the datasheet roofline fallback."),
-        stack: str = typer.Option(None, "--stack", help="With --published: cost every row's blocks with this "
-                                  "software stack (eager | fused) instead of the row's own."),
-        rows: str = typer.Option("", "--rows", help="With --published: only rows whose name matches this "
-                                 "regular expression."),
-        as_json: bool = typer.Option(False, "--json", help="With --published: print rows and statistics as JSON."),
-        markdown: Path = typer.Option(None, "--markdown", help="With --published: also write the validation "
-                                      "table (per split, per source, per row) to this Markdown file."),
-        workers: int = typer.Option(1, "--workers", help="With --published: rows simulated in parallel "
-                                    "(processes)."),
-    ) -> None:
-        """Simulate each run's own Plan and compare with the measured step time (or, with --published,
-        each row of a table of published large-scale results)."""
-        given = [f for f, v in (("markdown", markdown), ("rows", rows), ("kernels", kernels)) if v]
-        if published is None and given:
-            fail(f"{given[0]}: applies to --published only (a table of published results); give --published FILE")
-        if published is not None:
-            if stack is not None and stack not in ("eager", "fused"):
-                fail(f"stack must be one of eager, fused; got {stack!r}")
-            _validate_published(published, kernels, stack, rows, as_json, markdown, workers)
-            return
-        from simulator.calibrate import Profile
-        from simulator.calibrate import validate as check
-
-        dirs = [str(d) for d in run_dirs] if run_dirs else sorted(
-            str(p) for p in Path("results/runs").glob("*") if p.is_dir())
-        if not dirs:
-            fail("validate: no run folders given and none in results/runs")
-        try:
-            prof = Profile.load(calibration) if calibration else None
-            rows = check(_finished_runs(dirs, "validate"), prof, hardware)
-        except ValueError as e:
-            fail(str(e))
-        table = Table(title="simulated vs measured" + (" (calibrated)" if prof else ""))
-        for col in ("run", "system", "ranks", "measured s", "simulated s", "measured tok/s", "simulated tok/s",
-                    "error", "host cpu/wall"):
-            table.add_column(col, justify="left" if col in ("run", "system") else "right")
-        done = [v for v in rows if v.steps]
-        for v in done:
-            table.add_row(Path(v.run).name, v.system, str(v.world_size), f"{v.measured_s:.4f}",
-                          f"{v.simulated_s:.4f}", f"{v.tokens / v.measured_s:,.0f}", f"{v.tokens / v.simulated_s:,.0f}",
-                          f"{v.error:+.1%}", "-" if v.cpu_share is None else f"{v.cpu_share:.2f}")
-        console.print(table)
-        for v in rows:
-            if not v.steps:
-                console.print(f"{Path(v.run).name}: {v.note}", highlight=False)
-        if not done:
-            fail("validate: no run could be compared (see the reasons above)")
-        mae = sum(abs(v.error) for v in done) / len(done)
-        console.print(f"mean absolute error: {mae:.1%} over {len(done)} run(s); step times are medians over "
-                      "each run's steps after the first (warm-up)")
-        for model in sorted({v.compute_model for v in done if v.compute_model}):
-            console.print(f"compute model: {model}", highlight=False)
-        if any(v.cpu_share is not None for v in done):
-            console.print("host cpu/wall: CPU over wall time of the actions that wait for nobody; well below 1 means "
-                          "other work shared the cores and the measured times are not the run's alone", highlight=False)
-        if prof is not None:
-            fitted_on = set(prof.provenance.get("runs", []))
-            inside = [v for v in done if str(Path(v.run).resolve()) in fitted_on]
-            held = [v for v in done if v not in inside]
-            if inside:
-                console.print(f"{len(inside)} of {len(done)} runs were also used to fit the profile (in-sample)")
-            else:
-                console.print("no run here was used to fit the profile (held out)")
-            for label, part in (("in-sample", inside), ("held-out", held)):
-                if part and held and inside:
-                    console.print(f"mean absolute error, {label}: {sum(abs(v.error) for v in part) / len(part):.1%} "
-                                  f"over {len(part)} run(s)")
-        if by_action:
-            from simulator.calibrate import action_breakdown
-
-            for v in done:
-                t = Table(title=f"{Path(v.run).name}: seconds per step, summed over ranks")
-                for col in ("action", "module", "measured wall", "measured CPU", "simulated"):
-                    t.add_column(col, justify="left" if col in ("action", "module") else "right")
-                try:
-                    parts = action_breakdown(v.run, prof, hardware)
-                except ValueError as e:
-                    fail(str(e))
-                for r in parts:
-                    t.add_row(r.kind, r.module, f"{r.measured_s:.4f}",
-                              "-" if r.measured_cpu_s is None else f"{r.measured_cpu_s:.4f}", f"{r.simulated_s:.4f}")
-                console.print(t)
-            console.print("simulated: forward/backward/optimizer on the compute stream (with exposed inline "
-                          "communication); send/boundary/grad_sync as transfers; a recv's wait is not an action "
-                          "in the simulator but a measured span", highlight=False)
+            for r in parts:
+                t.add_row(r.kind, r.module, f"{r.measured_s:.4f}",
+                          "-" if r.measured_cpu_s is None else f"{r.measured_cpu_s:.4f}", f"{r.simulated_s:.4f}")
+            console.print(t)
+        console.print("simulated: forward/backward/optimizer on the compute stream (with exposed inline "
+                      "communication); send/boundary/grad_sync as transfers; a recv's wait is not an action "
+                      "in the simulator but a measured span", highlight=False)

@@ -22,13 +22,16 @@ TUNE_HELP = """Search the layouts SYSTEM can take with the simulator and print t
 
 Space: LLM tp (dividing heads and kv heads, inside a node), pp, cp inside a node, as Ulysses (tp*cp
 dividing the kv heads) or with all-gathered K/V (Llama 3's context parallelism, any cp),
-ep (MoE only); temporal searches VeOmni's space: tp 1, pp 1, cp (its one Ulysses degree for
+ep (MoE only); temporal and spatial search VeOmni's space: tp 1, pp 1, cp (its one Ulysses degree for
 encoders and LLM, dividing the encoders' heads too) and FSDP over all ranks; every microbatch count
 of {1, 2, 4} at pp 1 and {pp, 2pp, 4pp} with pipelining (and the system's own default); virtual
 stages 2 (where pp divides the depth; refused while a planner cannot interleave); recomputation per
 module (none, selective, full, the encoders fully recomputed under an LLM at none or selective, the
 LLM alone at full); then around the best layouts the encoder knobs: encoder tp (colocated,
-noncolocated, omni), encoder sp (omni), the encoders' share of ranks (noncolocated).
+noncolocated, omni), encoder sp (omni), the encoders' share of ranks (noncolocated), the encoders'
+quota (spatial); last, from the best, the layouts one change away (tp, pp, cp, microbatches halved or
+doubled, the other cp kind, every recompute mode, the encoder knobs, the data-parallel modes where
+--dp-mode fixes none), again around the fastest of them until none is faster.
 
 Pruned analytically before any simulation: a per-rank memory lower bound (parameter-shard
 training state under the planners' HSDP groups + activations of the microbatches 1F1B keeps in

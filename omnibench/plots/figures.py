@@ -1317,3 +1317,59 @@ __all__ = ["CUMULATIVE", "Drawn", "RunRecord", "SimRecord", "ablation", "breakdo
            "cumulative_ablation", "dynamic", "globally_loaded", "memory_sensitivity", "record_of", "scaling",
            "speedup", "throughput",
            "timeline", "validation", "workload"]
+
+
+# -- spatial's quota ablation ------------------------------------------------------------------------
+def spatial_quota(recs: Records, workload: str = "mixed_video") -> Drawn:
+    """spatial at its tuned layout with the quota its tune picked, with a fixed even split and with the
+    balancer's per-phase share (`--option quota=...`), beside temporal, whose step it multiplexes."""
+    df = throughput_table(recs)
+    df = df[(df.source == "sim") & (df.workload == workload)]
+    asked = {str(r.path): str((r.config.get("options") or {}).get("quota") or "") for r in recs.sims}
+    sp = df[df.system == "spatial"].assign(quota=lambda d: d.record.map(lambda p: asked.get(p, "")))
+    tuned = sp[sp.quota == ""]
+    if tuned.empty or len(sp) < 2:
+        raise PlotInputError(f"spatial_quota needs spatial at its tuned layout on {workload} and at least one record "
+                             f"of it with `--option quota=...`; got {len(sp)} spatial row(s)")
+    gpus = int(tuned.gpus.iloc[0])
+    sp = sp[sp.gpus == gpus]
+    ref = float(tuned.tokens_per_s_per_gpu.iloc[0])
+    picked = _quota_of(str(tuned.layout.iloc[0]))
+    rows = [("searched (its tune's pick: " + picked + ")", ref, str(tuned.layout.iloc[0]))]
+    for q in sorted(set(sp.quota) - {""}):
+        r = sp[sp.quota == q].iloc[0]
+        name = "even split (0.5)" if q == "0.5" else "per-phase balancer share (auto)" if q == "auto" else f"quota {q}"
+        rows.append((name, float(r.tokens_per_s_per_gpu), str(r.layout)))
+    temporal = df[(df.system == "temporal") & (df.gpus == gpus)]
+    table = pd.DataFrame(rows, columns=["variant", "tokens_per_s_per_gpu", "layout"])
+    table["relative"] = table.tokens_per_s_per_gpu / ref
+    if not temporal.empty:
+        table["vs_temporal"] = table.tokens_per_s_per_gpu / float(temporal.tokens_per_s_per_gpu.iloc[0])
+    style.apply_theme()
+    fig, ax = plt.subplots(figsize=(style.COLUMN_IN, 1.3 + 0.32 * len(table)))
+    color = style.system_color("spatial")
+    bars = ax.barh(range(len(table)), table.relative, color=[color] + [style.lighten(color)] * (len(table) - 1),
+                   edgecolor="0.3", linewidth=0.4)
+    ax.bar_label(bars, labels=[f"{x:.2f}x" for x in table.relative], fontsize=6, padding=2)
+    ax.set_yticks(range(len(table)))
+    ax.set_yticklabels(table.variant)
+    ax.invert_yaxis()
+    if not temporal.empty:
+        t = float(temporal.tokens_per_s_per_gpu.iloc[0]) / ref
+        ax.axvline(t, color=style.system_color("temporal"), linestyle="--", linewidth=1, label="temporal, tuned")
+        fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), fontsize=6, frameon=False)
+    ax.set_xlabel("throughput rel. to spatial as tuned (tokens/s/GPU)")
+    ax.set_xlim(0, max(table.relative.max(), table.get("vs_temporal", pd.Series([0])).max()) * 1.2)
+    ax.set_title(f"spatial's quota: {workload}, {gpus:,} GPUs (simulated)", fontsize=7.5)
+    fig.tight_layout(rect=(0, 0.07 if not temporal.empty else 0, 1, 1))
+    caption = (f"spatial at its tuned layout ({workload}, {gpus:,} GPUs, simulated) with the encoders' quota its "
+               "tune picked, with a fixed even split, and with each phase's share of the work by the balancer; "
+               "the dashed line is temporal at its own tuned layout. The quota model is unmeasured "
+               "(simulator/quota.py).")
+    return Drawn("spatial_quota", fig, table.assign(workload=workload, gpus=gpus), caption)
+
+
+def _quota_of(layout: str) -> str:
+    """The quota a tuned layout's label names (`q0.3`), or auto."""
+    got = [p for p in layout.split() if p.startswith("q") and p[1:2].isdigit()]
+    return f"quota {got[0][1:]}" if got else "auto"

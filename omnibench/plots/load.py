@@ -39,7 +39,7 @@ import pandas as pd
 INCOMPLETE = ".incomplete"
 SIM_STREAMS = ("compute", "collective", "p2p")
 COMPUTE_KINDS = ("forward", "backward", "optimizer_step")
-BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated")
+BASELINES = ("homogeneous", "temporal", "colocated", "noncolocated", "spatial")  # every system omni is judged against
 
 # `omnibench run` flags, by RunSpec field, that a command line needs to reproduce a run.
 _RUN_FLAGS = ("workload", "model", "nproc", "steps", "seed", "tp", "pp", "cp", "ep", "dp", "microbatches",

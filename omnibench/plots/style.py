@@ -14,7 +14,7 @@ import seaborn as sns  # noqa: E402
 
 # Order is the order systems are listed and plotted (systems.SYSTEMS); colours come from seaborn's
 # colour-blind palette and never change with which systems a figure happens to show.
-SYSTEM_ORDER = ("homogeneous", "temporal", "colocated", "noncolocated", "omni")
+SYSTEM_ORDER = ("homogeneous", "temporal", "colocated", "noncolocated", "omni", "spatial")
 _CB = sns.color_palette("colorblind", 10)
 SYSTEM_COLORS = {
     "homogeneous": _CB[7],  # grey: the status-quo baseline
@@ -22,6 +22,7 @@ SYSTEM_COLORS = {
     "colocated": _CB[2],
     "noncolocated": _CB[4],
     "omni": _CB[3],  # the one the paper is about stands out
+    "spatial": _CB[9],
 }
 MODULE_COLORS = {"vision": _CB[0], "audio": _CB[2], "llm": _CB[1], "all": _CB[7]}
 # Modalities get the palette entries no system uses, so a modality is never read as a system.

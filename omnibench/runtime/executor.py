@@ -41,6 +41,7 @@ from omnibench.plan import (
     SEND,
     Action,
     Plan,
+    lane_of,
 )
 from omnibench.runtime.build import BuildMixin, LLMStage, make_optimizer, split_stage
 from omnibench.runtime.communication import CommunicationMixin
@@ -134,6 +135,8 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
         del full
         self.optimizer = self._make_optimizers(optimizer, lr)  # ZeRO: runtime/zero.py; fp32 masters: master.py
         self.spans: list[Span] = []
+        self._intra_op_threads = torch.get_num_threads()  # what spatial's lanes split by quota
+        self._lane_pool = None
 
     def run_step(self, plan: Plan, global_loss_tokens: int, t0: float,
                  loaded: dict[str, tuple[float, float, float]] | None = None) -> float:
@@ -156,17 +159,28 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
         self.global_loss_tokens = global_loss_tokens
         cuda = self.device.type == "cuda"
         events = []  # CUDA: (action, host start, host cpu, start event, end event), read once per step
-        for a in plan.actions.get(self.rank, []):
+        acts = plan.actions.get(self.rank, [])
+        i = 0
+        while i < len(acts):
+            a = acts[i]
+            if a.concurrent >= 0:
+                j = i
+                while j < len(acts) and acts[j].concurrent == a.concurrent:
+                    j += 1
+                self._run_concurrent(acts[i:j], plan.step, t0)
+                i = j
+                continue
+            i += 1
             if a.kind == METADATA:
                 if a.what not in (loaded or {}):
                     raise RuntimeError(f"step {plan.step}: the plan lists {a} but the loader ran no such exchange")
                 s, e, c = loaded[a.what]
                 self.spans.append(Span(plan.step, str(a), a.kind, a.module, s, e, self.rank, 0, 0, a.what, c))
                 continue
-            start, cpu = time.perf_counter(), time.thread_time()
             if cuda:
                 # Timed on the GPU's stream, never by synchronising: the host runs ahead and NCCL
                 # overlaps compute as it would in production.
+                start, cpu = time.perf_counter(), time.thread_time()
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
                 with self._autocast(a):
@@ -174,16 +188,52 @@ class Executor(BuildMixin, EncoderActionsMixin, LLMActionsMixin, CommunicationMi
                 ev[1].record()
                 events.append((a, start, time.thread_time() - cpu, *ev))
                 continue
-            with self._autocast(a):
-                self._do(a)
-            end = time.perf_counter()
-            self.spans.append(Span(plan.step, str(a), a.kind, a.module, start - t0, end - t0,
-                                   self.rank, a.microbatch, a.stage, a.what, time.thread_time() - cpu))
+            self._timed(a, plan.step, t0)
         for h, _ in self.state.pending:
             h.wait()
         if cuda:
             self._cuda_spans(plan.step, events, t0)
         return float(self.state.loss_sum)
+
+    def _timed(self, a: Action, step: int, t0: float) -> None:
+        """Run one action on the host and record its span (CPU: the host's time is the action's)."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        with self._autocast(a):
+            self._do(a)
+        end = time.perf_counter()
+        self.spans.append(Span(step, str(a), a.kind, a.module, start - t0, end - t0,
+                               self.rank, a.microbatch, a.stage, a.what, time.thread_time() - cpu))
+
+    def _run_concurrent(self, group: list[Action], step: int, t0: float) -> None:
+        """A concurrency group (systems/spatial.py): each lane on a thread of its own with its quota of the
+        rank's intra-op threads (OpenMP's thread count is per calling thread), the lanes side by side; the
+        group ends when both have. The lanes share nothing but the step's dictionaries, each writing keys
+        of its own: their dependencies lie in earlier groups, and each module's collectives run on its
+        own process groups, in the same order on every rank."""
+        if self.device.type == "cuda":
+            raise RuntimeError("spatial multiplexing runs its lanes side by side on CPU threads only: CUDA streams "
+                               "or green contexts per lane are not implemented")
+        lanes: dict[str, list[Action]] = {}
+        for a in group:
+            lanes.setdefault(lane_of(a), []).append(a)
+        total = self._intra_op_threads
+
+        def run_lane(acts: list[Action]) -> None:
+            before = torch.get_num_threads()
+            torch.set_num_threads(max(1, round(acts[0].quota * total)))
+            try:
+                for a in acts:
+                    self._timed(a, step, t0)
+            finally:
+                torch.set_num_threads(before)
+
+        if self._lane_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._lane_pool = ThreadPoolExecutor(2, thread_name_prefix="lane")
+        futures = [self._lane_pool.submit(run_lane, acts) for acts in lanes.values()]
+        for f in futures:
+            f.result()
 
     def _autocast(self, a: Action):
         """bf16 compute for modules FSDP does not hold (one rank, --no-fsdp): under

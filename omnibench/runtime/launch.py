@@ -234,6 +234,7 @@ def _cuda_default(names: list[str]) -> str:
 
 def check_layout(spec: RunSpec) -> None:
     """Plan step 0 in this process: every impossible layout fails here with a one-line error."""
+    from omnibench.specs.model import SpecError
     from omnibench.specs.presets import get_model
     from systems import get_planner
 
@@ -242,7 +243,10 @@ def check_layout(spec: RunSpec) -> None:
     parallel.validate(model)
     parallel.check_runtime()
     runtime_limits(model, parallel)
-    get_planner(spec.system).plan(model, parallel, batch_source(spec)(0))
+    plan = get_planner(spec.system).plan(model, parallel, batch_source(spec)(0))
+    if spec.device == "cuda" and "spatial" in plan.options:
+        raise SpecError("system: spatial runs its lanes side by side on CPU threads only (--device cpu): lanes on "
+                        "CUDA green contexts or streams are not built yet")
 
 
 def _rendezvous_store(spec: RunSpec):

@@ -273,6 +273,23 @@ def tuned_ablation_summary() -> str:
             f"{int(s0['gpus']):,} H100s, omni's tuned layout): " + "; ".join(parts))
 
 
+# @table("spatial-quota") -- registered once reproduce has written its CSV
+def spatial_quota() -> str:
+    """spatial's quota ablation: its tuned layout with the quota its tune picked, an even split and the
+    balancer's per-phase share, against temporal (results/figures/spatial_quota.csv)."""
+    rows = _rows(f"{FIGURES}/spatial_quota.csv")
+    r0 = rows[0]
+    lines = ["| spatial's quota | tokens/s/GPU | vs spatial as tuned | vs temporal (tuned) |", "|---|---|---|---|"]
+    for r in rows:
+        vs = _num(r.get("vs_temporal"))
+        lines.append(f"| {r['variant']} | {float(r['tokens_per_s_per_gpu']):,.0f} | {float(r['relative']):.2f}x | "
+                     f"{f'{vs:.2f}x' if vs is not None else '-'} |")
+    lines += ["", f"{r0['workload']}, {int(r0['gpus']):,} H100s, spatial's tuned layout ({_layout(r0['layout'])}) from "
+              "the tune cache, its quota set with `--option quota=...` (results/figures/spatial_quota.csv). The quota "
+              "model these rest on is unmeasured (simulator/quota.py)."]
+    return "\n".join(lines)
+
+
 @table("tune-convergence")
 def tune_convergence() -> str:
     """One line: how many tunes moved their best step time by <= 2% at twice the budget."""

@@ -63,12 +63,17 @@ class OmniOptions:
 
     @staticmethod
     def parse(raw: dict) -> OmniOptions:
+        from systems.spatial import SPATIAL_KEYS
+
         known = {f.name for f in fields(OmniOptions)}
         out = {}
         for key, value in (raw or {}).items():
             k = key.replace("-", "_")
+            if k in SPATIAL_KEYS:
+                continue  # another system's switch (`--option` names every system's)
             if k not in known:
-                raise PlanError(f"options.{key}: unknown omni option; allowed: {', '.join(sorted(known))}")
+                raise PlanError(f"options.{key}: unknown option; allowed: {', '.join(sorted(known))} (omni), "
+                                f"{', '.join(SPATIAL_KEYS)} (spatial)")
             if k in BOOL_KEYS:
                 value = _bool(key, value)
             elif k == "reorder_group":
