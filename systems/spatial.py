@@ -30,7 +30,7 @@ share of the phase's work (the two microbatches' samples) by the planner's balan
 FLOP estimate every system balances with), which makes the lanes equally long if both scale linearly
 with their share. Apollo derives its quotas from a performance model of
 each module under an allocation; here `tune` searches the quota with the simulator, as it searches
-every system's layout (`omnibench/tune.py`).
+every system's layout (`omnibench/tune/`).
 """
 
 from __future__ import annotations

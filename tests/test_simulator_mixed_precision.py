@@ -170,7 +170,7 @@ def test_omnis_planner_prices_encoders_as_the_arrangement_holds_them():
 
 
 def test_tunes_memory_bound_holds_the_arrangement():
-    """tune's analytic memory bound (omnibench/tune.py memory_estimate) charges a replicated module (one
+    """tune's analytic memory bound (omnibench/tune/estimates.py memory_estimate) charges a replicated module (one
     rank) 2 bytes more per parameter under master, as the simulator does; FSDP-held modules are
     untouched. (The bound reads the system's own data-parallel mode, not --dp-mode: a lower bound.)"""
     from omnibench.tune import Candidate, memory_estimate

@@ -1,4 +1,4 @@
-"""`omnibench tune`: search a system's layouts with the simulator (omnibench/tune.py)."""
+"""`omnibench tune`: search a system's layouts with the simulator (omnibench/tune/)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,84 @@
+"""What a search answers: each layout tried (`Trial`), and the search's result (`TuneResult`: the
+simulated trials fastest first, the default layout's, the notes, what it learned, how its seeds and
+its guard fared)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from omnibench.tune.budget import WAVE
+from omnibench.tune.seeds import Prior
+from omnibench.tune.space import Candidate, llm_key
+
+if TYPE_CHECKING:
+    from omnibench.tune.converge import Convergence
+
+
+@dataclass
+class Trial:
+    candidate: Candidate
+    estimate_gib: float = 0.0  # analytic memory lower bound
+    estimate_s: float = 0.0  # analytic step time (ordering only)
+    simulated: bool = False
+    step_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
+    mfu: float = 0.0
+    peak_gib: float = 0.0
+    fits: bool = False
+    note: str = ""  # why it was pruned / refused
+    # tune's guard_batches: the first step of the window simulated for it that it could not run (fits is then False)
+    guard_step: int | None = None
+
+    def row(self) -> dict:
+        return {"layout": self.candidate.label(), **asdict(self.candidate),
+                **{k: v for k, v in asdict(self).items() if k != "candidate"}}
+
+
+@dataclass
+class TuneResult:
+    system: str
+    world: int
+    enumerated: int
+    pruned_memory: int
+    refused: int
+    simulated: int
+    trials: list[Trial]  # simulated ones, fastest first (fitting before not fitting)
+    default: Trial
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    budget: int = 0  # layouts simulated in the LLM-layout phase (before retries and encoder knobs)
+    space: int = 0  # layouts left after pruning: what a proportional budget is a fraction of
+    steps: list[int] = field(default_factory=list)  # the batches every layout was timed on
+    convergence: Convergence | None = None
+    evaluated: dict = field(default_factory=dict, repr=False)  # Candidate -> Trial: all tried, for a re-run
+
+    ratio: dict = field(default_factory=dict, repr=False)  # the memory ratios learned per recompute mode
+    # the seeds this search was given, each as mapped to its cluster (None: outside its space), and
+    # each mapped seed's trial after its recompute retries
+    seeds: list = field(default_factory=list)
+    seeded: list = field(default_factory=list)  # [(Seed, Trial | None)]
+    # tune's guard_batches: the window steps checked beyond `steps`; each layout the guard ruled out, as
+    # (label, the first of those steps it could not run), fastest first; the step simulations it ran
+    guard_steps: list[int] = field(default_factory=list)
+    guarded: list[tuple[str, int]] = field(default_factory=list)
+    guard_simulations: int = 0
+
+    @property
+    def seeds_best(self) -> Trial | None:
+        """The fastest fitting seed as simulated here."""
+        ok = [t for _, t in self.seeded if t is not None and t.fits]
+        return min(ok, key=lambda t: (t.step_s, t.candidate.label())) if ok else None
+
+    @property
+    def best(self) -> Trial | None:
+        ok = [t for t in self.trials if t.fits]
+        return ok[0] if ok else None
+
+    def prior(self, top: int = WAVE // 2) -> Prior:
+        """This search as the starting point of a larger cluster's: its `top` fastest distinct layouts."""
+        out: list[Candidate] = []
+        for t in self.trials:
+            if t.fits and len(out) < top and all(llm_key(t.candidate) != llm_key(c) for c in out):
+                out.append(t.candidate)
+        return Prior(self.world, out, dict(self.ratio))
