@@ -29,15 +29,17 @@ pytestmark = pytest.mark.timeout(60)
         (lambda: llm_params(LLM_PRESETS["qwen3-30b-a3b"], active=True), 3.3e9),
         (lambda: vision_params(VISION_PRESETS["vit-675m"]), 675e6),
         (lambda: vision_params(VISION_PRESETS["internvit-300m"], merger=False), 304e6),
+        (lambda: vision_params(VISION_PRESETS["internvit-6b"], merger=False), 5.54e9),
         (lambda: audio_params(AUDIO_PRESETS["whisper-large-enc"], projector=False), 635e6),
     ],
-    ids=["qwen2-7b", "dense-72b", "qwen3-30b-total", "qwen3-30b-active", "vit-675m", "internvit-300m", "whisper"],
+    ids=["qwen2-7b", "dense-72b", "qwen3-30b-total", "qwen3-30b-active", "vit-675m", "internvit-300m", "internvit-6b",
+         "whisper"],
 )
 def test_parameter_counts_within_two_percent_of_published(count, published):
     assert count() == pytest.approx(published, rel=0.02)
 
 
-@pytest.mark.parametrize("name", ["omni-7b", "omni-moe-30b", "vl-72b"])
+@pytest.mark.parametrize("name", ["omni-7b", "omni-moe-30b", "vl-72b", "internvl-78b"])
 def test_real_model_built_on_meta_device_has_the_spec_parameter_count(name):
     spec = get_model(name)
     with torch.device("meta"):

@@ -120,6 +120,19 @@ VISION_PRESETS: dict[str, VisionEncoderSpec] = {
         ffn=4096,
         mlp="gelu",
     ),
+    # InternViT-6B-448px-V1-5 (OpenGVLab's config.json on the Hugging Face hub: 45 layers of width 3200, 25
+    # heads, FFN 12800, GELU; 5.54B parameters, the last 3 of the original 48 blocks discarded), the vision
+    # encoder of InternVL 1.5-2.5's largest models, in the Qwen2-VL block form: its QK normalisation, learned
+    # absolute positions and layer scale are not modelled (the compute per patch is the same). 25 heads: a
+    # Ulysses degree must divide them (1, 5 or 25).
+    "internvit-6b": VisionEncoderSpec(
+        name="internvit-6b",
+        layers=45,
+        hidden=3200,
+        heads=25,
+        ffn=12800,
+        mlp="gelu",
+    ),
     "tiny-vit": VisionEncoderSpec(name="tiny-vit", layers=2, hidden=64, heads=4, ffn=128, mlp="quick_gelu"),
 }
 
@@ -160,6 +173,8 @@ def _composed() -> dict[str, MultimodalSpec]:
         "vl-72b": compose("vl-72b", L["dense-72b"], V["vit-675m"]),
         "omni-72b": compose("omni-72b", L["dense-72b"], V["vit-675m"], A["whisper-large-enc"]),
         "omni-moe-30b": compose("omni-moe-30b", L["qwen3-30b-a3b"], V["vit-675m"], A["whisper-large-enc"]),
+        # InternVL2.5-78B's shape: InternViT-6B feeding a 72B dense LLM (an encoder of several billion parameters)
+        "internvl-78b": compose("internvl-78b", L["dense-72b"], V["internvit-6b"]),
         "llm-7b": compose("llm-7b", L["qwen2-7b"]),
         "llm-72b": compose("llm-72b", L["dense-72b"]),
         "llm-moe-30b": compose("llm-moe-30b", L["qwen3-30b-a3b"]),
