@@ -99,7 +99,27 @@ def tuned_comparison_range() -> str:
     out = "against the stronger baseline per cell (its better split): " + _range(_strongest())
     out += "; against the baselines splitting by the analytic estimate: " + _range(_speedups())
     deployed = _speedups(as_deployed=True)
-    return out + ("; split by tokens (as deployed): " + _range(deployed) if deployed else "")
+    out += "; split by tokens (as deployed): " + _range(deployed) if deployed else ""
+    apart = _without("spatial")
+    return out + (f"; without spatial, whose quota model no GPU has measured (against the other four baselines, "
+                  f"analytic split): {_range(apart)}" if apart else "")
+
+
+def _without(system: str) -> list[dict]:
+    """Per cell of the throughput figures (each system at its tuned layout, analytic split), omni over the
+    fastest baseline other than `system`, as speedup rows."""
+    out = []
+    for name, hardware in (("throughput.csv", "h100"), ("throughput_h200.csv", "h200")):
+        if not (REPO_ROOT / FIGURES / name).is_file():
+            continue
+        cells: dict[tuple, dict] = {}
+        for r in _rows(f"{FIGURES}/{name}"):
+            cells.setdefault((r["workload"], r["gpus"]), {})[r["system"]] = float(r["tokens_per_s_per_gpu"])
+        for (wl, gpus), tps in cells.items():
+            rest = [v for s, v in tps.items() if s not in ("omni", system)]
+            if "omni" in tps and rest:
+                out.append({"workload": wl, "gpus": gpus, "hardware": hardware, "speedup": tps["omni"] / max(rest)})
+    return out
 
 
 def _range(rows: list[dict]) -> str:
@@ -273,7 +293,7 @@ def tuned_ablation_summary() -> str:
             f"{int(s0['gpus']):,} H100s, omni's tuned layout): " + "; ".join(parts))
 
 
-# @table("spatial-quota") -- registered once reproduce has written its CSV
+@table("spatial-quota")
 def spatial_quota() -> str:
     """spatial's quota ablation: its tuned layout with the quota its tune picked, an even split and the
     balancer's per-phase share, against temporal (results/figures/spatial_quota.csv)."""
