@@ -39,6 +39,7 @@ from omnibench.plan import (
     RECV,
     SEND,
     Action,
+    lane_of,
 )
 from simulator.flops import (
     Work,
@@ -556,7 +557,7 @@ def concurrent_ops(ops: list[_Op]) -> list[_Op]:
         members = ops[i:j]
         lanes: dict[str, list[_Op]] = {}
         for m in members:
-            lanes.setdefault("llm" if m.action.module == "llm" else "encoders", []).append(m)
+            lanes.setdefault(lane_of(m.action), []).append(m)
         longest = max(lanes.values(), key=lambda lane: sum(m.duration + m.exposed for m in lane))
         merged = _Op(longest[0].action, longest[0].kind)
         merged.duration = sum(m.duration for m in longest)

@@ -42,6 +42,7 @@ from omnibench.plan import BACKWARD, BOUNDARY, FORWARD, Action, Plan, PlanError,
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
 from systems.common import _cost_model, data_rank, finish, plan_encoders_in_stage0, weigh_of
+from systems.temporal import check_veomni_layout
 from workloads.sample import Batch
 
 SPATIAL_KEYS = ("quota",)  # its own `--option` keys (it also reads the shared `balancer`)
@@ -138,8 +139,7 @@ def spatial_order(actions: list[Action], quota: Callable[[str, int, int], float]
 
 
 def _in_group(a: Action, group: int, quota: float) -> Action:
-    return Action(a.kind, a.module, a.microbatch, a.stage, a.what, a.peer, a.direction, a.peer_microbatch,
-                  a.nbytes, group, round(quota, 4))
+    return replace(a, concurrent=group, quota=round(quota, 4))
 
 
 class SpatialPlanner:
@@ -148,16 +148,7 @@ class SpatialPlanner:
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
         quota = parse_quota(parallel.options)
-        if parallel.pp != 1:
-            raise PlanError(f"pp: spatial runs temporal's layout, which has no pipeline; got pp={parallel.pp}, "
-                            "allowed: 1")
-        if parallel.encoder_sp and parallel.encoder_sp != parallel.cp:
-            raise PlanError(f"encoder_sp: spatial uses one Ulysses degree for every module (the LLM's cp group is "
-                            f"the encoders' sp group); got encoder_sp={parallel.encoder_sp} with cp={parallel.cp}, "
-                            f"allowed: 0 or {parallel.cp}")
-        if parallel.encoder_tp > 1:
-            raise PlanError(f"encoder_tp: spatial's encoders are FSDP-sharded with no tensor parallelism; "
-                            f"got encoder_tp={parallel.encoder_tp}, allowed: 0 or 1")
+        check_veomni_layout(self.name, parallel, "runs temporal's layout, which has no pipeline")
         parallel = replace(parallel, microbatches=parallel.microbatches or SPATIAL_MICROBATCHES)
         plan = plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=1, encoder_sp=parallel.cp)
         if quota:

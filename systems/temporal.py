@@ -29,19 +29,25 @@ from systems.common import finish, plan_encoders_in_stage0
 from workloads.sample import Batch
 
 
+def check_veomni_layout(system: str, parallel: ParallelSpec, no_pipeline: str) -> None:
+    """VeOmni's layout rules, which temporal and spatial share (one-line errors naming the field): pp 1, one
+    Ulysses degree for every module, encoders with no tensor parallelism; `no_pipeline` says why pp must be 1."""
+    if parallel.pp != 1:
+        raise PlanError(f"pp: {system} {no_pipeline}; got pp={parallel.pp}, allowed: 1")
+    if parallel.encoder_sp and parallel.encoder_sp != parallel.cp:
+        raise PlanError(f"encoder_sp: {system} uses one Ulysses degree for every module (the LLM's cp group is the "
+                        f"encoders' sp group); got encoder_sp={parallel.encoder_sp} with cp={parallel.cp}, "
+                        f"allowed: 0 or {parallel.cp}")
+    if parallel.encoder_tp > 1:
+        raise PlanError(f"encoder_tp: {system}'s encoders are FSDP-sharded with no tensor parallelism; "
+                        f"got encoder_tp={parallel.encoder_tp}, allowed: 0 or 1")
+
+
 class TemporalPlanner:
     name = "temporal"
     reads_recompute = False  # its plans are the same for every recompute mode (systems.offer_plan)
 
     def plan(self, model: MultimodalSpec, parallel: ParallelSpec, batch: Batch) -> Plan:
-        if parallel.pp != 1:
-            raise PlanError(f"pp: temporal runs one module at a time on every rank and has no pipeline; got pp={parallel.pp}, allowed: 1")
-        if parallel.encoder_sp and parallel.encoder_sp != parallel.cp:
-            raise PlanError(f"encoder_sp: temporal uses one Ulysses degree for every module (the LLM's cp group is the "
-                            f"encoders' sp group); got encoder_sp={parallel.encoder_sp} with cp={parallel.cp}, "
-                            f"allowed: 0 or {parallel.cp}")
-        if parallel.encoder_tp > 1:
-            raise PlanError(f"encoder_tp: temporal's encoders are FSDP-sharded with no tensor parallelism; "
-                            f"got encoder_tp={parallel.encoder_tp}, allowed: 0 or 1")
+        check_veomni_layout(self.name, parallel, "runs one module at a time on every rank and has no pipeline")
         return finish(plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=1, encoder_sp=parallel.cp),
                       parallel)

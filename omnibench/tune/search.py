@@ -295,14 +295,14 @@ class _Search:
         """From `base`, the layouts one change away (`neighbour_layouts`; data-parallel modes only where the
         user fixed none), then the same around the fastest of them, until none is faster (at most
         DESCENT_ROUNDS rounds): a search by levels and waves can stop one change short of a faster layout
-        (another recompute split, the other cp kind, ZeRO-1 for FSDP), and that is where a hostile reviewer
-        looks first."""
+        (another recompute split, the other cp kind, ZeRO-1 for FSDP)."""
         cur = base
         dp_modes = NEIGHBOUR_DP_MODES if not {"fsdp", "zero"} & set(self.dp_fields) else ()
         for _ in range(DESCENT_ROUNDS):
+            around = neighbour_layouts(cur.candidate, self.model, self.world, self.gpn, self.modes, self.options,
+                                       dp_modes)
             variants = []
-            for var in neighbour_layouts(cur.candidate, self.model, self.world, self.gpn, self.modes, self.options,
-                                         dp_modes):
+            for var in around:
                 if var in self.done:
                     continue
                 try:
@@ -312,8 +312,7 @@ class _Search:
                     continue  # outside the system's rules: not a layout it can take
                 variants.append(var)
             self.run(variants)
-            near = [self.final(v) for v in neighbour_layouts(cur.candidate, self.model, self.world, self.gpn,
-                                                            self.modes, self.options, dp_modes) if v in self.done]
+            near = [self.final(v) for v in around if v in self.done]
             better = sorted((t for t in near if t.fits and t.step_s < cur.step_s),
                             key=lambda t: (t.step_s, t.candidate.label()))
             if not better:

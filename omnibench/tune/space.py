@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from omnibench.specs.model import MultimodalSpec
-from omnibench.specs.parallel import ParallelSpec
+from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
 from systems.spatial import SPATIAL_MICROBATCHES
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # the uniform modes, least memory last
@@ -47,8 +47,6 @@ class Candidate:
     dp_mode: str = ""
 
     def parallel(self, world: int, gpus_per_node: int, options: dict | None = None) -> ParallelSpec:
-        from omnibench.specs.parallel import dp_mode_fields
-
         options = dict(options or {})
         if self.encoder_dp:
             options["encoder_dp"] = self.encoder_dp
