@@ -38,8 +38,8 @@ each system's own space:
    (`neighbour_layouts`): from the best, every layout one change away (tp, pp, cp, microbatches halved
    or doubled, the other cp kind, interleaving, every recompute mode, the encoder knobs, the
    data-parallel modes where the user fixed none), then around the fastest of them, until none is
-   faster: a search by levels stopped one change short of layouts up to 39% faster (noncolocated on
-   image_sft at 256 GPUs, budget 8: ZeRO-1, pp 1, selective recompute). Simulations run in waves of
+   faster: a search by levels can stop one change short of a faster layout (another recompute split,
+   ZeRO-1 instead of FSDP, one stage fewer). Simulations run in waves of
    `WAVE` layouts through a `Sweep` (every core, or Ray): what one wave learns applies from the
    next, so the answer is the same whatever the number of workers.
 4. **Converged?** (`tune_converged`) The search again at twice the budget, reusing every layout
