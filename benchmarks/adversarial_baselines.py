@@ -6,10 +6,12 @@
 For every cell of the reproduce's tuned comparison on H100s (each static workload at each size its tune cache
 holds; the dynamic ones over every step of their window with --dynamic), and every baseline's tuned layout
 there (the tune cache `tuned-layouts.json` the reproduce wrote), it simulates the layouts one change away:
-tp, pp and cp halved or doubled, the other cp kind, microbatches halved or doubled, every recompute mode,
-interleaved stages, the encoder knobs its tune varies (systems' encoder tp, noncolocated's encoder share,
-spatial's quota), and the data-parallel modes (ddp, zero1, zero2, fsdp): `omnibench.tune.neighbour_layouts`,
-the set the tune's own neighbour descent walks, so a faster one here is a descent that stopped short. Each on the same batch(es) as the tuned layout, with
+tp, pp and cp halved or doubled, the other cp kind, microbatches halved or doubled, every recompute mode of
+the tune's space (`omnibench.tune.recompute_modes`, a superset of `--recompute auto`'s list), interleaved
+stages, the encoder knobs its tune varies (systems' encoder tp, noncolocated's encoder share, spatial's
+quota), and the data-parallel modes (ddp, zero1, zero2, fsdp): `omnibench.tune.neighbour_layouts`, the set
+the tune's own neighbour descent walks, so a faster one here is a descent that stopped short. Each on the
+same batch(es) as the tuned layout, with
 the same simulator (the step cache answers layouts simulated before). It prints and writes every neighbour
 faster than the tuned layout by more than `--margin`, and says for each cell how many it tried. A faster
 neighbour is a tune that missed: the comparison then understates that baseline.
@@ -34,10 +36,9 @@ DYNAMIC = {"bursty_mix": (16, 1, 14), "drifting_video": (12, 90, 0)}
 def neighbours(c, model, world: int, gpn: int, samples) -> list:
     """The layouts one change away from candidate `c`: the ones the tune's neighbour descent walks
     (`omnibench.tune.neighbour_layouts`), every data-parallel mode among them."""
-    from omnibench.resolve import recompute_modes
-    from omnibench.tune import neighbour_layouts
+    from omnibench.tune import neighbour_layouts, recompute_modes
 
-    return neighbour_layouts(c, model, world, gpn, recompute_modes(model, samples))
+    return neighbour_layouts(c, model, world, gpn, recompute_modes(model, (), samples))
 
 
 def step_jobs(system: str, model, c, cluster, batches) -> list:

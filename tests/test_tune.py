@@ -71,8 +71,20 @@ def test_search_space_respects_the_layout_rules(system):
 def test_recompute_is_searched_per_module():
     model = get_model("omni-7b")
     modes = recompute_modes(model)
-    assert {"none", "selective", "full", "vision=full,audio=full", "llm=selective,vision=full,audio=full",
-            "llm=full"} == set(modes)
+    # the LLM at each mode under every set of the encoders recomputed, each policy once
+    assert {"none", "selective", "full", "vision=full", "audio=full", "vision=full,audio=full", "llm=selective",
+            "llm=selective,vision=full", "llm=selective,audio=full", "llm=selective,vision=full,audio=full",
+            "llm=full", "llm=full,vision=full", "llm=full,audio=full"} == set(modes)
+    assert len({tuple(sorted(recompute_policy(m).items())) for m in modes}) == len(modes)
+    # auto's list (one set of modules in full) is part of the space the tune searches
+    from omnibench.resolve import recompute_modes as auto_modes
+
+    auto = {tuple(sorted(recompute_policy(m).items())) for m in auto_modes(model)}
+    assert auto <= {tuple(sorted(recompute_policy(m).items())) for m in modes}
+    # an encoder a batch gives no work is no choice: image_sft feeds no audio
+    image = WorkloadStream("image_sft", seed=0, global_batch_tokens=131072).batch(0).samples
+    assert not any("audio" in m for m in recompute_modes(model, (), image))
+    assert any("vision" in m for m in recompute_modes(model, (), image))
     assert recompute_modes(get_model("qwen2-7b")) == ["none", "selective", "full"]  # text only: no encoders
     # mixed_video at 16 GPUs: nothing fits without recomputation, and the fastest layout the search finds
     # recomputes some modules and not others
@@ -135,7 +147,7 @@ def test_regime_batches_span_the_calmest_to_the_burstiest():
     assert regime_batches(window[:2], 3) == window[:2]
 
 
-def test_a_layout_tuned_across_regimes_survives_the_burst_one_tuned_on_step_0_does_not(tmp_path):
+def test_a_layout_tuned_across_regimes_fails_fewer_steps_than_one_tuned_on_step_0_and_the_guard_fails_none(tmp_path):
     def run(k, *extra):
         r = _simulate(["--workload", "bursty_mix", "--seed", "14", "--steps", "16", "--system", "homogeneous",
                        "--gpus", "16", "--global-batch-tokens", "114688", "--tuned", "--tune-steps", str(k),
@@ -145,7 +157,8 @@ def test_a_layout_tuned_across_regimes_survives_the_burst_one_tuned_on_step_0_do
 
     calm, regimes = run(1, "--no-tune-guard"), run(3, "--no-tune-guard")
     assert calm["tuned_at_steps"] == [0] and not calm["fits"] and "does not fit" in calm["fit_message"]
-    assert len(regimes["tuned_at_steps"]) == 3 and regimes["fits"] and regimes["steps_failed"] == 0
+    # the regime picks are a proxy for the window's bursts: fewer steps fail, not none
+    assert len(regimes["tuned_at_steps"]) == 3 and regimes["steps_failed"] < calm["steps_failed"]
     assert "tune_guarded" not in calm
     # the guard (the default) checks step 0's answer on the other 15 steps: it is ruled out for one that runs all
     guarded = run(1)

@@ -47,9 +47,22 @@ def window_147k():
     return _window(147456)
 
 
+# at 110,592 every layout a converged search of 3 (then 6) layouts simulated is not ruled out: the guard
+# rules out the fastest ones and keeps another, without searching again
+@pytest.fixture(scope="module")
+def window_111k():
+    return _window(110592)
+
+
 @pytest.fixture(scope="module")
 def setup():
     return get_model("omni-7b"), load_cluster("h100", 16)
+
+
+@pytest.fixture
+def guard_alone(monkeypatch):
+    """The guard without the window's contention after it (`_Search.contend`, tested on its own)."""
+    monkeypatch.setattr("omnibench.tune.search.WINDOW_CONTENDERS", 0)
 
 
 def _runs(system, model, cluster, c, batches):
@@ -78,7 +91,7 @@ def test_without_a_guard_or_with_nothing_left_to_check_the_search_is_unchanged(w
     assert all(t.guard_step is None for t in plain.trials)
 
 
-def test_an_answer_that_runs_every_step_is_kept_and_each_step_simulated_once(window_147k, setup):
+def test_an_answer_that_runs_every_step_is_kept_and_each_step_simulated_once(window_147k, setup, guard_alone):
     model, cluster = setup
     window = window_147k
     # the search without its neighbour descent: its answer here runs every step of the window
@@ -89,7 +102,7 @@ def test_an_answer_that_runs_every_step_is_kept_and_each_step_simulated_once(win
     assert _trials(guarded) == _trials(plain) and guarded.steps == [0]
 
 
-def test_a_layout_that_cannot_run_a_step_of_the_window_is_ruled_out_for_one_that_can(window_115k, setup):
+def test_a_layout_that_cannot_run_a_step_of_the_window_is_ruled_out_for_one_that_can(window_115k, setup, guard_alone):
     model, cluster = setup
     window = window_115k
     plain = tune("homogeneous", model, window[:1], cluster, budget=6)
@@ -111,8 +124,35 @@ def test_a_layout_that_cannot_run_a_step_of_the_window_is_ruled_out_for_one_that
     assert 2 * 15 <= res.guard_simulations < 15 * (len(res.guarded) + 1)
 
 
+def test_the_window_decides_between_the_guards_answer_and_the_layouts_nearly_as_fast_on_the_tuned_steps(
+        window_147k, setup):
+    """`_Search.contend`: the layouts within WINDOW_MARGIN of the guard's answer on the tuned steps (at most
+    WINDOW_CONTENDERS) run every step of the window too, and the answer is the fastest over all of it."""
+    from omnibench.tune.budget import WINDOW_CONTENDERS, WINDOW_MARGIN
+    from simulator.engine import SimOptions, simulate
+    from systems import get_planner
+
+    model, cluster = setup
+    window = window_147k
+    res = tune("omni", model, window[:1], cluster, budget=6, guard_batches=window, descent=False)
+    kept = min((t for t in res.trials if t.fits and t.window_s > 0), key=lambda t: t.step_s)  # the guard's answer
+    near = [t for t in res.trials if t is not kept and t.simulated and t.guard_step is None
+            and t.step_s <= kept.step_s * (1 + WINDOW_MARGIN)]
+    ran = [t for t in res.trials if t.window_s > 0]
+    assert kept in ran and len(ran) == 1 + min(len(near), WINDOW_CONTENDERS) >= 2
+    assert res.guard_simulations == 15 * len(ran)
+    assert res.best is min(ran, key=lambda t: (t.window_s, t.candidate.label()))
+    # window_s is the layout's mean step over the window, as simulate gives it step by step
+    c = res.best.candidate
+    times = [simulate(get_planner("omni").plan(model, c.parallel(16, 8), b), model, cluster,
+                      options=SimOptions(recompute=c.recompute)).step_time for b in window]
+    assert res.best.window_s == pytest.approx(sum(times) / len(times), rel=1e-6)
+    if res.best is not kept:
+        assert any(n.startswith("window: " + c.label()) for n in res.notes)
+
+
 def test_when_every_simulated_layout_is_ruled_out_the_burst_joins_the_tuned_batches(window_147k, setup,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, guard_alone):
     model, cluster = setup
     window = window_147k
     # budget 1: the default layout and its recompute retries only; none runs the whole window
@@ -134,9 +174,9 @@ def test_a_step_no_layout_runs_is_named(window, setup):
         tune("homogeneous", model, window[:1], cluster, budget=2, encoder_search=False, guard_batches=[lone])
 
 
-def test_a_converged_search_is_guarded_once_it_has_settled(window_115k, setup):
+def test_a_converged_search_is_guarded_once_it_has_settled(window_111k, setup, guard_alone):
     model, cluster = setup
-    window = window_115k
+    window = window_111k
     plain = tune_converged("homogeneous", model, window[:1], cluster, budget=3, encoder_search=False, doublings=1)
     res = tune_converged("homogeneous", model, window[:1], cluster, budget=3, encoder_search=False, doublings=1,
                          guard_batches=window)

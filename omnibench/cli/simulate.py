@@ -445,6 +445,7 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
         entry["guard_steps"] = res.guard_steps
         entry["guarded"] = [{"layout": lab, "step": k} for lab, k in res.guarded]
         entry["guard_simulations"] = res.guard_simulations
+        entry["window_s"] = res.best.window_s or None
     if res.seeded:
         entry["seeds"] = [{**sd.row(), "as": tr.candidate.label() if tr else None,
                            "step_s": tr.step_s if tr and tr.simulated else None, "fits": bool(tr and tr.fits)}

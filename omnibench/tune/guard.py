@@ -56,7 +56,9 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
     runs again (from scratch: its trials were timed on other batches), at most GUARD_ROUNDS times;
     then a one-line ValueError names the step. The regime picks (`regime_batches`) are a proxy for
     the window's bursts; the simulator knows which steps fit (omni on bursty_mix at 1,024 GPUs, tuned
-    on 3 regime steps: 80.0 of 80.0 GiB at step 12, dropped from the comparison)."""
+    on 3 regime steps: 80.0 of 80.0 GiB at step 12, dropped from the comparison). The survivor then
+    contends with the layouts nearly as fast on the tuned steps over the whole window (`_Search.contend`);
+    `TuneResult.best` is the fastest over it."""
     from omnibench.sweep import Sweep
     from simulator.cache import pack
 
@@ -90,9 +92,15 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                 check = _Search(system, model, window, cluster, kw.get("profile"), kw.get("options"), sweep,
                                 kw.get("use_cache", True), None, None, stack=kw.get("stack", "eager"),
                                 dp_fields=dp_fields, memory_error=kw.get("memory_error", 0.0))
-                survivor, out, worst, n = check.guard(list(res.trials))
+                survivor, out, worst, n = check.guard(list(res.trials), len(tuned))
                 guarded += out
                 runs += n
+                if survivor is not None:
+                    runs += check.contend(survivor, res.trials, len(tuned))
+                    if res.best is not survivor:
+                        res.notes.append(f"window: {res.best.candidate.label()} runs the window's steps in "
+                                         f"{res.best.window_s:.3f} s a step, {survivor.candidate.label()} (the "
+                                         f"fastest on the tuned steps) in {survivor.window_s:.3f} s")
                 res.trials.sort(key=lambda t: (not t.fits, t.step_s, t.candidate.label()))
                 if out:
                     res.notes.append("guard: ruled out " + ", ".join(f"{lab} (step {k})" for lab, k in out)

@@ -29,6 +29,8 @@ class Trial:
     note: str = ""  # why it was pruned / refused
     # tune's guard_batches: the first step of the window simulated for it that it could not run (fits is then False)
     guard_step: int | None = None
+    # tune's guard_batches: the mean step over the whole window, for the layouts the guard ran on all of it
+    window_s: float = 0.0
 
     def row(self) -> dict:
         return {"layout": self.candidate.label(), **asdict(self.candidate),
@@ -72,7 +74,12 @@ class TuneResult:
 
     @property
     def best(self) -> Trial | None:
+        """The fastest fitting layout: over the window where the guard ran some on all of it (`window_s`),
+        else on the tuned steps."""
         ok = [t for t in self.trials if t.fits]
+        window = [t for t in ok if t.window_s > 0]
+        if window:
+            return min(window, key=lambda t: (t.window_s, t.candidate.label()))
         return ok[0] if ok else None
 
     def prior(self, top: int = WAVE // 2) -> Prior:

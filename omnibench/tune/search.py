@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from omnibench.plan import PlanError
 from omnibench.specs.model import SpecError
-from omnibench.tune.budget import DESCENT_ROUNDS, WAVE
+from omnibench.tune.budget import DESCENT_ROUNDS, WAVE, WINDOW_CONTENDERS, WINDOW_MARGIN
 from omnibench.tune.estimates import _train_flops, memory_estimate, time_estimate
 from omnibench.tune.results import Trial
 from omnibench.tune.seeds import Prior
@@ -20,8 +20,10 @@ from omnibench.tune.space import (
     Candidate,
     encoder_variants,
     llm_key,
+    mode_key,
     neighbour_layouts,
     recompute_modes,
+    recomputed_modules,
 )
 
 
@@ -42,7 +44,8 @@ class _Search:
         self.capacity = cluster.gpu.memory_bytes / (1.0 + memory_error)
         # the analytic estimates read the first batch (the batch's own list: their memos key by its identity)
         self.per_batch = batches[0].samples
-        self.modes = recompute_modes(model, self.frozen)
+        self.modes = recompute_modes(model, self.frozen, self.per_batch)
+        self.modules = recomputed_modules(model, self.frozen, self.per_batch)
         self.done: dict[Candidate, Trial] = {}
         # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
         # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
@@ -66,6 +69,11 @@ class _Search:
                                              device=self.cluster.gpu.name, mixed_precision=self.mixed_precision,
                                              frozen=",".join(self.frozen))
         return self._bound[c]
+
+    def searched_mode(self, mode: str) -> str | None:
+        """The mode of this search's space that recomputes what `mode` does (None: no such mode)."""
+        key = mode_key(mode, self.modules)
+        return next((m for m in self.modes if mode_key(m, self.modules) == key), None)
 
     def flops_rank(self, mode: str) -> float:
         return _train_flops(self.model, self.per_batch, mode, ",".join(self.frozen))
@@ -354,7 +362,7 @@ class _Search:
                 return tr or Trial(c)
             c = nxt
 
-    def guard(self, trials: list[Trial]) -> tuple[Trial | None, list[tuple[str, int]], object, int]:
+    def guard(self, trials: list[Trial], tuned: int = 1) -> tuple[Trial | None, list[tuple[str, int]], object, int]:
         """The first fitting trial of `trials` (fastest first, as a search returns them) that also runs
         every batch of this search (the window's steps the search was not tuned on), with the fits
         check the simulator applies; each one ruled out before it is marked (fits False, `guard_step`,
@@ -362,7 +370,8 @@ class _Search:
         for it). Also answers the batch that ruled out the fastest (where it needed the most memory;
         a planner's refusal first) and the step simulations run. The batch where a ruled-out layout
         needed the most is simulated first for each layout after it, alone: the burst that broke one
-        layout usually breaks the next, which then costs one step, not the window."""
+        layout usually breaks the next, which then costs one step, not the window. The survivor's
+        `window_s` is its mean step over the whole window (its `tuned` steps' mean kept from the search)."""
         from simulator.cache import run_step
 
         killers: list[int] = []  # indices into self.batches
@@ -371,7 +380,7 @@ class _Search:
         for tr in trials:
             if not tr.fits:
                 continue
-            failed = []
+            failed, seconds = [], 0.0
             for group in (list(killers), [i for i in range(len(self.batches)) if i not in killers]):
                 if not group:
                     continue
@@ -380,7 +389,9 @@ class _Search:
                 failed = [(i, o) for i, o in zip(group, outs, strict=True) if o.error or not o.result.fits]
                 if failed:
                     break
+                seconds += sum(o.result.step_time for o in outs)
             if not failed:
+                tr.window_s = (tr.step_s * tuned + seconds) / (tuned + len(self.batches))
                 return tr, ruled_out, worst, runs
             first, o = min(failed, key=lambda f: self.batches[f[0]].step)
             tr.fits, tr.guard_step = False, self.batches[first].step
@@ -391,6 +402,33 @@ class _Search:
                 killers.append(burst)
             worst = self.batches[burst] if worst is None else worst
         return None, ruled_out, worst, runs
+
+    def contend(self, survivor: Trial, trials: list[Trial], tuned: int) -> int:
+        """The window decides between the guard's `survivor` and the layouts the search timed within
+        WINDOW_MARGIN of it on its `tuned` steps (at most WINDOW_CONTENDERS, fastest first): each runs
+        every batch of this search, and `window_s` (its mean step over the whole window) ranks them
+        (`TuneResult.best`). A few regime steps are a proxy for a window: a layout slower on them can be
+        faster over the window (a drifting mix changes which microbatch count pays). A contender that
+        cannot run a step is marked as the guard marks a layout it rules out. Answers the simulations."""
+        from simulator.cache import run_step
+
+        near = sorted((t for t in trials if t is not survivor and t.fits and t.simulated
+                       and t.step_s <= survivor.step_s * (1 + WINDOW_MARGIN)),
+                      key=lambda t: (t.step_s, t.candidate.label()))[:WINDOW_CONTENDERS]
+        if not near or not self.batches:
+            return 0
+        k = len(self.batches)
+        outs = self.sweep.map(run_step, [self._job(t.candidate, b) for t in near for b in self.batches])
+        for i, t in enumerate(near):
+            mine = outs[i * k:(i + 1) * k]
+            bad = next(((j, o) for j, o in enumerate(mine) if o.error or not o.result.fits), None)
+            if bad is not None:
+                j, o = bad
+                t.fits, t.guard_step = False, self.batches[j].step
+                t.note = f"step {t.guard_step}: {o.error or o.result.fit_message}"
+                continue
+            t.window_s = (t.step_s * tuned + sum(o.result.step_time for o in mine)) / (tuned + k)
+        return len(near) * k
 
 
 def _dp_fields(dp_mode: str | None, mixed_precision: str = "autocast", freeze: tuple[str, ...] = ()) -> dict:

@@ -79,7 +79,9 @@ def _seeded(seed: Seed, search: _Search, settled: dict) -> Candidate | None:
     c = _scaled(seed.candidate, seed.world, search.world, settled)
     if c is None:
         return None
-    own = replace(c, recompute=seed.candidate.recompute)
+    # the seed's own mode under the name this search gives it (a mode that recomputes an encoder with
+    # no work here is the one without it)
+    own = replace(c, recompute=search.searched_mode(seed.candidate.recompute) or seed.candidate.recompute)
     for cand in (own, c):
         try:
             cand.parallel(search.world, search.gpn).validate(search.model)

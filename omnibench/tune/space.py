@@ -4,6 +4,7 @@ LLM layout (`encoder_variants`), and the layouts one change away from one (`neig
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from omnibench.specs.model import MultimodalSpec
@@ -158,18 +159,53 @@ def microbatch_counts(system: str, pp: int) -> list[int]:
     return sorted({*base, default_microbatches(system, pp)})
 
 
-def recompute_modes(model: MultimodalSpec, frozen: tuple[str, ...] = ()) -> list[str]:
-    """The activation-recomputation choices searched, per module (costs.recompute_policy): the three
-    uniform modes, the encoders fully recomputed under an LLM at none or selective, the LLM alone at
-    full. Encoder activations are most of a video step's memory and the LLM most of its time, so the
-    mixed modes are often the fastest that fit. A `frozen` encoder runs no backward, so recomputing it
-    is no choice: the mixed modes name the encoders that train (none left: the uniform modes alone)."""
-    modes = list(RECOMPUTE_ORDER)
+def recomputed_modules(model: MultimodalSpec, frozen: tuple[str, ...] = (), samples: Sequence = ()) -> list[str]:
+    """The modules whose recomputation is a choice: the LLM, and every encoder that trains (a `frozen`
+    one runs no backward) and, when `samples` are given, has work in them."""
     trained = [m for m in model.encoders if m not in frozen]
-    if trained:
-        enc = ",".join(f"{m}=full" for m in trained)
-        modes += [enc, f"llm=selective,{enc}", "llm=full"]
-    return modes
+    if samples:
+        from simulator.flops import model_train_flops
+
+        base = model_train_flops(model, samples)
+        trained = [m for m in trained if model_train_flops(model, samples, f"{m}=full") > base]
+    return ["llm", *trained]
+
+
+def mode_key(mode: str, modules: Sequence[str]) -> tuple[str, ...]:
+    """What `mode` recomputes of `modules`: two modes with one key are one choice there."""
+    from omnibench.specs.costs import recompute_policy
+
+    policy = recompute_policy(mode)
+    return tuple(policy[m] for m in modules)
+
+
+def recompute_modes(model: MultimodalSpec, frozen: tuple[str, ...] = (), samples: Sequence = ()) -> list[str]:
+    """The activation-recomputation choices searched, per module (costs.recompute_policy): the three
+    uniform modes, then the LLM at none, selective or full under every set of the encoders recomputed
+    in full (e.g. "vision=full", "llm=selective,vision=full,audio=full"); one name per choice over the
+    modules where it is one (`recomputed_modules`). Encoder activations are most of a video step's
+    memory and the LLM most of its time, so the mixed modes are often the fastest that fit; one encoder
+    alone is the cheapest where the other's activations are small. `auto`'s list (omnibench/resolve.py
+    `recompute_modes`) is part of this one."""
+    from itertools import combinations
+
+    modules = recomputed_modules(model, frozen, samples)
+    encoders = modules[1:]
+    modes = list(RECOMPUTE_ORDER)
+    for llm in RECOMPUTE_ORDER:
+        for k in range(len(encoders) + 1):
+            for enc in combinations(encoders, k):
+                parts = ([f"llm={llm}"] if llm != "none" else []) + [f"{m}=full" for m in enc]
+                if parts:
+                    modes.append(",".join(parts))
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for mode in modes:  # the uniform names first
+        key = mode_key(mode, modules)
+        if key not in seen:
+            seen.add(key)
+            out.append(mode)
+    return out
 
 
 CP_KINDS_SEARCHED = ("ulysses", "allgather")
