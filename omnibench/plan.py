@@ -42,6 +42,8 @@ OPTIMIZER_STEP = "optimizer_step"
 # simulator costs them (overlapping the step's compute) and the trace shows them.
 METADATA = "metadata"
 ACTION_KINDS = (FORWARD, BACKWARD, SEND, RECV, BOUNDARY, GRAD_SYNC, OPTIMIZER_STEP, METADATA)
+# the `Plan.options` key of a plan whose actions run in concurrency groups (what the planner decided on them)
+CONCURRENCY_OPTION = "spatial"
 
 LLM_MESH_DIMS = ("pp", "dp", "cp", "tp")
 # How context parallelism splits attention: Ulysses all-to-alls (the runtime's), a ring of K/V blocks,
@@ -363,6 +365,13 @@ class Plan:
     def microbatches(self, module: str, rank: int) -> list[tuple[int, ...]]:
         return self.assignment.get(module, {}).get(rank, [])
 
+    @property
+    def concurrent(self) -> bool:
+        """Whether actions of this plan run side by side in concurrency groups (`Action.concurrent`): the
+        planner that groups them says so in `options` (systems/spatial.py), so no pass over the actions
+        is needed to know."""
+        return CONCURRENCY_OPTION in self.options
+
     # -- checks ----------------------------------------------------------------------------
     def validate(self, order: bool = False) -> None:
         """Structural checks every planner's output must pass (executors trust a valid plan); `order`:
@@ -388,7 +397,7 @@ class Plan:
         # in one pass over the actions (a plan at scale holds hundreds of thousands). With `order`, the
         # messages of every pair of ranks in the pass that lists them per pair: where they agree on both
         # sides every send is matched.
-        if "spatial" in self.options:  # the plans that group actions say so (a pass over every action)
+        if self.concurrent:
             check_concurrency(self)
         if order:
             sent, got = p2p_messages(self, check_kinds=True)

@@ -375,7 +375,7 @@ class ProgramMixin:
                                                                                *self.layers_on_rank(rank))))
                 if comm_on:
                     ops += self._param_gathers(rank, cls, seen, ops)
-        return concurrent_ops(ops) if "spatial" in self.plan.options else ops
+        return concurrent_ops(ops) if self.plan.concurrent else ops
 
     def _synced_modules(self, rank: int) -> list[str]:
         return [a.module for a in self.plan.actions.get(rank, []) if a.kind == GRAD_SYNC]

@@ -40,6 +40,15 @@ _PLANNERS: dict[str, str] = {
 
 SYSTEMS: tuple[str, ...] = ("homogeneous", "temporal", "colocated", "noncolocated", "omni", "spatial")
 
+# `--option` keys a system reads beside omni's (systems/omni/options.py `OmniOptions`, whose `balancer`
+# every system reads): `--option` names every system's, so each parser leaves the others' keys alone
+OPTION_KEYS: dict[str, tuple[str, ...]] = {"spatial": ("quota",)}
+
+
+def foreign_option_keys(system: str) -> dict[str, str]:
+    """key -> the system it belongs to, for the `--option` keys of systems other than `system`."""
+    return {k: s for s, keys in OPTION_KEYS.items() if s != system for k in keys}
+
 
 def available_systems() -> list[str]:
     return [s for s in SYSTEMS if s in _PLANNERS]

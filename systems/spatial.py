@@ -38,14 +38,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from omnibench.plan import BACKWARD, BOUNDARY, FORWARD, Action, Plan, PlanError, lane_of
+from omnibench.plan import BACKWARD, BOUNDARY, CONCURRENCY_OPTION, FORWARD, Action, Plan, PlanError, lane_of
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
 from systems.common import _cost_model, data_rank, finish, plan_encoders_in_stage0, weigh_of
 from systems.temporal import check_veomni_layout
 from workloads.sample import Batch
 
-SPATIAL_KEYS = ("quota",)  # its own `--option` keys (it also reads the shared `balancer`)
 # microbatches when none are given: two, the fewest that put two modules side by side (one runs temporal's step)
 SPATIAL_MICROBATCHES = 2
 # the auto quota stays inside these: neither lane is starved by a phase whose estimate says it has little to do
@@ -153,9 +152,9 @@ class SpatialPlanner:
         plan = plan_encoders_in_stage0(self.name, model, parallel, batch, encoder_tp=1, encoder_sp=parallel.cp)
         if quota:
             plan.actions = {r: spatial_order(acts, lambda *_: quota) for r, acts in plan.actions.items()}
-            plan.options["spatial"] = {"quota": "given", "encoder_quota": quota}
+            plan.options[CONCURRENCY_OPTION] = {"quota": "given", "encoder_quota": quota}
         else:
             shares = _shares(model, parallel, plan)
             plan.actions = {r: spatial_order(acts, shares(r)) for r, acts in plan.actions.items()}
-            plan.options["spatial"] = {"quota": "auto: per phase, the encoders' share of its work by the balancer"}
+            plan.options[CONCURRENCY_OPTION] = {"quota": "auto: per phase, the encoders' share of its work by the balancer"}
         return finish(plan, parallel, order=True)

@@ -164,3 +164,23 @@ def test_the_cli_simulates_and_plans_spatial_and_refuses_a_bad_quota_in_one_line
     one_error_line(invoke("simulate", "--system", "spatial", "--workload", "omni_av", "--gpus", "8",
                           "--option", "quota=2", "--out", tmp_path / "bad"), "options.quota", "(0, 1)")
     assert not (tmp_path / "bad").exists()
+
+
+def test_omnibench_run_trains_spatial_with_its_lanes_and_records_their_quotas(tmp_path):
+    """`omnibench run --system spatial` as a user types it: a complete record whose plan groups the LLM and
+    encoder lanes with the quota given."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "omnibench", "run", "--system", "spatial", "--device", "cpu",
+                          "--nproc", "2", "--steps", "2", "--microbatches", "2", "--option", "quota=0.4",
+                          "--out", str(out), "--json"], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["steps"] == 2
+    assert json.loads((out / "config.json").read_text())["run"]["options"] == {"quota": "0.4"}
+    plan = json.loads((out / "plan_step0.json").read_text())
+    grouped = [a for acts in plan["actions"].values() for a in acts if a.get("concurrent", -1) >= 0]
+    assert {round(a["quota"], 2) for a in grouped} == {0.4, 0.6}
+    assert {a["module"] for a in grouped} >= {"llm", "vision"}

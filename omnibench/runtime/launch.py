@@ -244,7 +244,7 @@ def check_layout(spec: RunSpec) -> None:
     parallel.check_runtime()
     runtime_limits(model, parallel)
     plan = get_planner(spec.system).plan(model, parallel, batch_source(spec)(0))
-    if spec.device == "cuda" and "spatial" in plan.options:
+    if spec.device == "cuda" and plan.concurrent:
         raise SpecError("system: spatial runs its lanes side by side on CPU threads only (--device cpu): lanes on "
                         "CUDA green contexts or streams are not built yet")
 

@@ -63,17 +63,18 @@ class OmniOptions:
 
     @staticmethod
     def parse(raw: dict) -> OmniOptions:
-        from systems.spatial import SPATIAL_KEYS
+        from systems import foreign_option_keys
 
         known = {f.name for f in fields(OmniOptions)}
+        foreign = foreign_option_keys("omni")
         out = {}
         for key, value in (raw or {}).items():
             k = key.replace("-", "_")
-            if k in SPATIAL_KEYS:
+            if k in foreign:
                 continue  # another system's switch (`--option` names every system's)
             if k not in known:
                 raise PlanError(f"options.{key}: unknown option; allowed: {', '.join(sorted(known))} (omni), "
-                                f"{', '.join(SPATIAL_KEYS)} (spatial)")
+                                + ", ".join(f"{k} ({s})" for k, s in sorted(foreign.items())))
             if k in BOOL_KEYS:
                 value = _bool(key, value)
             elif k == "reorder_group":
