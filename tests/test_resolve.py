@@ -151,7 +151,28 @@ def test_simulate_help_says_the_default_layout_once_and_each_option_in_one_line(
     assert done.returncode == 0, done.stderr
     text = done.stdout
     assert text.count("anchor's usual layout") == 1 and text.count("Megatron-style") == 1
-    box = text[text.index("Options"):]
-    rows = [ln for ln in box.splitlines()[1:] if ln.startswith("│")]
+    # the options under their panels, each in one line
+    from omnibench.cli.simulate import SIMULATE_PANELS
+
+    titles = re.findall(r"╭─ (.+?) ─", text)
+    assert sorted(titles) == sorted([*SIMULATE_PANELS, "Options"]), titles  # Options: --help alone
+    rest = text[text.index("╭─ Options"):]
+    assert [ln.split()[1] for ln in rest[:rest.index("╰")].splitlines()[1:]] == ["--help"]
+    box = text[text.index("╭─"):]
+    rows = [ln for ln in box.splitlines() if ln.startswith("│")]
     continued = [ln for ln in rows if not re.match(r"│\s+(\*\s+)?--", ln)]
-    assert rows and not continued, "\n".join(continued)
+    assert len(rows) == 1 + sum(map(len, SIMULATE_PANELS.values())) and not continued, "\n".join(continued)
+
+
+def test_a_simulate_option_in_no_help_panel_is_refused_where_the_command_is_registered():
+    import typer
+
+    from omnibench.cli.common import in_panels
+
+    def command(tp: int = typer.Option(0, "--tp"), pp: int = typer.Option(0, "--pp")) -> None: ...
+
+    with pytest.raises(ValueError, match=r"options in no help panel: \['pp'\]"):
+        in_panels(command, {"Layout": ("tp",)})
+    with pytest.raises(ValueError, match=r"panels name unknown ones: \['cp'\]"):
+        in_panels(command, {"Layout": ("tp", "pp", "cp")})
+    assert in_panels(command, {"Layout": ("tp", "pp")}) is command

@@ -101,7 +101,31 @@ def freeze_option(text: str, named=None, model=None) -> tuple[str, ...]:
 
 # --dp-shard on run, plan and simulate.
 DpShard = Annotated[int, typer.Option(
-    "--dp-shard", help="HSDP shard group; 0: automatic, -1: plain FSDP.")]
+    "--dp-shard", help="HSDP shard group; 0: automatic, -1: plain FSDP.", rich_help_panel="Layout")]
+
+
+def in_panels(command, panels: dict[str, tuple[str, ...]]):
+    """`command` with each of its options shown under the help panel that names it (panel -> parameter
+    names); a parameter of `command` in no panel, or a name it lacks, is an error here, so a new option
+    is placed when it is added."""
+    import inspect
+    from typing import get_type_hints
+
+    hints = get_type_hints(command, include_extras=True)
+    options = {}  # parameter -> its OptionInfo (a typer.Context parameter is none)
+    for name, param in inspect.signature(command).parameters.items():
+        infos = [param.default, *getattr(hints.get(name), "__metadata__", ())]
+        info = next((i for i in infos if isinstance(i, typer.models.OptionInfo)), None)
+        if info is not None:
+            options[name] = info
+    placed = {name: panel for panel, names in panels.items() for name in names}
+    missing = sorted(set(options) - set(placed))
+    extra = sorted(set(placed) - set(options))
+    if missing or extra:
+        raise ValueError(f"{command.__name__}: options in no help panel: {missing}; panels name unknown ones: {extra}")
+    for name, panel in placed.items():
+        options[name].rich_help_panel = panel
+    return command
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -27,6 +27,7 @@ from omnibench.cli.common import (
     err_console,
     fail,
     freeze_option,
+    in_panels,
     writable_folder,
     writing,
 )
@@ -115,8 +116,21 @@ PLAN_HELP = "\n\n".join([
     RECOMPUTE_TEXT])
 
 
+RUN_PANELS = {
+    "Run": ("system", "workload", "nproc", "model", "steps", "seed", "global_batch_tokens", "length_scale",
+            "batches_file", "config"),
+    "Layout": ("tp", "pp", "cp", "cp_kind", "ep", "dp", "dp_shard", "microbatches", "encoder_tp", "encoder_sp",
+               "encoder_ranks", "fsdp", "dp_mode", "mixed_precision"),
+    "Memory": ("recompute", "freeze", "encoder_chunk_tokens"),
+    "Device": ("device", "dtype", "compile", "timeout"),
+    "omni ablations and planner options": ("no_joint_pipeline", "no_reorder", "no_reshard", "no_long_short_sp",
+                                           "no_llm_long_short", "option"),
+    "Output and faults": ("out", "as_json", "dump_params", "inject_failure"),
+}
+
+
 def register(app: typer.Typer) -> None:
-    app.command("run", help=RUN_HELP)(run)
+    app.command("run", help=RUN_HELP)(in_panels(run, RUN_PANELS))
     app.command("plan", help=PLAN_HELP)(plan_cmd)
 
 

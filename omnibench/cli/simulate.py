@@ -39,6 +39,7 @@ from omnibench.cli.common import (
     console,
     fail,
     freeze_option,
+    in_panels,
     writable_file,
     writable_folder,
     writing,
@@ -691,8 +692,25 @@ SIMULATE_HELP = "\n\n".join([
 ])
 
 
+SIMULATE_PANELS = {
+    "Workload and model": ("workload", "system", "gpus", "model", "global_batch_tokens", "steps", "step_stride",
+                           "seed"),
+    "Machine and software": ("hardware", "stack", "sequence_parallel", "overlap_grad_reduce", "overlap_param_gather",
+                             "tp_overlap", "attention", "grad_reduce_dtype", "fp8", "ep_dispatcher", "calibration"),
+    "Layout": ("tp", "pp", "cp", "cp_kind", "ep", "expert_tp", "dp", "dp_shard", "dp_mode", "microbatches",
+               "virtual_stages", "micro_batch", "encoder_tp", "encoder_sp", "encoder_ranks", "mixed_precision"),
+    "Memory": ("recompute", "freeze", "encoder_chunk_tokens", "memory_error"),
+    "Tuning": ("tuned", "tune_budget", "tune_fraction", "tune_steps", "check_convergence", "tune_cache", "seed_from",
+               "no_tune_guard"),
+    "Sweeps": ("workers", "ray", "no_cache"),
+    "omni ablations and planner options": ("no_joint_pipeline", "no_reorder", "no_reshard", "no_long_short_sp",
+                                           "no_llm_long_short", "option"),
+    "Output": ("out", "as_json", "no_trace"),
+}
+
+
 def register(app: typer.Typer) -> None:
-    app.command(help=SIMULATE_HELP)(simulate)
+    app.command(help=SIMULATE_HELP)(in_panels(simulate, SIMULATE_PANELS))
     app.command()(calibrate)
     app.command()(validate)
 
