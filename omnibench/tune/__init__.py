@@ -14,8 +14,9 @@ each system's own space:
    not interleave yet: recorded, not simulated); encoder tp for the systems that give encoders a
    layout of their own, encoder sp for omni, the encoders' share of ranks for noncolocated, the
    encoders' quota for spatial (whose space is temporal's).
-   Recomputation is searched per module (`recompute_modes`: none, selective, full, the encoders
-   fully recomputed with the LLM at none or selective, the LLM alone at full).
+   Recomputation is searched per module (`recompute_modes`: none, selective, full, and the LLM at
+   none, selective or full under every set of encoders recomputed in full, one name per choice;
+   an encoder that is frozen or has no work in the batch is no choice).
 2. **Prune analytically** before simulating anything (`memory_estimate`): per rank, the training
    state of its parameter shard (costs.training_state_bytes, with the same HSDP shard groups the
    planners resolve) plus the activations of the microbatches 1F1B keeps in flight
@@ -56,7 +57,11 @@ one); `regime_batches` picks them from a window by how bursty they are (the calm
 the burstiest, ...), so a layout tuned on calm batches is not the answer when a burst will come.
 The picks are a proxy: with `guard_batches` (the whole window a layout will be kept for) the answer
 is also simulated on every other step of it, and one that cannot run some step is ruled out for
-the next fastest simulated layout (`_guarded`), so what `tune` returns runs the whole window.
+the next fastest simulated layout (`_guarded`), so what `tune` returns runs the whole window. The
+window then decides between that answer and the layouts within `WINDOW_MARGIN` of it on the tuned
+steps (at most `WINDOW_CONTENDERS`): each runs every step, and the fastest over the window
+(`Trial.window_s`, its mean step) is the answer (`_Search.contend`): a layout slower on a few regime
+steps can be faster over a drifting window.
 
 The package, one module per part of the search, each name re-exported here (`from omnibench.tune
 import X` is the way in):
