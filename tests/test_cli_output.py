@@ -64,3 +64,24 @@ def test_a_tp_that_does_not_divide_the_heads_names_the_allowed_values():
 
     with pytest.raises(SpecError, match=r"tp=3 .* allowed tp: 1, 2$"):
         ParallelSpec(world_size=4, tp=3).validate(get_model("tiny-omni"))
+
+
+def test_the_top_level_help_gives_each_command_a_short_entry():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "120"}
+    done = subprocess.run([sys.executable, "-m", "omnibench", "--help"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    box = done.stdout[done.stdout.index("╭─ Commands"):]
+    rows = [ln for ln in box.splitlines()[1:] if ln.startswith("│")]
+    entries: dict[str, int] = {}
+    name = ""
+    for ln in rows:
+        first = ln[1:].split()
+        if first and ln[2] != " ":
+            name = first[0]
+        entries[name] = entries.get(name, 0) + 1
+    assert "reproduce" in entries and max(entries.values()) <= 3, entries

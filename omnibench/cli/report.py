@@ -242,7 +242,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"{s.title}: {mark}", highlight=False)
         console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", highlight=False)
 
-    @app.command("reproduce")
+    @app.command("reproduce", short_help="Re-make every reference figure from scratch: CPU runs, simulations, the tuned "
+                 "comparison, the condition grid; --plan lists the stages.")
     def reproduce_cmd(
         out: Path = typer.Option(Path("results"), "--out", help="Results folder (figures/, report.html, runs/, sims/)."),
         quick: bool = typer.Option(False, "--quick", help="Fewer runs, steps and cluster sizes (a smoke test)."),
