@@ -32,7 +32,9 @@ import re
 import weakref
 from dataclasses import dataclass
 
-from omnibench.plan import BACKWARD, BOUNDARY, RECV, SEND
+from omnibench.plan import (
+    BACKWARD,
+)
 from omnibench.specs import costs
 from simulator.fitted import fitted
 from simulator.flops import (
@@ -59,14 +61,10 @@ class AllocatorNeed:
     source: str
     # bytes each further NCCL communicator of the rank holds outside the allocator (0: in `outside`)
     per_communicator: float = 0.0
-    # whether the rank's point-to-point connection buffers (`p2p_buffer_bytes`) come on top of `outside`
-    # (False: `outside` is a whole process's figure that holds them)
-    p2p: bool = False
 
-    def outside_for(self, communicators: int, p2p_bytes: float = 0.0) -> float:
-        """What lives outside the allocator on a rank holding `communicators` NCCL communicators and
-        `p2p_bytes` of point-to-point connection buffers (`p2p_buffers`)."""
-        return self.outside + self.per_communicator * max(0, communicators - 1) + (p2p_bytes if self.p2p else 0.0)
+    def outside_for(self, communicators: int) -> float:
+        """What lives outside the allocator on a rank holding `communicators` NCCL communicators."""
+        return self.outside + self.per_communicator * max(0, communicators - 1)
 
 
 # The published stacks (Megatron-LM, NeMo, torchtitan, Composer, DeepSpeed): stranded = Y / X at the
@@ -97,49 +95,7 @@ PUBLISHED_ALLOCATOR = AllocatorNeed(0.0044, 1.0 * GiB, "public OOM messages")
 # 10-12 MiB per channel and peer on NVLink or InfiniBand, by the same source), which one GPU cannot
 # measure: for such ranks this is a lower bound.
 EAGER_ALLOCATOR = AllocatorNeed(0.0913, 1.28 * GiB, "measured on one H100 (benchmarks/gpu_allocator.py, "
-                                "gpu_memory_phases.py)", per_communicator=0.380 * GiB, p2p=True)
-
-
-# Point-to-point connection buffers (pipeline sends, omni's encoder-LLM boundary exchanges), which one
-# GPU cannot measure, from NCCL's source (NVIDIA/nccl src/init.cc `computeBuffSizes`,
-# src/graph/paths.cc `ncclTopoGetNchannels` and `ncclTopoComputeP2pChannels`): a rank holds, per peer
-# and direction it exchanges with, one SIMPLE-protocol buffer of p2pChunkSize x NCCL_STEPS (8) on each of
-# the communicator's p2pnChannelsPerPeer channels. p2pChunkSize is NCCL_P2P_NET_CHUNKSIZE (128 KiB) on a
-# communicator over several nodes, NCCL_P2P_NVL_CHUNKSIZE (512 KiB) on one NVLink node. The channels per
-# peer are the fewest any peer gets, rounded up to a power of 2: a network peer starts from 2, halved
-# while 2 x ranks > 4 x p2pnChannels (at most the ring search's MAXCHANNELS / 2 = 32 channels); an
-# NVLink peer gets 2 per NVLink (18 on an H100 SXM), so on one node the 32 channels bind. The runtime
-# sends on the communicator of the world (init_process_group with `device_id`), so its size decides.
-# Not measured: a model of the allocation, and an upper bound where NCCL connects fewer channels for
-# small messages.
-NCCL_STEPS = 8
-P2P_NET_CHUNK = 128 * 2**10
-P2P_NVL_CHUNK = 512 * 2**10
-P2P_MAX_CHANNELS = 32
-
-
-def p2p_buffer_bytes(world: int, gpus_per_node: int) -> float:
-    """Bytes of one point-to-point connection (one peer, one direction) on a world of `world` ranks."""
-    if world <= gpus_per_node:
-        return P2P_MAX_CHANNELS * P2P_NVL_CHUNK * NCCL_STEPS
-    channels = 2
-    while channels * world > 4 * P2P_MAX_CHANNELS and channels > 1:
-        channels //= 2
-    return channels * P2P_NET_CHUNK * NCCL_STEPS
-
-
-def p2p_connections(plan, rank: int) -> int:
-    """The (peer, direction) pairs `rank` exchanges point-to-point with in `plan`: pipeline sends and
-    receives, and boundary exchanges."""
-    pairs = set()
-    for a in plan.actions.get(rank, []):
-        if a.kind == SEND:
-            pairs.add((a.peer, "send"))
-        elif a.kind == RECV:
-            pairs.add((a.peer, "recv"))
-        elif a.kind == BOUNDARY and a.direction in ("send", "recv") and a.peer != rank:
-            pairs.add((a.peer, a.direction))
-    return len(pairs)
+                                "gpu_memory_phases.py)", per_communicator=0.380 * GiB)
 
 
 # CPU ranks (gloo): no caching allocator and no CUDA context; about 1 GiB per process for Python,
@@ -191,14 +147,13 @@ ZERO_BUCKET_ELEMS = 40_000_000  # omnibench/runtime/zero.py BUCKET_ELEMS (Megatr
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1e9
 
 
-def memory_needed(allocated: float, memory_stack: str = "eager", device: str = "", communicators: int = 1,
-                  p2p_bytes: float = 0.0) -> float:
+def memory_needed(allocated: float, memory_stack: str = "eager", device: str = "", communicators: int = 1) -> float:
     """Bytes a rank whose live tensors peak at `allocated` needs to run under memory pressure: the
     allocator gives back every cached block it can before it fails, so only the space stranded in
     partly used segments and what lives outside the allocator (`allocator_need`, with the rank's
-    `communicators` and `p2p_bytes` of connection buffers) add to it."""
+    `communicators`) add to it."""
     need = allocator_need(memory_stack, device)
-    return allocated * (1.0 + need.stranded) + need.outside_for(communicators, p2p_bytes)
+    return allocated * (1.0 + need.stranded) + need.outside_for(communicators)
 
 
 def communicators(plan, rank: int) -> int:
@@ -775,6 +730,5 @@ class MemoryMixin:
         stats.memory_reserved = FRAGMENTATION * stats.memory_allocated
         device = self.cluster.gpu.name
         comms = communicators(self.plan, rank)
-        p2p = p2p_connections(self.plan, rank) * p2p_buffer_bytes(self.cluster.num_gpus, self.cluster.gpus_per_node)
-        stats.memory_bytes = stats.memory_reserved + allocator_need(self.memory_stack, device).outside_for(comms, p2p)
-        stats.memory_needed = memory_needed(stats.memory_allocated, self.memory_stack, device, comms, p2p)
+        stats.memory_bytes = stats.memory_reserved + allocator_need(self.memory_stack, device).outside_for(comms)
+        stats.memory_needed = memory_needed(stats.memory_allocated, self.memory_stack, device, comms)

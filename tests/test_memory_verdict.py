@@ -219,35 +219,6 @@ def test_a_rank_holds_a_communicator_per_group_it_is_in_omnis_group_pool_include
         EAGER_ALLOCATOR.outside + (counted[r] + pool[r]) * EAGER_ALLOCATOR.per_communicator)
 
 
-def test_a_rank_holds_a_buffer_per_point_to_point_peer_and_direction():
-    """simulator/memory.py p2p_buffer_bytes and p2p_connections: NCCL's SIMPLE buffer of p2pChunkSize x 8
-    steps on each channel per peer (128 KiB chunks and 2 channels, halved at scale, over several nodes;
-    512 KiB and 32 channels on one NVLink node), per (peer, direction) an omni rank exchanges boundaries
-    with; charged in this runtime's need, not in a published stack's (its outside figure holds it)."""
-    from simulator.memory import PUBLISHED_ALLOCATOR, p2p_buffer_bytes, p2p_connections
-    from tests.test_omni_planner import _omni7b_plan
-
-    assert p2p_buffer_bytes(8, 8) == 32 * 512 * 2**10 * 8
-    assert p2p_buffer_bytes(64, 8) == 2 * 128 * 2**10 * 8
-    assert p2p_buffer_bytes(1024, 8) == 128 * 2**10 * 8
-    p = _omni7b_plan(cp=4, microbatches=2)
-    world = max(r for lay in p.layouts.values() for r in lay.ranks) + 1
-    peers = {r: {(a.peer, a.direction) for a in p.actions[r] if a.kind == "boundary" and a.peer != r}
-             for r in range(world)}
-    assert max(len(v) for v in peers.values()) > 2  # an encoder rank exchanges with several LLM ranks
-    for r in range(world):
-        assert p2p_connections(p, r) == len(peers[r])
-    model = get_model("omni-7b")
-    ranks = Engine(p, model, load_cluster("h100", world), options=SimOptions(check_memory=False)).run().ranks
-    r = max(range(world), key=lambda k: len(peers[k]))
-    stats = next(st for st in ranks if st.rank == r)
-    charged = len(peers[r]) * p2p_buffer_bytes(world, 8)
-    assert stats.memory_needed == pytest.approx(
-        stats.memory_allocated * (1 + EAGER_ALLOCATOR.stranded) + EAGER_ALLOCATOR.outside_for(communicators(p, r))
-        + charged)
-    assert PUBLISHED_ALLOCATOR.outside_for(1, charged) == PUBLISHED_ALLOCATOR.outside
-
-
 @pytest.mark.parametrize("tp,pp,cp,dp_shard", [(1, 1, 1, 0), (2, 2, 2, 0), (1, 2, 2, 2), (2, 1, 1, 4)])
 def test_counting_groups_without_enumerating_them_matches_the_runtimes_groups(tp, pp, cp, dp_shard):
     from omnibench.process_groups import fewest_groups, group_counts, groups_of_rank
