@@ -96,7 +96,7 @@ def main() -> None:
             stream = WorkloadStream(wl, seed=seed, global_batch_tokens=8192 * gpus)
             batches = [pack(stream.batch(k * stride)) for k in range(steps)]
             tuned = Candidate(**e["candidate"])
-            samples = [s for b in batches[:1] for s in b.get().samples]
+            samples = [s for b in batches for s in b.get().samples]  # every step the layout runs
             variants = [(c.label(), c) for c in [tuned, *neighbours(tuned, model, gpus, cluster.gpus_per_node,
                                                                       samples)]]
             todo = [(label, step_jobs(system, model, c, cluster, batches)) for label, c in variants]

@@ -101,13 +101,14 @@ def freeze_option(text: str, named=None, model=None) -> tuple[str, ...]:
 
 # --dp-shard on run, plan and simulate.
 DpShard = Annotated[int, typer.Option(
-    "--dp-shard", help="HSDP shard group; 0: automatic, -1: plain FSDP.", rich_help_panel="Layout")]
+    "--dp-shard", help="HSDP shard group; 0: automatic, -1: plain FSDP.")]
 
 
 def in_panels(command, panels: dict[str, tuple[str, ...]]):
     """`command` with each of its options shown under the help panel that names it (panel -> parameter
     names); a parameter of `command` in no panel, or a name it lacks, is an error here, so a new option
-    is placed when it is added."""
+    is placed when it is added. An option shared between commands (`DpShard`) must sit under the same
+    panel in each."""
     import inspect
     from typing import get_type_hints
 

@@ -127,11 +127,21 @@ RUN_PANELS = {
                                            "no_llm_long_short", "option"),
     "Output and faults": ("out", "as_json", "dump_params", "inject_failure"),
 }
+PLAN_PANELS = {
+    "Step": ("system", "workload", "nproc", "model", "step", "seed", "global_batch_tokens", "length_scale",
+             "max_sample_tokens"),
+    "Layout": ("tp", "pp", "cp", "cp_kind", "ep", "dp", "dp_shard", "microbatches", "encoder_tp", "encoder_sp",
+               "encoder_ranks"),
+    "Memory": ("recompute", "freeze", "encoder_chunk_tokens"),
+    "omni ablations and planner options": ("no_joint_pipeline", "no_reorder", "no_reshard", "no_long_short_sp",
+                                           "no_llm_long_short", "option"),
+    "Output": ("as_json",),
+}
 
 
 def register(app: typer.Typer) -> None:
     app.command("run", help=RUN_HELP)(in_panels(run, RUN_PANELS))
-    app.command("plan", help=PLAN_HELP)(plan_cmd)
+    app.command("plan", help=PLAN_HELP)(in_panels(plan_cmd, PLAN_PANELS))
 
 
 def run(

@@ -8,6 +8,7 @@ plans with costs, print one table row per (cluster size, system), and write a re
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import re
@@ -267,16 +268,30 @@ TUNE_KEY_FIELDS = ("system", "workload", "gpus", "model", "hardware", "seed", "g
                    "calibration", "tune_steps", "converge", "prior", "memory_error")
 
 
+@functools.lru_cache(maxsize=1)
+def tune_code_version() -> str:
+    """A hash of the layout search's source (omnibench/tune/): what its answers depend on beyond the
+    simulator's."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((Path(__file__).resolve().parents[1] / "tune").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def _tune_key(seeds: list | None = None, guard: str = "", mixed_precision: str = "autocast", freeze: tuple = (),
               **fields) -> str:
     """The tune cache's key: the inputs that decide the answer (a seeded search: its seeds too, as a
     digest, so that an unseeded answer is never taken for a seeded one; a guarded one: the steps its
     answer was checked on, so that an unguarded answer is never taken for a guarded one), and the
-    simulator's code (simulator.cache.code_version: an answer tuned under another memory model or
-    cost model is never reused, as the step cache's own entries are not)."""
+    simulator's code and the search's (simulator.cache.code_version and `tune_code_version`: an answer
+    tuned under another memory model, cost model or search is never reused, as the step cache's own
+    entries are not)."""
     from simulator.cache import code_version
 
     key = "|".join(f"{k}={fields[k]}" for k in TUNE_KEY_FIELDS) + f"|code={code_version()[:12]}"
+    key += f"|search={tune_code_version()[:12]}"
     if guard:
         key += f"|guard={guard}"
     if mixed_precision != "autocast":  # autocast's keys stay what they were before the option existed
@@ -449,10 +464,13 @@ def tuned_layout(system: str, spec, batches, cluster, profile, budget: int, opti
         entry["window_s"] = res.best.window_s or None
     if res.seeded:
         entry["seeds"] = [{**sd.row(), "as": tr.candidate.label() if tr else None,
-                           "step_s": tr.step_s if tr and tr.simulated else None, "fits": bool(tr and tr.fits)}
+                           "step_s": tr.step_s if tr and tr.simulated else None, "fits": bool(tr and tr.fits),
+                           "window_s": (tr.window_s or None) if tr else None}
                           for sd, tr in res.seeded]
-        entry["seeds_best_s"] = res.seeds_best.step_s if res.seeds_best else None
-        entry["over_seeds"] = res.seeds_best.step_s / res.best.step_s - 1 if res.seeds_best else None
+        # over the window where the guard ran them (res.time_of), as the answer was chosen
+        fast = res.seeds_best
+        entry["seeds_best_s"] = res.time_of(fast) if fast else None
+        entry["over_seeds"] = res.time_of(fast) / res.time_of(res.best) - 1 if fast else None
     if res.convergence is not None:
         entry["convergence"] = res.convergence.row()
     cache[key] = entry

@@ -228,10 +228,10 @@ def register(app: typer.Typer) -> None:
                           f"{conv.budget_2x}: moved {conv.moved:.1%} ({verdict}, limit 2%)", highlight=False)
         if res.seeded:
             fast = res.seeds_best
+            at, best = (res.time_of(fast), res.time_of(res.best)) if fast is not None else (0.0, 0.0)
             said = "none fitted" if fast is None else \
-                f"the fastest {fast.candidate.label()} at {fast.step_s:.3f} s" + (
-                    ": the answer is a seed" if fast.step_s <= res.best.step_s else
-                    f", beaten by {fast.step_s / res.best.step_s - 1:.1%}")
+                f"the fastest {fast.candidate.label()} at {at:.3f} s" + (
+                    ": the answer is a seed" if at <= best else f", beaten by {at / best - 1:.1%}")
             console.print(f"seeds: {len(res.seeded)} for {system}, {said}", highlight=False)
         for note in res.notes[:5]:
             console.print(f"not simulated: {note}", highlight=False)

@@ -96,11 +96,22 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                 guarded += out
                 runs += n
                 if survivor is not None:
-                    runs += check.contend(survivor, res.trials, len(tuned))
+                    seeds = [t for _, t in res.seeded if t is not None]
+                    n, contenders_out = check.contend(survivor, res.trials, len(tuned), seeds)
+                    runs += n
+                    guarded += contenders_out
+                    if contenders_out:
+                        res.notes.append("window: ruled out " + ", ".join(f"{lab} (step {k})"
+                                                                          for lab, k in contenders_out))
                     if res.best is not survivor:
                         res.notes.append(f"window: {res.best.candidate.label()} runs the window's steps in "
                                          f"{res.best.window_s:.3f} s a step, {survivor.candidate.label()} (the "
                                          f"fastest on the tuned steps) in {survivor.window_s:.3f} s")
+                    # the seed note of the search, judged again over the window
+                    res.notes = [n for n in res.notes if not n.startswith(("beat its fastest seed",
+                                                                           "the answer is a seed"))]
+                    if (note := res.seed_note()) is not None:
+                        res.notes.append(note)
                 res.trials.sort(key=lambda t: (not t.fits, t.step_s, t.candidate.label()))
                 if out:
                     res.notes.append("guard: ruled out " + ", ".join(f"{lab} (step {k})" for lab, k in out)

@@ -67,10 +67,29 @@ class TuneResult:
     guard_simulations: int = 0
 
     @property
+    def windowed(self) -> bool:
+        """Whether the guard ran layouts over the whole window (then `best` is the fastest over it)."""
+        return any(t.window_s > 0 for t in self.trials)
+
+    def time_of(self, t: Trial) -> float:
+        """What `best` is judged by: the mean step over the window where the guard ran one, else over
+        the tuned steps."""
+        return t.window_s if self.windowed else t.step_s
+
+    @property
     def seeds_best(self) -> Trial | None:
-        """The fastest fitting seed as simulated here."""
-        ok = [t for _, t in self.seeded if t is not None and t.fits]
-        return min(ok, key=lambda t: (t.step_s, t.candidate.label())) if ok else None
+        """The fastest fitting seed as simulated here (over the window where the guard ran them: every
+        fitting seed contends, `_Search.contend`)."""
+        ok = [t for _, t in self.seeded if t is not None and t.fits and (t.window_s > 0 or not self.windowed)]
+        return min(ok, key=lambda t: (self.time_of(t), t.candidate.label())) if ok else None
+
+    def seed_note(self) -> str | None:
+        """How the answer compares with its fastest seed, in the note the search leaves."""
+        if self.seeds_best is None or self.best is None:
+            return None
+        gain = self.time_of(self.seeds_best) / self.time_of(self.best) - 1
+        return (f"beat its fastest seed ({self.seeds_best.candidate.label()}) by {gain:.1%}" if gain > 0 else
+                f"the answer is a seed ({self.best.candidate.label()}): the search found nothing faster")
 
     @property
     def best(self) -> Trial | None:
@@ -85,7 +104,7 @@ class TuneResult:
     def prior(self, top: int = WAVE // 2) -> Prior:
         """This search as the starting point of a larger cluster's: its `top` fastest distinct layouts."""
         out: list[Candidate] = []
-        for t in self.trials:
+        for t in ([self.best] if self.best is not None else []) + self.trials:  # the answer first
             if t.fits and len(out) < top and all(llm_key(t.candidate) != llm_key(c) for c in out):
                 out.append(t.candidate)
         return Prior(self.world, out, dict(self.ratio))

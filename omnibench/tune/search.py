@@ -44,8 +44,10 @@ class _Search:
         self.capacity = cluster.gpu.memory_bytes / (1.0 + memory_error)
         # the analytic estimates read the first batch (the batch's own list: their memos key by its identity)
         self.per_batch = batches[0].samples
-        self.modes = recompute_modes(model, self.frozen, self.per_batch)
-        self.modules = recomputed_modules(model, self.frozen, self.per_batch)
+        # the recompute choices of every batch tuned on (an encoder with work in any of them is one)
+        every = [s for b in batches for s in b.samples]
+        self.modes = recompute_modes(model, self.frozen, every)
+        self.modules = recomputed_modules(model, self.frozen, every)
         self.done: dict[Candidate, Trial] = {}
         # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
         # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
@@ -403,22 +405,33 @@ class _Search:
             worst = self.batches[burst] if worst is None else worst
         return None, ruled_out, worst, runs
 
-    def contend(self, survivor: Trial, trials: list[Trial], tuned: int) -> int:
-        """The window decides between the guard's `survivor` and the layouts the search timed within
-        WINDOW_MARGIN of it on its `tuned` steps (at most WINDOW_CONTENDERS, fastest first): each runs
+    def contend(self, survivor: Trial, trials: list[Trial], tuned: int,
+                seeds: list[Trial] = ()) -> tuple[int, list[tuple[str, int]]]:
+        """The window decides between the guard's `survivor`, the layouts the search timed within
+        WINDOW_MARGIN of it on its `tuned` steps (at most WINDOW_CONTENDERS, fastest first) and every
+        fitting one of `seeds` (so the answer is never slower over the window than a seed): each runs
         every batch of this search, and `window_s` (its mean step over the whole window) ranks them
         (`TuneResult.best`). A few regime steps are a proxy for a window: a layout slower on them can be
         faster over the window (a drifting mix changes which microbatch count pays). A contender that
-        cannot run a step is marked as the guard marks a layout it rules out. Answers the simulations."""
+        cannot run a step is marked as the guard marks a layout it rules out. Answers the simulations
+        and the contenders ruled out, as (label, the first step it could not run)."""
         from simulator.cache import run_step
 
-        near = sorted((t for t in trials if t is not survivor and t.fits and t.simulated
-                       and t.step_s <= survivor.step_s * (1 + WINDOW_MARGIN)),
-                      key=lambda t: (t.step_s, t.candidate.label()))[:WINDOW_CONTENDERS]
+        # a layout that steps exactly as one already in (an encoder knob with no effect here) is not another
+        seen = {(survivor.step_s, survivor.peak_gib)}
+        near = []
+        for t in sorted((t for t in trials if t is not survivor and t.fits and t.simulated
+                         and t.step_s <= survivor.step_s * (1 + WINDOW_MARGIN)),
+                        key=lambda t: (t.step_s, t.candidate.label())):
+            if len(near) < WINDOW_CONTENDERS and (t.step_s, t.peak_gib) not in seen:
+                seen.add((t.step_s, t.peak_gib))
+                near.append(t)
+        near += [t for t in seeds if t is not survivor and t not in near and t.fits and t.simulated]
         if not near or not self.batches:
-            return 0
+            return 0, []
         k = len(self.batches)
         outs = self.sweep.map(run_step, [self._job(t.candidate, b) for t in near for b in self.batches])
+        ruled_out = []
         for i, t in enumerate(near):
             mine = outs[i * k:(i + 1) * k]
             bad = next(((j, o) for j, o in enumerate(mine) if o.error or not o.result.fits), None)
@@ -426,9 +439,10 @@ class _Search:
                 j, o = bad
                 t.fits, t.guard_step = False, self.batches[j].step
                 t.note = f"step {t.guard_step}: {o.error or o.result.fit_message}"
+                ruled_out.append((t.candidate.label(), t.guard_step))
                 continue
             t.window_s = (t.step_s * tuned + sum(o.result.step_time for o in mine)) / (tuned + k)
-        return len(near) * k
+        return len(near) * k, ruled_out
 
 
 def _dp_fields(dp_mode: str | None, mixed_precision: str = "autocast", freeze: tuple[str, ...] = ()) -> dict:

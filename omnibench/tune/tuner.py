@@ -41,7 +41,9 @@ def tune(system: str, model: MultimodalSpec, batches: list, cluster, *, profile=
     other systems are ignored): the answer is never slower than a seed that fits here.
 
     `guard_batches`: the window the answer will be kept for (every step a static deployment runs);
-    the answer then runs every one of them (`_guarded`). None: the search's own answer on `batches`.
+    the answer then runs every one of them, and is the fastest over the window of the guard's answer,
+    the layouts nearly as fast on `batches` and every fitting seed (`_guarded`, `_Search.contend`).
+    None: the search's own answer on `batches`.
     `descent`: end with the neighbour descent around the best layout (`_Search.neighbour_descent`), with the
     encoder knobs' search (`encoder_search`) the search around the best."""
     kw = dict(descent=descent, profile=profile, budget=budget, fraction=fraction, options=options, encoder_search=encoder_search,
@@ -147,8 +149,6 @@ def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, pr
     res = TuneResult(system, world, len(space), pruned, refused, len(sims), sims, d, time.perf_counter() - t0,
                      notes, budget=n_budget, space=len(keep), steps=[b.step for b in batches],
                      evaluated=dict(search.done), ratio=dict(search.ratio), seeds=list(mine), seeded=seeded)
-    if res.seeds_best is not None and res.best is not None:
-        gain = res.seeds_best.step_s / res.best.step_s - 1
-        notes.append(f"beat its fastest seed ({res.seeds_best.candidate.label()}) by {gain:.1%}" if gain > 0 else
-                     f"the answer is a seed ({res.best.candidate.label()}): the search found nothing faster")
+    if (note := res.seed_note()) is not None:
+        notes.append(note)
     return res
