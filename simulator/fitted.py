@@ -45,19 +45,18 @@ FITTED: dict[str, FittedConstant] = {c.name: c for c in (
         "kernel_compute_scale.h100-500w", 0.660, _SCALE + "; the H100 96 GB HBM2e at a 500 W cap",
         "the h100-500w calibration rows (one source, torchtitan's benchmarks): "
         "python benchmarks/fit_published_machine.py",
-        ("h100-500w",), False, 0.1355, 0.1132,
+        ("h100-500w",), False, 0.0999, 0.1004,
         caveat="fitted on one source's rows: its held-out rows are the same source's, no other source checks it; "
                "fitted while that source's compiled 70B/405B runs were costed with eager kernels: read as compiled "
-               "(their software column) its calibration error rose from 9.9% to 13.6%. The fit command now gives "
-               "0.571 (mean |log error| 0.146), pulled down by the 405B pipelined rows the simulator runs 25-38% too "
-               "fast while the 8B rows go 13-33% too slow: not adopted, as it would hide a pipeline-model error in "
-               "a compute scale"),
+               "(their software column) its calibration error rose from 9.9% to 13.6%, and fell to 10.0% once the 405B "
+               "pipelined rows were read with torchtitan's own microbatches (rule 3 of results/validation/README.md); "
+               "the fit command has not been rerun since"),
     FittedConstant(
         "fragmentation", 1.175,
         "reserved / allocated bytes at the peak when memory is plentiful (the caching allocator's split "
         "and cached blocks), one factor for every stack and GPU",
         "the calibration rows that publish a peak (torchtitan's max_reserved readings): "
-        "python benchmarks/published_memory.py", ("",), True, 0.0589, 0.0385,
+        "python benchmarks/published_memory.py", ("",), True, 0.0266, 0.0514,
         caveat="every published peak is torchtitan's: its held-out rows are the same source's; the command, reading "
                "each row as its simulate command runs it (the CSV's micro batch), now fits 1.220: not adopted yet, "
                "as it moves every reported peak (the runtime's own included) and needs the checks against measured "
