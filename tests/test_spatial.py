@@ -175,10 +175,10 @@ def test_omnibench_run_trains_spatial_with_its_lanes_and_records_their_quotas(tm
 
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "omnibench", "run", "--system", "spatial", "--device", "cpu",
-                          "--nproc", "2", "--steps", "2", "--microbatches", "2", "--option", "quota=0.4",
+                          "--nproc", "2", "--steps", "1", "--microbatches", "2", "--option", "quota=0.4",
                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["steps"] == 2
+    assert json.loads(res.stdout)["steps"] == 1
     assert json.loads((out / "config.json").read_text())["run"]["options"] == {"quota": "0.4"}
     plan = json.loads((out / "plan_step0.json").read_text())
     grouped = [a for acts in plan["actions"].values() for a in acts if a.get("concurrent", -1) >= 0]
