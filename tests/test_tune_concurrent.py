@@ -76,7 +76,7 @@ def test_every_systems_search_at_once_gives_each_answer_it_gives_alone(tmp_path,
     started = []
     real = sim_cli._tune_all
     monkeypatch.setattr(sim_cli, "_tune_all", lambda systems, *a: started.append(systems) or real(systems, *a))
-    common = ["--workload", "bursty_mix", "--seed", "14", "--system", "homogeneous,temporal,omni", "--gpus", "16",
+    common = ["--workload", "bursty_mix", "--seed", "14", "--system", "homogeneous,omni", "--gpus", "16",
               "--global-batch-tokens", "131072", "--tuned", "--tune-budget", "2", "--check-convergence",
               "--steps", "3", "--step-stride", "3", "--tune-steps", "2", "--json"]
     got = {}
@@ -90,10 +90,10 @@ def test_every_systems_search_at_once_gives_each_answer_it_gives_alone(tmp_path,
         got[workers] = (_strip(json.loads((record / "results.json").read_text())),
                         [(k, _strip(e)) for k, e in json.loads(cache.read_text()).items()],  # order too
                         (record / "steps.csv").read_text())
-    assert started == [["homogeneous", "temporal", "omni"]]  # only the pool runs them at once
+    assert started == [["homogeneous", "omni"]]  # only the pool runs them at once
     assert got[2] == got[1]
     rows, entries, _ = got[2]
-    assert [e["system"] for _, e in entries] == ["homogeneous", "temporal", "omni"]
+    assert [e["system"] for _, e in entries] == ["homogeneous", "omni"]
     assert any(r.get("tune_guarded") for r in rows) or all(r["fits"] for r in rows)
 
 
