@@ -92,6 +92,7 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                 check = _Search(system, model, window, cluster, kw.get("profile"), kw.get("options"), sweep,
                                 kw.get("use_cache", True), None, None, stack=kw.get("stack", "eager"),
                                 dp_fields=dp_fields, memory_error=kw.get("memory_error", 0.0))
+                before = res.seed_note()  # the search's note, on the tuned steps (before any runs the window)
                 survivor, out, worst, n = check.guard(list(res.trials), len(tuned))
                 guarded += out
                 runs += n
@@ -108,8 +109,8 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                                          f"{res.best.window_s:.3f} s a step, {survivor.candidate.label()} (the "
                                          f"fastest on the tuned steps) in {survivor.window_s:.3f} s")
                     # the seed note of the search, judged again over the window
-                    res.notes = [n for n in res.notes if not n.startswith(("beat its fastest seed",
-                                                                           "the answer is a seed"))]
+                    if before in res.notes:
+                        res.notes.remove(before)
                     if (note := res.seed_note()) is not None:
                         res.notes.append(note)
                 res.trials.sort(key=lambda t: (not t.fits, t.step_s, t.candidate.label()))

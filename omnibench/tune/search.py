@@ -21,8 +21,8 @@ from omnibench.tune.space import (
     encoder_variants,
     llm_key,
     mode_key,
+    modes_of,
     neighbour_layouts,
-    recompute_modes,
     recomputed_modules,
 )
 
@@ -45,9 +45,8 @@ class _Search:
         # the analytic estimates read the first batch (the batch's own list: their memos key by its identity)
         self.per_batch = batches[0].samples
         # the recompute choices of every batch tuned on (an encoder with work in any of them is one)
-        every = [s for b in batches for s in b.samples]
-        self.modes = recompute_modes(model, self.frozen, every)
-        self.modules = recomputed_modules(model, self.frozen, every)
+        self.modules = recomputed_modules(model, self.frozen, [s for b in batches for s in b.samples])
+        self.modes = modes_of(self.modules)
         self.done: dict[Candidate, Trial] = {}
         # Learned while searching: per recompute mode, the smallest ratio of simulated peak memory to
         # the analytic bound seen so far. A layout whose bound times that ratio is over the device is
@@ -393,12 +392,9 @@ class _Search:
                     break
                 seconds += sum(o.result.step_time for o in outs)
             if not failed:
-                tr.window_s = (tr.step_s * tuned + seconds) / (tuned + len(self.batches))
+                tr.window_s = self._window_mean(tr, tuned, seconds)
                 return tr, ruled_out, worst, runs
-            first, o = min(failed, key=lambda f: self.batches[f[0]].step)
-            tr.fits, tr.guard_step = False, self.batches[first].step
-            tr.note = f"step {tr.guard_step}: {o.error or o.result.fit_message}"
-            ruled_out.append((tr.candidate.label(), tr.guard_step))
+            ruled_out.append(self._rule_out(tr, *min(failed, key=lambda f: self.batches[f[0]].step)))
             burst, _ = max(failed, key=lambda f: (bool(f[1].error), f[1].result.peak_needed if f[1].result else 0.0))
             if burst not in killers:
                 killers.append(burst)
@@ -436,13 +432,21 @@ class _Search:
             mine = outs[i * k:(i + 1) * k]
             bad = next(((j, o) for j, o in enumerate(mine) if o.error or not o.result.fits), None)
             if bad is not None:
-                j, o = bad
-                t.fits, t.guard_step = False, self.batches[j].step
-                t.note = f"step {t.guard_step}: {o.error or o.result.fit_message}"
-                ruled_out.append((t.candidate.label(), t.guard_step))
-                continue
-            t.window_s = (t.step_s * tuned + sum(o.result.step_time for o in mine)) / (tuned + k)
+                ruled_out.append(self._rule_out(t, *bad))
+            else:
+                t.window_s = self._window_mean(t, tuned, sum(o.result.step_time for o in mine))
         return len(near) * k, ruled_out
+
+    def _rule_out(self, t: Trial, index: int, outcome) -> tuple[str, int]:
+        """Mark `t` as unable to run this search's batch `index` (`outcome` says why); its (label, step)."""
+        t.fits, t.guard_step = False, self.batches[index].step
+        t.note = f"step {t.guard_step}: {outcome.error or outcome.result.fit_message}"
+        return t.candidate.label(), t.guard_step
+
+    def _window_mean(self, t: Trial, tuned: int, seconds: float) -> float:
+        """`t`'s mean step over the whole window: its `tuned` steps (`step_s`) and this search's batches,
+        which took `seconds` in all."""
+        return (t.step_s * tuned + seconds) / (tuned + len(self.batches))
 
 
 def _dp_fields(dp_mode: str | None, mixed_precision: str = "autocast", freeze: tuple[str, ...] = ()) -> dict:

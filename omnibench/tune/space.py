@@ -187,9 +187,13 @@ def recompute_modes(model: MultimodalSpec, frozen: tuple[str, ...] = (), samples
     memory and the LLM most of its time, so the mixed modes are often the fastest that fit; one encoder
     alone is the cheapest where the other's activations are small. `auto`'s list (omnibench/resolve.py
     `recompute_modes`) is part of this one."""
+    return modes_of(recomputed_modules(model, frozen, samples))
+
+
+def modes_of(modules: Sequence[str]) -> list[str]:
+    """`recompute_modes` over `modules` (the LLM first, then the encoders that are a choice)."""
     from itertools import combinations
 
-    modules = recomputed_modules(model, frozen, samples)
     encoders = modules[1:]
     modes = list(RECOMPUTE_ORDER)
     for llm in RECOMPUTE_ORDER:
