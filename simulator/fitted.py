@@ -48,9 +48,9 @@ FITTED: dict[str, FittedConstant] = {c.name: c for c in (
         ("h100-500w",), False, 0.0999, 0.1004,
         caveat="fitted on one source's rows: its held-out rows are the same source's, no other source checks it; "
                "fitted while that source's compiled 70B/405B runs were costed with eager kernels: read as compiled "
-               "(their software column) its calibration error rose from 9.9% to 13.6%, and fell to 10.0% once the 405B "
-               "pipelined rows were read with torchtitan's own microbatches (rule 3 of results/validation/README.md); "
-               "the fit command has not been rerun since"),
+               "(their software column) its calibration error rose from 9.9% to 13.6%, and is 10.0% with the 405B "
+               "pipelined rows cut into the microbatches their stack cuts (rule 3 of results/validation/README.md); "
+               "the fit command has not been rerun with that rule"),
     FittedConstant(
         "fragmentation", 1.175,
         "reserved / allocated bytes at the peak when memory is plentiful (the caching allocator's split "

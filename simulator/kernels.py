@@ -507,18 +507,11 @@ def _fp8_bytes(s: BlockShape, linears: list[tuple[float, float]], t: float, bwd:
 
 
 def grouped_gemm_time(p: KernelProfile, gemms: int, m: float, n: float, k: float, fp8: bool = False) -> float:
-    """Seconds of Transformer Engine's grouped GEMM over `gemms` local experts, each an (m, n, k) GEMM.
-
-    TE's GroupedLinear (Megatron-Core's TEGroupedMLP, `--moe-grouped-gemm`) runs `general_grouped_gemm`
-    -> `nvte_multi_tensor_gemm`, whose default path on every GPU (`NVTE_USE_CUTLASS_GROUPED_GEMM` unset;
-    the CUTLASS kernel is Hopper-only and opt-in) is `multi_stream_cublas_gemm`: a host loop that issues
-    one `nvte_cublas_gemm_v2` per GEMM over 4 compute streams (NVIDIA/TransformerEngine d0067d0d,
-    transformer_engine/common/gemm/cublaslt_gemm.cu `multi_stream_cublas_gemm`, the loop
-    `for (int i = 0; i < num_gemms; i++)`, and `nvte_multi_tensor_gemm`'s `cublas_path`). On the Python
-    side each GEMM adds PyTorch ops of its own (torch.split / torch.empty, "2x num_gemms calls":
-    TransformerEngine issue #1499). So the host enqueues `gemms` GEMMs one by one: the group takes at
-    least `gemms` host launches (`launch_s` each, a lower bound on a GEMM's host cost), however short the
-    experts' GEMMs are on the GPU."""
+    """Seconds of a grouped expert GEMM over `gemms` local experts, each an (m, n, k) GEMM, as the fused
+    stacks issue it: one GEMM per expert, each enqueued by the host on its own (over a few streams), not
+    one kernel for the group. So the group takes at least `gemms` host launches (`launch_s` each, a lower
+    bound on a GEMM's host cost), however short the experts' GEMMs are on the GPU. Where the fused stacks'
+    grouped GEMM is read from: docs/simulator-accuracy.md, "Host-bound steps"."""
     if gemms <= 0 or min(m, n, k) <= 0:
         return 0.0
     gpu = gemms * 2.0 * m * n * k / (p.gemm_rate(m, n, k) * (fp8_speedup(min(m, n, k)) if fp8 else 1.0))
@@ -547,10 +540,9 @@ def _moe(p: KernelProfile, s: BlockShape, t: float, bwd: bool) -> float:
     if s.moe_shared_ffn:
         out += 2 * linear(t, s.moe_shared_ffn, h) + linear(t, h, s.moe_shared_ffn) + linear(t, 1, h)
     if s.stack.kind != "eager":
-        # Megatron-Core / Transformer Engine: the rank's experts as grouped GEMMs (each group at its own
-        # shape's rate), fused permute / unpermute of the token copies (read and write each, bf16) and a
-        # fused gated activation. A "grouped" GEMM is one cuBLAS GEMM per local expert, each enqueued by
-        # the host on its own (`grouped_gemm_time`), so small experts are launch bound.
+        # the fused stacks: the rank's experts as grouped GEMMs (each group at its own shape's rate, one
+        # host launch per local expert: `grouped_gemm_time`, so small experts are launch bound), fused
+        # permute / unpermute of the token copies (read and write each, bf16) and a fused gated activation
         fp8 = s.stack.gemm == "fp8"
         for fan_out, fan_in in ((2 * f, h), (h, f)):
             shapes = ((fan_in, fan_out, te), (fan_out, fan_in, te))[:1 if s.stack.frozen else 2] if bwd \
