@@ -220,247 +220,8 @@ class Engine(WorkMixin, GroupsMixin, ProgramMixin, MemoryMixin):
 
     def _play(self, reps: list[int], programs: dict[int, list], stats: dict[int, RankStats],
               spans: list[Span]) -> None:
-        """Play every class's program against the others; fills `stats` (times) and `spans`.
-
-        Events are kept in time order on one heap, but only where a rank's process must wait for
-        time to pass: a compute op's end, a message or lock it waits for. Everything else is worked
-        out from times as soon as they are known (a collective's start is its last member's
-        arrival; its members' ends follow), so a step costs about one heap entry per compute op
-        rather than simpy's several events per action. Same semantics as the simpy loop
-        (`simulator/engine_simpy.py`, the reference a test compares against): a rank's collective
-        stream runs its collectives in issue order, each when all its distinct members have
-        arrived; a rank's p2p stream runs transfers in the order they become ready (a send once
-        its receiver has posted the recv); a recv completes when the first transfer of its message
-        has; an optimizer step waits for the rank's outstanding communication.
-        """
-        heap: list = []
-        push, pop = heapq.heappush, heapq.heappop
-        seq = itertools.count()
-        now = 0
-        locks: dict[tuple, list] = {}  # key -> [arrived, max contribution, ready time, [(rank, op)]]
-        colls: dict[tuple, list] = {}  # key -> [arrived, latest arrival, [(rank, op, holder, arrival)]]
-        lags: dict[int, list] = {r: [] for r in reps}  # per rank: (arrival, all arrived) of collectives that waited
-        chans: dict[tuple, _Channel] = {}
-        chan_list: list[_Channel] = []
-        p2p_free = dict.fromkeys(reps, 0.0)
-        coll_free = dict.fromkeys(reps, 0.0)
-        coll_next = dict.fromkeys(reps, 0.0)  # when the stream takes its next collective (its last one's end)
-        coll_busy = dict.fromkeys(reps, False)
-        coll_queue: dict[int, deque] = {r: deque() for r in reps}
-        pend_max = dict.fromkeys(reps, 0.0)  # latest end of the rank's outstanding communication
-        pend_open = dict.fromkeys(reps, 0)  # outstanding communication whose end is not known yet
-        pend_wait = dict.fromkeys(reps, False)  # the rank's process waits for pend_open to reach 0
-
-        def channel(key) -> _Channel:
-            ch = chans.get(key)
-            if ch is None:
-                ch = chans[key] = _Channel(len(chan_list))
-                chan_list.append(ch)
-            return ch
-
-        def transfer(rank, op, free, stream, kind, t) -> float:
-            f = free[rank]
-            start = f if f > t else t  # max(t, f) as simpy's loop takes it (int 0 stays int)
-            d = op.duration
-            end = start + d
-            free[rank] = end
-            stats[rank].comm_busy += d
-            spans.append(Span(rank, stream, op.action, kind, start, d))
-            return t + (end - t)  # when it is over, as simpy's timeout rounds it (bit-identical results)
-
-        def delivered(ch: _Channel, end: float) -> None:
-            if end < ch.end:
-                ch.end = end
-                if ch.waiters and end < ch.fire_at:
-                    ch.fire_at = end
-                    push(heap, (end, next(seq), ~ch.index))
-
-        def resolved(rank, end) -> None:
-            pend_open[rank] -= 1
-            if end > pend_max[rank]:
-                pend_max[rank] = end
-            if not pend_open[rank] and pend_wait[rank]:
-                pend_wait[rank] = False
-                t = pend_max[rank]
-                push(heap, (t if t > now else now, next(seq), rank))
-
-        def arrive(rank, op, holder, t) -> None:
-            """`rank`'s collective stream reaches `op` at time t."""
-            key = op.lock_key
-            rv = colls.get(key)
-            if rv is None:
-                rv = colls[key] = [0, t, []]
-            rv[0] += 1
-            if t > rv[1]:
-                rv[1] = t
-            rv[2].append((rank, op, holder, t))
-            if rv[0] < op.lock_n:
-                return
-            del colls[key]
-            ready = rv[1]
-            for m, mop, h, tm in rv[2]:
-                if ready > tm:
-                    lags[m].append((tm, ready))
-                end = transfer(m, mop, coll_free, "collective", mop.kind, ready)
-                h[0] = coll_next[m] = end
-                if h[1]:  # its process waits for it (a blocking collective)
-                    push(heap, (end, next(seq), m))
-                elif not mop.blocking:
-                    resolved(m, end)
-                q = coll_queue[m]
-                if q:
-                    nop, nh = q.popleft()
-                    arrive(m, nop, nh, end)
-                else:
-                    coll_busy[m] = False
-
-        def proc(rank, ops):
-            st = stats[rank]
-            now = yield None
-            for op in ops:
-                kind = op.kind
-                if kind == FORWARD or kind == BACKWARD:
-                    key = op.lock_key
-                    if key is None:
-                        start, dur = now, op.duration
-                        now = yield now + (dur + op.exposed)
-                    else:
-                        rv = locks.get(key)
-                        if rv is None:
-                            rv = locks[key] = [0, op.duration, 0.0, []]
-                        elif op.duration > rv[1]:
-                            rv[1] = op.duration
-                        rv[0] += 1
-                        if rv[0] < op.lock_n:
-                            # the last member to arrive wakes this one at its op's end
-                            rv[3].append((rank, op))
-                            arrived = now
-                            now = yield None
-                            start, dur = rv[2], rv[1]
-                            st.imbalance += start - arrived
-                        else:
-                            del locks[key]
-                            start = rv[2] = now
-                            dur = rv[1]
-                            for w, wop in rv[3]:
-                                push(heap, (now + (dur + wop.exposed), next(seq), w))
-                            now = yield now + (dur + op.exposed)
-                        st.imbalance += dur - op.duration  # the slowest peer's time sets the locked op's
-                    st.compute += op.duration
-                    by = st.compute_by_module
-                    by[op.action.module] = by.get(op.action.module, 0.0) + op.duration
-                    st.exposed_comm += op.exposed
-                    st.comm_busy += op.comm
-                    spans.append(Span(rank, "compute", op.action, kind, start, dur + op.exposed))
-                elif kind == SEND:
-                    ch = channel(op.p2p_key)
-                    if ch.posted:  # NCCL p2p: the transfer starts once the receiver has posted its recv
-                        end = transfer(rank, op, p2p_free, "p2p", SEND, now)
-                        delivered(ch, end)
-                        if end > pend_max[rank]:
-                            pend_max[rank] = end
-                    else:
-                        ch.senders.append((rank, op))
-                        pend_open[rank] += 1
-                elif kind == RECV or kind == "boundary_recv":
-                    ch = channel(op.p2p_key)
-                    if kind == RECV and not ch.posted:
-                        ch.posted = True
-                        for s, sop in ch.senders:
-                            end = transfer(s, sop, p2p_free, "p2p", SEND, now)
-                            delivered(ch, end)
-                            resolved(s, end)
-                        ch.senders = []
-                    if not ch.fired and ch.end > now:
-                        ch.waiters.append(rank)
-                        if ch.end < ch.fire_at:
-                            ch.fire_at = ch.end
-                            push(heap, (ch.end, next(seq), ~ch.index))
-                        now = yield None
-                elif kind == "boundary_send":
-                    end = transfer(rank, op, p2p_free, "p2p", BOUNDARY, now)
-                    delivered(channel(op.p2p_key), end)
-                    if end > pend_max[rank]:
-                        pend_max[rank] = end
-                elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
-                    holder = [None, False]  # [end, whether this process waits for it]
-                    if not op.blocking:
-                        pend_open[rank] += 1
-                    if coll_busy[rank]:
-                        coll_queue[rank].append((op, holder))
-                    else:
-                        coll_busy[rank] = True
-                        f = coll_next[rank]
-                        arrive(rank, op, holder, f if f > now else now)
-                    if op.blocking:
-                        wait_start = now
-                        if holder[0] is None:
-                            holder[1] = True
-                            now = yield None
-                        elif holder[0] > now:
-                            now = yield holder[0]
-                        waited = peer_wait(lags[rank], wait_start, now)
-                        st.imbalance += waited
-                        st.exposed_comm += (now - wait_start) - waited
-                elif kind == OPTIMIZER_STEP:
-                    wait_start = now
-                    if pend_open[rank]:
-                        pend_wait[rank] = True
-                        now = yield None
-                    elif pend_max[rank] > now:
-                        now = yield pend_max[rank]
-                    pend_max[rank] = 0.0
-                    waited = peer_wait(lags[rank], wait_start, now)
-                    st.imbalance += waited
-                    st.exposed_comm += (now - wait_start) - waited
-                    start = now
-                    now = yield now + op.duration
-                    st.optimizer += op.duration
-                    spans.append(Span(rank, "compute", op.action, kind, start, op.duration))
-            if pend_open[rank]:
-                pend_wait[rank] = True
-                now = yield None
-            elif pend_max[rank] > now:
-                now = yield pend_max[rank]
-            st.finish = now
-            finished.add(rank)
-
-        finished: set[int] = set()
-        gens = {}
-        for r in reps:
-            g = gens[r] = proc(r, programs[r])
-            next(g)
-            push(heap, (0, next(seq), r))  # simpy starts its clock at int 0: spans keep it
-        while heap:
-            now, _, target = pop(heap)
-            if target >= 0:
-                wake = (target,)
-            else:
-                ch = chan_list[~target]
-                if ch.fired or ch.fire_at != now:
-                    continue  # superseded by an earlier delivery of the same message
-                ch.fired = True
-                wake, ch.waiters = ch.waiters, []
-            for r in wake:
-                try:
-                    t = gens[r].send(now)
-                except StopIteration:
-                    continue
-                if t is not None:
-                    push(heap, (t, next(seq), r))
-        # `arrive` calls itself, so its closure cell and the function hold each other: left alone, that
-        # cycle keeps every cell it closes over (the step's spans, stats and queues) for the cyclic GC,
-        # which in a tune rescanned a step's worth of objects after every step. Emptied, the cell lets
-        # them go with the step.
-        arrive = None  # noqa: F811 (the cell emptied, not a new definition)
-        stuck = [r for r in reps if r not in finished]
-        if stuck:
-            r = stuck[0]
-            done = sum(1 for s in spans if s.rank == r and s.stream == "compute")
-            raise SimulationError(
-                f"simulated deadlock: {len(stuck)} rank classes never finished (first: rank {r} after "
-                f"{done} compute actions); the plan's sends/recvs or collectives do not match"
-            )
+        """Play every class's program against the others (`_Play`); fills `stats` (times) and `spans`."""
+        _Play(reps, stats, spans).run(programs)
 
     def _result(self, reps: list[int], stats: dict[int, RankStats], spans: list[Span], t0: float) -> SimResult:
         plan = self.plan
@@ -551,6 +312,14 @@ def check_fit(result: SimResult, memory_error: float = 0.0) -> SimResult:
     return result
 
 
+def deadlock(stuck: list[int], spans: list[Span]) -> SimulationError:
+    """The error of a play whose rank classes `stuck` never finished."""
+    r = stuck[0]
+    done = sum(1 for s in spans if s.rank == r and s.stream == "compute")
+    return SimulationError(f"simulated deadlock: {len(stuck)} rank classes never finished (first: rank {r} after "
+                           f"{done} compute actions); the plan's sends/recvs or collectives do not match")
+
+
 class _Channel:
     """One message's state: whether its recv is posted, the senders waiting for that, the earliest
     end of a transfer of it (several ranks of one class may send it), and the ranks waiting for it."""
@@ -565,6 +334,254 @@ class _Channel:
         self.waiters: list[int] = []
         self.fire_at = math.inf
         self.fired = False
+
+
+class _Play:
+    """One step's run: every class's program played against the others, filling `stats` and `spans`.
+
+    Events are kept in time order on one heap, but only where a rank's process must wait for
+    time to pass: a compute op's end, a message or lock it waits for. Everything else is worked
+    out from times as soon as they are known (a collective's start is its last member's
+    arrival; its members' ends follow), so a step costs about one heap entry per compute op
+    rather than simpy's several events per action. Same semantics as the simpy loop
+    (`simulator/engine_simpy.py`, the reference a test compares against): a rank's collective
+    stream runs its collectives in issue order, each when all its distinct members have
+    arrived; a rank's p2p stream runs transfers in the order they become ready (a send once
+    its receiver has posted the recv); a recv completes when the first transfer of its message
+    has; an optimizer step waits for the rank's outstanding communication.
+    """
+
+    def __init__(self, reps: list[int], stats: dict[int, RankStats], spans: list[Span]):
+        self.reps, self.stats, self.spans = reps, stats, spans
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.now = 0  # the loop's clock: when the event being handled fires
+        self.locks: dict[tuple, list] = {}  # key -> [arrived, max contribution, ready time, [(rank, op)]]
+        self.colls: dict[tuple, list] = {}  # key -> [arrived, latest arrival, [(rank, op, holder, arrival)]]
+        self.lags: dict[int, list] = {r: [] for r in reps}  # per rank: (arrival, all arrived) of collectives that waited
+        self.chans: dict[tuple, _Channel] = {}
+        self.chan_list: list[_Channel] = []
+        self.p2p_free = dict.fromkeys(reps, 0.0)
+        self.coll_free = dict.fromkeys(reps, 0.0)
+        self.coll_next = dict.fromkeys(reps, 0.0)  # when the stream takes its next collective (its last one's end)
+        self.coll_busy = dict.fromkeys(reps, False)
+        self.coll_queue: dict[int, deque] = {r: deque() for r in reps}
+        self.pend_max = dict.fromkeys(reps, 0.0)  # latest end of the rank's outstanding communication
+        self.pend_open = dict.fromkeys(reps, 0)  # outstanding communication whose end is not known yet
+        self.pend_wait = dict.fromkeys(reps, False)  # the rank's process waits for pend_open to reach 0
+        self.finished: set[int] = set()
+
+    def channel(self, key) -> _Channel:
+        ch = self.chans.get(key)
+        if ch is None:
+            ch = self.chans[key] = _Channel(len(self.chan_list))
+            self.chan_list.append(ch)
+        return ch
+
+    def transfer(self, rank, op, free, stream, kind, t) -> float:
+        f = free[rank]
+        start = f if f > t else t  # max(t, f) as simpy's loop takes it (int 0 stays int)
+        d = op.duration
+        end = start + d
+        free[rank] = end
+        self.stats[rank].comm_busy += d
+        self.spans.append(Span(rank, stream, op.action, kind, start, d))
+        return t + (end - t)  # when it is over, as simpy's timeout rounds it (bit-identical results)
+
+    def delivered(self, ch: _Channel, end: float) -> None:
+        if end < ch.end:
+            ch.end = end
+            if ch.waiters and end < ch.fire_at:
+                ch.fire_at = end
+                heapq.heappush(self.heap, (end, next(self.seq), ~ch.index))
+
+    def resolved(self, rank, end) -> None:
+        self.pend_open[rank] -= 1
+        if end > self.pend_max[rank]:
+            self.pend_max[rank] = end
+        if not self.pend_open[rank] and self.pend_wait[rank]:
+            self.pend_wait[rank] = False
+            t, now = self.pend_max[rank], self.now
+            heapq.heappush(self.heap, (t if t > now else now, next(self.seq), rank))
+
+    def arrive(self, rank, op, holder, t) -> None:
+        """`rank`'s collective stream reaches `op` at time t."""
+        key = op.lock_key
+        colls = self.colls
+        rv = colls.get(key)
+        if rv is None:
+            rv = colls[key] = [0, t, []]
+        rv[0] += 1
+        if t > rv[1]:
+            rv[1] = t
+        rv[2].append((rank, op, holder, t))
+        if rv[0] < op.lock_n:
+            return
+        del colls[key]
+        ready = rv[1]
+        for m, mop, h, tm in rv[2]:
+            if ready > tm:
+                self.lags[m].append((tm, ready))
+            end = self.transfer(m, mop, self.coll_free, "collective", mop.kind, ready)
+            h[0] = self.coll_next[m] = end
+            if h[1]:  # its process waits for it (a blocking collective)
+                heapq.heappush(self.heap, (end, next(self.seq), m))
+            elif not mop.blocking:
+                self.resolved(m, end)
+            q = self.coll_queue[m]
+            if q:
+                nop, nh = q.popleft()
+                self.arrive(m, nop, nh, end)
+            else:
+                self.coll_busy[m] = False
+
+    def proc(self, rank, ops):
+        """`rank`'s process: yields the time it next waits until (None: until something wakes it), and is
+        sent the time it wakes at."""
+        st, spans, heap, seq, locks, lags = self.stats[rank], self.spans, self.heap, self.seq, self.locks, self.lags
+        push, channel, transfer, delivered = heapq.heappush, self.channel, self.transfer, self.delivered
+        p2p_free, pend_max, pend_open, pend_wait = self.p2p_free, self.pend_max, self.pend_open, self.pend_wait
+        now = yield None
+        for op in ops:
+            kind = op.kind
+            if kind == FORWARD or kind == BACKWARD:
+                key = op.lock_key
+                if key is None:
+                    start, dur = now, op.duration
+                    now = yield now + (dur + op.exposed)
+                else:
+                    rv = locks.get(key)
+                    if rv is None:
+                        rv = locks[key] = [0, op.duration, 0.0, []]
+                    elif op.duration > rv[1]:
+                        rv[1] = op.duration
+                    rv[0] += 1
+                    if rv[0] < op.lock_n:
+                        # the last member to arrive wakes this one at its op's end
+                        rv[3].append((rank, op))
+                        arrived = now
+                        now = yield None
+                        start, dur = rv[2], rv[1]
+                        st.imbalance += start - arrived
+                    else:
+                        del locks[key]
+                        start = rv[2] = now
+                        dur = rv[1]
+                        for w, wop in rv[3]:
+                            push(heap, (now + (dur + wop.exposed), next(seq), w))
+                        now = yield now + (dur + op.exposed)
+                    st.imbalance += dur - op.duration  # the slowest peer's time sets the locked op's
+                st.compute += op.duration
+                by = st.compute_by_module
+                by[op.action.module] = by.get(op.action.module, 0.0) + op.duration
+                st.exposed_comm += op.exposed
+                st.comm_busy += op.comm
+                spans.append(Span(rank, "compute", op.action, kind, start, dur + op.exposed))
+            elif kind == SEND:
+                ch = channel(op.p2p_key)
+                if ch.posted:  # NCCL p2p: the transfer starts once the receiver has posted its recv
+                    end = transfer(rank, op, p2p_free, "p2p", SEND, now)
+                    delivered(ch, end)
+                    if end > pend_max[rank]:
+                        pend_max[rank] = end
+                else:
+                    ch.senders.append((rank, op))
+                    pend_open[rank] += 1
+            elif kind == RECV or kind == "boundary_recv":
+                ch = channel(op.p2p_key)
+                if kind == RECV and not ch.posted:
+                    ch.posted = True
+                    for s, sop in ch.senders:
+                        end = transfer(s, sop, p2p_free, "p2p", SEND, now)
+                        delivered(ch, end)
+                        self.resolved(s, end)
+                    ch.senders = []
+                if not ch.fired and ch.end > now:
+                    ch.waiters.append(rank)
+                    if ch.end < ch.fire_at:
+                        ch.fire_at = ch.end
+                        push(heap, (ch.end, next(seq), ~ch.index))
+                    now = yield None
+            elif kind == "boundary_send":
+                end = transfer(rank, op, p2p_free, "p2p", BOUNDARY, now)
+                delivered(channel(op.p2p_key), end)
+                if end > pend_max[rank]:
+                    pend_max[rank] = end
+            elif kind == GRAD_SYNC or kind == METADATA or kind == PARAM_GATHER:
+                holder = [None, False]  # [end, whether this process waits for it]
+                if not op.blocking:
+                    pend_open[rank] += 1
+                if self.coll_busy[rank]:
+                    self.coll_queue[rank].append((op, holder))
+                else:
+                    self.coll_busy[rank] = True
+                    f = self.coll_next[rank]
+                    self.arrive(rank, op, holder, f if f > now else now)
+                if op.blocking:
+                    wait_start = now
+                    if holder[0] is None:
+                        holder[1] = True
+                        now = yield None
+                    elif holder[0] > now:
+                        now = yield holder[0]
+                    waited = peer_wait(lags[rank], wait_start, now)
+                    st.imbalance += waited
+                    st.exposed_comm += (now - wait_start) - waited
+            elif kind == OPTIMIZER_STEP:
+                wait_start = now
+                if pend_open[rank]:
+                    pend_wait[rank] = True
+                    now = yield None
+                elif pend_max[rank] > now:
+                    now = yield pend_max[rank]
+                pend_max[rank] = 0.0
+                waited = peer_wait(lags[rank], wait_start, now)
+                st.imbalance += waited
+                st.exposed_comm += (now - wait_start) - waited
+                start = now
+                now = yield now + op.duration
+                st.optimizer += op.duration
+                spans.append(Span(rank, "compute", op.action, kind, start, op.duration))
+        if pend_open[rank]:
+            pend_wait[rank] = True
+            now = yield None
+        elif pend_max[rank] > now:
+            now = yield pend_max[rank]
+        st.finish = now
+        self.finished.add(rank)
+
+    def run(self, programs: dict[int, list]) -> None:
+        """Every class's process from time 0 until the heap is empty; a SimulationError names a class
+        that never finished (the plan's sends/recvs or collectives do not match)."""
+        heap, seq, chan_list = self.heap, self.seq, self.chan_list
+        push, pop = heapq.heappush, heapq.heappop
+        gens = {}
+        for r in self.reps:
+            g = gens[r] = self.proc(r, programs[r])
+            next(g)
+            push(heap, (0, next(seq), r))  # simpy starts its clock at int 0: spans keep it
+        while heap:
+            now, _, target = pop(heap)
+            self.now = now
+            if target >= 0:
+                wake = (target,)
+            else:
+                ch = chan_list[~target]
+                if ch.fired or ch.fire_at != now:
+                    continue  # superseded by an earlier delivery of the same message
+                ch.fired = True
+                wake, ch.waiters = ch.waiters, []
+            for r in wake:
+                try:
+                    t = gens[r].send(now)
+                except StopIteration:
+                    continue
+                if t is not None:
+                    push(heap, (t, next(seq), r))
+        stuck = [r for r in self.reps if r not in self.finished]
+        if stuck:
+            raise deadlock(stuck, self.spans)
+
 
 
 def activation_peak(ops: list) -> tuple[float, object]:

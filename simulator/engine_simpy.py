@@ -22,8 +22,7 @@ from omnibench.plan import (
     RECV,
     SEND,
 )
-from simulator.engine import Engine, peer_wait
-from simulator.options import SimulationError
+from simulator.engine import Engine, deadlock, peer_wait
 from simulator.program import PARAM_GATHER
 from simulator.result import RankStats, Span
 
@@ -32,28 +31,11 @@ class SimpyEngine(Engine):
     def _play(self, reps: list[int], programs: dict[int, list], stats: dict[int, RankStats],
               spans: list[Span]) -> None:
         env = simpy.Environment()
-        rendezvous: dict[tuple, list] = {}  # key -> [arrived, max contribution, event]
-        channels: dict[tuple, list] = {}  # key -> [recv posted event, done event]
+        meet = _Rendezvous(env)
+        arrive, channel = meet.arrive, meet.channel
         # The collective and p2p streams of a rank are FIFO queues; each is kept as the time it is
         # next free (a simpy Resource per rank per stream costs more than the whole step at scale).
         free = {(r, stream): 0.0 for r in reps for stream in ("collective", "p2p")}
-
-        def arrive(key, n, contribution):
-            rv = rendezvous.get(key)
-            if rv is None:
-                rv = rendezvous[key] = [0, 0.0, env.event()]
-            rv[0] += 1
-            if contribution > rv[1]:
-                rv[1] = contribution
-            if rv[0] == n:
-                rv[2].succeed(rv[1])
-            return rv[2]
-
-        def channel(key):
-            ch = channels.get(key)
-            if ch is None:
-                ch = channels[key] = [env.event(), env.event()]
-            return ch
 
         def transfer(rank, op, stream, kind, done):
             """Queue `op` on a stream now; returns the event of its end and triggers `done` then."""
@@ -181,9 +163,31 @@ class SimpyEngine(Engine):
         env.run()
         stuck = [r for r, p in zip(reps, procs, strict=True) if not p.triggered]
         if stuck:
-            r = stuck[0]
-            done = sum(1 for s in spans if s.rank == r and s.stream == "compute")
-            raise SimulationError(
-                f"simulated deadlock: {len(stuck)} rank classes never finished (first: rank {r} after "
-                f"{done} compute actions); the plan's sends/recvs or collectives do not match"
-            )
+            raise deadlock(stuck, spans)
+
+
+class _Rendezvous:
+    """Where ranks meet: collectives and locked ops by key (each an event that fires, with the largest
+    contribution, once all `n` members have arrived) and p2p messages (a recv-posted and a done event)."""
+
+    def __init__(self, env):
+        self.env = env
+        self.rendezvous: dict[tuple, list] = {}  # key -> [arrived, max contribution, event]
+        self.channels: dict[tuple, list] = {}  # key -> [recv posted event, done event]
+
+    def arrive(self, key, n, contribution):
+        rv = self.rendezvous.get(key)
+        if rv is None:
+            rv = self.rendezvous[key] = [0, 0.0, self.env.event()]
+        rv[0] += 1
+        if contribution > rv[1]:
+            rv[1] = contribution
+        if rv[0] == n:
+            rv[2].succeed(rv[1])
+        return rv[2]
+
+    def channel(self, key):
+        ch = self.channels.get(key)
+        if ch is None:
+            ch = self.channels[key] = [self.env.event(), self.env.event()]
+        return ch

@@ -45,7 +45,6 @@ def test_no_baseline_has_a_neighbour_faster_than_its_tuned_layout():
     assert cells and all(c == "none" for c in cells)
 
 
-@pytest.mark.xfail(strict=True, reason="docs/known-issues.md: functions over 150 lines")
 def test_no_function_in_the_product_packages_is_over_150_lines():
     long = []
     for package in ("omnibench", "systems", "simulator", "workloads"):
