@@ -9,6 +9,17 @@ from __future__ import annotations
 import importlib
 
 import typer
+from typer.core import TyperOption
+
+_value_type = TyperOption.display_type_rich
+
+
+def _flag_type(self, ctx):
+    """No value type for a flag: recent typer releases print one (`<bool>`) beside options that take no value."""
+    return None if self.is_flag else _value_type(self, ctx)
+
+
+TyperOption.display_type_rich = _flag_type
 
 app = typer.Typer(
     name="omnibench",
