@@ -61,8 +61,10 @@ def setup():
 
 @pytest.fixture
 def guard_alone(monkeypatch):
-    """The guard without the window's contention after it (`_Search.contend`, tested on its own)."""
+    """The guard without the window's contention and descent after it (`_Search.contend`,
+    `_window_descent`, each tested on its own)."""
     monkeypatch.setattr("omnibench.tune.search.WINDOW_CONTENDERS", 0)
+    monkeypatch.setattr("omnibench.tune.guard._window_descent", lambda res, check, tuned: 0)
 
 
 def _runs(system, model, cluster, c, batches):
@@ -153,6 +155,31 @@ def test_the_window_decides_between_the_guards_answer_and_the_layouts_nearly_as_
     # here a contender two stages deep without the encoders' tp is faster over the window than the guard's answer
     assert res.best is not kept and res.best.step_s > kept.step_s and res.best.window_s < kept.window_s
     assert any(n.startswith("window: " + c.label()) for n in res.notes)
+
+
+def test_the_layout_the_window_keeps_gets_a_descent_of_its_own_over_the_window(window_115k, setup, monkeypatch):
+    """`_window_descent`: where the guard rules out the search's fastest layouts, the neighbour descent
+    ran around a layout the window does not keep; the one it keeps is descended from again, each
+    neighbour timed over the whole window, and a faster one is the answer."""
+    from simulator.engine import SimOptions, simulate
+    from systems import get_planner
+
+    model, cluster = setup
+    window = window_115k
+    res = tune("homogeneous", model, window[:1], cluster, budget=6, guard_batches=window)
+    monkeypatch.setattr("omnibench.tune.guard._window_descent", lambda res, check, tuned: 0)
+    before = tune("homogeneous", model, window[:1], cluster, budget=6, guard_batches=window)
+    assert res.guarded and before.best.candidate != res.best.candidate
+    assert res.best.window_s < before.best.window_s
+    note = next(n for n in res.notes if n.startswith("window descent: "))
+    assert note.startswith(f"window descent: {res.best.candidate.label()} ") and before.best.candidate.label() in note
+    # its window mean and its time on the tuned step are each what simulate gives, step by step
+    c = res.best.candidate
+    times = [simulate(get_planner("homogeneous").plan(model, c.parallel(16, 8), b), model, cluster,
+                      options=SimOptions(recompute=c.recompute)).step_time for b in window]
+    assert res.best.window_s == pytest.approx(sum(times) / len(times), rel=1e-6)
+    assert res.best.step_s == pytest.approx(times[0], rel=1e-6) and res.best.fits
+    assert res.guard_simulations > before.guard_simulations
 
 
 def test_when_every_simulated_layout_is_ruled_out_the_burst_joins_the_tuned_batches(window_147k, setup,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 from omnibench.specs.model import MultimodalSpec
 from omnibench.tune.results import TuneResult
@@ -108,6 +109,8 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                         res.notes.append(f"window: {res.best.candidate.label()} runs the window's steps in "
                                          f"{res.best.window_s:.3f} s a step, {survivor.candidate.label()} (the "
                                          f"fastest on the tuned steps) in {survivor.window_s:.3f} s")
+                    if kw.get("descent", True) and kw.get("encoder_search", True):
+                        runs += _window_descent(res, check, tuned)
                     # the seed note of the search, judged again over the window
                     if before in res.notes:
                         res.notes.remove(before)
@@ -134,3 +137,41 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
     finally:
         if own:
             sweep.close()
+
+
+def _window_descent(res: TuneResult, check: _Search, tuned: list) -> int:
+    """The neighbour descent (`_Search.neighbour_descent`) around the window's answer, each layout timed
+    over the whole window (the `tuned` steps and `check`'s): the search's own descent ran around its
+    fastest layout on the tuned steps, which the guard may have ruled out, so the layout it kept had no
+    descent of its own (spatial on bursty_mix: a fallback that recomputes the LLM in full, 14% slower
+    than a layout one change further that holds the burst). A layout faster over the window joins
+    `res.trials` with its tuned-step time (`step_s`) and its window mean (`window_s`), and is then
+    `res.best`. Answers the step simulations it ran."""
+    base = res.best
+    whole = _Search(check.system, check.model, list(tuned) + list(check.batches), check.cluster, check.profile,
+                    check.options, check.sweep, check.use_cache, None, None, stack=check.stack,
+                    dp_fields=check.dp_fields, memory_error=check.memory_error)
+    # what the window has judged already: its mean over the window as the step, or ruled out
+    for t in res.trials:
+        if t.window_s > 0:
+            whole.done[t.candidate] = replace(t, step_s=t.window_s)
+        elif t.guard_step is not None:
+            whole.done[t.candidate] = replace(t)
+    known = set(whole.done)
+    found = whole.neighbour_descent(whole.done[base.candidate], res.notes)
+    runs = len(set(whole.done) - known) * len(whole.batches)
+    if found.candidate == base.candidate:
+        return runs
+    # its steps on the tuned batches alone (the step cache answers them: the descent ran them)
+    mine = next((t for t in res.trials if t.candidate == found.candidate), None)
+    if mine is None:
+        timed = _Search(check.system, check.model, list(tuned), check.cluster, check.profile, check.options,
+                        check.sweep, check.use_cache, None, None, stack=check.stack, dp_fields=check.dp_fields,
+                        memory_error=check.memory_error)
+        mine = timed._evaluate([found.candidate])[0]
+        res.trials.append(mine)
+        res.evaluated[found.candidate] = mine
+    mine.window_s = found.step_s
+    res.notes.append(f"window descent: {found.candidate.label()} runs the window's steps in {found.step_s:.3f} s "
+                     f"a step, {base.candidate.label()} (the window's answer before it) in {base.window_s:.3f} s")
+    return runs
