@@ -85,3 +85,11 @@ def test_the_top_level_help_gives_each_command_a_short_entry():
             name = first[0]
         entries[name] = entries.get(name, 0) + 1
     assert "reproduce" in entries and max(entries.values()) <= 3, entries
+
+
+def test_a_flag_has_no_value_type_in_help_and_an_option_keeps_its_own():
+    r = CliRunner().invoke(app, ["reproduce", "--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0, r.output
+    quick, workers = (next(ln for ln in r.output.splitlines() if ln.startswith(f"│ {flag} "))
+                      for flag in ("--quick", "--workers"))
+    assert "<" not in quick and "<int>" in workers, (quick, workers)
