@@ -42,7 +42,8 @@ SYSTEMS: tuple[str, ...] = ("homogeneous", "temporal", "colocated", "noncolocate
 
 # `--option` keys a system reads beside omni's (systems/omni/options.py `OmniOptions`, whose `balancer`
 # every system reads): `--option` names every system's, so each parser leaves the others' keys alone
-OPTION_KEYS: dict[str, tuple[str, ...]] = {"spatial": ("quota",)}
+QUOTA_OPTION = "quota"  # spatial: the encoders' share of the GPU while both lanes run
+OPTION_KEYS: dict[str, tuple[str, ...]] = {"spatial": (QUOTA_OPTION,)}
 
 
 def foreign_option_keys(system: str) -> dict[str, str]:

@@ -41,6 +41,7 @@ from dataclasses import replace
 from omnibench.plan import BACKWARD, BOUNDARY, CONCURRENCY_OPTION, FORWARD, Action, Plan, PlanError, lane_of
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec
+from systems import QUOTA_OPTION
 from systems.common import _cost_model, data_rank, finish, plan_encoders_in_stage0, weigh_of
 from systems.temporal import check_veomni_layout
 from workloads.sample import Batch
@@ -54,15 +55,15 @@ MIN_SHARE, MAX_SHARE = 0.05, 0.95
 def parse_quota(options: dict) -> float:
     """The encoders' quota `options` ask for: a share in (0, 1), or 0.0 for `auto`. Other systems' keys are
     theirs: the CLI refuses a key no system knows (systems/omni/options.py `OmniOptions.parse`)."""
-    raw = (options or {}).get("quota", "auto")
+    raw = (options or {}).get(QUOTA_OPTION, "auto")
     if str(raw) == "auto":
         return 0.0
     try:
         q = float(raw)
     except (TypeError, ValueError):
-        raise PlanError(f"options.quota must be auto or a share in (0, 1), got {raw!r}") from None
+        raise PlanError(f"options.{QUOTA_OPTION} must be auto or a share in (0, 1), got {raw!r}") from None
     if not 0.0 < q < 1.0:
-        raise PlanError(f"options.quota must be auto or a share in (0, 1), got {raw!r}")
+        raise PlanError(f"options.{QUOTA_OPTION} must be auto or a share in (0, 1), got {raw!r}")
     return q
 
 

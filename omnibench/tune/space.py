@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from omnibench.specs.model import MultimodalSpec
 from omnibench.specs.parallel import ParallelSpec, dp_mode_fields
+from systems import QUOTA_OPTION
 from systems.spatial import SPATIAL_MICROBATCHES
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # the uniform modes, least memory last
@@ -51,8 +52,8 @@ class Candidate:
         options = dict(options or {})
         if self.encoder_dp:
             options["encoder_dp"] = self.encoder_dp
-        if self.quota and "quota" not in options:  # a quota the user gives wins (an ablation's even split)
-            options["quota"] = self.quota
+        if self.quota and QUOTA_OPTION not in options:  # a quota the user gives wins (an ablation's even split)
+            options[QUOTA_OPTION] = self.quota
         return ParallelSpec(world_size=world, gpus_per_node=gpus_per_node, tp=self.tp, pp=self.pp, cp=self.cp,
                             cp_kind=self.cp_kind, ep=self.ep, microbatches=self.microbatches, virtual_stages=self.virtual_stages,
                             encoder_tp=self.encoder_tp, encoder_sp=self.encoder_sp,
@@ -284,7 +285,7 @@ def encoder_variants(system: str, model: MultimodalSpec, world: int, c: Candidat
     """The encoder knobs around one LLM layout: encoder tp (colocated, noncolocated, omni), encoder
     sp and the encoders' data-parallel mode (omni; not where the user's `options` fix it), the encoders'
     share of ranks (noncolocated)."""
-    if system == "spatial" and model.encoders and "quota" not in (options or {}):
+    if system == "spatial" and model.encoders and QUOTA_OPTION not in (options or {}):
         # a quota acts only where two microbatches let the lanes overlap: around a one-microbatch best
         # (temporal's step), its two-microbatch twin
         base = c if c.microbatches >= 2 else replace(c, microbatches=2, quota="")
