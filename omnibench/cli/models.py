@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         console.print(table)
 
     @models.command("show")
-    def show_cmd(name: str = typer.Argument(..., help="Preset name or TOML/YAML model file.")) -> None:
+    def show_cmd(name: str = typer.Argument(..., help="Preset name, TOML/YAML model file, or Hugging Face config.json.")) -> None:
         """The resolved spec of one model and the parameters of each module."""
         from omnibench.specs.costs import llm_params, model_params
         from omnibench.specs.model import SpecError

@@ -149,7 +149,7 @@ def run(
     system: str = typer.Option("", "--system", help=systems_help()),
     workload: str = typer.Option("mixed_video", "--workload"),
     nproc: int = typer.Option(0, "--nproc", help="ranks (0: 2 on CPU, every GPU on CUDA)"),
-    model: str = typer.Option("", "--model", help="model preset (default: tiny-omni on CPU, omni-7b on CUDA)"),
+    model: str = typer.Option("", "--model", help="Model preset, TOML/YAML file or Hugging Face config.json (default: tiny-omni on CPU, omni-7b on CUDA)."),
     steps: int = typer.Option(5, "--steps"),
     seed: int = typer.Option(0, "--seed"),
     tp: int = typer.Option(0, "--tp", help=TP_HELP),

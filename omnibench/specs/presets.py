@@ -216,7 +216,9 @@ PUBLISHED_MODELS = Path(__file__).resolve().parents[2] / "results" / "validation
 
 
 def get_model(name_or_path: str | Path) -> MultimodalSpec:
-    """A preset name, or a .toml/.yaml/.yml file with MultimodalSpec's fields (validated).
+    """A preset name, a .toml/.yaml/.yml file with MultimodalSpec's fields (validated), or a Hugging Face
+    config.json (or the checkpoint folder holding it) of an architecture the presets cover
+    (`omnibench.specs.hf_config`).
 
     `NAME@<n>L` is preset NAME with its LLM cut to its first n layers (encoders, widths and vocabulary
     unchanged): the real shapes at a depth that fits one GPU, e.g. `omni-7b@4L`. `NAME@no-audio` (or
@@ -251,6 +253,10 @@ def get_model(name_or_path: str | Path) -> MultimodalSpec:
     if text in LLM_PRESETS:
         return compose(text, LLM_PRESETS[text])
     path = Path(text)
+    from omnibench.specs.hf_config import is_hf_config, model_from_hf_config
+
+    if is_hf_config(path):
+        return model_from_hf_config(path)
     if path.suffix.lower() in (".toml", ".yaml", ".yml"):
         if path.is_dir():
             raise SpecError(f"model file {text} is a folder; give a .toml/.yaml file")
@@ -262,7 +268,8 @@ def get_model(name_or_path: str | Path) -> MultimodalSpec:
             msg = str(e)
             raise SpecError(msg if msg.startswith(("cannot parse model file", "model file"))
                             else f"model file {text}: {msg}") from None
-    raise SpecError(f"unknown model {text!r}; allowed: {', '.join(list_models())} or a .toml/.yaml file")
+    raise SpecError(f"unknown model {text!r}; allowed: {', '.join(list_models())}, a .toml/.yaml file or a "
+                    "Hugging Face config.json (or its folder)")
 
 
 def _read_file(path: Path) -> dict:
