@@ -375,8 +375,11 @@ def _cached_candidate(entry, system: str):
 def _search(system: str, spec, batches, cluster, profile, budget: int, options: dict, hardware: str, *,
             fraction: float | None = None, converge: bool = False, sweep=None, use_cache: bool = True, prior=None,
             stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
-            guard_batches: list | None = None, mixed_precision: str = "autocast", freeze: tuple = ()):
-    """`tuned_layout`'s search: the `tune.TuneResult` of `system` (every omni technique on)."""
+            guard_batches: list | None = None, mixed_precision: str = "autocast", freeze: tuple = (),
+            cp_kinds: tuple[str, ...] | None = None, log=None):
+    """The search behind `simulate --tuned` (`tuned_layout`) and `omnibench tune` (`run_tune`), so both
+    answer the same for the same inputs: the `tune.TuneResult` of `system` (every omni technique on),
+    starting from the system's default candidate."""
     from omnibench import tune as tune_mod
 
     full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on
@@ -385,7 +388,8 @@ def _search(system: str, spec, batches, cluster, profile, budget: int, options: 
                   fraction=fraction or tune_mod.BUDGET_FRACTION,
                   options=planner_options(system, full, hardware) if profile is None else full, sweep=sweep,
                   use_cache=use_cache, prior=prior, stack=stack, dp_mode=dp_mode, memory_error=memory_error,
-                  seeds=seeds, guard_batches=guard_batches, mixed_precision=mixed_precision, freeze=freeze)
+                  seeds=seeds, guard_batches=guard_batches, mixed_precision=mixed_precision, freeze=freeze,
+                  cp_kinds=cp_kinds or tune_mod.CP_KINDS_SEARCHED, log=log)
 
 
 def _tune_all(systems: list[str], tune_inputs, cache: dict, spec, batches, cluster, profile, budget: int,

@@ -66,14 +66,13 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
              use_cache: bool = True, stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0,
              seeds: list | None = None, mixed_precision: str = "autocast", cp_kinds: tuple[str, ...] | None = None,
              freeze: tuple[str, ...] = ()):
-    """Shared by `tune` and `simulate --tuned`; raises ValueError with a one-line message. The search
-    starts from the layout omnibench/resolve.py settles (the system's default layout); tune settles
-    each layout's recompute mode itself (the cheapest that fits), so there is no --recompute. `freeze`:
-    the modules that do not train (--freeze), checked against `model` and kept to what runs of it."""
-    from omnibench import tune as tune_mod
-    from omnibench.resolve import model_for_workload, resolve_layout
+    """`omnibench tune`'s search: the one `simulate --tuned` runs (`omnibench.cli.simulate._search`) on the
+    batches these arguments pick; raises ValueError with a one-line message. tune settles each layout's
+    recompute mode itself (the cheapest that fits), so there is no --recompute. `freeze`: the modules that
+    do not train (--freeze), checked against `model` and kept to what runs of it."""
+    from omnibench.cli.simulate import _search
+    from omnibench.resolve import model_for_workload
     from omnibench.specs.model import freeze_for_model
-    from omnibench.specs.parallel import ParallelSpec
     from omnibench.specs.presets import get_model
     from simulator.calibrate import Profile
     from simulator.hardware import load_cluster
@@ -84,20 +83,10 @@ def run_tune(system: str, workload: str, n: int, model: str, hardware: str, step
     cluster = load_cluster(hardware, n)
     profile = Profile.load(calibration) if calibration else None
     batches = _batches(workload, seed, global_batch_tokens or 8192 * n, steps, start_step, window)
-    if profile is None:
-        from omnibench.cli.simulate import planner_options
-
-        options = planner_options(system, options or {}, hardware)
-    laid = resolve_layout(system, spec, ParallelSpec(world_size=n, gpus_per_node=cluster.gpus_per_node,
-                                                     options=dict(options or {}), freeze=freeze),
-                          batches, cluster, recompute="none")
-    start = tune_mod.Candidate(system, tp=laid.parallel.tp, pp=laid.parallel.pp, cp=laid.parallel.cp)
-    search = tune_mod.tune_converged if converge else tune_mod.tune
-    return search(system, spec, batches, cluster, profile=profile, budget=budget,
-                  fraction=fraction or tune_mod.BUDGET_FRACTION, options=options, log=log, sweep=sweep,
-                  use_cache=use_cache, stack=stack, dp_mode=dp_mode, default=start, memory_error=memory_error,
-                  seeds=seeds, mixed_precision=mixed_precision, cp_kinds=cp_kinds or tune_mod.CP_KINDS_SEARCHED,
-                  freeze=freeze)
+    return _search(system, spec, batches, cluster, profile, budget, dict(options or {}), hardware, fraction=fraction,
+                   converge=converge, sweep=sweep, use_cache=use_cache, stack=stack, dp_mode=dp_mode,
+                   memory_error=memory_error, seeds=seeds, mixed_precision=mixed_precision, freeze=freeze,
+                   cp_kinds=cp_kinds, log=log)
 
 
 def check_sweep_options(workers: int | None, fraction: float | None = None, budget: int = 0) -> None:
