@@ -36,7 +36,8 @@ from pathlib import Path
 from omnibench.provenance import REPO_ROOT
 
 # The documents whose markers the script fills, relative to the repository root.
-DOCUMENTS = ("README.md", "results/BENCHMARKS.md", "results/calibration/README.md", "results/gpu/README.md")
+DOCUMENTS = ("README.md", "results/BENCHMARKS.md", "results/calibration/README.md", "results/gpu/README.md",
+             "docs/simulator-accuracy.md")
 
 MARKER = re.compile(r"<!-- table:([A-Za-z0-9_.-]+) -->(.*?)<!-- /table -->", re.DOTALL)
 _OPEN = re.compile(r"<!-- table:([A-Za-z0-9_.-]+) -->")

@@ -72,3 +72,31 @@ def published_unfit_rows() -> str:
     for r in unfit:
         lines.append(f"| {r['name']} | {r['source']} | {r['gpus']} | {r.get('fit_message', '')} |")
     return "\n".join(lines)
+
+
+def _mean_abs(values: list[float]) -> str:
+    return f"{sum(abs(v) for v in values) / len(values):.1%}" if values else "-"
+
+
+@table("published-by-source")
+def published_by_source() -> str:
+    """Per source of the published table: rows and mean |error| of step time and of peak memory (where
+    published), calibration and held-out apart, every row through the `simulate` command it prints."""
+    rows = _published()["rows"]
+    lines = ["| source | encoder + LLM | calibration rows | step, calibration | held-out rows | step, held-out | "
+             "peaks | memory, calibration | memory, held-out |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for source in sorted({r["source"] for r in rows}):
+        mine = [r for r in rows if r["source"] == source]
+
+        def errors(split: str, key: str, mine=mine) -> list[float]:
+            return [r[key] for r in mine if r["split"] == split and r.get(key) is not None
+                    and (key == "error" or r.get("published_memory_gib"))]
+
+        cal, held = errors("calibration", "error"), errors("heldout", "error")
+        mem_cal, mem_held = errors("calibration", "memory_error"), errors("heldout", "memory_error")
+        mm = "yes" if all(r.get("multimodal") for r in mine) else ("some" if any(r.get("multimodal") for r in mine)
+                                                                    else "")
+        lines.append(f"| {source} | {mm} | {len(cal)} | {_mean_abs(cal)} | {len(held)} | {_mean_abs(held)} | "
+                     f"{len(mem_cal) + len(mem_held)} | {_mean_abs(mem_cal)} | {_mean_abs(mem_held)} |")
+    return "\n".join(lines)
