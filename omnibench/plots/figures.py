@@ -148,7 +148,9 @@ def recompute_text(config: dict) -> str:
 def tuned_text(config: dict) -> str:
     """How a tuned simulation chose its layouts, as a figure's title says it."""
     budget = config.get("tune_budget")
-    return f"tuned layouts (tune budget {budget}, at step 0)" if budget else "tuned layouts (at step 0)"
+    steps = config.get("tuned_at_steps") or [config.get("tuned_at_step", 0)]
+    where = f"at step {steps[0]}" if len(steps) == 1 else f"on steps {', '.join(map(str, steps))}"
+    return f"tuned layouts (tune budget {budget}, {where})" if budget else f"tuned layouts ({where})"
 
 
 # -- 1. throughput ---------------------------------------------------------------------------------
@@ -592,7 +594,7 @@ def speedup(recs: Records, hardware: str | None = None, as_deployed: bool = Fals
     ax.grid(False)
     fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03).set_label("omni / best baseline", fontsize=7)
     which = "the best baseline as deployed (split by tokens)" if as_deployed else "the best baseline"
-    title = titled(f"omni speedup over {which} (simulated, {hw})", setup_lines(sims), fig.get_figwidth(), 8)
+    title = titled(f"omni speedup over {which} (simulated)", setup_lines(sims), fig.get_figwidth(), 8)
     _grow_for_title(fig, title, 8)
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
@@ -709,7 +711,7 @@ def breakdown(recs: Records, gpus: int | None = None, hardware: str | None = Non
         ax.set_visible(False)
     fig.legend(handles=[Patch(color=colors[k], label=lab) for k, lab in BREAKDOWN_PARTS], loc="lower center",
                ncol=3, fontsize=6, frameon=False)
-    title = titled(f"Where the step goes, {n:,} GPUs (simulated, {hw})", setup_lines(sims), fig.get_figwidth(), 8)
+    title = titled(f"Where the step goes, {n:,} GPUs (simulated)", setup_lines(sims), fig.get_figwidth(), 8)
     _grow_for_title(fig, title, 8)
     fig.set_figheight(fig.get_figheight() + 0.24)  # the legend's second and third rows
     fig.suptitle(title, fontsize=8)
@@ -770,15 +772,18 @@ def conditions(recs: Records) -> Drawn:
                              squeeze=False, sharey=True)
     markers = dict(zip(sorted(table.model.unique()), "osD^v", strict=False))
     dashes = dict(zip(sorted(table.sigma.unique()), ["-", "--", ":", "-."], strict=False))
+    # a spread apart by shade as well as by dash: a legend's short handle shows a dash poorly
+    shades = {sg: style.lighten(style.system_color("omni"), 0.5 * i / max(1, len(dashes) - 1))
+              for i, sg in enumerate(dashes)}
     for ax, n in zip(axes[0], sizes, strict=True):
         for (model, sigma), g in table[table.gpus == n].groupby(["model", "sigma"]):
             ax.plot(100 * g.encoder_flop_share, g.speedup, linestyle=dashes[sigma], marker=markers[model],
-                    markersize=3.5, color=style.system_color("omni"), label=f"{model}, length sigma {sigma:g}")
+                    markersize=3.5, color=shades[sigma], label=f"{model}, length sigma {sigma:g}")
         ax.axhline(1.0, color="0.4", linewidth=0.7)
         ax.set_title(f"{n:,} GPUs", fontsize=8)
         ax.set_xlabel("encoder share of model FLOPs (%)", fontsize=7)
     axes[0][0].set_ylabel("omni / best baseline", fontsize=7)
-    axes[0][-1].legend(fontsize=6, frameon=False)
+    axes[0][-1].legend(fontsize=6, frameon=False, handlelength=3.5)
     title = titled("Where decoupling pays: the condition grid (simulated)", setup_lines(sims), fig.get_figwidth(), 8)
     _grow_for_title(fig, title, 8)
     fig.suptitle(title, fontsize=8)
@@ -786,7 +791,7 @@ def conditions(recs: Records) -> Drawn:
     caption = ("Simulated throughput of omni over the fastest baseline on synthetic workloads that move one "
                "condition at a time (workloads/conditions.py): the share of video samples (text-only SFT samples "
                "the rest), which sets the encoder share of the step's FLOPs (x axis, measured on step 0's batch), "
-               "and the spread of video durations (lognormal sigma, line style), per model and cluster size; each "
+               "and the spread of video durations (lognormal sigma: line style and shade), per model and cluster size; each "
                "system at the layout its record holds." + _convergence_text(sims))
     return Drawn("conditions", fig, table, caption)
 
@@ -1194,8 +1199,8 @@ def cumulative_ablation(recs: Records, workload: str | None = None, notes: dict[
             continue
         change = f" ({r.vs_previous - 1:+.1%})" if r.vs_previous is not None and not pd.isna(r.vs_previous) else ""
         # right of the bar and of the baseline's line, which would otherwise run through the text
-        ax.text(max(r.vs_best_baseline, 1.0) + 0.02 * top, k, f"{r.vs_best_baseline:.2f}x{change}", va="center",
-                fontsize=6)
+        ax.text(max(r.vs_best_baseline, 1.0) + 0.04 * top, k, f"{r.vs_best_baseline:.2f}x{change}", va="center",
+                fontsize=6, bbox=dict(facecolor="white", edgecolor="none", pad=0.4))
     ax.set_yticks(range(len(table)))
     ax.set_yticklabels(table.step)
     ax.invert_yaxis()
