@@ -159,8 +159,8 @@ def main() -> None:
                     help="also time the plain stack with fp32 weights under autocast (the harness's one-rank arrangement)")
     ap.add_argument("--optimizer", action="store_true",
                     help="also time both plain stacks' whole training step (fused AdamW over fp32 weights) and the "
-                         "harness under --mixed-precision master (bf16 weights, fp32 master): issue 23 item 1's "
-                         "whole step against whole step")
+                         "harness under --mixed-precision master (bf16 weights, fp32 master): whole step against "
+                         "whole step")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: gpu_llm_stack needs a CUDA GPU")

@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--plan-twice", action="store_true",
                     help="plan the step again after the layout check (as before systems.offer_plan)")
     ap.add_argument("--recompute", default="full", choices=("full", "auto"),
-                    help="full: the issue's reference case; auto: the command as typed (each cheaper mode's memory "
+                    help="full: the reference case (every module recomputed); auto: the command as typed (each cheaper mode's memory "
                          "checked in the layout phase, the chosen mode's engine played)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
