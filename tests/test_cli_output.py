@@ -93,3 +93,14 @@ def test_a_flag_has_no_value_type_in_help_and_an_option_keeps_its_own():
     quick, workers = (next(ln for ln in r.output.splitlines() if ln.startswith(f"│ {flag} "))
                       for flag in ("--quick", "--workers"))
     assert "<" not in quick and "<int>" in workers, (quick, workers)
+
+
+def test_tune_help_shows_its_options_under_panels():
+    import re
+
+    from omnibench.cli.tune import TUNE_PANELS
+
+    r = CliRunner().invoke(app, ["tune", "--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0, r.output
+    titles = re.findall(r"╭─ (.+?) ─", r.output)
+    assert sorted(titles) == sorted([*TUNE_PANELS, "Options"]), titles  # Options: --help alone

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from omnibench.cli.common import FREEZE_HELP, MAX_GPUS, batch_error, console, fail, freeze_option
+from omnibench.cli.common import FREEZE_HELP, MAX_GPUS, batch_error, console, fail, freeze_option, in_panels
 from omnibench.cli.simulate import (
     HARDWARE_HELP,
     MEMORY_ERROR_HELP,
@@ -99,8 +99,19 @@ def check_sweep_options(workers: int | None, fraction: float | None = None, budg
         fail(f"budget must be >= 0 (0: --budget-fraction of the space), got {budget}")
 
 
+TUNE_PANELS = {
+    "Workload and model": ("system", "workload", "gpus", "model", "global_batch_tokens", "steps", "window",
+                           "start_step", "seed"),
+    "Machine and software": ("hardware", "stack", "calibration"),
+    "Layout": ("dp_mode", "mixed_precision", "cp_kinds"),
+    "Memory": ("freeze", "memory_error"),
+    "Tuning": ("budget", "fraction", "check_convergence", "seed_from"),
+    "Sweeps": ("workers", "ray", "no_cache"),
+    "Output": ("top", "as_json", "verbose"),
+}
+
+
 def register(app: typer.Typer) -> None:
-    @app.command(help=TUNE_HELP)
     def tune(
         system: str = typer.Option(..., "--system", "-s", help="A system name."),
         workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
@@ -224,3 +235,5 @@ def register(app: typer.Typer) -> None:
             console.print(f"seeds: {len(res.seeded)} for {system}, {said}", highlight=False)
         for note in res.notes[:5]:
             console.print(f"not simulated: {note}", highlight=False)
+
+    app.command("tune", help=TUNE_HELP)(in_panels(tune, TUNE_PANELS))
