@@ -1,4 +1,5 @@
-"""No import circle inside the project's packages: every arrow between two modules points one way.
+"""No import circle inside the project's packages: every arrow between two modules points one way; and no
+function in them over 150 lines.
 
 Edges, read from the source with `ast` (nothing is imported):
 - module-level imports *and* imports inside functions count. A function-level import is still a
@@ -124,3 +125,13 @@ def test_the_check_finds_a_circle_hidden_in_a_function_and_ignores_type_only_imp
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.d import D\n")
     (pkg / "d.py").write_text("from . import c\n")
     assert cycles(tmp_path, ("pkg",)) == [["pkg.a", "pkg.b"]]
+
+
+def test_no_function_in_the_product_packages_is_over_150_lines():
+    long = []
+    for package in ("omnibench", "systems", "simulator", "workloads"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 150:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert not long, long
