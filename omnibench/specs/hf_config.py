@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from omnibench.specs.model import MultimodalSpec, SpecError
+from omnibench.specs.model import SpecError
 
 DECODERS = ("qwen2", "qwen3", "qwen3_moe", "llama", "qwen2_vl_text")
 MULTIMODAL = ("qwen2_vl", "internvl")
@@ -35,11 +35,10 @@ def is_hf_config(path: Path) -> bool:
     return path.suffix.lower() == ".json" or (path.is_dir() and (path / "config.json").is_file())
 
 
-def model_from_hf_config(path: str | Path) -> MultimodalSpec:
-    """The validated MultimodalSpec of the Hugging Face config at `path` (a .json file or a folder with
-    config.json), named after its folder (or file); a SpecError in one line for anything else."""
-    from omnibench.specs.presets import model_from_dict
-
+def hf_model_data(path: str | Path) -> dict:
+    """The MultimodalSpec fields (as `presets.model_from_dict` reads them) of the Hugging Face config at
+    `path` (a .json file or a folder with config.json), named after its folder (or file); a SpecError in
+    one line for anything else."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -57,7 +56,7 @@ def model_from_hf_config(path: str | Path) -> MultimodalSpec:
         data["vision"] = _qwen2_vl_vision(config.vision_config, name)
     elif kind == "internvl":
         data["vision"] = _internvit(config, name, path)
-    return model_from_dict(data, source=f"model file {path}")
+    return data
 
 
 def _read(file: Path):

@@ -253,10 +253,10 @@ def get_model(name_or_path: str | Path) -> MultimodalSpec:
     if text in LLM_PRESETS:
         return compose(text, LLM_PRESETS[text])
     path = Path(text)
-    from omnibench.specs.hf_config import is_hf_config, model_from_hf_config
+    from omnibench.specs.hf_config import hf_model_data, is_hf_config
 
     if is_hf_config(path):
-        return model_from_hf_config(path)
+        return model_from_dict(hf_model_data(path), source=f"model file {text}")
     if path.suffix.lower() in (".toml", ".yaml", ".yml"):
         if path.is_dir():
             raise SpecError(f"model file {text} is a folder; give a .toml/.yaml file")
