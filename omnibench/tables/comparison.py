@@ -7,6 +7,7 @@ of the reproduce took. Every figure is read from the CSVs that command commits b
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 from omnibench.provenance import REPO_ROOT
@@ -410,3 +411,65 @@ def reproduce_total() -> str:
             else f"1-minute load average {load[0]:.1f} (one reading)" if load else "load not sampled")
     return (f"{_min(t['wall'])} wall{parts}, {_min(cpu)} CPU (user + sys; CPU / 2 = {_min(cpu / 2)}, the bound on "
             f"2 quiet cores), {seen} on the 2 cores, last exit status {t['exit']}")
+
+
+def _cells() -> dict[tuple, dict[str, float]]:
+    """(workload, GPUs, hardware) -> system -> tokens/s/GPU at its tuned layout (analytic split)."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for name, hardware in (("throughput.csv", "h100"), ("throughput_h200.csv", "h200")):
+        if (REPO_ROOT / FIGURES / name).is_file():
+            for r in _rows(f"{FIGURES}/{name}"):
+                cells.setdefault((r["workload"], int(r["gpus"]), hardware), {})[r["system"]] = float(
+                    r["tokens_per_s_per_gpu"])
+    return cells
+
+
+def _cell_name(wl: str, gpus: int, hardware: str) -> str:
+    return wl + ("" if (gpus, hardware) == (1024, "h100") else f" ({gpus:,} {hardware.upper()}s)")
+
+
+@table("omni-over-temporal")
+def omni_over_temporal() -> str:
+    """One line: omni over temporal (the VeOmni-style baseline) per cell of the tuned comparison."""
+    parts = [f"{_cell_name(*k)} {v['omni'] / v['temporal']:.2f}x" for k, v in _cells().items()
+             if "omni" in v and "temporal" in v]
+    return ", ".join(parts) + " (omni / temporal, each at its tuned layout, analytic split)"
+
+
+@table("spatial-over-temporal")
+def spatial_over_temporal() -> str:
+    """One line: how much faster spatial is than temporal where spatial is the fastest baseline."""
+    gains = [v["spatial"] / v["temporal"] - 1 for v in _cells().values()
+             if "spatial" in v and "temporal" in v
+             and v["spatial"] == max(x for s, x in v.items() if s != "omni")]
+    if not gains:
+        return "spatial is the fastest baseline in no cell"
+    return (f"{min(gains):.0%}-{max(gains):.0%} faster than temporal in the {len(gains)} cells where it is the "
+            "fastest baseline")
+
+
+ADVERSARIAL = "results/adversarial.md"
+
+
+@table("adversarial-summary")
+def adversarial_summary() -> str:
+    """One line: of the (cell, baseline) pairs `benchmarks/adversarial_baselines.py` tried (static, then the
+    dynamic cells over their windows), how many have a neighbour faster than the tuned layout by more than
+    its margin, and which."""
+    p = REPO_ROOT / ADVERSARIAL
+    if not p.is_file():
+        raise FileNotFoundError(f"{ADVERSARIAL} is missing: `python benchmarks/adversarial_baselines.py` writes it")
+    text = p.read_text()
+    static, _, dynamic = text.partition("## The dynamic cells")
+    out = []
+    for name, part in (("static", static), ("dynamic", dynamic)):
+        rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in part.splitlines()
+                if re.match(r"\| [a-z_]+ \| [0-9,]+ \|", ln)]
+        if not rows:
+            continue
+        beaten = [r for r in rows if r[-1] != "none"]
+        said = (f"none of the {len(rows)} {name} (cell, baseline) pairs has a neighbour faster by more than 1%"
+                if not beaten else f"{len(beaten)} of {len(rows)} {name} pairs have one: "
+                + ", ".join(f"{r[2]} on {r[0]} ({r[-1]})" for r in beaten))
+        out.append(said)
+    return "; ".join(out)
