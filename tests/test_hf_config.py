@@ -48,7 +48,10 @@ def test_a_config_gives_the_shapes_of_the_preset_copied_from_it(folder, preset):
     ({"model_type": "qwen2_5_vl"}, "model_type qwen2_5_vl is not covered: its ViT attends in windows"),
     ({"model_type": "llava"}, "model_type llava is not covered: its CLIP tower"),
     ({"model_type": "gemma"}, "model_type gemma is not covered; allowed: qwen2, qwen3, qwen3_moe, llama, qwen2_vl"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window is not covered"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "sliding-window attention (use_sliding_window"),
+    # a covered multimodal type is no pass for its decoder: GPT-OSS's experts and Mistral's window are refused
+    ({"model_type": "internvl", "text_config": {"model_type": "gpt_oss"}}, "a gpt_oss decoder is not covered"),
+    ({"model_type": "internvl", "text_config": {"model_type": "mistral"}}, "a mistral decoder is not covered"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act gelu is not covered"),
     ({"model_type": "qwen3_moe", "mlp_only_layers": [0]}, "dense layers among MoE ones"),
     ({"hidden_size": 64}, "model file "),  # no model_type: transformers' own message, one line

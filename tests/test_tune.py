@@ -235,6 +235,13 @@ def test_the_space_of_given_cp_kinds():
     assert all(c.cp == 1 or c.cp_kind == "allgather" for c in only)
 
 
+def test_a_search_of_given_cp_kinds_descends_only_into_them():
+    """The neighbour descent's "other cp kind" is not a way out of `--cp-kinds`."""
+    model, cluster = get_model("omni-7b@no-audio"), load_cluster("h100", 16)
+    res = tune("temporal", model, _batches(16), cluster, budget=4, cp_kinds=("ulysses",))
+    assert res.trials and all(t.candidate.cp == 1 or t.candidate.cp_kind == "ulysses" for t in res.trials)
+
+
 def test_simulate_tuned_puts_each_system_at_its_own_layout(tmp_path):
     from omnibench.cli import simulate as sim_cli
 

@@ -11,7 +11,7 @@ import importlib
 import typer
 from typer.core import TyperOption
 
-_value_type = TyperOption.display_type_rich
+_value_type = getattr(TyperOption, "display_type_rich", None)  # typer >= 0.29; earlier ones print no flag type
 
 
 def _flag_type(self, ctx):
@@ -19,7 +19,8 @@ def _flag_type(self, ctx):
     return None if self.is_flag else _value_type(self, ctx)
 
 
-TyperOption.display_type_rich = _flag_type
+if _value_type is not None:
+    TyperOption.display_type_rich = _flag_type
 
 app = typer.Typer(
     name="omnibench",

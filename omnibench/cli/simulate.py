@@ -377,9 +377,11 @@ def _search(system: str, spec, batches, cluster, profile, budget: int, options: 
             stack: str = "eager", dp_mode: str | None = None, memory_error: float = 0.0, seeds: list | None = None,
             guard_batches: list | None = None, mixed_precision: str = "autocast", freeze: tuple = (),
             cp_kinds: tuple[str, ...] | None = None, log=None):
-    """The search behind `simulate --tuned` (`tuned_layout`) and `omnibench tune` (`run_tune`), so both
-    answer the same for the same inputs: the `tune.TuneResult` of `system` (every omni technique on),
-    starting from the system's default candidate."""
+    """The search behind `simulate --tuned` (`tuned_layout`) and `omnibench tune` (`run_tune`): the
+    `tune.TuneResult` of `system` (every omni technique on), starting from the system's default candidate.
+    Given the same batches, cluster and options the two commands answer the same; `simulate --tuned` over
+    several sizes also starts each size from the smaller one's answer (`prior`), and over a window of steps
+    guards its answer on them (`guard_batches`), which `tune` does not."""
     from omnibench import tune as tune_mod
 
     full = {k: v for k, v in options.items() if not isinstance(v, bool)}  # technique switches back on

@@ -234,6 +234,6 @@ def register(app: typer.Typer) -> None:
                     ": the answer is a seed" if at <= best else f", beaten by {at / best - 1:.1%}")
             console.print(f"seeds: {len(res.seeded)} for {system}, {said}", highlight=False)
         for note in res.notes[:5]:
-            console.print(f"not simulated: {note}", highlight=False)
+            console.print(f"note: {note}", highlight=False)
 
     app.command("tune", help=TUNE_HELP)(in_panels(tune, TUNE_PANELS))

@@ -2,7 +2,10 @@
 for the architectures the presets cover: the Qwen2 / Llama / Qwen3 decoders and Qwen3's MoE (a text-only
 model), Qwen2-VL (its ViT and merger feeding a Qwen2 decoder) and InternVL in its transformers format
 (InternViT read in the Qwen2-VL block form, as the InternViT presets are: its pixel shuffle is the 2x2 merge;
-QK norm, learned positions and layer scale are not modelled, the compute per patch is the same).
+QK norm, learned positions and layer scale are not modelled, the compute per patch is the same). As with
+those presets, an image is one sequence of patches: InternVL's 448 px tiles, each attended within itself,
+are not modelled, so its attention over a large image is priced as over one sequence (an upper bound), and
+its projector as the Qwen2-VL merger.
 
 What the presets do not cover is refused in one line saying what is missing, never approximated: a ViT
 that attends in windows (Qwen2.5-VL, Qwen2.5-Omni), a CLIP tower with unmerged patches and a CLS token
@@ -16,7 +19,9 @@ from pathlib import Path
 
 from omnibench.specs.model import SpecError
 
-DECODERS = ("qwen2", "qwen3", "qwen3_moe", "llama", "qwen2_vl_text")
+DECODERS = ("qwen2", "qwen3", "qwen3_moe", "llama")
+# the decoder of a covered multimodal config, as transformers names it (a flat Qwen2-VL config reads as itself)
+TEXT_KINDS = DECODERS + ("qwen2_vl_text", "qwen2_vl")
 MULTIMODAL = ("qwen2_vl", "internvl")
 NOT_COVERED = {
     "qwen2_5_vl": "its ViT attends in windows of 112 px in all but 4 of its layers (window_size, "
@@ -49,9 +54,9 @@ def hf_model_data(path: str | Path) -> dict:
         raise SpecError(f"model file {path}: model_type {kind} is not covered: {NOT_COVERED[kind]}")
     if kind not in DECODERS + MULTIMODAL:
         raise SpecError(f"model file {path}: model_type {kind} is not covered; allowed: "
-                        f"{', '.join(DECODERS[:-1] + MULTIMODAL)}")
+                        f"{', '.join(DECODERS + MULTIMODAL)}")
     name = _name(file)
-    data: dict = {"name": name, "llm": _llm(config, name, path)}
+    data: dict = {"name": name, "llm": _llm(config, _raw(file), name, path)}
     if kind == "qwen2_vl":
         data["vision"] = _qwen2_vl_vision(config.vision_config, name)
     elif kind == "internvl":
@@ -74,24 +79,38 @@ def _read(file: Path):
         raise SpecError(f"model file {file}: {str(exc).splitlines()[0]}") from None
 
 
+def _raw(file: Path) -> dict:
+    """The config's JSON as written: which keys it sets (transformers' classes fill in their defaults)."""
+    import json
+
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"model file {file}: {str(exc).splitlines()[0]}") from None
+    return data if isinstance(data, dict) else {}
+
+
 def _name(file: Path) -> str:
     stem = file.parent.name if file.name == "config.json" and file.parent.name else file.stem
     return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-") or "hf-model"
 
 
-def _llm(config, name: str, path: Path) -> dict:
+def _llm(config, raw: dict, name: str, path: Path) -> dict:
     text = config.get_text_config()
     kind = text.model_type
+    if kind not in TEXT_KINDS:
+        raise SpecError(f"model file {path}: a {kind} decoder is not covered; allowed: {', '.join(DECODERS)}")
     act = getattr(text, "hidden_act", "silu")
     if act != "silu":
         raise SpecError(f"model file {path}: hidden_act {act} is not covered; the decoders here gate with SiLU (SwiGLU)")
-    if getattr(text, "use_sliding_window", False):
-        raise SpecError(f"model file {path}: use_sliding_window is not covered; the decoders here attend over the "
-                        "whole sequence")
+    if getattr(text, "use_sliding_window", False) or "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+        raise SpecError(f"model file {path}: sliding-window attention (use_sliding_window, layer_types) is not "
+                        "covered; the decoders here attend over the whole sequence")
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or 0
     rope = getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {}).get("rope_theta")
-    tie = getattr(text, "tie_word_embeddings", None)
+    # as written: the text config's own key, else the root's (every transformers class defaults it)
+    tie = (raw.get("text_config") or {}).get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     out = {
         "name": f"{name}-llm",
         "layers": text.num_hidden_layers,
@@ -102,9 +121,9 @@ def _llm(config, name: str, path: Path) -> dict:
         "vocab": text.vocab_size,
         "head_dim": 0 if head_dim * heads == text.hidden_size else head_dim,
         # Qwen2's attention has q/k/v biases whatever its config says; Llama's and Qwen3's follow attention_bias
-        "qkv_bias": kind in ("qwen2", "qwen2_vl_text") or bool(getattr(text, "attention_bias", False)),
+        "qkv_bias": kind in ("qwen2", "qwen2_vl_text", "qwen2_vl") or bool(getattr(text, "attention_bias", False)),
         "qk_norm": kind in ("qwen3", "qwen3_moe"),
-        "tie_embeddings": bool(config.tie_word_embeddings if tie is None else tie),
+        "tie_embeddings": bool(tie),
         "norm_eps": float(text.rms_norm_eps),
     }
     if rope:

@@ -443,9 +443,9 @@ def spatial_over_temporal() -> str:
              if "spatial" in v and "temporal" in v
              and v["spatial"] == max(x for s, x in v.items() if s != "omni")]
     if not gains:
-        return "spatial is the fastest baseline in no cell"
-    return (f"{min(gains):.0%}-{max(gains):.0%} faster than temporal in the {len(gains)} cells where it is the "
-            "fastest baseline")
+        return "spatial is the fastest baseline in no cell (analytic split)"
+    return (f"{min(gains):.1%} to {max(gains):.1%} faster than temporal in the {len(gains)} cells where it is the "
+            "fastest baseline (analytic split)")
 
 
 ADVERSARIAL = "results/adversarial.md"

@@ -1,7 +1,8 @@
 """Summaries of the published validation (results/validation/published_table.json, written by
 `python benchmarks/published_validation.py`) for the targets table: read from the committed record,
-so that a figure quoted there moves when the record is rewritten. They summarise the text-LLM rows, the
-targets' set; the encoder + LLM rows are reported apart in published_table.md ("multimodal")."""
+so that a figure quoted there moves when the record is rewritten. The summaries cover the text-LLM rows, the
+targets' set (the encoder + LLM rows are reported apart in published_table.md, "multimodal"); the per-source
+table covers every row, a column saying which sources are encoder + LLM."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 from omnibench.specs.model import MultimodalSpec
 from omnibench.tune.results import TuneResult
 from omnibench.tune.search import _dp_fields, _Search
+from omnibench.tune.space import CP_KINDS_SEARCHED
 
 
 def regime_batches(batches: list, k: int) -> list:
@@ -92,7 +93,8 @@ def _guarded(search, system: str, model: MultimodalSpec, batches: list, cluster,
                 dp_fields = _dp_fields(kw.get("dp_mode"), kw.get("mixed_precision", "autocast"), kw.get("freeze", ()))
                 check = _Search(system, model, window, cluster, kw.get("profile"), kw.get("options"), sweep,
                                 kw.get("use_cache", True), None, None, stack=kw.get("stack", "eager"),
-                                dp_fields=dp_fields, memory_error=kw.get("memory_error", 0.0))
+                                dp_fields=dp_fields, memory_error=kw.get("memory_error", 0.0),
+                                cp_kinds=kw.get("cp_kinds", CP_KINDS_SEARCHED))
                 before = res.seed_note()  # the search's note, on the tuned steps (before any runs the window)
                 survivor, out, worst, n = check.guard(list(res.trials), len(tuned))
                 guarded += out
@@ -150,7 +152,7 @@ def _window_descent(res: TuneResult, check: _Search, tuned: list) -> int:
     base = res.best
     whole = _Search(check.system, check.model, list(tuned) + list(check.batches), check.cluster, check.profile,
                     check.options, check.sweep, check.use_cache, None, None, stack=check.stack,
-                    dp_fields=check.dp_fields, memory_error=check.memory_error)
+                    dp_fields=check.dp_fields, memory_error=check.memory_error, cp_kinds=check.cp_kinds)
     # what the window has judged already: its mean over the window as the step, or ruled out
     for t in res.trials:
         if t.window_s > 0:
@@ -158,7 +160,9 @@ def _window_descent(res: TuneResult, check: _Search, tuned: list) -> int:
         elif t.guard_step is not None:
             whole.done[t.candidate] = replace(t)
     known = set(whole.done)
-    found = whole.neighbour_descent(whole.done[base.candidate], res.notes)
+    said: list[str] = []
+    found = whole.neighbour_descent(whole.done[base.candidate], said)
+    res.notes += [f"window {note}" for note in said]
     runs = len(set(whole.done) - known) * len(whole.batches)
     if found.candidate == base.candidate:
         return runs
@@ -167,10 +171,12 @@ def _window_descent(res: TuneResult, check: _Search, tuned: list) -> int:
     if mine is None:
         timed = _Search(check.system, check.model, list(tuned), check.cluster, check.profile, check.options,
                         check.sweep, check.use_cache, None, None, stack=check.stack, dp_fields=check.dp_fields,
-                        memory_error=check.memory_error)
+                        memory_error=check.memory_error, cp_kinds=check.cp_kinds)
         mine = timed._evaluate([found.candidate])[0]
+        runs += len(tuned)
         res.trials.append(mine)
         res.evaluated[found.candidate] = mine
+        res.simulated += 1
     mine.window_s = found.step_s
     res.notes.append(f"window descent: {found.candidate.label()} runs the window's steps in {found.step_s:.3f} s "
                      f"a step, {base.candidate.label()} (the window's answer before it) in {base.window_s:.3f} s")

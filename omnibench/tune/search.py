@@ -16,6 +16,7 @@ from omnibench.tune.estimates import _train_flops, memory_estimate, time_estimat
 from omnibench.tune.results import Trial
 from omnibench.tune.seeds import Prior
 from omnibench.tune.space import (
+    CP_KINDS_SEARCHED,
     NEIGHBOUR_DP_MODES,
     Candidate,
     encoder_variants,
@@ -32,9 +33,10 @@ class _Search:
 
     def __init__(self, system, model, batches, cluster, profile, options, sweep, use_cache, log, known,
                  prior: Prior | None = None, stack: str = "eager", dp_fields: dict | None = None,
-                 memory_error: float = 0.0):
+                 memory_error: float = 0.0, cp_kinds: tuple[str, ...] = CP_KINDS_SEARCHED):
         self.system, self.model, self.batches, self.cluster = system, model, batches, cluster
         self.stack, self.dp_fields, self.memory_error = stack, dict(dp_fields or {}), memory_error
+        self.cp_kinds = tuple(cp_kinds)  # the context-parallel kinds the space holds: the descents keep to them
         self.mixed_precision = self.dp_fields.get("mixed_precision", "autocast")
         self.frozen = tuple(self.dp_fields.get("freeze", ()))  # every layout tried trains the same modules
         self.profile, self.options, self.sweep, self.use_cache, self.log = profile, options, sweep, use_cache, log
@@ -312,7 +314,7 @@ class _Search:
                                        dp_modes)
             variants = []
             for var in around:
-                if var in self.done:
+                if var in self.done or (var.cp > 1 and var.cp_kind not in self.cp_kinds):
                     continue
                 try:
                     var.parallel(self.world, self.gpn).validate(self.model)

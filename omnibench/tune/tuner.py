@@ -75,7 +75,7 @@ def _tune_once(system: str, model: MultimodalSpec, batches: list, cluster, *, pr
     try:
         dp_fields = _dp_fields(dp_mode, mixed_precision, freeze)
         search = _Search(system, model, batches, cluster, profile, options, sweep, use_cache, log, known, prior,
-                         stack, dp_fields, memory_error)
+                         stack, dp_fields, memory_error, tuple(cp_kinds))
         world, gpn = search.world, search.gpn
         unknown = [k for k in cp_kinds if k not in CP_KINDS_SEARCHED]
         if unknown or not cp_kinds:
