@@ -37,13 +37,6 @@ def test_encoder_llm_rows_are_within_10_percent():
     assert rows and sum(abs(r["error"]) for r in rows) / len(rows) <= 0.10
 
 
-@pytest.mark.xfail(strict=True, reason="docs/known-issues.md: tunes that miss a faster neighbour")
-def test_no_baseline_has_a_neighbour_faster_than_its_tuned_layout():
-    text = (REPO / "results" / "adversarial.md").read_text()
-    cells = [line.split("|")[-2].strip() for line in text.splitlines() if re.match(r"\| [a-z_]+ \| [0-9,]+ \|", line)]
-    assert cells and all(c == "none" for c in cells)
-
-
 @pytest.mark.xfail(strict=True, reason="docs/known-issues.md: P2P connection buffers not charged")
 def test_p2p_connection_buffers_are_charged():
     import simulator.memory as memory
