@@ -744,7 +744,7 @@ def simulate(
     system: str = typer.Option("all", "--system", "-s", help="A system name, a comma list, or 'all'."),
     gpus: str = typer.Option("256,1024", "--gpus", help="Cluster sizes, comma-separated."),
     hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
-    model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset, TOML/YAML file, or Hugging Face config.json."),
+    model: str = typer.Option("omni-7b", "--model", "-m", help="Preset, TOML/YAML file or HF config.json."),
     stack: str = typer.Option("eager", "--stack", help=SOFTWARE_STACK_HELP),
     sequence_parallel: bool = typer.Option(None, "--sequence-parallel", help="Norms over 1/tp of the tokens."),
     overlap_grad_reduce: bool = typer.Option(None, "--overlap-grad-reduce", help="DP reduction behind the backward."),

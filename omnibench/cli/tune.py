@@ -116,7 +116,7 @@ def register(app: typer.Typer) -> None:
         system: str = typer.Option(..., "--system", "-s", help="A system name."),
         workload: str = typer.Option(..., "--workload", "-w", help="Named workload or a workload file."),
         gpus: int = typer.Option(..., "--gpus", help="Cluster size."),
-        model: str = typer.Option("omni-7b", "--model", "-m", help="Model preset, TOML/YAML file, or Hugging Face config.json."),
+        model: str = typer.Option("omni-7b", "--model", "-m", help="Preset, TOML/YAML file or HF config.json."),
         hardware: str = typer.Option("h100", "--hardware", help=HARDWARE_HELP),
         stack: str = typer.Option("eager", "--stack", help=STACK_HELP),
         dp_mode: str = typer.Option(None, "--dp-mode", help="ddp | zero1 | zero2 | fsdp | hsdp for every layout; "
