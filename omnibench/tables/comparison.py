@@ -473,3 +473,15 @@ def adversarial_summary() -> str:
                 + ", ".join(f"{r[2]} on {r[0]} ({r[-1]})" for r in beaten))
         out.append(said)
     return "; ".join(out)
+
+
+REGIMES = "results/regimes/grid.md"
+
+
+@table("regime-grid")
+def regime_grid() -> str:
+    """The cells `benchmarks/regime_grid.py` simulated (results/regimes/grid.md, from its grid.json)."""
+    p = REPO_ROOT / REGIMES
+    if not p.is_file():
+        raise FileNotFoundError(f"{REGIMES} is missing: `python benchmarks/regime_grid.py` writes it")
+    return p.read_text().strip()
