@@ -147,7 +147,11 @@ def test_regime_batches_span_the_calmest_to_the_burstiest():
     assert regime_batches(window[:2], 3) == window[:2]
 
 
-def test_a_layout_tuned_across_regimes_fails_fewer_steps_than_one_tuned_on_step_0_and_the_guard_fails_none(tmp_path):
+def test_a_layout_tuned_across_regimes_fails_fewer_steps_than_one_tuned_on_step_0_and_the_guard_fails_none(tmp_path,
+                                                                                                     monkeypatch):
+    # the guard alone: the window's own descent after it is tested on its own (tests/test_tune_guard.py)
+    monkeypatch.setattr("omnibench.tune.guard._window_descent", lambda res, check, tuned: 0)
+
     def run(k, *extra):
         r = _simulate(["--workload", "bursty_mix", "--seed", "14", "--steps", "16", "--system", "homogeneous",
                        "--gpus", "16", "--global-batch-tokens", "114688", "--tuned", "--tune-steps", str(k),

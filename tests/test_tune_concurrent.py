@@ -34,6 +34,8 @@ def test_a_tune_under_a_memory_error_from_a_warm_step_cache_is_the_one_from_a_co
     stream = WorkloadStream("bursty_mix", seed=14, global_batch_tokens=131072)
     window = [stream.batch(s) for s in range(6)]
     kw = dict(budget=2, guard_batches=window, memory_error=0.2)
+    # the searches and their guard; the window's own descent after it is tested on its own (test_tune_guard.py)
+    monkeypatch.setattr("omnibench.tune.guard._window_descent", lambda res, check, tuned: 0)
     warm, cold = tmp_path / "warm", tmp_path / "cold"
     monkeypatch.setenv("OMNIBENCH_CACHE", str(warm))
     tune_converged("omni", model, window[:2], cluster, budget=2, guard_batches=window)  # the nominal tune first
