@@ -58,7 +58,9 @@ def test_plot_breakdown_and_conditions_draw_from_simulations(tmp_path):
     grid = write_grid(tmp_path / "grid", video_shares=(0.1, 0.9), sigmas=(1.0,))
     sims = tmp_path / "sims"
     for wl in grid:
-        done = subprocess.run([sys.executable, "-m", "omnibench", "simulate", "--system", "all", "--workload", str(wl),
+        # omni and one baseline: what both figures compare (omni over the best baseline, and where each step goes)
+        done = subprocess.run([sys.executable, "-m", "omnibench", "simulate", "--system", "omni,temporal", "--workload",
+                               str(wl),
                                "--gpus", "16", "--tp", "2", "--recompute", "full", "--model", "omni-7b@4L",
                                "--out", str(sims), "--json"], capture_output=True, text=True, timeout=500)
         assert done.returncode == 0, done.stderr[-2000:]

@@ -76,6 +76,8 @@ def test_every_systems_search_at_once_gives_each_answer_it_gives_alone(tmp_path,
     from omnibench.cli import simulate as sim_cli
 
     started = []
+    # the searches and their guard at once; the window's own descent after it is tested on its own
+    monkeypatch.setattr("omnibench.tune.guard._window_descent", lambda res, check, tuned: 0)
     real = sim_cli._tune_all
     monkeypatch.setattr(sim_cli, "_tune_all", lambda systems, *a: started.append(systems) or real(systems, *a))
     common = ["--workload", "bursty_mix", "--seed", "14", "--system", "homogeneous,omni", "--gpus", "16",
