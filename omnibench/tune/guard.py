@@ -150,9 +150,7 @@ def _window_descent(res: TuneResult, check: _Search, tuned: list) -> int:
     `res.trials` with its tuned-step time (`step_s`) and its window mean (`window_s`), and is then
     `res.best`. Answers the step simulations it ran."""
     base = res.best
-    whole = _Search(check.system, check.model, list(tuned) + list(check.batches), check.cluster, check.profile,
-                    check.options, check.sweep, check.use_cache, None, None, stack=check.stack,
-                    dp_fields=check.dp_fields, memory_error=check.memory_error, cp_kinds=check.cp_kinds)
+    whole = check.over(list(tuned) + list(check.batches))
     # what the window has judged already: its mean over the window as the step, or ruled out
     for t in res.trials:
         if t.window_s > 0:
@@ -169,10 +167,7 @@ def _window_descent(res: TuneResult, check: _Search, tuned: list) -> int:
     # its steps on the tuned batches alone (the step cache answers them: the descent ran them)
     mine = next((t for t in res.trials if t.candidate == found.candidate), None)
     if mine is None:
-        timed = _Search(check.system, check.model, list(tuned), check.cluster, check.profile, check.options,
-                        check.sweep, check.use_cache, None, None, stack=check.stack, dp_fields=check.dp_fields,
-                        memory_error=check.memory_error, cp_kinds=check.cp_kinds)
-        mine = timed._evaluate([found.candidate])[0]
+        mine = check.over(tuned)._evaluate([found.candidate])[0]
         runs += len(tuned)
         res.trials.append(mine)
         res.evaluated[found.candidate] = mine

@@ -61,6 +61,12 @@ class _Search:
         for c, tr in (known or {}).items():  # a re-run (twice the budget) starts from what is known
             self._record(c, tr)
 
+    def over(self, batches: list) -> _Search:
+        """A fresh search with this one's settings (no log, nothing known) on `batches`."""
+        return _Search(self.system, self.model, list(batches), self.cluster, self.profile, self.options, self.sweep,
+                       self.use_cache, None, None, stack=self.stack, dp_fields=self.dp_fields,
+                       memory_error=self.memory_error, cp_kinds=self.cp_kinds)
+
     # -- analytic side
     def bound(self, c: Candidate) -> float:
         if c not in self._bound:
